@@ -1,0 +1,85 @@
+//! Frees that cannot run where they were asked for, kept until a hook can run them.
+//!
+//! A `free` of a spied block needs the spy (its `pre_free` knows where the real block starts),
+//! but a call made from inside a hook, by a signal handler that interrupted one, or by a thread
+//! that has no slot must not run spy code. Such frees are parked here, lock-free, and the next
+//! spied hook on any thread finishes them. When the ring is full the block is leaked, which is
+//! safe; the count of such leaks is kept for the report.
+
+use core::ffi::c_void;
+use core::sync::atomic::{AtomicUsize, Ordering};
+
+const CAPACITY: usize = 256;
+
+/// A fixed ring of parked pointers.
+pub(crate) struct DeferredFrees {
+    slots: [AtomicUsize; CAPACITY],
+    pending: AtomicUsize,
+    leaked: AtomicUsize,
+}
+
+impl DeferredFrees {
+    pub(crate) const fn new() -> Self {
+        Self {
+            slots: [const { AtomicUsize::new(0) }; CAPACITY],
+            pending: AtomicUsize::new(0),
+            leaked: AtomicUsize::new(0),
+        }
+    }
+
+    /// Parks `ptr`; false (and the block counted as leaked) when the ring is full.
+    pub(crate) fn push(&self, ptr: *mut c_void) -> bool {
+        let value = ptr as usize;
+        for slot in &self.slots {
+            if slot.compare_exchange(0, value, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                self.pending.fetch_add(1, Ordering::Release);
+                return true;
+            }
+        }
+        self.leaked.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    /// True when something is parked (one relaxed load: cheap enough for every hook).
+    #[inline]
+    pub(crate) fn has_pending(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) != 0
+    }
+
+    /// Takes every parked pointer out and hands it to `f`.
+    pub(crate) fn drain(&self, mut f: impl FnMut(*mut c_void)) {
+        for slot in &self.slots {
+            let value = slot.swap(0, Ordering::AcqRel);
+            if value != 0 {
+                self.pending.fetch_sub(1, Ordering::AcqRel);
+                f(value as *mut c_void);
+            }
+        }
+    }
+
+    /// Blocks that had to be leaked because the ring was full.
+    pub(crate) fn leaked(&self) -> usize {
+        self.leaked.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parks_drains_and_counts_overflow() {
+        let d = DeferredFrees::new();
+        assert!(!d.has_pending());
+        for i in 1..=CAPACITY + 3 {
+            d.push((i * 16) as *mut c_void);
+        }
+        assert!(d.has_pending());
+        assert_eq!(d.leaked(), 3);
+        let mut got = Vec::new();
+        d.drain(|p| got.push(p as usize));
+        got.sort();
+        assert_eq!(got, (1..=CAPACITY).map(|i| i * 16).collect::<Vec<_>>());
+        assert!(!d.has_pending());
+    }
+}

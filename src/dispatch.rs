@@ -1,0 +1,836 @@
+//! The dispatcher: each entry point of the malloc family as guard, spy Pre, real allocator,
+//! spy Post, events.
+//!
+//! The order of operations is fixed:
+//! * no spy registered: straight to the real allocator (one load and one branch);
+//! * a call from inside a hook (the spy allocating, a signal handler that interrupted a hook)
+//!   goes to the real allocator unseen; its frees of spied blocks are parked in
+//!   [`DeferredFrees`] because only the spy knows where their real block starts;
+//! * otherwise: enter the hook (re-entrancy guard, in-flight mark), Pre, real call, Post,
+//!   record the block as spied, `after_call`.
+//!
+//! A block is removed from the spied table *before* the real allocator gets it back, and
+//! inserted *after* the real allocator handed it out: in between, another thread may get the
+//! same address.
+//!
+//! `errno`: allocating calls leave it as the real allocator left it (the spy's own calls may
+//! not disturb it); `free` preserves it.
+
+use core::ffi::{c_int, c_void};
+
+use crate::deferred::DeferredFrees;
+use crate::heap::Heap;
+use crate::live_table::{LiveTable, Lookup};
+use crate::os;
+use crate::registry::{Registry, SpyCell};
+use crate::spy::{Call, DidAlloc, Entry, MallocSpy, SpyError};
+use crate::threads::{self, InFlight};
+use crate::tls::{self, ThreadState};
+
+/// Which real function serves an allocating call.
+#[derive(Clone, Copy)]
+enum Kind {
+    Malloc,
+    Calloc { nmemb: usize, elem: usize },
+    Memalign,
+    AlignedAlloc,
+    PosixMemalign,
+    Valloc,
+    Pvalloc,
+}
+
+/// An allocating call as the caller made it.
+#[derive(Clone, Copy)]
+struct AllocRequest {
+    entry: Entry,
+    kind: Kind,
+    /// Bytes the caller may use (pvalloc: rounded up to pages).
+    size: usize,
+    /// Bytes the caller asked for (reported in `Call::size`).
+    asked: usize,
+    /// 0 for the unaligned functions.
+    align: usize,
+}
+
+/// Result of an allocating call: the block (or NULL) and an error number (0 on success).
+#[derive(Clone, Copy)]
+struct Outcome {
+    ptr: *mut c_void,
+    err: c_int,
+}
+
+impl Outcome {
+    const fn failed(err: c_int) -> Self {
+        Self { ptr: core::ptr::null_mut(), err }
+    }
+}
+
+/// Lowers the hook depth when dropped.
+struct Depth(&'static ThreadState);
+
+impl Drop for Depth {
+    #[inline]
+    fn drop(&mut self) {
+        self.0.depth.set(0);
+    }
+}
+
+/// Proof that the calling thread is inside a top-level hook: its nested allocator calls go
+/// straight to the real allocator, and spy code it runs is waited for before a spy is dropped.
+pub(crate) struct Scope {
+    slot: u32,
+    // Field order matters: the in-flight mark must end before the depth drops, or a signal
+    // handler running a hook in between would share the mark.
+    _in_flight: InFlight,
+    _depth: Depth,
+}
+
+impl Scope {
+    /// Enters a top-level hook, or `None` for a nested call (or a thread without a slot).
+    #[inline]
+    pub(crate) fn enter() -> Option<Scope> {
+        let ts = tls::state();
+        if ts.depth.get() != 0 {
+            return None;
+        }
+        ts.depth.set(1);
+        let depth = Depth(ts);
+        let slot = threads::current(ts)?;
+        Some(Scope { slot, _in_flight: InFlight::enter(slot), _depth: depth })
+    }
+
+    /// The calling thread's slot.
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
+}
+
+/// The malloc family over a real heap `H`, with an optional registered spy.
+pub(crate) struct Interposer<H: Heap> {
+    pub(crate) heap: H,
+    pub(crate) registry: Registry,
+    /// Caller pointer of every block allocated under the spy -> the size the caller may use.
+    spied: LiveTable<usize>,
+    deferred: DeferredFrees,
+}
+
+/// The smallest power of two `>= align` (`align` itself when it is one), saturating.
+fn align_pow2(align: usize) -> usize {
+    align.checked_next_power_of_two().unwrap_or(1 << (usize::BITS - 1))
+}
+
+/// Whether the spy's pointer `p` keeps the alignment the caller is owed: what it asked for
+/// (at least 16, malloc's guarantee on x86_64) as far as the real block `real` had it.
+fn keeps_alignment(p: *mut c_void, real: *mut c_void, align: usize) -> bool {
+    let owed = align_pow2(align.max(16));
+    let real_align = 1usize.checked_shl((real as usize).trailing_zeros()).unwrap_or(owed);
+    (p as usize) % owed.min(real_align) == 0
+}
+
+impl<H: Heap> Interposer<H> {
+    pub(crate) const fn new(heap: H) -> Self {
+        Self { heap, registry: Registry::new(), spied: LiveTable::new(), deferred: DeferredFrees::new() }
+    }
+
+    // ---- the entry points ------------------------------------------------------------------
+
+    #[inline]
+    pub(crate) fn malloc(&self, size: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.malloc(size);
+        }
+        self.alloc(AllocRequest { entry: Entry::Malloc, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr
+    }
+
+    #[inline]
+    pub(crate) fn calloc(&self, nmemb: usize, elem: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.calloc(nmemb, elem);
+        }
+        match nmemb.checked_mul(elem) {
+            Some(size) => {
+                let kind = Kind::Calloc { nmemb, elem };
+                self.alloc(AllocRequest { entry: Entry::Calloc, kind, size, asked: size, align: 0 }).ptr
+            }
+            None => self.reject(Entry::Calloc, usize::MAX, 0, libc::ENOMEM),
+        }
+    }
+
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    #[inline]
+    pub(crate) unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            // SAFETY: the caller's guarantee; with no spy every block is a real block.
+            return unsafe { self.heap.realloc(ptr, size) };
+        }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.realloc_spied(Entry::Realloc, ptr, size) }
+    }
+
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    #[inline]
+    pub(crate) unsafe fn reallocarray(&self, ptr: *mut c_void, nmemb: usize, elem: usize) -> *mut c_void {
+        let Some(size) = nmemb.checked_mul(elem) else {
+            if self.registry.is_empty() {
+                os::set_errno(libc::ENOMEM);
+                return core::ptr::null_mut();
+            }
+            return self.reject(Entry::Reallocarray, usize::MAX, 0, libc::ENOMEM);
+        };
+        if self.registry.is_empty() {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.heap.realloc(ptr, size) };
+        }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.realloc_spied(Entry::Reallocarray, ptr, size) }
+    }
+
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator, dead afterwards.
+    #[inline]
+    pub(crate) unsafe fn free(&self, ptr: *mut c_void) {
+        if self.registry.is_empty() {
+            // SAFETY: the caller's guarantee; with no spy every block is a real block.
+            return unsafe { self.heap.free(ptr) };
+        }
+        let saved = os::errno();
+        // SAFETY: the caller's guarantee.
+        unsafe { self.free_spied(ptr) };
+        os::set_errno(saved);
+    }
+
+    /// # Safety
+    /// `out` is valid for a write.
+    #[inline]
+    pub(crate) unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+        if self.registry.is_empty() {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.heap.posix_memalign(out, align, size) };
+        }
+        let r = self.alloc(AllocRequest {
+            entry: Entry::PosixMemalign,
+            kind: Kind::PosixMemalign,
+            size,
+            asked: size,
+            align,
+        });
+        if r.err == 0 {
+            // SAFETY: the caller's guarantee.
+            unsafe { *out = r.ptr };
+        }
+        r.err
+    }
+
+    #[inline]
+    pub(crate) fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.aligned_alloc(align, size);
+        }
+        self.alloc(AllocRequest { entry: Entry::AlignedAlloc, kind: Kind::AlignedAlloc, size, asked: size, align }).ptr
+    }
+
+    #[inline]
+    pub(crate) fn memalign(&self, align: usize, size: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.memalign(align, size);
+        }
+        self.alloc(AllocRequest { entry: Entry::Memalign, kind: Kind::Memalign, size, asked: size, align }).ptr
+    }
+
+    #[inline]
+    pub(crate) fn valloc(&self, size: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.valloc(size);
+        }
+        let align = os::page_size();
+        self.alloc(AllocRequest { entry: Entry::Valloc, kind: Kind::Valloc, size, asked: size, align }).ptr
+    }
+
+    #[inline]
+    pub(crate) fn pvalloc(&self, size: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.pvalloc(size);
+        }
+        let align = os::page_size();
+        match size.checked_next_multiple_of(align) {
+            // glibc: pvalloc(0) gives a page.
+            Some(rounded) => {
+                let rounded = rounded.max(align);
+                self.alloc(AllocRequest {
+                    entry: Entry::Pvalloc,
+                    kind: Kind::Pvalloc,
+                    size: rounded,
+                    asked: size,
+                    align,
+                })
+                .ptr
+            }
+            None => self.reject(Entry::Pvalloc, size, align, libc::ENOMEM),
+        }
+    }
+
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    #[inline]
+    pub(crate) unsafe fn malloc_usable_size(&self, ptr: *mut c_void) -> usize {
+        if self.registry.is_empty() {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.heap.usable_size(ptr) };
+        }
+        let saved = os::errno();
+        // SAFETY: the caller's guarantee.
+        let size = unsafe { self.usable_size_spied(ptr) };
+        os::set_errno(saved);
+        size
+    }
+
+    #[inline]
+    pub(crate) fn malloc_trim(&self, pad: usize) -> c_int {
+        if self.registry.is_empty() {
+            return self.heap.trim(pad);
+        }
+        let Some(scope) = Scope::enter() else { return self.heap.trim(pad) };
+        let Some(cell) = self.registry.current().filter(|c| c.is_active()) else { return self.heap.trim(pad) };
+        let pre = cell.call(|spy| spy.pre_heap_minimize());
+        let r = self.heap.trim(pad);
+        let post = cell.call(|spy| spy.post_heap_minimize());
+        if pre.is_err() || post.is_err() {
+            self.disable(cell, &scope);
+        }
+        self.observe(
+            cell,
+            &scope,
+            Call { entry: Entry::MallocTrim, size: 0, align: 0, ptr: null(), result: null(), failed: false },
+        );
+        self.retire(cell, &scope);
+        r
+    }
+
+    /// IMalloc::DidAlloc: whether `ptr` is a live block of this heap, as far as can be told.
+    ///
+    /// The heap's own answer comes from the table of blocks allocated under the spy, keyed by
+    /// the caller's pointer; the spy's `pre_did_alloc` is called as the contract says, and its
+    /// `post_did_alloc` has the last word.
+    pub(crate) fn did_alloc(&self, ptr: *mut c_void) -> DidAlloc {
+        let plain = |spied: bool| {
+            if spied {
+                DidAlloc::Yes
+            } else if ptr.is_null() || (ptr as usize) % 16 != 0 {
+                DidAlloc::No
+            } else {
+                DidAlloc::Unknown
+            }
+        };
+        if self.registry.is_empty() || ptr.is_null() {
+            return plain(false);
+        }
+        let Some(scope) = Scope::enter() else {
+            return plain(matches!(self.spied.try_get(ptr as usize), Lookup::Found(_)));
+        };
+        let spied = self.is_spied(ptr);
+        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else { return plain(spied) };
+        let actual = plain(spied);
+        let answer = match cell.call(|spy| spy.pre_did_alloc(ptr, spied)) {
+            Ok(_lookup) => cell.call(|spy| spy.post_did_alloc(ptr, spied, actual)),
+            Err(panicked) => Err(panicked),
+        };
+        let answer = answer.unwrap_or_else(|_| {
+            self.disable(cell, &scope);
+            actual
+        });
+        self.retire(cell, &scope);
+        answer
+    }
+
+    // ---- registration ----------------------------------------------------------------------
+
+    pub(crate) fn register(&self, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+        self.registry.register(make)
+    }
+
+    pub(crate) fn revoke(&self) -> Result<(), SpyError> {
+        // Revoking from inside a spy method: do not wait for ourselves.
+        let me = if tls::state().depth.get() != 0 { threads::current_index() } else { None };
+        self.registry.revoke(|| self.spied.len(), me)
+    }
+
+    /// Number of live blocks allocated under the current spy.
+    pub(crate) fn spied_blocks(&self) -> usize {
+        self.spied.len()
+    }
+
+    /// Blocks leaked because their free could not be deferred (the parking ring was full).
+    pub(crate) fn leaked_frees(&self) -> usize {
+        self.deferred.leaked()
+    }
+
+    /// Child side of `fork`: release locks whose holders did not survive.
+    pub(crate) fn after_fork_child(&self) {
+        self.registry.force_unlock();
+        self.spied.force_unlock();
+    }
+
+    // ---- the spied paths -------------------------------------------------------------------
+
+    /// A call rejected before any allocation (arithmetic overflow): the spy only observes it.
+    #[cold]
+    fn reject(&self, entry: Entry, size: usize, align: usize, err: c_int) -> *mut c_void {
+        if let Some(scope) = Scope::enter()
+            && let Some(cell) = self.registry.current().filter(|c| c.is_active())
+        {
+            self.observe(cell, &scope, Call { entry, size, align, ptr: null(), result: null(), failed: true });
+            self.retire(cell, &scope);
+        }
+        os::set_errno(err);
+        null()
+    }
+
+    /// `after_call`, with the panic firewall.
+    #[inline(always)]
+    fn observe(&self, cell: &SpyCell, scope: &Scope, call: Call) {
+        if cell.call(|spy| spy.after_call(&call)).is_err() {
+            self.disable(cell, scope);
+        }
+    }
+
+    /// Revokes `cell` after one of its methods panicked. The caller ends with [`Self::retire`].
+    #[cold]
+    fn disable(&self, cell: &SpyCell, scope: &Scope) {
+        self.registry.disable(cell, Some(scope.slot()));
+    }
+
+    /// Drops `cell` if it is revoked and none of its blocks is live. Must be the caller's
+    /// last use of `cell`.
+    #[inline(always)]
+    fn retire(&self, cell: *const SpyCell, scope: &Scope) {
+        // SAFETY: the caller is inside a hook that found `cell` registered; a cell is freed
+        // only after every such hook has ended (see Registry::retire_if_unused).
+        if unsafe { (*cell).is_active() } {
+            return;
+        }
+        self.registry.retire_if_unused(cell, &|| self.spied.len(), Some(scope.slot()));
+    }
+
+    /// Whether the current spy has its blocks recorded (an empty table needs no lookups).
+    #[inline(always)]
+    fn tracking(&self) -> bool {
+        self.registry.current().is_some_and(|c| c.tracks)
+    }
+
+    /// Whether `ptr` is a live block recorded for the spy.
+    #[inline(always)]
+    fn is_spied(&self, ptr: *mut c_void) -> bool {
+        !ptr.is_null() && self.tracking() && self.spied.get(ptr as usize).is_some()
+    }
+
+    /// Removes `ptr` from the blocks recorded for the spy, returning its size if it was one.
+    #[inline(always)]
+    fn take_spied(&self, ptr: *mut c_void) -> Option<usize> {
+        if ptr.is_null() || !self.tracking() { None } else { self.spied.remove(ptr as usize) }
+    }
+
+    /// Finishes frees that were parked by nested calls.
+    #[cold]
+    fn drain_deferred(&self, scope: &Scope) {
+        self.deferred.drain(|ptr| {
+            let spied = self.take_spied(ptr).is_some();
+            // SAFETY: parked pointers are blocks a caller freed; they are still live until now.
+            unsafe { self.release(scope, Entry::Free, ptr, spied, false) }
+        });
+    }
+
+    /// The real call behind an allocating request of `size` real bytes.
+    #[inline(always)]
+    fn real_alloc(&self, req: &AllocRequest, size: usize, saved_errno: c_int) -> Outcome {
+        os::set_errno(saved_errno);
+        let ptr = match req.kind {
+            Kind::Malloc => self.heap.malloc(size),
+            Kind::Calloc { nmemb, elem } => {
+                if size == req.size {
+                    self.heap.calloc(nmemb, elem)
+                } else {
+                    self.heap.calloc(1, size)
+                }
+            }
+            Kind::Memalign => self.heap.memalign(req.align, size),
+            Kind::AlignedAlloc => self.heap.aligned_alloc(req.align, size),
+            Kind::Valloc => self.heap.valloc(size),
+            Kind::Pvalloc => self.heap.pvalloc(size),
+            Kind::PosixMemalign => {
+                let mut out = null();
+                // SAFETY: `out` is a local.
+                let rc = unsafe { self.heap.posix_memalign(&mut out, req.align, size) };
+                return if rc == 0 { Outcome { ptr: out, err: 0 } } else { Outcome::failed(rc) };
+            }
+        };
+        Outcome { ptr, err: if ptr.is_null() { os::errno() } else { 0 } }
+    }
+
+    /// An allocating call served by the real allocator alone.
+    fn alloc_unspied(&self, req: &AllocRequest, saved_errno: c_int) -> Outcome {
+        let r = self.real_alloc(req, req.size, saved_errno);
+        if r.ptr.is_null() { self.fail(req, r.err) } else { r }
+    }
+
+    /// Reports a failed allocating call: errno, or the return value of posix_memalign (which
+    /// leaves errno to the real allocator).
+    fn fail(&self, req: &AllocRequest, err: c_int) -> Outcome {
+        if !matches!(req.kind, Kind::PosixMemalign) {
+            os::set_errno(err);
+        }
+        Outcome::failed(err)
+    }
+
+    /// An allocating call while a spy may be registered.
+    fn alloc(&self, req: AllocRequest) -> Outcome {
+        let saved = os::errno();
+        let Some(scope) = Scope::enter() else { return self.alloc_unspied(&req, saved) };
+        if self.deferred.has_pending() {
+            self.drain_deferred(&scope);
+        }
+        let Some(cell) = self.registry.current().filter(|c| c.is_active()) else {
+            return self.alloc_unspied(&req, saved);
+        };
+        let out = self.alloc_with(cell, &scope, &req, saved);
+        self.retire(cell, &scope);
+        out
+    }
+
+    fn alloc_with(&self, cell: &SpyCell, scope: &Scope, req: &AllocRequest, saved: c_int) -> Outcome {
+        let aligned = req.align != 0;
+        let call =
+            |result, failed| Call { entry: req.entry, size: req.asked, align: req.align, ptr: null(), result, failed };
+
+        let pre =
+            cell.call(|spy| if aligned { spy.pre_alloc_aligned(req.size, req.align) } else { spy.pre_alloc(req.size) });
+        let Ok(size) = pre else {
+            self.disable(cell, scope);
+            return self.alloc_unspied(req, saved);
+        };
+        if size == 0 && req.size != 0 {
+            // Forced failure. The error is the real allocator's own verdict on the caller's
+            // request when it would reject it too (a bad alignment), else ENOMEM.
+            let probe = self.real_alloc(req, req.size, saved);
+            let err = if probe.ptr.is_null() { probe.err } else { libc::ENOMEM };
+            // SAFETY: the probe block was just allocated by the real heap and never shared.
+            unsafe { self.heap.free(probe.ptr) };
+            self.observe(cell, scope, call(null(), true));
+            return self.fail(req, err);
+        }
+
+        let real = self.real_alloc(req, size, saved);
+        let post = cell
+            .call(|spy| if aligned { spy.post_alloc_aligned(real.ptr, req.align) } else { spy.post_alloc(real.ptr) });
+        let Ok(ptr) = post else {
+            // The spy's layout is unknown: the real block goes to the caller, unspied.
+            self.disable(cell, scope);
+            return if real.ptr.is_null() { self.fail(req, real.err) } else { real };
+        };
+        if ptr.is_null() {
+            self.observe(cell, scope, call(null(), true));
+            return self.fail(req, if real.ptr.is_null() { real.err } else { libc::ENOMEM });
+        }
+        let aligned_ok = keeps_alignment(ptr, real.ptr, req.align);
+        if !aligned_ok || (cell.tracks && !self.spied.insert(ptr as usize, req.size)) {
+            if aligned_ok {
+                os::write_all(2, b"mallocspy: cannot map memory for the live-block table; serving unspied\n");
+            } else {
+                cell.report_misaligned();
+            }
+            self.undo(cell, ptr);
+            return self.alloc_unspied(req, saved);
+        }
+        self.observe(cell, scope, call(ptr, false));
+        os::set_errno(saved);
+        Outcome { ptr, err: 0 }
+    }
+
+    /// Gives a block the spy laid out back through the spy (it never reached the caller).
+    fn undo(&self, cell: &SpyCell, ptr: *mut c_void) {
+        if let Ok(real) = cell.call(|spy| spy.pre_free(ptr, true)) {
+            // SAFETY: `real` is the spy's answer for a block it just laid out.
+            unsafe { self.heap.free(real) };
+            let _ = cell.call(|spy| spy.post_free(true));
+        }
+    }
+
+    /// `free` while a spy may be registered. errno is restored by the caller.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    unsafe fn free_spied(&self, ptr: *mut c_void) {
+        let Some(scope) = Scope::enter() else {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.free_nested(ptr) };
+        };
+        if self.deferred.has_pending() {
+            self.drain_deferred(&scope);
+        }
+        let spied = self.take_spied(ptr).is_some();
+        // SAFETY: the caller's guarantee.
+        unsafe { self.release(&scope, Entry::Free, ptr, spied, true) }
+    }
+
+    /// Returns `ptr`, already removed from the spied table (`spied` says whether it was in
+    /// it), to the real allocator through the spy, as `entry` (free, or realloc to 0).
+    /// `observe`: report the call with `after_call` (not for frees parked by nested calls).
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator, dead afterwards.
+    unsafe fn release(&self, scope: &Scope, entry: Entry, ptr: *mut c_void, spied: bool, observe: bool) {
+        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else {
+            // SAFETY: unspied block: a real block.
+            return unsafe { self.heap.free(ptr) };
+        };
+        // SAFETY: the caller's guarantee.
+        unsafe { self.release_with(cell, scope, entry, ptr, spied) };
+        if observe {
+            self.observe(cell, scope, Call { entry, size: 0, align: 0, ptr, result: null(), failed: false });
+        }
+        self.retire(cell, scope);
+    }
+
+    /// # Safety
+    /// As [`Self::release`].
+    unsafe fn release_with(&self, cell: &SpyCell, scope: &Scope, entry: Entry, ptr: *mut c_void, spied: bool) {
+        if ptr.is_null() {
+            return;
+        }
+        let before = cell.call(|spy| spy.before_release(entry, ptr, spied));
+        let real = cell.call(|spy| spy.pre_free(ptr, spied));
+        match real {
+            // SAFETY: the spy's answer for a block of its own, or the caller's block.
+            Ok(real) => unsafe { self.heap.free(real) },
+            // SAFETY: unspied: the caller's pointer is the real one (the caller's guarantee).
+            Err(_) if !spied => unsafe { self.heap.free(ptr) },
+            // Spied: its real start is unknown; leaking it is the safe side.
+            Err(_) => {}
+        }
+        let after = cell.call(|spy| spy.post_free(spied));
+        if before.is_err() || real.is_err() || after.is_err() {
+            self.disable(cell, scope);
+        }
+    }
+
+    /// A free from inside a hook, or from a thread without a slot: no spy code may run.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    unsafe fn free_nested(&self, ptr: *mut c_void) {
+        if ptr.is_null() {
+            return;
+        }
+        match self.spied.try_get(ptr as usize) {
+            // SAFETY: unspied: a real block.
+            Lookup::Absent => unsafe { self.heap.free(ptr) },
+            Lookup::Found(_) | Lookup::Busy => {
+                self.deferred.push(ptr);
+            }
+        }
+    }
+
+    /// `realloc`/`reallocarray` while a spy may be registered.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    unsafe fn realloc_spied(&self, entry: Entry, ptr: *mut c_void, size: usize) -> *mut c_void {
+        if ptr.is_null() {
+            return self.alloc(AllocRequest { entry, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr;
+        }
+        let saved = os::errno();
+        let Some(scope) = Scope::enter() else {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.realloc_nested(ptr, size) };
+        };
+        if self.deferred.has_pending() {
+            self.drain_deferred(&scope);
+        }
+        let old_size = self.take_spied(ptr);
+        let spied = old_size.is_some();
+        if size == 0 && self.heap.realloc_zero_frees() {
+            // As the real realloc(p, 0) does: free, return NULL.
+            // SAFETY: the caller's guarantee.
+            unsafe { self.release(&scope, entry, ptr, spied, true) };
+            os::set_errno(saved);
+            return null();
+        }
+        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else {
+            // SAFETY: unspied: a real block.
+            return unsafe { self.heap.realloc(ptr, size) };
+        };
+        // SAFETY: the caller's guarantee.
+        let new = unsafe { self.realloc_with(cell, &scope, entry, ptr, size, old_size, saved) };
+        self.retire(cell, &scope);
+        new
+    }
+
+    /// # Safety
+    /// `ptr` is a live block of this allocator, removed from the spied table (`old_size` is
+    /// its entry).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn realloc_with(
+        &self,
+        cell: &SpyCell,
+        scope: &Scope,
+        entry: Entry,
+        ptr: *mut c_void,
+        size: usize,
+        old_size: Option<usize>,
+        saved: c_int,
+    ) -> *mut c_void {
+        let spied = old_size.is_some();
+        // The old block stays the caller's whenever the call fails.
+        let keep_old = || {
+            if let Some(old) = old_size {
+                self.spied.insert(ptr as usize, old);
+            }
+        };
+        let failed = |err: c_int| {
+            self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: null(), failed: true });
+            os::set_errno(err);
+            null()
+        };
+        let unspied = || {
+            keep_old();
+            self.disable(cell, scope);
+            // SAFETY: unspied: a real block (the caller's guarantee).
+            if spied { failed(libc::ENOMEM) } else { unsafe { self.heap.realloc(ptr, size) } }
+        };
+
+        if cell.call(|spy| spy.before_release(entry, ptr, spied)).is_err() {
+            return unspied();
+        }
+        let Ok((real, real_size)) = cell.call(|spy| spy.pre_realloc(ptr, size, spied)) else { return unspied() };
+        if real_size == 0 && size != 0 {
+            keep_old();
+            return failed(libc::ENOMEM);
+        }
+        os::set_errno(saved);
+        // SAFETY: `real` is the spy's real block for the caller's live block.
+        let moved = unsafe { self.heap.realloc(real, real_size) };
+        let err = if moved.is_null() { os::errno() } else { 0 };
+        let Ok(new) = cell.call(|spy| spy.post_realloc(moved, spied)) else {
+            if moved.is_null() {
+                keep_old();
+                self.disable(cell, scope);
+                return failed(err);
+            }
+            self.disable(cell, scope);
+            // Best effort: the real block, unspied.
+            return moved;
+        };
+        if new.is_null() {
+            if moved.is_null() {
+                keep_old();
+            }
+            return failed(if moved.is_null() { err } else { libc::ENOMEM });
+        }
+        if !keeps_alignment(new, moved, 0) {
+            cell.report_misaligned();
+        }
+        if cell.tracks && !self.spied.insert(new as usize, size) {
+            // No memory for the table: the block keeps the spy's layout but can no longer be
+            // freed through it. Leak rather than corrupt.
+            os::write_all(2, b"mallocspy: cannot map memory for the live-block table; a block will leak\n");
+        }
+        self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: new, failed: false });
+        os::set_errno(saved);
+        new
+    }
+
+    /// `realloc` from inside a hook or a thread without a slot: no spy code may run, so a
+    /// spied block is copied into an unspied one and its free is parked.
+    ///
+    /// # Safety
+    /// `ptr` is a live block of this allocator.
+    unsafe fn realloc_nested(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        match self.spied.try_get(ptr as usize) {
+            // SAFETY: unspied: a real block.
+            Lookup::Absent => unsafe { self.heap.realloc(ptr, size) },
+            Lookup::Found(old) => {
+                if size == 0 && self.heap.realloc_zero_frees() {
+                    self.deferred.push(ptr);
+                    return null();
+                }
+                let new = self.heap.malloc(size);
+                if !new.is_null() {
+                    // SAFETY: the old block holds `old` caller bytes, the new one `size`.
+                    unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
+                    self.deferred.push(ptr);
+                }
+                new
+            }
+            Lookup::Busy => {
+                os::set_errno(libc::ENOMEM);
+                null()
+            }
+        }
+    }
+
+    /// `malloc_usable_size` while a spy may be registered.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    unsafe fn usable_size_spied(&self, ptr: *mut c_void) -> usize {
+        let Some(scope) = Scope::enter() else {
+            return match self.spied.try_get(ptr as usize) {
+                Lookup::Found(size) => size,
+                // SAFETY: unspied: a real block.
+                Lookup::Absent => unsafe { self.heap.usable_size(ptr) },
+                Lookup::Busy => 0,
+            };
+        };
+        let recorded = if ptr.is_null() || !self.tracking() { None } else { self.spied.get(ptr as usize) };
+        let spied = recorded.is_some();
+        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else {
+            // SAFETY: unspied: a real block.
+            return unsafe { self.heap.usable_size(ptr) };
+        };
+        // SAFETY: the caller's guarantee.
+        let size = unsafe { self.usable_size_with(cell, &scope, ptr, spied, recorded) };
+        self.observe(
+            cell,
+            &scope,
+            Call { entry: Entry::MallocUsableSize, size: 0, align: 0, ptr, result: null(), failed: false },
+        );
+        self.retire(cell, &scope);
+        size
+    }
+
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    unsafe fn usable_size_with(
+        &self,
+        cell: &SpyCell,
+        scope: &Scope,
+        ptr: *mut c_void,
+        spied: bool,
+        recorded: Option<usize>,
+    ) -> usize {
+        if ptr.is_null() {
+            return 0;
+        }
+        let Ok(real) = cell.call(|spy| spy.pre_get_size(ptr, spied)) else {
+            self.disable(cell, scope);
+            // SAFETY: unspied: a real block. Spied: the recorded size is what the caller may use.
+            return recorded.unwrap_or_else(|| unsafe { self.heap.usable_size(ptr) });
+        };
+        // SAFETY: the spy's real block for the caller's live block.
+        let actual = unsafe { self.heap.usable_size(real) };
+        cell.call(|spy| spy.post_get_size(actual, spied)).unwrap_or_else(|_| {
+            self.disable(cell, scope);
+            recorded.unwrap_or(actual)
+        })
+    }
+}
+
+#[inline(always)]
+const fn null() -> *mut c_void {
+    core::ptr::null_mut()
+}
+
+#[cfg(test)]
+#[path = "dispatch_tests.rs"]
+mod tests;

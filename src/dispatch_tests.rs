@@ -1,0 +1,303 @@
+//! The dispatcher in-process, over glibc, with recording and header spies. (The exported
+//! symbols and real programs are tested by the integration tests, under LD_PRELOAD.)
+
+use super::*;
+use crate::spy::CallScratch;
+use core::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// glibc, called directly.
+struct Glibc;
+
+// SAFETY: forwards to glibc's functions of the same names.
+unsafe impl Heap for Glibc {
+    fn malloc(&self, size: usize) -> *mut c_void {
+        // SAFETY: plain libc call.
+        unsafe { libc::malloc(size) }
+    }
+    fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
+        // SAFETY: plain libc call.
+        unsafe { libc::calloc(nmemb, size) }
+    }
+    unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        // SAFETY: the caller's guarantee.
+        unsafe { libc::realloc(ptr, size) }
+    }
+    unsafe fn free(&self, ptr: *mut c_void) {
+        // SAFETY: the caller's guarantee.
+        unsafe { libc::free(ptr) }
+    }
+    fn memalign(&self, align: usize, size: usize) -> *mut c_void {
+        // SAFETY: plain libc call.
+        unsafe { libc::memalign(align, size) }
+    }
+    fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
+        // SAFETY: plain libc call.
+        unsafe { libc::aligned_alloc(align, size) }
+    }
+    unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+        // SAFETY: the caller's guarantee.
+        unsafe { libc::posix_memalign(out, align, size) }
+    }
+    fn valloc(&self, size: usize) -> *mut c_void {
+        self.memalign(4096, size)
+    }
+    fn pvalloc(&self, size: usize) -> *mut c_void {
+        self.memalign(4096, size.next_multiple_of(4096).max(4096))
+    }
+    unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {
+        // SAFETY: the caller's guarantee.
+        unsafe { libc::malloc_usable_size(ptr) }
+    }
+    fn trim(&self, pad: usize) -> c_int {
+        // SAFETY: plain libc call.
+        unsafe { libc::malloc_trim(pad) }
+    }
+    fn realloc_zero_frees(&self) -> bool {
+        true
+    }
+}
+
+/// Records what it saw.
+#[derive(Default)]
+struct Log {
+    calls: AtomicUsize,
+    post_alloc: AtomicUsize,
+    spied_frees: AtomicUsize,
+    unspied_frees: AtomicUsize,
+    dropped: AtomicUsize,
+}
+
+/// A 16-byte header (holding the size) and an 8-byte trailer, like IMallocSpy samples.
+struct HeaderSpy {
+    log: Arc<Log>,
+    /// pre_alloc returns 0 (forced failure) for this size.
+    fail_size: usize,
+    /// Panics in pre_alloc for this size.
+    panic_size: usize,
+}
+
+impl HeaderSpy {
+    fn new(log: &Arc<Log>) -> Self {
+        Self::with(log, usize::MAX, usize::MAX)
+    }
+
+    fn with(log: &Arc<Log>, fail_size: usize, panic_size: usize) -> Self {
+        Self { log: log.clone(), fail_size, panic_size }
+    }
+
+    /// Writes the header (size, offset from the real block) and returns the caller's pointer.
+    fn lay_out(actual: *mut c_void, offset: usize) -> *mut c_void {
+        let p = actual.wrapping_byte_add(offset);
+        // SAFETY: the real block holds offset + size + 8 bytes, offset >= 16.
+        unsafe {
+            (p.wrapping_byte_sub(16) as *mut u64).write(CallScratch::get(0));
+            (p.wrapping_byte_sub(8) as *mut u64).write(offset as u64);
+        }
+        p
+    }
+
+    /// The real block of a spied caller pointer.
+    fn real(request: *mut c_void) -> *mut c_void {
+        // SAFETY: spied blocks carry their offset 8 bytes before the caller's pointer.
+        let offset = unsafe { (request.wrapping_byte_sub(8) as *const u64).read() } as usize;
+        request.wrapping_byte_sub(offset)
+    }
+}
+
+impl Drop for HeaderSpy {
+    fn drop(&mut self) {
+        self.log.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl MallocSpy for HeaderSpy {
+    fn pre_alloc(&self, size: usize) -> usize {
+        self.pre_alloc_aligned(size, 16)
+    }
+    fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
+        self.post_alloc_aligned(actual, 16)
+    }
+    fn pre_alloc_aligned(&self, size: usize, align: usize) -> usize {
+        assert!(size != self.panic_size, "spy bug");
+        if size == self.fail_size {
+            return 0;
+        }
+        let offset = align.max(16);
+        CallScratch::set(0, size as u64);
+        CallScratch::set(1, offset as u64);
+        size.checked_add(offset + 8).unwrap_or(0)
+    }
+    fn post_alloc_aligned(&self, actual: *mut c_void, _align: usize) -> *mut c_void {
+        self.log.post_alloc.fetch_add(1, Ordering::SeqCst);
+        if actual.is_null() { actual } else { Self::lay_out(actual, CallScratch::get(1) as usize) }
+    }
+    fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        if spied {
+            self.log.spied_frees.fetch_add(1, Ordering::SeqCst);
+            Self::real(request)
+        } else {
+            self.log.unspied_frees.fetch_add(1, Ordering::SeqCst);
+            request
+        }
+    }
+    fn pre_realloc(&self, request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize) {
+        // Only 16-byte headers are moved by realloc in this spy.
+        CallScratch::set(0, size as u64);
+        if spied { (Self::real(request), size + 24) } else { (request, size) }
+    }
+    fn post_realloc(&self, actual: *mut c_void, spied: bool) -> *mut c_void {
+        if actual.is_null() || !spied { actual } else { Self::lay_out(actual, 16) }
+    }
+    fn pre_get_size(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        if !spied {
+            return request;
+        }
+        // SAFETY: spied blocks carry their size 16 bytes before the caller's pointer.
+        CallScratch::set(0, unsafe { (request.wrapping_byte_sub(16) as *const u64).read() });
+        Self::real(request)
+    }
+    fn post_get_size(&self, actual: usize, spied: bool) -> usize {
+        if spied { CallScratch::get(0) as usize } else { actual }
+    }
+    fn after_call(&self, _call: &Call) {
+        self.log.calls.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn fresh() -> Interposer<Glibc> {
+    Interposer::new(Glibc)
+}
+
+#[test]
+fn without_a_spy_everything_passes_through() {
+    let ip = fresh();
+    let p = ip.malloc(100);
+    assert!(!p.is_null());
+    // SAFETY: p is a live glibc block.
+    unsafe {
+        assert!(libc::malloc_usable_size(p) >= 100);
+        ip.free(p);
+    }
+    assert_eq!(ip.did_alloc(core::ptr::null_mut()), DidAlloc::No);
+    assert_eq!(ip.revoke(), Err(SpyError::NotRegistered));
+}
+
+#[test]
+fn header_spy_keeps_every_entry_point_correct() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    let before = ip.malloc(10); // allocated before the spy: unspied
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Err(SpyError::AlreadyRegistered));
+
+    let p = ip.malloc(40) as *mut u8;
+    assert_eq!(p as usize % 16, 0);
+    assert_eq!(ip.did_alloc(p.cast()), DidAlloc::Yes);
+    // SAFETY: p is a live block of 40 bytes for the caller.
+    unsafe {
+        assert_eq!(ip.malloc_usable_size(p.cast()), 40);
+        p.write_bytes(0xAB, 40);
+        let q = ip.realloc(p.cast(), 4000) as *mut u8;
+        assert!((0..40).all(|i| *q.add(i) == 0xAB), "realloc copies the caller's bytes");
+        assert_eq!(ip.malloc_usable_size(q.cast()), 4000);
+        let z = ip.calloc(100, 10) as *mut u8;
+        assert!((0..1000).all(|i| *z.add(i) == 0), "calloc zeroes the caller's bytes");
+        ip.free(z.cast());
+        ip.free(q.cast());
+        ip.free(before);
+    }
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 2);
+    assert_eq!(log.unspied_frees.load(Ordering::SeqCst), 1);
+    assert!(log.calls.load(Ordering::SeqCst) >= 7);
+    assert_eq!(ip.revoke(), Ok(()));
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn forced_failure_skips_post_and_sets_enomem() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(HeaderSpy::with(&log, 77, usize::MAX))).unwrap();
+    os::set_errno(0);
+    assert!(ip.malloc(77).is_null());
+    assert_eq!(os::errno(), libc::ENOMEM);
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 0);
+    // A real failure does reach post_alloc, with NULL.
+    assert!(ip.malloc(usize::MAX - 10).is_null());
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 0, "size + 24 overflows: forced failure too");
+    assert!(ip.malloc(1 << 62).is_null());
+    assert_eq!(os::errno(), libc::ENOMEM);
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 1);
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
+#[test]
+fn revoke_is_deferred_until_the_last_spied_block_is_freed() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    let blocks: Vec<_> = (0..3).map(|i| ip.malloc(10 + i) as usize).collect();
+    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied));
+    assert_eq!(ip.revoke(), Err(SpyError::NotRegistered), "already pending");
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Err(SpyError::AlreadyRegistered));
+    // New blocks are no longer spied.
+    let unspied = ip.malloc(5);
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 3);
+    for (n, &b) in blocks.iter().enumerate() {
+        assert_eq!(log.dropped.load(Ordering::SeqCst), 0, "dropped after {n} of 3 frees");
+        // SAFETY: b is a live spied block.
+        unsafe { ip.free(b as *mut c_void) };
+    }
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped right after the last free");
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 3);
+    // SAFETY: unspied is a live real block.
+    unsafe { ip.free(unspied) };
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Ok(()));
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
+#[test]
+fn a_panicking_spy_is_revoked_and_the_call_still_succeeds() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(HeaderSpy::with(&log, usize::MAX, 33))).unwrap();
+    let spied = ip.malloc(8);
+    let p = ip.malloc(33);
+    assert!(!p.is_null(), "served unspied after the panic");
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 0, "a spied block is still live");
+    // SAFETY: both are live blocks; the spy still frees its own.
+    unsafe {
+        ip.free(p);
+        ip.free(spied);
+    }
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1);
+    assert!(ip.registry.is_empty());
+}
+
+#[test]
+fn aligned_allocations_reach_the_spy_and_stay_aligned() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    for align in [16usize, 32, 64, 256, 4096] {
+        let p = ip.memalign(align, 100);
+        assert_eq!(p as usize % align, 0, "memalign({align})");
+        let mut q = core::ptr::null_mut();
+        // SAFETY: q is a local out-pointer.
+        assert_eq!(unsafe { ip.posix_memalign(&mut q, align, 100) }, 0);
+        assert_eq!(q as usize % align, 0, "posix_memalign({align})");
+        // SAFETY: live spied blocks.
+        unsafe {
+            assert_eq!(ip.malloc_usable_size(p), 100);
+            ip.free(p);
+            ip.free(q);
+        }
+    }
+    let mut q = core::ptr::null_mut();
+    // SAFETY: q is a local out-pointer.
+    assert_eq!(unsafe { ip.posix_memalign(&mut q, 24, 100) }, libc::EINVAL);
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 11, "EINVAL reaches post_alloc with NULL");
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 10);
+    assert_eq!(ip.revoke(), Ok(()));
+}

@@ -1,0 +1,394 @@
+//! The C ABI (`include/mallocspy.h`): spies as a table of function pointers plus a context
+//! pointer, COM-style status codes, and the API table every interposer exports as
+//! `mallocspy_api_v1`.
+//!
+//! The registry lives in the active interposer (the module whose `malloc` the process uses).
+//! Any other module — the executable, a library preloaded beside the shim, a plugin opened
+//! with `dlopen`, a Rust program using this crate — finds it with
+//! `dlsym(RTLD_DEFAULT, "mallocspy_api_v1")` and registers through it, so there is one spy per
+//! process whoever registers it. A Rust spy registered from another module crosses this ABI
+//! through [`remote_vtable`]'s trampolines.
+
+use core::ffi::{c_int, c_void};
+use core::panic::AssertUnwindSafe;
+use core::sync::atomic::{AtomicBool, Ordering};
+
+use crate::spy::{Call, DidAlloc, Entry, MallocSpy, SpyError};
+
+/// `S_OK`.
+pub const S_OK: i32 = 0;
+/// `CO_E_OBJISREG`: a spy is already registered.
+pub const CO_E_OBJISREG: i32 = 0x8004_01FC_u32 as i32;
+/// `E_INVALIDARG`: not a usable spy.
+pub const E_INVALIDARG: i32 = 0x8007_0057_u32 as i32;
+/// `CO_E_OBJNOTREG`: no spy is registered.
+pub const CO_E_OBJNOTREG: i32 = 0x8004_01FB_u32 as i32;
+/// `E_ACCESSDENIED`: the spy's blocks are still live; the revoke is pending.
+pub const E_ACCESSDENIED: i32 = 0x8007_0005_u32 as i32;
+/// `E_NOINTERFACE`, used for: mallocspy is not the process's allocator.
+pub const MALLOCSPY_E_NOT_INTERPOSED: i32 = 0x8000_4002_u32 as i32;
+
+/// Version of [`SpyVtable`] and [`Api`].
+pub const ABI_VERSION: u32 = 1;
+
+/// A spy for the C ABI: `struct mallocspy_spy_vtable`. NULL members are pass-through.
+/// `spied` arguments are 0 or 1; `ctx` is the pointer given at registration.
+#[repr(C)]
+#[allow(missing_docs)]
+pub struct SpyVtable {
+    /// [`ABI_VERSION`].
+    pub version: u32,
+    /// `sizeof(struct mallocspy_spy_vtable)`.
+    pub size: u32,
+    pub pre_alloc: Option<unsafe extern "C" fn(ctx: *mut c_void, size: usize) -> usize>,
+    pub post_alloc: Option<unsafe extern "C" fn(ctx: *mut c_void, actual: *mut c_void) -> *mut c_void>,
+    pub pre_alloc_aligned: Option<unsafe extern "C" fn(ctx: *mut c_void, size: usize, align: usize) -> usize>,
+    pub post_alloc_aligned:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, actual: *mut c_void, align: usize) -> *mut c_void>,
+    pub pre_free: Option<unsafe extern "C" fn(ctx: *mut c_void, request: *mut c_void, spied: c_int) -> *mut c_void>,
+    pub post_free: Option<unsafe extern "C" fn(ctx: *mut c_void, spied: c_int)>,
+    pub pre_realloc: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            request: *mut c_void,
+            size: usize,
+            new_request: *mut *mut c_void,
+            spied: c_int,
+        ) -> usize,
+    >,
+    pub post_realloc: Option<unsafe extern "C" fn(ctx: *mut c_void, actual: *mut c_void, spied: c_int) -> *mut c_void>,
+    pub pre_get_size: Option<unsafe extern "C" fn(ctx: *mut c_void, request: *mut c_void, spied: c_int) -> *mut c_void>,
+    pub post_get_size: Option<unsafe extern "C" fn(ctx: *mut c_void, actual: usize, spied: c_int) -> usize>,
+    pub pre_did_alloc:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, request: *mut c_void, spied: c_int) -> *mut c_void>,
+    pub post_did_alloc:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, request: *mut c_void, spied: c_int, actual: c_int) -> c_int>,
+    pub pre_heap_minimize: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
+    pub post_heap_minimize: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
+    pub before_release: Option<unsafe extern "C" fn(ctx: *mut c_void, entry: c_int, ptr: *mut c_void, spied: c_int)>,
+    pub after_call: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const Call)>,
+    /// Called once when the spy is dropped (after revocation and the last spied free).
+    pub release: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
+}
+
+/// The functions an interposer exports as `mallocspy_api_v1` (`struct mallocspy_api`).
+#[repr(C)]
+pub struct Api {
+    /// [`ABI_VERSION`].
+    pub version: u32,
+    /// `sizeof(struct mallocspy_api)`.
+    pub size: u32,
+    /// `CoRegisterMallocSpy`.
+    pub register_spy: unsafe extern "C" fn(vtable: *const SpyVtable, ctx: *mut c_void) -> i32,
+    /// `CoRevokeMallocSpy`.
+    pub revoke_spy: extern "C" fn() -> i32,
+    /// `IMalloc::DidAlloc`: 1, 0 or -1.
+    pub did_alloc: unsafe extern "C" fn(ptr: *mut c_void) -> c_int,
+    /// The calling thread's [`crate::CallScratch`] words.
+    pub call_scratch: extern "C" fn() -> *mut u64,
+    /// 1 when this interposer is the process's allocator (its registry is the one in use).
+    pub is_active: extern "C" fn() -> c_int,
+}
+
+/// A spy registered through the C ABI.
+struct CSpy {
+    vtable: *const SpyVtable,
+    ctx: *mut c_void,
+}
+
+// SAFETY: the C side promises (header contract) that its functions may be called from any
+// thread, concurrently, with its context pointer.
+unsafe impl Send for CSpy {}
+// SAFETY: as above.
+unsafe impl Sync for CSpy {}
+
+impl CSpy {
+    fn v(&self) -> &SpyVtable {
+        // SAFETY: validated at registration; the registrant keeps the table alive until release.
+        unsafe { &*self.vtable }
+    }
+}
+
+fn flag(b: bool) -> c_int {
+    b as c_int
+}
+
+// Every call below: the function pointer comes from a validated table whose owner keeps it and
+// `ctx` alive until `release`, and promises the C signature declared in `SpyVtable`.
+impl MallocSpy for CSpy {
+    fn pre_alloc(&self, size: usize) -> usize {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().pre_alloc.map_or(size, |f| unsafe { f(self.ctx, size) })
+    }
+    fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().post_alloc.map_or(actual, |f| unsafe { f(self.ctx, actual) })
+    }
+    fn pre_alloc_aligned(&self, size: usize, align: usize) -> usize {
+        match self.v().pre_alloc_aligned {
+            // SAFETY: a validated table's function, with its own context (see above).
+            Some(f) => unsafe { f(self.ctx, size, align) },
+            None => self.pre_alloc(size),
+        }
+    }
+    fn post_alloc_aligned(&self, actual: *mut c_void, align: usize) -> *mut c_void {
+        match self.v().post_alloc_aligned {
+            // SAFETY: a validated table's function, with its own context (see above).
+            Some(f) => unsafe { f(self.ctx, actual, align) },
+            None => self.post_alloc(actual),
+        }
+    }
+    fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().pre_free.map_or(request, |f| unsafe { f(self.ctx, request, flag(spied)) })
+    }
+    fn post_free(&self, spied: bool) {
+        if let Some(f) = self.v().post_free {
+            // SAFETY: a validated table's function, with its own context (see above).
+            unsafe { f(self.ctx, flag(spied)) }
+        }
+    }
+    fn pre_realloc(&self, request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize) {
+        match self.v().pre_realloc {
+            Some(f) => {
+                let mut new_request = request;
+                // SAFETY: a validated table's function, with its own context (see above).
+                let size = unsafe { f(self.ctx, request, size, &mut new_request, flag(spied)) };
+                (new_request, size)
+            }
+            None => (request, size),
+        }
+    }
+    fn post_realloc(&self, actual: *mut c_void, spied: bool) -> *mut c_void {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().post_realloc.map_or(actual, |f| unsafe { f(self.ctx, actual, flag(spied)) })
+    }
+    fn pre_get_size(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().pre_get_size.map_or(request, |f| unsafe { f(self.ctx, request, flag(spied)) })
+    }
+    fn post_get_size(&self, actual: usize, spied: bool) -> usize {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().post_get_size.map_or(actual, |f| unsafe { f(self.ctx, actual, flag(spied)) })
+    }
+    fn pre_did_alloc(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        // SAFETY: a validated table's function, with its own context (see above).
+        self.v().pre_did_alloc.map_or(request, |f| unsafe { f(self.ctx, request, flag(spied)) })
+    }
+    fn post_did_alloc(&self, request: *mut c_void, spied: bool, actual: DidAlloc) -> DidAlloc {
+        match self.v().post_did_alloc {
+            // SAFETY: a validated table's function, with its own context (see above).
+            Some(f) => DidAlloc::from_int(unsafe { f(self.ctx, request, flag(spied), actual.as_int()) }),
+            None => actual,
+        }
+    }
+    fn pre_heap_minimize(&self) {
+        if let Some(f) = self.v().pre_heap_minimize {
+            // SAFETY: a validated table's function, with its own context (see above).
+            unsafe { f(self.ctx) }
+        }
+    }
+    fn post_heap_minimize(&self) {
+        if let Some(f) = self.v().post_heap_minimize {
+            // SAFETY: a validated table's function, with its own context (see above).
+            unsafe { f(self.ctx) }
+        }
+    }
+    fn before_release(&self, entry: Entry, ptr: *mut c_void, spied: bool) {
+        if let Some(f) = self.v().before_release {
+            // SAFETY: a validated table's function, with its own context (see above).
+            unsafe { f(self.ctx, entry as c_int, ptr, flag(spied)) }
+        }
+    }
+    fn after_call(&self, call: &Call) {
+        if let Some(f) = self.v().after_call {
+            // SAFETY: a validated table's function, with its own context (see above).
+            unsafe { f(self.ctx, call) }
+        }
+    }
+}
+
+impl Drop for CSpy {
+    fn drop(&mut self) {
+        if let Some(f) = self.v().release {
+            // SAFETY: called once, as the table's contract says, after the last use.
+            unsafe { f(self.ctx) }
+        }
+    }
+}
+
+/// Checks that a C table is one this ABI can use.
+///
+/// # Safety
+/// `vtable` is NULL or points to a readable table.
+pub(crate) unsafe fn validate(vtable: *const SpyVtable) -> Result<(), SpyError> {
+    // SAFETY: the caller's guarantee: NULL or a readable table.
+    let Some(v) = (unsafe { vtable.as_ref() }) else { return Err(SpyError::InvalidArgument) };
+    if v.version != ABI_VERSION || (v.size as usize) < core::mem::size_of::<SpyVtable>() {
+        return Err(SpyError::InvalidArgument);
+    }
+    Ok(())
+}
+
+/// Wraps a validated C table as a spy.
+///
+/// # Safety
+/// `vtable` passed [`validate`], and it and `ctx` live until the table's `release` is called;
+/// its functions honour the header's contract.
+pub(crate) unsafe fn c_spy(vtable: *const SpyVtable, ctx: *mut c_void) -> Box<dyn MallocSpy> {
+    Box::new(CSpy { vtable, ctx })
+}
+
+/// Encodes a registration result as a status code.
+pub(crate) fn status(r: Result<(), SpyError>) -> i32 {
+    match r {
+        Ok(()) => S_OK,
+        Err(e) => e.status(),
+    }
+}
+
+// ---- a Rust spy seen through the C ABI --------------------------------------------------------
+
+/// What a remote registry holds for a Rust spy of this module: the spy, and the API to revoke
+/// it if it panics.
+struct Remote {
+    spy: Box<dyn MallocSpy>,
+    api: &'static Api,
+    poisoned: AtomicBool,
+}
+
+impl Remote {
+    /// Runs `f` on the spy; a panic is reported once, revokes the spy, and yields `fallback`.
+    fn run<R>(ctx: *mut c_void, fallback: R, f: impl FnOnce(&dyn MallocSpy) -> R) -> R {
+        // SAFETY: ctx is the Box<Remote> leaked by `register_remote`, alive until `release`.
+        let remote = unsafe { &*(ctx as *const Remote) };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(&*remote.spy))) {
+            Ok(r) => r,
+            Err(payload) => {
+                core::mem::forget(payload);
+                if !remote.poisoned.swap(true, Ordering::Relaxed) {
+                    crate::os::write_all(
+                        2,
+                        b"mallocspy: the registered spy panicked; it is revoked and the program goes on unspied\n",
+                    );
+                    (remote.api.revoke_spy)();
+                }
+                fallback
+            }
+        }
+    }
+}
+
+fn spied_arg(spied: c_int) -> bool {
+    spied != 0
+}
+
+unsafe extern "C" fn tr_pre_alloc(ctx: *mut c_void, size: usize) -> usize {
+    Remote::run(ctx, size, |s| s.pre_alloc(size))
+}
+unsafe extern "C" fn tr_post_alloc(ctx: *mut c_void, actual: *mut c_void) -> *mut c_void {
+    Remote::run(ctx, actual, |s| s.post_alloc(actual))
+}
+unsafe extern "C" fn tr_pre_alloc_aligned(ctx: *mut c_void, size: usize, align: usize) -> usize {
+    Remote::run(ctx, size, |s| s.pre_alloc_aligned(size, align))
+}
+unsafe extern "C" fn tr_post_alloc_aligned(ctx: *mut c_void, actual: *mut c_void, align: usize) -> *mut c_void {
+    Remote::run(ctx, actual, |s| s.post_alloc_aligned(actual, align))
+}
+unsafe extern "C" fn tr_pre_free(ctx: *mut c_void, request: *mut c_void, spied: c_int) -> *mut c_void {
+    // On a panic the real start of a spied block is unknown: free nothing (leak).
+    let fallback = if spied_arg(spied) { core::ptr::null_mut() } else { request };
+    Remote::run(ctx, fallback, |s| s.pre_free(request, spied_arg(spied)))
+}
+unsafe extern "C" fn tr_post_free(ctx: *mut c_void, spied: c_int) {
+    Remote::run(ctx, (), |s| s.post_free(spied_arg(spied)))
+}
+unsafe extern "C" fn tr_pre_realloc(
+    ctx: *mut c_void,
+    request: *mut c_void,
+    size: usize,
+    new_request: *mut *mut c_void,
+    spied: c_int,
+) -> usize {
+    // On a panic: fail the call, the old block stays the caller's.
+    let (p, n) = Remote::run(ctx, (request, 0), |s| s.pre_realloc(request, size, spied_arg(spied)));
+    // SAFETY: the dispatcher passes a valid out-pointer.
+    unsafe { *new_request = p };
+    n
+}
+unsafe extern "C" fn tr_post_realloc(ctx: *mut c_void, actual: *mut c_void, spied: c_int) -> *mut c_void {
+    Remote::run(ctx, actual, |s| s.post_realloc(actual, spied_arg(spied)))
+}
+unsafe extern "C" fn tr_pre_get_size(ctx: *mut c_void, request: *mut c_void, spied: c_int) -> *mut c_void {
+    Remote::run(ctx, request, |s| s.pre_get_size(request, spied_arg(spied)))
+}
+unsafe extern "C" fn tr_post_get_size(ctx: *mut c_void, actual: usize, spied: c_int) -> usize {
+    Remote::run(ctx, actual, |s| s.post_get_size(actual, spied_arg(spied)))
+}
+unsafe extern "C" fn tr_pre_did_alloc(ctx: *mut c_void, request: *mut c_void, spied: c_int) -> *mut c_void {
+    Remote::run(ctx, request, |s| s.pre_did_alloc(request, spied_arg(spied)))
+}
+unsafe extern "C" fn tr_post_did_alloc(ctx: *mut c_void, request: *mut c_void, spied: c_int, actual: c_int) -> c_int {
+    Remote::run(ctx, actual, |s| s.post_did_alloc(request, spied_arg(spied), DidAlloc::from_int(actual)).as_int())
+}
+unsafe extern "C" fn tr_pre_heap_minimize(ctx: *mut c_void) {
+    Remote::run(ctx, (), |s| s.pre_heap_minimize())
+}
+unsafe extern "C" fn tr_post_heap_minimize(ctx: *mut c_void) {
+    Remote::run(ctx, (), |s| s.post_heap_minimize())
+}
+unsafe extern "C" fn tr_before_release(ctx: *mut c_void, entry: c_int, ptr: *mut c_void, spied: c_int) {
+    let entry = Entry::from_index(entry as u8);
+    Remote::run(ctx, (), |s| s.before_release(entry, ptr, spied_arg(spied)))
+}
+unsafe extern "C" fn tr_after_call(ctx: *mut c_void, call: *const Call) {
+    // SAFETY: the dispatcher passes a valid Call for the duration of the callback.
+    let call = unsafe { &*call };
+    Remote::run(ctx, (), |s| s.after_call(call))
+}
+unsafe extern "C" fn tr_release(ctx: *mut c_void) {
+    // SAFETY: ctx is the Box<Remote> leaked by `register_remote`; release is called once.
+    let remote = unsafe { Box::from_raw(ctx as *mut Remote) };
+    let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(remote)));
+}
+
+static REMOTE_VTABLE: SpyVtable = SpyVtable {
+    version: ABI_VERSION,
+    size: core::mem::size_of::<SpyVtable>() as u32,
+    pre_alloc: Some(tr_pre_alloc),
+    post_alloc: Some(tr_post_alloc),
+    pre_alloc_aligned: Some(tr_pre_alloc_aligned),
+    post_alloc_aligned: Some(tr_post_alloc_aligned),
+    pre_free: Some(tr_pre_free),
+    post_free: Some(tr_post_free),
+    pre_realloc: Some(tr_pre_realloc),
+    post_realloc: Some(tr_post_realloc),
+    pre_get_size: Some(tr_pre_get_size),
+    post_get_size: Some(tr_post_get_size),
+    pre_did_alloc: Some(tr_pre_did_alloc),
+    post_did_alloc: Some(tr_post_did_alloc),
+    pre_heap_minimize: Some(tr_pre_heap_minimize),
+    post_heap_minimize: Some(tr_post_heap_minimize),
+    before_release: Some(tr_before_release),
+    after_call: Some(tr_after_call),
+    release: Some(tr_release),
+};
+
+/// The table that carries this module's Rust spies to another module's registry.
+pub(crate) fn remote_vtable() -> &'static SpyVtable {
+    &REMOTE_VTABLE
+}
+
+/// Registers a Rust spy with the registry behind `api` (another module's).
+pub(crate) fn register_remote(api: &'static Api, spy: Box<dyn MallocSpy>) -> Result<(), SpyError> {
+    let ctx = Box::into_raw(Box::new(Remote { spy, api, poisoned: AtomicBool::new(false) })) as *mut c_void;
+    // SAFETY: the table is static and the context lives until tr_release.
+    let status = unsafe { (api.register_spy)(remote_vtable(), ctx) };
+    let result = SpyError::from_status(status);
+    if result.is_err() {
+        // Not registered: nobody else will release the context.
+        // SAFETY: ctx was leaked just above and the registry did not keep it.
+        drop(unsafe { Box::from_raw(ctx as *mut Remote) });
+    }
+    result
+}

@@ -1,0 +1,137 @@
+//! The process-wide interposer of this module, and how other modules reach the active one.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+
+use crate::dispatch::Interposer;
+use crate::ffi::{self, Api, SpyVtable};
+use crate::heap::NextHeap;
+use crate::spy::{MallocSpy, SpyError};
+use crate::{os, threads, tls};
+
+/// This module's interposer. It serves the malloc family only where
+/// [`crate::export_interposer!`] exports it.
+pub(crate) static GLOBAL: Interposer<NextHeap> = Interposer::new(NextHeap::new());
+
+const UNKNOWN: u8 = 0;
+const YES: u8 = 1;
+const NO: u8 = 2;
+static ACTIVE_HERE: AtomicU8 = AtomicU8::new(UNKNOWN);
+
+/// Whether this module provides the process's `malloc`, i.e. whether [`GLOBAL`] is the
+/// registry in use. Fixed once the program has started, so it is computed once.
+pub(crate) fn is_active_here() -> bool {
+    match ACTIVE_HERE.load(Ordering::Relaxed) {
+        YES => true,
+        NO => false,
+        _ => {
+            // SAFETY: the name is NUL-terminated; RTLD_DEFAULT searches the global scope.
+            let malloc = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
+            let here = os::module_of((&GLOBAL as *const Interposer<NextHeap>).cast());
+            let yes = !malloc.is_null() && here != 0 && os::module_of(malloc) == here;
+            ACTIVE_HERE.store(if yes { YES } else { NO }, Ordering::Relaxed);
+            yes
+        }
+    }
+}
+
+/// The API table of the active interposer when it is another module.
+pub(crate) fn remote_api() -> Option<&'static Api> {
+    // SAFETY: the name is NUL-terminated; RTLD_DEFAULT searches the global scope.
+    let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"mallocspy_api_v1".as_ptr()) } as *const Api;
+    // SAFETY: a symbol of that name is an `Api` exported by `export_interposer!`, static.
+    let api = unsafe { sym.as_ref() }?;
+    if api.version != ffi::ABI_VERSION || (api.size as usize) < core::mem::size_of::<Api>() {
+        return None;
+    }
+    ((api.is_active)() != 0).then_some(api)
+}
+
+/// A function run in the child after `fork`, for the built-in spies' own state.
+static CHILD_HOOK: AtomicPtr<()> = AtomicPtr::new(core::ptr::null_mut());
+
+/// Sets the function [`GLOBAL`]'s fork handler runs in the child.
+pub(crate) fn set_fork_child_hook(hook: fn()) {
+    CHILD_HOOK.store(hook as *mut (), Ordering::Release);
+}
+
+extern "C" fn fork_prepare() {
+    threads::fork_prepare();
+}
+
+extern "C" fn fork_parent() {
+    threads::fork_parent();
+}
+
+extern "C" fn fork_child() {
+    GLOBAL.after_fork_child();
+    threads::fork_child();
+    let hook = CHILD_HOOK.load(Ordering::Acquire);
+    if !hook.is_null() {
+        // SAFETY: only `set_fork_child_hook` stores here, always a `fn()`.
+        let hook: fn() = unsafe { core::mem::transmute::<*mut (), fn()>(hook) };
+        hook();
+    }
+}
+
+/// Installs the `fork` handlers once: no thread may be inside a spied hook while the address
+/// space is copied, or the child would inherit its locks held.
+pub(crate) fn ensure_fork_handlers() {
+    static DONE: AtomicU8 = AtomicU8::new(0);
+    if DONE.swap(1, Ordering::AcqRel) == 0 {
+        // SAFETY: the handlers are `extern "C" fn()` that never unwind.
+        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
+    }
+}
+
+/// Registers a spy with [`GLOBAL`].
+pub(crate) fn register_here(make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+    ensure_fork_handlers();
+    GLOBAL.heap.warm_up();
+    GLOBAL.register(make)
+}
+
+// ---- the C API of this module -------------------------------------------------------------
+
+unsafe extern "C" fn api_register(vtable: *const SpyVtable, ctx: *mut c_void) -> i32 {
+    if !is_active_here() {
+        return ffi::MALLOCSPY_E_NOT_INTERPOSED;
+    }
+    // SAFETY: the caller's guarantee (header contract): NULL or a table living until release.
+    let registered = unsafe { ffi::validate(vtable) }.and_then(|()| {
+        // SAFETY: validated; the rest is the caller's guarantee.
+        register_here(|| unsafe { ffi::c_spy(vtable, ctx) })
+    });
+    ffi::status(registered)
+}
+
+extern "C" fn api_revoke() -> i32 {
+    if !is_active_here() {
+        return ffi::MALLOCSPY_E_NOT_INTERPOSED;
+    }
+    ffi::status(GLOBAL.revoke())
+}
+
+unsafe extern "C" fn api_did_alloc(ptr: *mut c_void) -> c_int {
+    GLOBAL.did_alloc(ptr).as_int()
+}
+
+extern "C" fn api_call_scratch() -> *mut u64 {
+    tls::state().scratch.as_ptr() as *mut u64
+}
+
+extern "C" fn api_is_active() -> c_int {
+    is_active_here() as c_int
+}
+
+/// The table [`crate::export_interposer!`] exports as `mallocspy_api_v1`.
+#[doc(hidden)]
+pub const API: Api = Api {
+    version: ffi::ABI_VERSION,
+    size: core::mem::size_of::<Api>() as u32,
+    register_spy: api_register,
+    revoke_spy: api_revoke,
+    did_alloc: api_did_alloc,
+    call_scratch: api_call_scratch,
+    is_active: api_is_active,
+};

@@ -1,0 +1,368 @@
+//! The real allocator: the [`Heap`] interface the dispatcher forwards to, and [`NextHeap`], the
+//! next allocator in the dynamic linker's lookup order.
+//!
+//! Forwarding to `__libc_malloc` would break targets that link or preload another allocator
+//! (a jemalloc-linked program crashed when memory came from glibc); `dlsym(RTLD_NEXT, ...)`
+//! finds whichever allocator comes after the interposer, so mallocspy composes with jemalloc
+//! and tcmalloc. Lookup is lazy, on the first call: the dynamic loader and the constructors of
+//! libraries initialised before ours allocate before any constructor of ours runs.
+//!
+//! Every function is taken from the module that provides `malloc`. One the module lacks
+//! (jemalloc has no `pvalloc`) is built from the ones it has, never taken from another
+//! allocator: a block from glibc freed by jemalloc would corrupt both.
+
+use core::cell::UnsafeCell;
+use core::ffi::{CStr, c_int, c_void};
+use core::sync::atomic::{AtomicU8, Ordering};
+
+use crate::{bootstrap, os};
+
+/// The allocator underneath the spy. Implementations have the C functions' semantics.
+///
+/// # Safety
+/// Implementations must behave as the C functions of the same names: blocks from any of the
+/// allocating functions may be passed to `free`, `realloc` and `usable_size` of the same heap.
+pub(crate) unsafe trait Heap: Sync {
+    fn malloc(&self, size: usize) -> *mut c_void;
+    fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void;
+    /// # Safety
+    /// `ptr` is NULL or a live block of this heap.
+    unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void;
+    /// # Safety
+    /// `ptr` is NULL or a live block of this heap, which is dead afterwards.
+    unsafe fn free(&self, ptr: *mut c_void);
+    fn memalign(&self, align: usize, size: usize) -> *mut c_void;
+    fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void;
+    /// Returns 0 or an error number; stores the block in `*out` on success.
+    ///
+    /// # Safety
+    /// `out` is valid for a write.
+    unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int;
+    fn valloc(&self, size: usize) -> *mut c_void;
+    fn pvalloc(&self, size: usize) -> *mut c_void;
+    /// # Safety
+    /// `ptr` is NULL or a live block of this heap.
+    unsafe fn usable_size(&self, ptr: *mut c_void) -> usize;
+    fn trim(&self, pad: usize) -> c_int;
+    /// Whether `realloc(p, 0)` frees `p` and returns NULL (glibc's choice) rather than
+    /// returning a minimum-size block.
+    fn realloc_zero_frees(&self) -> bool;
+}
+
+type MallocFn = unsafe extern "C" fn(usize) -> *mut c_void;
+type CallocFn = unsafe extern "C" fn(usize, usize) -> *mut c_void;
+type ReallocFn = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut c_void);
+type AlignFn = unsafe extern "C" fn(usize, usize) -> *mut c_void;
+type PosixMemalignFn = unsafe extern "C" fn(*mut *mut c_void, usize, usize) -> c_int;
+type UsableSizeFn = unsafe extern "C" fn(*mut c_void) -> usize;
+type TrimFn = unsafe extern "C" fn(usize) -> c_int;
+
+struct Fns {
+    malloc: MallocFn,
+    calloc: CallocFn,
+    realloc: ReallocFn,
+    free: FreeFn,
+    memalign: Option<AlignFn>,
+    aligned_alloc: Option<AlignFn>,
+    posix_memalign: Option<PosixMemalignFn>,
+    valloc: Option<MallocFn>,
+    pvalloc: Option<MallocFn>,
+    usable_size: Option<UsableSizeFn>,
+    trim: Option<TrimFn>,
+    realloc_zero_frees: bool,
+}
+
+const UNRESOLVED: u8 = 0;
+const RESOLVING: u8 = 1;
+const READY: u8 = 2;
+const FAILED: u8 = 3;
+
+/// The allocator that comes after the interposer in the lookup order.
+pub(crate) struct NextHeap {
+    state: AtomicU8,
+    fns: UnsafeCell<Option<Fns>>,
+}
+
+// SAFETY: `fns` is written once, by the thread that moved `state` to RESOLVING, before it
+// publishes READY with Release; it is read only after an Acquire load sees READY.
+unsafe impl Sync for NextHeap {}
+
+/// Looks `name` up after the calling module.
+fn next_symbol(name: &CStr) -> *mut c_void {
+    // SAFETY: name is NUL-terminated; RTLD_NEXT is valid from a module loaded by ld.so.
+    unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) }
+}
+
+/// Resolves the allocator after ours, keeping to the module that provides `malloc`.
+fn resolve() -> Option<Fns> {
+    let mut malloc = next_symbol(c"malloc");
+    let mut prefix_libc = false;
+    if malloc.is_null() {
+        malloc = next_symbol(c"__libc_malloc");
+        prefix_libc = true;
+    }
+    if malloc.is_null() {
+        return None;
+    }
+    let home = os::module_of(malloc);
+    let same_module = |name: &CStr| -> *mut c_void {
+        let f = next_symbol(name);
+        if f.is_null() || (home != 0 && os::module_of(f) != home) { core::ptr::null_mut() } else { f }
+    };
+    let (calloc, realloc, free) = if prefix_libc {
+        (same_module(c"__libc_calloc"), same_module(c"__libc_realloc"), same_module(c"__libc_free"))
+    } else {
+        (same_module(c"calloc"), same_module(c"realloc"), same_module(c"free"))
+    };
+    if calloc.is_null() || realloc.is_null() || free.is_null() {
+        return None;
+    }
+    let memalign = same_module(if prefix_libc { c"__libc_memalign" } else { c"memalign" });
+    // SAFETY: each pointer is the address of the C function of that name, whose C signature
+    // is the target type; null pointers become None.
+    let fns = unsafe {
+        Fns {
+            malloc: core::mem::transmute::<*mut c_void, MallocFn>(malloc),
+            calloc: core::mem::transmute::<*mut c_void, CallocFn>(calloc),
+            realloc: core::mem::transmute::<*mut c_void, ReallocFn>(realloc),
+            free: core::mem::transmute::<*mut c_void, FreeFn>(free),
+            memalign: core::mem::transmute::<*mut c_void, Option<AlignFn>>(memalign),
+            aligned_alloc: core::mem::transmute::<*mut c_void, Option<AlignFn>>(same_module(c"aligned_alloc")),
+            posix_memalign: core::mem::transmute::<*mut c_void, Option<PosixMemalignFn>>(same_module(
+                c"posix_memalign",
+            )),
+            valloc: core::mem::transmute::<*mut c_void, Option<MallocFn>>(same_module(c"valloc")),
+            pvalloc: core::mem::transmute::<*mut c_void, Option<MallocFn>>(same_module(c"pvalloc")),
+            usable_size: core::mem::transmute::<*mut c_void, Option<UsableSizeFn>>(same_module(c"malloc_usable_size")),
+            trim: core::mem::transmute::<*mut c_void, Option<TrimFn>>(same_module(c"malloc_trim")),
+            realloc_zero_frees: true,
+        }
+    };
+    Some(Fns { realloc_zero_frees: probe_realloc_zero(&fns), ..fns })
+}
+
+/// Asks the allocator what `realloc(p, 0)` does, so that a spied `realloc(p, 0)` does the same.
+fn probe_realloc_zero(fns: &Fns) -> bool {
+    // SAFETY: the functions belong to one allocator; the block is ours from malloc to free.
+    unsafe {
+        let p = (fns.malloc)(1);
+        if p.is_null() {
+            return true;
+        }
+        let q = (fns.realloc)(p, 0);
+        if q.is_null() {
+            return true;
+        }
+        (fns.free)(q);
+        false
+    }
+}
+
+impl NextHeap {
+    pub(crate) const fn new() -> Self {
+        Self { state: AtomicU8::new(UNRESOLVED), fns: UnsafeCell::new(None) }
+    }
+
+    /// The resolved functions; `None` while another call on this or another thread is still
+    /// resolving them (serve it from the bootstrap arena then).
+    #[inline(always)]
+    fn fns(&self) -> Option<&Fns> {
+        if self.state.load(Ordering::Acquire) == READY {
+            // SAFETY: READY was published after `fns` was written, and it is never written again.
+            return unsafe { (*self.fns.get()).as_ref() };
+        }
+        self.resolve_slow()
+    }
+
+    #[cold]
+    fn resolve_slow(&self) -> Option<&Fns> {
+        match self.state.compare_exchange(UNRESOLVED, RESOLVING, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {
+                let fns = resolve();
+                let ok = fns.is_some();
+                // SAFETY: only the thread that moved the state to RESOLVING writes, once,
+                // before publishing; no reader looks before READY.
+                unsafe { *self.fns.get() = fns };
+                if ok {
+                    self.state.store(READY, Ordering::Release);
+                    // SAFETY: just written and published.
+                    unsafe { (*self.fns.get()).as_ref() }
+                } else {
+                    self.state.store(FAILED, Ordering::Release);
+                    let msg = b"mallocspy: cannot find the real allocator (dlsym RTLD_NEXT malloc failed); serving from a static arena\n";
+                    os::write_all(2, msg);
+                    None
+                }
+            }
+            Err(READY) => {
+                // SAFETY: READY seen with Acquire.
+                unsafe { (*self.fns.get()).as_ref() }
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Resolves now if nothing has yet (called at initialisation, so that the first hooked
+    /// call does not pay for it).
+    pub(crate) fn warm_up(&self) {
+        let _ = self.fns();
+    }
+}
+
+fn page_round_up(size: usize) -> Option<usize> {
+    size.checked_next_multiple_of(os::page_size())
+}
+
+// SAFETY: every function forwards to the C function of the same name of one allocator (or
+// builds it from that allocator's memalign); bootstrap blocks are recognised by free, realloc
+// and usable_size.
+unsafe impl Heap for NextHeap {
+    #[inline(always)]
+    fn malloc(&self, size: usize) -> *mut c_void {
+        match self.fns() {
+            // SAFETY: the real malloc has no preconditions.
+            Some(f) => unsafe { (f.malloc)(size) },
+            None => bootstrap::alloc(size, 16),
+        }
+    }
+
+    #[inline(always)]
+    fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
+        match self.fns() {
+            // SAFETY: the real calloc has no preconditions.
+            Some(f) => unsafe { (f.calloc)(nmemb, size) },
+            None => nmemb.checked_mul(size).map_or(core::ptr::null_mut(), |n| bootstrap::alloc(n, 16)),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        if bootstrap::contains(ptr) {
+            // SAFETY: ptr is a bootstrap block (its size is in front of it).
+            let old = unsafe { bootstrap::size_of(ptr) };
+            let new = self.malloc(size.max(1));
+            if !new.is_null() {
+                // SAFETY: both blocks hold at least min(old, size) bytes and are distinct.
+                unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
+            }
+            return new;
+        }
+        match self.fns() {
+            // SAFETY: the caller guarantees ptr is NULL or a live block of this allocator.
+            Some(f) => unsafe { (f.realloc)(ptr, size) },
+            None => core::ptr::null_mut(),
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn free(&self, ptr: *mut c_void) {
+        if bootstrap::contains(ptr) {
+            return;
+        }
+        if let Some(f) = self.fns() {
+            // SAFETY: the caller guarantees ptr is NULL or a live block of this allocator.
+            unsafe { (f.free)(ptr) }
+        }
+    }
+
+    fn memalign(&self, align: usize, size: usize) -> *mut c_void {
+        let Some(f) = self.fns() else { return bootstrap::alloc(size, align) };
+        // SAFETY: the real functions have no preconditions; `out` is a local.
+        unsafe {
+            if let Some(memalign) = f.memalign {
+                return memalign(align, size);
+            }
+            if let Some(aligned_alloc) = f.aligned_alloc {
+                return aligned_alloc(align, size);
+            }
+            if let Some(posix_memalign) = f.posix_memalign {
+                let align = align.max(core::mem::size_of::<usize>()).checked_next_power_of_two().unwrap_or(0);
+                let mut out = core::ptr::null_mut();
+                let rc = posix_memalign(&mut out, align, size);
+                if rc != 0 {
+                    os::set_errno(rc);
+                    return core::ptr::null_mut();
+                }
+                return out;
+            }
+            os::set_errno(libc::ENOMEM);
+            core::ptr::null_mut()
+        }
+    }
+
+    fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
+        match self.fns().and_then(|f| f.aligned_alloc) {
+            // SAFETY: the real aligned_alloc has no preconditions.
+            Some(aligned_alloc) => unsafe { aligned_alloc(align, size) },
+            None => self.memalign(align, size),
+        }
+    }
+
+    unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+        if let Some(posix_memalign) = self.fns().and_then(|f| f.posix_memalign) {
+            // SAFETY: the caller guarantees `out` is writable.
+            return unsafe { posix_memalign(out, align, size) };
+        }
+        // POSIX: a power of two multiple of sizeof(void *).
+        if align % core::mem::size_of::<usize>() != 0 || !(align / core::mem::size_of::<usize>()).is_power_of_two() {
+            return libc::EINVAL;
+        }
+        let saved = os::errno();
+        let p = self.memalign(align, size);
+        if p.is_null() {
+            let err = os::errno();
+            os::set_errno(saved);
+            return if err == 0 { libc::ENOMEM } else { err };
+        }
+        // SAFETY: the caller guarantees `out` is writable.
+        unsafe { *out = p };
+        0
+    }
+
+    fn valloc(&self, size: usize) -> *mut c_void {
+        match self.fns().and_then(|f| f.valloc) {
+            // SAFETY: the real valloc has no preconditions.
+            Some(valloc) => unsafe { valloc(size) },
+            None => self.memalign(os::page_size(), size),
+        }
+    }
+
+    fn pvalloc(&self, size: usize) -> *mut c_void {
+        match self.fns().and_then(|f| f.pvalloc) {
+            // SAFETY: the real pvalloc has no preconditions.
+            Some(pvalloc) => unsafe { pvalloc(size) },
+            None => match page_round_up(size.max(1)) {
+                Some(rounded) => self.memalign(os::page_size(), rounded),
+                None => {
+                    os::set_errno(libc::ENOMEM);
+                    core::ptr::null_mut()
+                }
+            },
+        }
+    }
+
+    unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {
+        if bootstrap::contains(ptr) {
+            // SAFETY: a bootstrap block has its size in front of it.
+            return unsafe { bootstrap::size_of(ptr) };
+        }
+        match self.fns().and_then(|f| f.usable_size) {
+            // SAFETY: the caller guarantees ptr is NULL or a live block of this allocator.
+            Some(usable_size) => unsafe { usable_size(ptr) },
+            None => 0,
+        }
+    }
+
+    fn trim(&self, pad: usize) -> c_int {
+        match self.fns().and_then(|f| f.trim) {
+            // SAFETY: the real malloc_trim has no preconditions.
+            Some(trim) => unsafe { trim(pad) },
+            None => 0,
+        }
+    }
+
+    fn realloc_zero_frees(&self) -> bool {
+        self.fns().is_none_or(|f| f.realloc_zero_frees)
+    }
+}

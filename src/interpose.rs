@@ -1,0 +1,203 @@
+//! The exported malloc family: the whole override surface, one short forward per function.
+//!
+//! [`crate::export_interposer!`] expands to the `#[no_mangle]` definitions in the crate that
+//! invokes it (the preload shim, or a program that wants to be its own interposer). They are
+//! not defined in this crate directly because a crate that exports `malloc` runs its own test
+//! harness on it (see `interposer-pitfalls.md` section 3); the `interpose` feature expands the
+//! macro here for programs that depend on this crate.
+
+use core::ffi::{c_int, c_void};
+
+use crate::global::GLOBAL;
+
+/// Defines the twelve C entry points of the malloc family and the `mallocspy_api_v1` table in
+/// the invoking crate, forwarding to this crate's process-wide interposer.
+///
+/// Invoke it once, at the root of a `cdylib` to preload, or of a program that should be its
+/// own interposer (or enable the `interpose` feature instead).
+#[macro_export]
+macro_rules! export_interposer {
+    () => {
+        /// C `malloc`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn malloc(size: usize) -> *mut ::core::ffi::c_void {
+            $crate::interpose::malloc(size)
+        }
+        /// C `calloc`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn calloc(nmemb: usize, size: usize) -> *mut ::core::ffi::c_void {
+            $crate::interpose::calloc(nmemb, size)
+        }
+        /// C `realloc`.
+        ///
+        /// # Safety
+        /// `ptr` is NULL or a live block of the malloc family.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn realloc(ptr: *mut ::core::ffi::c_void, size: usize) -> *mut ::core::ffi::c_void {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::realloc(ptr, size) }
+        }
+        /// C `reallocarray`.
+        ///
+        /// # Safety
+        /// `ptr` is NULL or a live block of the malloc family.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn reallocarray(
+            ptr: *mut ::core::ffi::c_void,
+            nmemb: usize,
+            size: usize,
+        ) -> *mut ::core::ffi::c_void {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::reallocarray(ptr, nmemb, size) }
+        }
+        /// C `free`.
+        ///
+        /// # Safety
+        /// `ptr` is NULL or a live block of the malloc family.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn free(ptr: *mut ::core::ffi::c_void) {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::free(ptr) }
+        }
+        /// C `posix_memalign`.
+        ///
+        /// # Safety
+        /// `memptr` is valid for a write.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn posix_memalign(
+            memptr: *mut *mut ::core::ffi::c_void,
+            align: usize,
+            size: usize,
+        ) -> ::core::ffi::c_int {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::posix_memalign(memptr, align, size) }
+        }
+        /// C `aligned_alloc`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut ::core::ffi::c_void {
+            $crate::interpose::aligned_alloc(align, size)
+        }
+        /// C `memalign`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn memalign(align: usize, size: usize) -> *mut ::core::ffi::c_void {
+            $crate::interpose::memalign(align, size)
+        }
+        /// C `valloc`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn valloc(size: usize) -> *mut ::core::ffi::c_void {
+            $crate::interpose::valloc(size)
+        }
+        /// C `pvalloc`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn pvalloc(size: usize) -> *mut ::core::ffi::c_void {
+            $crate::interpose::pvalloc(size)
+        }
+        /// C `malloc_usable_size`.
+        ///
+        /// # Safety
+        /// `ptr` is NULL or a live block of the malloc family.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn malloc_usable_size(ptr: *mut ::core::ffi::c_void) -> usize {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::malloc_usable_size(ptr) }
+        }
+        /// C `malloc_trim`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn malloc_trim(pad: usize) -> ::core::ffi::c_int {
+            $crate::interpose::malloc_trim(pad)
+        }
+        /// The C API of this interposer (`include/mallocspy.h`).
+        #[unsafe(no_mangle)]
+        pub static mallocspy_api_v1: $crate::ffi::Api = $crate::interpose::API;
+    };
+}
+
+#[doc(hidden)]
+pub use crate::global::API;
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn malloc(size: usize) -> *mut c_void {
+    GLOBAL.malloc(size)
+}
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn calloc(nmemb: usize, size: usize) -> *mut c_void {
+    GLOBAL.calloc(nmemb, size)
+}
+
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+#[inline(always)]
+pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.realloc(ptr, size) }
+}
+
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+#[inline(always)]
+pub unsafe fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usize) -> *mut c_void {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.reallocarray(ptr, nmemb, size) }
+}
+
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+#[inline(always)]
+pub unsafe fn free(ptr: *mut c_void) {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.free(ptr) }
+}
+
+/// # Safety
+/// `memptr` is valid for a write.
+#[doc(hidden)]
+#[inline(always)]
+pub unsafe fn posix_memalign(memptr: *mut *mut c_void, align: usize, size: usize) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.posix_memalign(memptr, align, size) }
+}
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
+    GLOBAL.aligned_alloc(align, size)
+}
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn memalign(align: usize, size: usize) -> *mut c_void {
+    GLOBAL.memalign(align, size)
+}
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn valloc(size: usize) -> *mut c_void {
+    GLOBAL.valloc(size)
+}
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn pvalloc(size: usize) -> *mut c_void {
+    GLOBAL.pvalloc(size)
+}
+
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+#[inline(always)]
+pub unsafe fn malloc_usable_size(ptr: *mut c_void) -> usize {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.malloc_usable_size(ptr) }
+}
+
+#[doc(hidden)]
+#[inline(always)]
+pub fn malloc_trim(pad: usize) -> c_int {
+    GLOBAL.malloc_trim(pad)
+}

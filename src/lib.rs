@@ -1,0 +1,87 @@
+//! # mallocspy: COM's `IMallocSpy` for Linux
+//!
+//! mallocspy runs code of yours — a *spy* — around every call of the process's malloc family,
+//! in programs you do not rebuild. A spy sees each call before and after the real allocator,
+//! and may change what is allocated and what the caller gets (headers, trailers), exactly as
+//! `IMallocSpy` may under `CoRegisterMallocSpy`.
+//!
+//! Two ways in:
+//!
+//! * **Preload** `libmallocspy_preload.so` (built from `cdylib-shim/`) into an unmodified
+//!   program. It exports `malloc, calloc, realloc, reallocarray, free, posix_memalign,
+//!   aligned_alloc, memalign, valloc, pvalloc, malloc_usable_size, malloc_trim` and forwards to
+//!   the next allocator in the lookup order (glibc, or jemalloc/tcmalloc preloaded after it).
+//!   `MALLOCSPY_OPTIONS` picks built-in spies (see [`options`]); any module of the process
+//!   registers its own spy through [`register_malloc_spy`] or the C header
+//!   `include/mallocspy.h`.
+//! * **Be your own interposer**: with the `interpose` feature a Rust program exports the
+//!   malloc family itself, and its spy sees the allocations of the C libraries it calls too.
+//!
+//! ```no_run
+//! use std::ffi::c_void;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use mallocspy::{register_malloc_spy, revoke_malloc_spy, MallocSpy};
+//!
+//! /// Counts allocations and pads each one with a 16-byte header.
+//! struct Padding(AtomicUsize);
+//!
+//! impl MallocSpy for Padding {
+//!     fn pre_alloc(&self, size: usize) -> usize {
+//!         self.0.fetch_add(1, Ordering::Relaxed);
+//!         size.checked_add(16).unwrap_or(0) // 0: fail the call
+//!     }
+//!     fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
+//!         if actual.is_null() { actual } else { actual.wrapping_byte_add(16) }
+//!     }
+//!     fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+//!         if spied { request.wrapping_byte_sub(16) } else { request }
+//!     }
+//!     // (a complete spy also maps pointers in pre_realloc/post_realloc and pre_get_size,
+//!     //  and keeps the alignment in pre_alloc_aligned/post_alloc_aligned)
+//! }
+//!
+//! register_malloc_spy(Padding(AtomicUsize::new(0)))?;
+//! let v = vec![1u8; 100]; // Rust's allocator calls malloc: spied
+//! drop(v);
+//! revoke_malloc_spy()?; // Ok, or AccessDenied while padded blocks live (revoke pending)
+//! # Ok::<(), mallocspy::SpyError>(())
+//! ```
+//!
+//! The contract every spy lives by — what runs when, what a spy may change, re-entrancy,
+//! panics, threads — is on [`MallocSpy`].
+
+#![forbid(unsafe_op_in_unsafe_fn)]
+#![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+mod api;
+mod bootstrap;
+mod deferred;
+mod dispatch;
+pub mod ffi;
+mod global;
+mod global_alloc;
+mod heap;
+#[doc(hidden)]
+pub mod interpose;
+mod line;
+mod live_table;
+pub mod options;
+mod os;
+#[doc(hidden)]
+pub mod preload;
+mod registry;
+mod sink;
+mod spies;
+mod spy;
+mod sync;
+mod threads;
+mod tls;
+
+pub use api::{did_alloc, register_malloc_spy, revoke_malloc_spy, spied_blocks};
+pub use global_alloc::RealAllocator;
+pub use spy::{Call, CallScratch, DidAlloc, Entry, MallocSpy, SpyError};
+pub use threads::MAX_THREADS;
+
+#[cfg(feature = "interpose")]
+export_interposer!();

@@ -1,0 +1,118 @@
+//! The few operating-system services the hook path needs, as thin wrappers that never allocate.
+//!
+//! Everything here is async-signal-safe and may run before libc has finished initialising:
+//! raw system calls, `errno`, anonymous mappings and the page size.
+
+use core::ffi::c_int;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicUsize, Ordering};
+
+/// The calling thread's `errno`.
+#[inline]
+pub(crate) fn errno() -> c_int {
+    // SAFETY: `__errno_location` returns the calling thread's errno slot, valid for the thread's life.
+    unsafe { *libc::__errno_location() }
+}
+
+/// Sets the calling thread's `errno`.
+#[inline]
+pub(crate) fn set_errno(value: c_int) {
+    // SAFETY: as in `errno`.
+    unsafe { *libc::__errno_location() = value }
+}
+
+/// Maps `len` bytes of zeroed, private, anonymous memory; `None` when the kernel refuses.
+///
+/// `MAP_NORESERVE`: pages cost memory only once touched, so tables may reserve generously.
+pub(crate) fn map(len: usize) -> Option<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing aliases nothing.
+    let p = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
+}
+
+/// Returns a mapping made by [`map`] to the kernel.
+///
+/// # Safety
+/// `ptr` and `len` must describe exactly one earlier [`map`] call, and nothing may use the
+/// memory afterwards.
+pub(crate) unsafe fn unmap(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: the caller guarantees the range is a mapping of ours that nobody uses any more.
+    unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+}
+
+static PAGE_SIZE: AtomicUsize = AtomicUsize::new(0);
+
+/// The system page size (cached; `getauxval` works before libc is initialised).
+#[inline]
+pub(crate) fn page_size() -> usize {
+    let cached = PAGE_SIZE.load(Ordering::Relaxed);
+    if cached != 0 {
+        return cached;
+    }
+    // SAFETY: getauxval only reads the auxiliary vector the kernel gave the process.
+    let mut size = unsafe { libc::getauxval(libc::AT_PAGESZ) } as usize;
+    if !size.is_power_of_two() {
+        size = 4096;
+    }
+    PAGE_SIZE.store(size, Ordering::Relaxed);
+    size
+}
+
+/// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes. Preserves `errno`.
+/// Returns false when the descriptor refuses the data.
+pub(crate) fn write_all(fd: c_int, mut bytes: &[u8]) -> bool {
+    let saved = errno();
+    let mut ok = true;
+    while !bytes.is_empty() {
+        // SAFETY: `bytes` is a live slice; write(2) reads at most its length.
+        let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+        if n < 0 {
+            if errno() == libc::EINTR {
+                continue;
+            }
+            ok = false;
+            break;
+        }
+        if n == 0 {
+            ok = false;
+            break;
+        }
+        bytes = &bytes[n as usize..];
+    }
+    set_errno(saved);
+    ok
+}
+
+/// The process id, straight from the kernel (no libc cache to go stale across `fork`).
+#[inline]
+pub(crate) fn getpid() -> u32 {
+    // SAFETY: getpid has no preconditions.
+    unsafe { libc::syscall(libc::SYS_getpid) as u32 }
+}
+
+/// Gives up the processor while spinning on a lock or a quiescence wait.
+#[inline]
+pub(crate) fn yield_now() {
+    // SAFETY: sched_yield has no preconditions.
+    unsafe { libc::sched_yield() };
+}
+
+/// The load address of the module (executable or shared object) that contains `addr`, or 0.
+pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
+    // SAFETY: Dl_info is plain data, valid when zeroed; dladdr only writes it.
+    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+    // SAFETY: dladdr accepts any address and a valid out-pointer.
+    if unsafe { libc::dladdr(addr, &mut info) } == 0 {
+        return 0;
+    }
+    info.dli_fbase as usize
+}

@@ -1,0 +1,133 @@
+//! `spy=count`: calls per entry point, bytes requested and failures, as one JSON line at exit.
+//!
+//! An observer only (it never changes a request). Counters are per thread slot and
+//! single-writer, so counting costs plain loads and stores, no atomic read-modify-write; the
+//! report sums the slots.
+
+use core::fmt::Write;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use crate::line::Line;
+use crate::spy::{Call, Entry, MallocSpy};
+use crate::threads::{self, MAX_THREADS};
+
+#[repr(C, align(64))]
+struct Counters {
+    calls: [AtomicU64; Entry::ALL.len()],
+    bytes: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// Totals over all threads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    pub calls: [u64; Entry::ALL.len()],
+    pub bytes_requested: u64,
+    pub failed: u64,
+}
+
+/// The counting spy.
+pub(crate) struct CountSpy {
+    /// `[Counters; MAX_THREADS]` in an anonymous mapping, indexed by thread slot.
+    per_thread: NonNull<Counters>,
+    /// For calls from a thread that has no slot of this module (never the case for the
+    /// built-in spy of the shim; kept so the spy is correct anywhere).
+    shared: Counters,
+}
+
+// SAFETY: the mapping is shared memory of atomics; each slot's counters are written only by
+// the thread owning the slot, and read by anyone.
+unsafe impl Send for CountSpy {}
+// SAFETY: as above.
+unsafe impl Sync for CountSpy {}
+
+const fn zeroed() -> Counters {
+    Counters {
+        calls: [const { AtomicU64::new(0) }; Entry::ALL.len()],
+        bytes: AtomicU64::new(0),
+        failed: AtomicU64::new(0),
+    }
+}
+
+impl CountSpy {
+    /// A spy with zeroed counters; `None` if the counter table cannot be mapped.
+    pub(crate) fn new() -> Option<Self> {
+        Some(Self { per_thread: threads::map_per_thread::<Counters>()?, shared: zeroed() })
+    }
+
+    fn slot(&self, index: u32) -> &Counters {
+        debug_assert!((index as usize) < MAX_THREADS);
+        // SAFETY: index < MAX_THREADS, the mapping's length; zeroed memory is valid atomics.
+        unsafe { &*self.per_thread.as_ptr().add(index as usize) }
+    }
+
+    /// Sums every thread's counters (approximate while other threads still count).
+    pub(crate) fn totals(&self) -> Totals {
+        let mut t = Totals::default();
+        let mut add = |c: &Counters| {
+            for (sum, n) in t.calls.iter_mut().zip(&c.calls) {
+                *sum += n.load(Ordering::Relaxed);
+            }
+            t.bytes_requested = t.bytes_requested.saturating_add(c.bytes.load(Ordering::Relaxed));
+            t.failed += c.failed.load(Ordering::Relaxed);
+        };
+        for index in 0..threads::high_water() as u32 {
+            add(self.slot(index));
+        }
+        add(&self.shared);
+        t
+    }
+
+    /// Child side of `fork`: the child counts its own calls.
+    pub(crate) fn reset(&self) {
+        for index in 0..threads::high_water() as u32 {
+            let c = self.slot(index);
+            c.calls.iter().chain([&c.bytes, &c.failed]).for_each(|n| n.store(0, Ordering::Relaxed));
+        }
+    }
+
+    /// The exit report: one JSON object on one line.
+    pub(crate) fn report(&self) -> Line<1024> {
+        let t = self.totals();
+        let mut line = Line::new();
+        let _ = line.write_str("{\"calls\":{");
+        for (i, entry) in Entry::ALL.iter().enumerate() {
+            let _ = write!(line, "{}\"{}\":{}", if i == 0 { "" } else { "," }, entry.name(), t.calls[i]);
+        }
+        let _ = writeln!(line, "}},\"bytes_requested\":{},\"failed\":{}}}", t.bytes_requested, t.failed);
+        line
+    }
+}
+
+/// Adds `n` to a counter only the calling thread writes.
+#[inline(always)]
+fn bump(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+impl MallocSpy for CountSpy {
+    fn tracks_blocks(&self) -> bool {
+        false
+    }
+
+    #[inline]
+    fn after_call(&self, call: &Call) {
+        let bytes = if call.failed { 0 } else { call.size as u64 };
+        match threads::current_index() {
+            Some(index) => {
+                let c = self.slot(index);
+                bump(&c.calls[call.entry as usize], 1);
+                bump(&c.bytes, bytes);
+                if call.failed {
+                    bump(&c.failed, 1);
+                }
+            }
+            None => {
+                self.shared.calls[call.entry as usize].fetch_add(1, Ordering::Relaxed);
+                self.shared.bytes.fetch_add(bytes, Ordering::Relaxed);
+                self.shared.failed.fetch_add(call.failed as u64, Ordering::Relaxed);
+            }
+        }
+    }
+}

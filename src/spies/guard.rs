@@ -1,0 +1,376 @@
+//! `spy=guard`: the IMallocSpy showcase. A header and a trailer canary around every block,
+//! checked when the block is freed or reallocated; double frees and frees of pointers that
+//! are not live blocks are caught before the real allocator sees them.
+//!
+//! Layout of a block (caller's pointer `p`, `size` bytes asked for):
+//!
+//! ```text
+//! real                       p-16        p-8          p                p+size
+//! | padding (aligned blocks) | size: u64 | tag: u64 | caller's bytes | trailer: u64 |
+//! ```
+//!
+//! `tag` holds the header's offset from the real block (16, or the alignment for aligned
+//! blocks) and a canary mixed with `p`, so a header copied elsewhere does not validate.
+//! Every finding is one line: what, where, how big; the program goes on where it safely can
+//! (a damaged header means the real block cannot be found, so it is leaked, not freed).
+
+use core::ffi::c_void;
+use core::fmt::Write;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crate::line::Line;
+use crate::live_table::LiveTable;
+use crate::spy::{CallScratch, MallocSpy};
+use crate::sync::SpinLock;
+use crate::{os, sink};
+
+const HEADER: usize = 16;
+const TRAILER: usize = 8;
+const CANARY: u32 = 0x5AFE_C0DE;
+const TRAILER_CANARY: u64 = 0xDEAD_BEEF_FEED_FACE;
+/// Largest header offset (alignment) the tag can carry.
+const MAX_OFFSET: usize = 1 << 31;
+/// Recently freed blocks remembered for double-free detection.
+const RECENT: usize = 1 << 16;
+
+// Scratch words, from a Pre method to its Post method.
+const S_SIZE: usize = 0;
+const S_OFFSET: usize = 1;
+const S_KEEP: usize = 2;
+
+/// What kind of misuse a finding is.
+#[derive(Clone, Copy)]
+enum Finding {
+    Overflow = 0,
+    Underflow,
+    DoubleFree,
+    InvalidFree,
+}
+
+/// A recently freed block: its size, and its position in the eviction ring.
+#[derive(Clone, Copy)]
+struct Recent {
+    size: usize,
+    seq: usize,
+}
+
+/// The guard spy.
+pub(crate) struct GuardSpy {
+    /// Recently freed caller pointers, to tell a double free from a foreign pointer.
+    recent: LiveTable<Recent>,
+    /// FIFO of the pointers in `recent`, `[usize; RECENT]` in an anonymous mapping.
+    ring: NonNull<usize>,
+    ring_next: AtomicUsize,
+    ring_lock: SpinLock,
+    findings: [AtomicU64; 4],
+}
+
+// SAFETY: the ring is touched only under ring_lock; the rest is atomics and a Sync table.
+unsafe impl Send for GuardSpy {}
+// SAFETY: as above.
+unsafe impl Sync for GuardSpy {}
+
+/// A header as read back.
+struct Header {
+    size: usize,
+    offset: usize,
+}
+
+fn tag(p: usize, offset: usize) -> u64 {
+    ((offset as u64) << 32) | u64::from(CANARY ^ p as u32)
+}
+
+fn trailer(p: usize) -> u64 {
+    TRAILER_CANARY ^ p as u64
+}
+
+/// Writes the header and trailer of the block whose caller pointer is `p`.
+///
+/// # Safety
+/// `[p - 16, p + size + 8)` is inside one live block of ours.
+unsafe fn lay_out(p: usize, size: usize, offset: usize) {
+    let p8 = p as *mut u8;
+    // SAFETY: the caller's guarantee; p is 16-aligned, so the header words are aligned.
+    unsafe {
+        (p8.sub(HEADER) as *mut u64).write(size as u64);
+        (p8.sub(8) as *mut u64).write(tag(p, offset));
+        (p8.add(size) as *mut u64).write_unaligned(trailer(p));
+    }
+}
+
+/// Reads the header of a spied block; `None` when it is damaged.
+///
+/// # Safety
+/// `p` is the caller pointer of a block this spy laid out (its 16 header bytes are readable).
+unsafe fn read_header(p: usize) -> Option<Header> {
+    let p8 = p as *const u8;
+    // SAFETY: the caller's guarantee.
+    let (size, tag_word) = unsafe { ((p8.sub(HEADER) as *const u64).read(), (p8.sub(8) as *const u64).read()) };
+    let offset = (tag_word >> 32) as usize;
+    let valid =
+        tag_word as u32 == CANARY ^ p as u32 && offset >= HEADER && offset.is_power_of_two() && offset <= MAX_OFFSET;
+    valid.then_some(Header { size: size as usize, offset })
+}
+
+/// Whether the trailer after a block with an intact header is intact.
+///
+/// # Safety
+/// `p` has an intact header of this spy.
+unsafe fn trailer_intact(p: usize, size: usize) -> bool {
+    // SAFETY: an intact header means the block holds size + TRAILER bytes after p.
+    unsafe { ((p as *const u8).add(size) as *const u64).read_unaligned() == trailer(p) }
+}
+
+/// Header offset for an alignment: the header must end where an aligned pointer can start.
+fn offset_for(align: usize) -> usize {
+    if align <= HEADER {
+        HEADER
+    } else {
+        // A bad alignment is the real allocator's to reject; a huge one ours to refuse.
+        align.checked_next_power_of_two().filter(|&a| a <= MAX_OFFSET).unwrap_or(HEADER)
+    }
+}
+
+impl GuardSpy {
+    /// A guard with an empty memory of freed blocks; `None` if it cannot be mapped.
+    pub(crate) fn new() -> Option<Self> {
+        let ring = os::map(RECENT * core::mem::size_of::<usize>())?.cast::<usize>();
+        Some(Self {
+            recent: LiveTable::new(),
+            ring,
+            ring_next: AtomicUsize::new(0),
+            ring_lock: SpinLock::new(),
+            findings: [const { AtomicU64::new(0) }; 4],
+        })
+    }
+
+    fn report(&self, finding: Finding, p: usize, size: Option<usize>, place: &str) {
+        self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
+        let mut line = Line::<256>::new();
+        let what = match finding {
+            Finding::Overflow => "heap-buffer-overflow: trailer canary damaged",
+            Finding::Underflow => "heap-buffer-underflow: header canary damaged, block leaked",
+            Finding::DoubleFree => "double-free",
+            Finding::InvalidFree => "invalid-free: not a live block",
+        };
+        let _ = write!(line, "mallocspy: guard: {what} at {p:#x}");
+        if let Some(size) = size {
+            let _ = write!(line, ", size {size}");
+        }
+        let _ = writeln!(line, " (in {place})");
+        sink::write(line.as_bytes());
+    }
+
+    /// Number of findings so far.
+    pub(crate) fn findings(&self) -> u64 {
+        self.findings.iter().map(|f| f.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The exit summary: nothing when all was well.
+    pub(crate) fn report_summary(&self) -> Option<Line<256>> {
+        let total = self.findings();
+        if total == 0 {
+            return None;
+        }
+        let n = |f: Finding| self.findings[f as usize].load(Ordering::Relaxed);
+        let mut line = Line::new();
+        let _ = writeln!(
+            line,
+            "mallocspy: guard: {total} finding(s): {} overflow, {} underflow, {} double-free, {} invalid-free",
+            n(Finding::Overflow),
+            n(Finding::Underflow),
+            n(Finding::DoubleFree),
+            n(Finding::InvalidFree)
+        );
+        Some(line)
+    }
+
+    /// Remembers a freed caller pointer, forgetting the oldest one.
+    fn remember_freed(&self, p: usize, size: usize) {
+        let _guard = self.ring_lock.lock();
+        let seq = self.ring_next.load(Ordering::Relaxed);
+        // SAFETY: the index is below RECENT, the ring's length; the lock is held.
+        let slot = unsafe { &mut *self.ring.as_ptr().add(seq % RECENT) };
+        let evicted = core::mem::replace(slot, p);
+        if evicted != 0 && self.recent.get(evicted).is_some_and(|r| r.seq == seq.wrapping_sub(RECENT)) {
+            self.recent.remove(evicted);
+        }
+        self.recent.insert(p, Recent { size, seq });
+        self.ring_next.store(seq.wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// A pointer the dispatcher does not know as a live spied block: a double free, a
+    /// pointer no block starts at, or a block allocated before the guard (passed through).
+    /// Returns false when the pointer must not reach the real allocator.
+    fn check_foreign(&self, p: usize, place: &str) -> bool {
+        if p % HEADER != 0 {
+            self.report(Finding::InvalidFree, p, None, place);
+            return false;
+        }
+        if let Some(r) = self.recent.get(p) {
+            self.report(Finding::DoubleFree, p, Some(r.size), place);
+            return false;
+        }
+        true
+    }
+
+    /// Validates a spied block before it goes back; `None` when its header is damaged.
+    fn check_spied(&self, p: usize, place: &str) -> Option<Header> {
+        // SAFETY: spied blocks were laid out by post_alloc/post_realloc of this spy.
+        let Some(header) = (unsafe { read_header(p) }) else {
+            self.report(Finding::Underflow, p, None, place);
+            return None;
+        };
+        // SAFETY: the header is intact.
+        if !unsafe { trailer_intact(p, header.size) } {
+            self.report(Finding::Overflow, p, Some(header.size), place);
+        }
+        Some(header)
+    }
+
+    /// Lays out a block the real allocator returned (for the sizes a Pre method noted).
+    fn finish(&self, real: *mut c_void) -> *mut c_void {
+        if real.is_null() {
+            return real;
+        }
+        let size = CallScratch::get(S_SIZE) as usize;
+        let offset = CallScratch::get(S_OFFSET) as usize;
+        let p = real as usize + offset;
+        // SAFETY: the Pre method asked for offset + size + TRAILER bytes.
+        unsafe { lay_out(p, size, offset) };
+        // The address is live again: it can no longer be a double free.
+        self.recent.remove(p);
+        p as *mut c_void
+    }
+
+    fn plan(&self, size: usize, offset: usize) -> usize {
+        CallScratch::set(S_SIZE, size as u64);
+        CallScratch::set(S_OFFSET, offset as u64);
+        offset.checked_add(size).and_then(|n| n.checked_add(TRAILER)).unwrap_or(0)
+    }
+}
+
+impl MallocSpy for GuardSpy {
+    fn pre_alloc(&self, size: usize) -> usize {
+        self.plan(size, HEADER)
+    }
+
+    fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
+        self.finish(actual)
+    }
+
+    fn pre_alloc_aligned(&self, size: usize, align: usize) -> usize {
+        self.plan(size, offset_for(align))
+    }
+
+    fn post_alloc_aligned(&self, actual: *mut c_void, _align: usize) -> *mut c_void {
+        self.finish(actual)
+    }
+
+    fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        let p = request as usize;
+        if !spied {
+            return if self.check_foreign(p, "free") { request } else { core::ptr::null_mut() };
+        }
+        match self.check_spied(p, "free") {
+            Some(header) => {
+                self.remember_freed(p, header.size);
+                (p - header.offset) as *mut c_void
+            }
+            None => core::ptr::null_mut(),
+        }
+    }
+
+    fn pre_realloc(&self, request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize) {
+        let p = request as usize;
+        if !spied {
+            if !self.check_foreign(p, "realloc") {
+                return (request, 0);
+            }
+            // An unspied block becomes spied: its bytes move up behind a header afterwards.
+            // SAFETY: an unspied pointer that passed the checks is a block of the real heap;
+            // this call is nested, so it goes straight to the real allocator.
+            let old = unsafe { libc::malloc_usable_size(request) };
+            CallScratch::set(S_KEEP, old.min(size) as u64);
+            let total = self.plan(size, HEADER);
+            CallScratch::set(S_OFFSET, 0);
+            return (request, total);
+        }
+        let Some(header) = self.check_spied(p, "realloc") else { return (request, 0) };
+        let keep = header.size.min(size);
+        // offset + size + TRAILER bytes: room for the new layout, and the kept bytes, which
+        // sit at `offset` in the old block, survive the real copy.
+        let total = self.plan(size, header.offset);
+        CallScratch::set(S_KEEP, keep as u64);
+        ((p - header.offset) as *mut c_void, total)
+    }
+
+    fn post_realloc(&self, actual: *mut c_void, _spied: bool) -> *mut c_void {
+        if actual.is_null() {
+            return actual;
+        }
+        let from = CallScratch::get(S_OFFSET) as usize;
+        let keep = CallScratch::get(S_KEEP) as usize;
+        if from != HEADER {
+            // SAFETY: the block holds max(from + keep, HEADER + size + TRAILER) bytes and
+            // keep <= size; ptr::copy handles the overlap.
+            unsafe { core::ptr::copy((actual as *const u8).add(from), (actual as *mut u8).add(HEADER), keep) };
+        }
+        CallScratch::set(S_OFFSET, HEADER as u64);
+        self.finish(actual)
+    }
+
+    fn pre_get_size(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        if !spied {
+            return request;
+        }
+        let p = request as usize;
+        // SAFETY: spied blocks were laid out by this spy.
+        match unsafe { read_header(p) } {
+            Some(header) => {
+                CallScratch::set(S_SIZE, header.size as u64);
+                (p - header.offset) as *mut c_void
+            }
+            None => {
+                CallScratch::set(S_SIZE, 0);
+                request
+            }
+        }
+    }
+
+    fn post_get_size(&self, actual: usize, spied: bool) -> usize {
+        if spied { CallScratch::get(S_SIZE) as usize } else { actual }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_follow_alignment() {
+        assert_eq!(offset_for(0), 16);
+        assert_eq!(offset_for(8), 16);
+        assert_eq!(offset_for(64), 64);
+        assert_eq!(offset_for(48), 64);
+        assert_eq!(offset_for(usize::MAX), 16);
+    }
+
+    #[test]
+    fn header_round_trip_and_damage() {
+        let mut buf = vec![0u64; 16];
+        let p = buf.as_mut_ptr() as usize + 16;
+        // SAFETY: buf holds 128 bytes: 16 before p, 48 + 8 after.
+        unsafe {
+            lay_out(p, 40, 16);
+            let h = read_header(p).unwrap();
+            assert_eq!((h.size, h.offset), (40, 16));
+            assert!(trailer_intact(p, 40));
+            *(p as *mut u8).add(40) ^= 1;
+            assert!(!trailer_intact(p, 40));
+            *(p as *mut u8).sub(1) ^= 0x80;
+            assert!(read_header(p).is_none());
+        }
+    }
+}

@@ -1,0 +1,5 @@
+//! The built-in spies, chosen by `MALLOCSPY_OPTIONS` (see [`crate::options`]).
+
+pub(crate) mod count;
+pub(crate) mod guard;
+pub(crate) mod stack;

@@ -1,0 +1,310 @@
+//! Thread slots: who is inside a spied hook right now, and waiting until nobody is.
+//!
+//! Two operations must know that no other thread is still running spy code:
+//! dropping a revoked spy (its methods may still be executing elsewhere) and `fork` (a lock held
+//! by another thread would stay held forever in the child). Both wait for *quiescence*: every
+//! thread that was inside a spied hook when the wait began has left it.
+//!
+//! Each thread that enters a spied hook owns a slot with a sequence number, odd while inside.
+//! Entering costs one plain store and a compiler fence: the store-load ordering the waiter
+//! needs is supplied by the waiter itself with `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`
+//! (the asymmetric fence of userspace RCU), and only on kernels without it does the hook pay
+//! a full fence. Slots are single-writer, so spies keep their per-thread counters beside them
+//! without atomic read-modify-write.
+//!
+//! Slots are recycled when their thread exits (a `pthread_key_create` destructor); a thread that
+//! finds all [`MAX_THREADS`] slots taken runs unspied.
+
+use core::ffi::c_void;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence};
+
+use crate::sync::SpinLock;
+use crate::tls::ThreadState;
+use crate::{os, tls};
+
+/// How many threads can be inside spied hooks over the process's life at once.
+pub const MAX_THREADS: usize = 16384;
+
+/// [`ThreadState::slot`] value of a thread that found no free slot.
+pub(crate) const NO_SLOT: u32 = u32::MAX;
+
+#[repr(align(64))]
+struct Slot {
+    /// Odd while the owning thread is inside a spied hook.
+    seq: AtomicU64,
+}
+
+struct Slots {
+    /// `[Slot; MAX_THREADS]`, mapped on first use.
+    table: AtomicPtr<Slot>,
+    /// Stack of free indices below `high_water`: `[u32; MAX_THREADS]`, under `lock`.
+    free: AtomicPtr<u32>,
+    free_len: AtomicUsize,
+    /// Slots ever handed out; quiescence scans this many.
+    high_water: AtomicUsize,
+    lock: SpinLock,
+    /// The pthread key whose destructor returns a slot at thread exit, plus one (0: none yet).
+    key: AtomicUsize,
+}
+
+static SLOTS: Slots = Slots {
+    table: AtomicPtr::new(core::ptr::null_mut()),
+    free: AtomicPtr::new(core::ptr::null_mut()),
+    free_len: AtomicUsize::new(0),
+    high_water: AtomicUsize::new(0),
+    lock: SpinLock::new(),
+    key: AtomicUsize::new(0),
+};
+
+/// Set while `fork` waits for quiescence: threads arriving at a hook wait outside.
+static FORKING: AtomicBool = AtomicBool::new(false);
+
+/// The process is registered for expedited private membarrier: entering a hook needs no fence.
+static MEMBARRIER: AtomicBool = AtomicBool::new(false);
+
+const MEMBARRIER_CMD_PRIVATE_EXPEDITED: libc::c_long = 1 << 3;
+const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: libc::c_long = 1 << 4;
+
+fn membarrier(cmd: libc::c_long) -> bool {
+    // SAFETY: membarrier takes plain integers and touches no memory of ours.
+    unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0 as libc::c_long, 0 as libc::c_long) == 0 }
+}
+
+fn register_membarrier() {
+    MEMBARRIER.store(membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED), Ordering::Release);
+}
+
+fn slot(index: u32) -> &'static Slot {
+    let table = SLOTS.table.load(Ordering::Acquire);
+    debug_assert!(!table.is_null() && (index as usize) < MAX_THREADS);
+    // SAFETY: an index is handed out only after the table was mapped, it is below MAX_THREADS,
+    // and the mapping is never released.
+    unsafe { &*table.add(index as usize) }
+}
+
+/// Maps the slot tables and creates the exit key, once. Called under `SLOTS.lock`.
+fn init_tables() -> bool {
+    if !SLOTS.table.load(Ordering::Acquire).is_null() {
+        return true;
+    }
+    let Some(table) = os::map(MAX_THREADS * core::mem::size_of::<Slot>()) else { return false };
+    let Some(free) = os::map(MAX_THREADS * core::mem::size_of::<u32>()) else {
+        // SAFETY: `table` was mapped just above with this length and never shared.
+        unsafe { os::unmap(table, MAX_THREADS * core::mem::size_of::<Slot>()) };
+        return false;
+    };
+    let mut key: libc::pthread_key_t = 0;
+    // SAFETY: `key` is a valid out-pointer; the destructor is an `extern "C"` fn of the right type.
+    if unsafe { libc::pthread_key_create(&mut key, Some(release_at_thread_exit)) } == 0 {
+        SLOTS.key.store(key as usize + 1, Ordering::Relaxed);
+    }
+    register_membarrier();
+    SLOTS.free.store(free.as_ptr().cast(), Ordering::Release);
+    SLOTS.table.store(table.as_ptr().cast(), Ordering::Release);
+    true
+}
+
+/// The calling thread's slot index, acquiring one on first use; `None` when none is free.
+///
+/// The caller must already have raised [`ThreadState::depth`]: acquiring may call
+/// `pthread_setspecific`, which may allocate.
+#[inline]
+pub(crate) fn current(ts: &ThreadState) -> Option<u32> {
+    match ts.slot.get() {
+        0 => acquire(ts),
+        NO_SLOT => None,
+        index_plus_one => Some(index_plus_one - 1),
+    }
+}
+
+/// The calling thread's slot index if it has one (never acquires). Inside a spied hook of
+/// this module's interposer it always has one.
+#[inline]
+pub(crate) fn current_index() -> Option<u32> {
+    match tls::state().slot.get() {
+        0 | NO_SLOT => None,
+        index_plus_one => Some(index_plus_one - 1),
+    }
+}
+
+#[cold]
+fn acquire(ts: &ThreadState) -> Option<u32> {
+    debug_assert!(ts.depth.get() != 0);
+    let index = {
+        let _guard = SLOTS.lock.lock();
+        if !init_tables() {
+            None
+        } else {
+            let free_len = SLOTS.free_len.load(Ordering::Relaxed);
+            if free_len > 0 {
+                SLOTS.free_len.store(free_len - 1, Ordering::Relaxed);
+                // SAFETY: `free` holds MAX_THREADS entries and free_len <= MAX_THREADS; the lock
+                // is held.
+                Some(unsafe { *SLOTS.free.load(Ordering::Relaxed).add(free_len - 1) })
+            } else {
+                let hw = SLOTS.high_water.load(Ordering::Relaxed);
+                if hw < MAX_THREADS {
+                    SLOTS.high_water.store(hw + 1, Ordering::Release);
+                    Some(hw as u32)
+                } else {
+                    None
+                }
+            }
+        }
+    };
+    match index {
+        Some(index) => {
+            ts.slot.set(index + 1);
+            let key = SLOTS.key.load(Ordering::Relaxed);
+            if key != 0 {
+                // SAFETY: the key was created by init_tables; the value is an integer tag, never
+                // dereferenced.
+                unsafe {
+                    libc::pthread_setspecific((key - 1) as libc::pthread_key_t, (index as usize + 1) as *const c_void)
+                };
+            }
+            Some(index)
+        }
+        None => {
+            ts.slot.set(NO_SLOT);
+            None
+        }
+    }
+}
+
+/// Returns the exiting thread's slot for reuse. Runs as a pthread key destructor.
+extern "C" fn release_at_thread_exit(value: *mut c_void) {
+    let index = (value as usize).wrapping_sub(1) as u32;
+    let ts = tls::state();
+    if ts.slot.get() != index + 1 || ts.depth.get() != 0 {
+        return;
+    }
+    ts.slot.set(0);
+    let _guard = SLOTS.lock.lock();
+    let free_len = SLOTS.free_len.load(Ordering::Relaxed);
+    if free_len < MAX_THREADS {
+        // SAFETY: free_len < MAX_THREADS and the lock is held.
+        unsafe { *SLOTS.free.load(Ordering::Relaxed).add(free_len) = index };
+        SLOTS.free_len.store(free_len + 1, Ordering::Relaxed);
+    }
+}
+
+/// Proof that the calling thread is inside a spied hook, visible to [`quiesce`]; leaving
+/// happens on drop.
+pub(crate) struct InFlight {
+    slot: &'static Slot,
+}
+
+impl InFlight {
+    /// Marks the calling thread (owner of `index`) as inside a spied hook, first waiting out a
+    /// `fork` in progress.
+    #[inline]
+    pub(crate) fn enter(index: u32) -> Self {
+        let slot = slot(index);
+        loop {
+            let seq = slot.seq.load(Ordering::Relaxed);
+            slot.seq.store(seq | 1, Ordering::Relaxed);
+            if MEMBARRIER.load(Ordering::Relaxed) {
+                compiler_fence(Ordering::SeqCst);
+            } else {
+                fence(Ordering::SeqCst);
+            }
+            if !FORKING.load(Ordering::Relaxed) {
+                return Self { slot };
+            }
+            slot.seq.store((seq | 1) + 1, Ordering::Release);
+            while FORKING.load(Ordering::Acquire) {
+                os::yield_now();
+            }
+        }
+    }
+}
+
+impl Drop for InFlight {
+    #[inline]
+    fn drop(&mut self) {
+        let seq = self.slot.seq.load(Ordering::Relaxed);
+        self.slot.seq.store(seq + 1, Ordering::Release);
+    }
+}
+
+/// Waits until every thread that was inside a spied hook when the call began has left it.
+///
+/// `except` is the caller's own slot when the caller is itself inside a hook. Whatever the
+/// caller stored before the call is visible to every hook entered after it returns.
+pub(crate) fn quiesce(except: Option<u32>) {
+    fence(Ordering::SeqCst);
+    if MEMBARRIER.load(Ordering::Acquire) {
+        membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
+    }
+    fence(Ordering::SeqCst);
+    if SLOTS.table.load(Ordering::Acquire).is_null() {
+        return;
+    }
+    let high_water = SLOTS.high_water.load(Ordering::Acquire);
+    for index in 0..high_water as u32 {
+        if Some(index) == except {
+            continue;
+        }
+        let slot = slot(index);
+        let seq = slot.seq.load(Ordering::Acquire);
+        if seq & 1 == 1 {
+            let mut spins = 0u32;
+            while slot.seq.load(Ordering::Acquire) == seq {
+                spins += 1;
+                if spins < 128 {
+                    core::hint::spin_loop();
+                } else {
+                    os::yield_now();
+                }
+            }
+        }
+    }
+}
+
+/// `pthread_atfork` prepare: keep every other thread out of the hooks until the fork is done.
+pub(crate) fn fork_prepare() {
+    FORKING.store(true, Ordering::SeqCst);
+    quiesce(current_index());
+}
+
+/// `pthread_atfork` parent: let the threads back in.
+pub(crate) fn fork_parent() {
+    FORKING.store(false, Ordering::SeqCst);
+}
+
+/// `pthread_atfork` child: only the calling thread survived; every other slot is free again.
+pub(crate) fn fork_child() {
+    SLOTS.lock.force_unlock();
+    let free = SLOTS.free.load(Ordering::Relaxed);
+    if !free.is_null() {
+        let mine = tls::state().slot.get();
+        let high_water = SLOTS.high_water.load(Ordering::Relaxed);
+        let mut len = 0;
+        for index in (0..high_water as u32).rev() {
+            if index + 1 != mine {
+                slot(index).seq.store(0, Ordering::Relaxed);
+                // SAFETY: len < high_water <= MAX_THREADS; no other thread exists.
+                unsafe { *free.add(len) = index };
+                len += 1;
+            }
+        }
+        SLOTS.free_len.store(len, Ordering::Relaxed);
+    }
+    // Registration belongs to the address space: a new one needs its own.
+    if MEMBARRIER.load(Ordering::Relaxed) {
+        register_membarrier();
+    }
+    FORKING.store(false, Ordering::SeqCst);
+}
+
+/// Number of slots ever handed out (the range a per-thread aggregate must sum over).
+pub(crate) fn high_water() -> usize {
+    SLOTS.high_water.load(Ordering::Acquire)
+}
+
+/// Maps `MAX_THREADS` per-thread records of `T` for a spy's single-writer counters.
+pub(crate) fn map_per_thread<T>() -> Option<NonNull<T>> {
+    os::map(MAX_THREADS * core::mem::size_of::<T>()).map(NonNull::cast)
+}

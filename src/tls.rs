@@ -1,0 +1,78 @@
+//! Per-thread state of the hook path, in initial-exec thread-local storage.
+//!
+//! Why not `thread_local!`: in a shared object it compiles to global-dynamic TLS, whose
+//! `__tls_get_addr` may call `malloc` (glibc >= 2.39 does so in more cases), which recurses into
+//! the hook forever (koute/bytehound#131, scylladb/seastar#2247). The glibc manual requires a
+//! malloc replacement to use initial-exec TLS. Stable Rust cannot ask for that model, so the block
+//! is declared in `.tbss` with `global_asm!` and addressed through its `@GOTTPOFF` slot: one load
+//! and one add, no call, no allocation, valid from the first instruction a thread runs.
+//!
+//! The block starts zeroed in every thread, and every field is valid when zero.
+
+use core::cell::Cell;
+
+/// Number of scratch words each thread gives the spy for the span of one call
+/// (see [`crate::CallScratch`]).
+pub(crate) const SCRATCH_WORDS: usize = 8;
+
+/// The per-thread state. Zero is the initial state of every field.
+#[repr(C, align(64))]
+pub(crate) struct ThreadState {
+    /// Depth of hook nesting: 0 outside the hooks. A call that finds it non-zero was made by
+    /// the hook itself (or by a signal handler that interrupted it) and goes straight to the
+    /// real allocator.
+    pub depth: Cell<u32>,
+    /// This thread's slot in [`crate::threads`] plus one; 0 while it has none yet and
+    /// [`crate::threads::NO_SLOT`] when none was available.
+    pub slot: Cell<u32>,
+    /// Scratch words for the spy, private to the call in progress.
+    pub scratch: [Cell<u64>; SCRATCH_WORDS],
+}
+
+const BLOCK_SIZE: usize = 128;
+const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);
+
+#[cfg(not(target_arch = "x86_64"))]
+compile_error!("mallocspy's initial-exec TLS block is written for x86_64 only");
+
+core::arch::global_asm!(
+    ".pushsection .tbss,\"awT\",@nobits",
+    ".p2align 6",
+    ".globl __mallocspy_thread_state",
+    ".hidden __mallocspy_thread_state",
+    ".type __mallocspy_thread_state,@object",
+    ".size __mallocspy_thread_state, {size}",
+    "__mallocspy_thread_state:",
+    ".zero {size}",
+    ".popsection",
+    size = const BLOCK_SIZE,
+);
+
+/// The calling thread's state.
+///
+/// The reference is `'static` only in the sense of `std`'s `LocalKey`: `ThreadState` is not
+/// `Sync`, so the reference cannot leave the thread, and the thread's TLS outlives any use
+/// the thread makes of it.
+#[inline(always)]
+pub(crate) fn state() -> &'static ThreadState {
+    let block: *const ThreadState;
+    // SAFETY: fs:0 holds the thread pointer on x86_64 Linux; the GOT slot holds the block's
+    // offset from it (initial-exec model). The asm reads memory only and keeps the stack.
+    unsafe {
+        core::arch::asm!(
+            "mov {p}, qword ptr fs:[0]",
+            "add {p}, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
+            p = out(reg) block,
+            options(pure, readonly, nostack),
+        );
+    }
+    // SAFETY: the block is BLOCK_SIZE zero-initialised, 64-byte aligned bytes owned by this
+    // thread, and an all-zero ThreadState is valid (Cells of integers).
+    unsafe { &*block }
+}
+
+/// An address unique to the calling thread among live threads (its TLS block).
+#[inline(always)]
+pub(crate) fn thread_key() -> usize {
+    state() as *const ThreadState as usize
+}
