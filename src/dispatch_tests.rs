@@ -301,3 +301,41 @@ fn aligned_allocations_reach_the_spy_and_stay_aligned() {
     assert_eq!(log.spied_frees.load(Ordering::SeqCst), 10);
     assert_eq!(ip.revoke(), Ok(()));
 }
+
+#[test]
+fn calls_from_inside_a_hook_go_to_the_real_heap_and_spied_frees_wait_for_the_next_hook() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    let spied = ip.malloc(24) as *mut u8;
+    let moved_out = ip.malloc(8) as *mut u8;
+    // SAFETY: live spied blocks of 24 and 8 bytes.
+    unsafe {
+        spied.write_bytes(7, 24);
+        moved_out.write_bytes(9, 8);
+    }
+    {
+        // As a signal handler that interrupted a hook would: the thread is inside a hook.
+        let _inside = Scope::enter().unwrap();
+        let raw = ip.malloc(16);
+        assert_eq!(log.post_alloc.load(Ordering::SeqCst), 2, "nested allocation is unspied");
+        // SAFETY: `raw` is a real block, `spied`/`moved_out` live spied blocks.
+        unsafe {
+            ip.free(raw);
+            ip.free(spied.cast());
+            let copy = ip.realloc(moved_out.cast(), 100) as *mut u8;
+            assert!((0..8).all(|i| *copy.add(i) == 9), "a spied block reallocated from inside a hook is copied");
+            assert!(libc::malloc_usable_size(copy.cast()) >= 100, "into an unspied block");
+            ip.free(copy.cast());
+        }
+        assert_eq!(log.spied_frees.load(Ordering::SeqCst), 0, "spied frees wait: the spy may not run here");
+        assert!(ip.deferred.has_pending());
+    }
+    // The next hook finishes them through the spy.
+    let p = ip.malloc(1);
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 2);
+    assert!(!ip.deferred.has_pending());
+    // SAFETY: p is a live spied block.
+    unsafe { ip.free(p) };
+    assert_eq!(ip.revoke(), Ok(()));
+}

@@ -1,0 +1,128 @@
+/*
+ * mallocspy.h - register a malloc spy (COM's IMallocSpy, for Linux) from C or C++.
+ *
+ * The spy runs around every call of the process's malloc family once mallocspy is the
+ * process's allocator: libmallocspy_preload.so is in LD_PRELOAD (or the program links it, or a
+ * Rust program is its own interposer). Any module may register: the executable, a library
+ * preloaded beside the shim, a plugin opened with dlopen. There is one spy per process.
+ *
+ *     const struct mallocspy_api *api = mallocspy_api();
+ *     if (api && api->register_spy(&my_vtable, my_context) == MALLOCSPY_S_OK) ...
+ *
+ * The contract (what runs when, what a spy may change) is the Rust crate's `MallocSpy` trait;
+ * in short:
+ *   - Pre methods run just before the real allocator, Post methods just after; a Pre method
+ *     and its Post method run on the same thread with no other call of that thread between.
+ *   - pre_alloc/pre_alloc_aligned/pre_realloc may enlarge the request (return the size to
+ *     allocate); returning 0 for a non-zero request fails the call (NULL, ENOMEM) and the Post
+ *     method is not called. A real failure calls the Post method with NULL.
+ *   - post_alloc/post_realloc return the pointer the caller gets (e.g. actual + header size);
+ *     pre_free/pre_realloc/pre_get_size map it back. `spied` says whether the block was
+ *     allocated while this spy was registered (i.e. has its layout).
+ *   - Aligned allocations call the _aligned pair (NULL members fall back to pre_alloc and
+ *     post_alloc); a spy that moves pointers must keep them aligned.
+ *   - State between a Pre and a Post method goes in api->call_scratch() (8 words per thread).
+ *   - Allocations made by the spy itself go straight to the real allocator.
+ *   - Functions are called from any thread, concurrently; they must not block.
+ *   - `release` is called once, when the spy is dropped: at revoke, or after the last free of
+ *     its blocks when the revoke was pending (MALLOCSPY_E_ACCESSDENIED).
+ * NULL members are pass-through.
+ */
+#ifndef MALLOCSPY_H
+#define MALLOCSPY_H
+
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MALLOCSPY_ABI_VERSION 1u
+
+/* Status codes, mirroring COM's HRESULTs. */
+#define MALLOCSPY_S_OK 0                                 /* S_OK */
+#define MALLOCSPY_E_OBJISREG ((int32_t)0x800401FCu)      /* CO_E_OBJISREG: a spy is registered */
+#define MALLOCSPY_E_INVALIDARG ((int32_t)0x80070057u)    /* E_INVALIDARG: not a usable spy table */
+#define MALLOCSPY_E_OBJNOTREG ((int32_t)0x800401FBu)     /* CO_E_OBJNOTREG: no spy registered */
+#define MALLOCSPY_E_ACCESSDENIED ((int32_t)0x80070005u)  /* E_ACCESSDENIED: blocks live, revoke pending */
+#define MALLOCSPY_E_NOT_INTERPOSED ((int32_t)0x80004002u) /* mallocspy is not the process's malloc */
+
+/* The entry points, as passed in mallocspy_call.entry and before_release. */
+enum mallocspy_entry {
+    MALLOCSPY_MALLOC = 0,
+    MALLOCSPY_CALLOC,
+    MALLOCSPY_REALLOC,
+    MALLOCSPY_REALLOCARRAY,
+    MALLOCSPY_FREE,
+    MALLOCSPY_POSIX_MEMALIGN,
+    MALLOCSPY_ALIGNED_ALLOC,
+    MALLOCSPY_MEMALIGN,
+    MALLOCSPY_VALLOC,
+    MALLOCSPY_PVALLOC,
+    MALLOCSPY_MALLOC_USABLE_SIZE,
+    MALLOCSPY_MALLOC_TRIM
+};
+
+/* One completed call, as the caller saw it (after_call). */
+struct mallocspy_call {
+    uint8_t entry;  /* enum mallocspy_entry */
+    size_t size;    /* bytes asked for (calloc: the product) */
+    size_t align;   /* alignment asked for, 0 for the unaligned functions */
+    void *ptr;      /* block passed in (free, realloc, malloc_usable_size) */
+    void *result;   /* block handed back */
+    uint8_t failed; /* 1: the call reported an error */
+};
+
+struct mallocspy_spy_vtable {
+    uint32_t version; /* MALLOCSPY_ABI_VERSION */
+    uint32_t size;    /* sizeof(struct mallocspy_spy_vtable) */
+    size_t (*pre_alloc)(void *ctx, size_t size);
+    void *(*post_alloc)(void *ctx, void *actual);
+    size_t (*pre_alloc_aligned)(void *ctx, size_t size, size_t align);
+    void *(*post_alloc_aligned)(void *ctx, void *actual, size_t align);
+    void *(*pre_free)(void *ctx, void *request, int spied);
+    void (*post_free)(void *ctx, int spied);
+    size_t (*pre_realloc)(void *ctx, void *request, size_t size, void **new_request, int spied);
+    void *(*post_realloc)(void *ctx, void *actual, int spied);
+    void *(*pre_get_size)(void *ctx, void *request, int spied);
+    size_t (*post_get_size)(void *ctx, size_t actual, int spied);
+    void *(*pre_did_alloc)(void *ctx, void *request, int spied);
+    int (*post_did_alloc)(void *ctx, void *request, int spied, int actual);
+    void (*pre_heap_minimize)(void *ctx);
+    void (*post_heap_minimize)(void *ctx);
+    void (*before_release)(void *ctx, int entry, void *ptr, int spied);
+    void (*after_call)(void *ctx, const struct mallocspy_call *call);
+    void (*release)(void *ctx);
+};
+
+struct mallocspy_api {
+    uint32_t version; /* MALLOCSPY_ABI_VERSION */
+    uint32_t size;    /* sizeof(struct mallocspy_api) */
+    /* CoRegisterMallocSpy: S_OK, E_OBJISREG, E_INVALIDARG, E_NOT_INTERPOSED. */
+    int32_t (*register_spy)(const struct mallocspy_spy_vtable *vtable, void *ctx);
+    /* CoRevokeMallocSpy: S_OK, E_OBJNOTREG, E_ACCESSDENIED (pending until the last free). */
+    int32_t (*revoke_spy)(void);
+    /* IMalloc::DidAlloc: 1 a live block, 0 not a block, -1 cannot tell. */
+    int (*did_alloc)(void *ptr);
+    /* The calling thread's 8 scratch words, private from a Pre method to its Post method. */
+    uint64_t *(*call_scratch)(void);
+    /* 1 when this interposer is the process's allocator. */
+    int (*is_active)(void);
+};
+
+/* The active interposer's API, or NULL when mallocspy is not the process's allocator. */
+static inline const struct mallocspy_api *mallocspy_api(void)
+{
+    const struct mallocspy_api *api = (const struct mallocspy_api *)dlsym(RTLD_DEFAULT, "mallocspy_api_v1");
+    if (!api || api->version != MALLOCSPY_ABI_VERSION || api->size < sizeof(struct mallocspy_api) || !api->is_active())
+        return NULL;
+    return api;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MALLOCSPY_H */

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests and benchmarks run: the real programs of the
+# compatibility matrix and the allocators mallocspy composes with. Skips what is present.
+set -euo pipefail
+
+packages=(gcc g++ make git sqlite3 python3 libjemalloc2 libtcmalloc-minimal4)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "install-deps: installing ${missing[*]}" >&2
+as_root=()
+[ "$(id -u)" -eq 0 ] || as_root=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${as_root[@]}" apt-get update -qq
+"${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,64 @@
+//! The hook path under stress: spies that allocate in every hook, a panicking spy, fork while
+//! other threads allocate, malloc in signal handlers, and the loader's own early allocations.
+
+mod common;
+
+use common::*;
+use std::process::Command;
+
+#[test]
+fn a_spy_that_allocates_in_every_hook_neither_recurses_nor_deadlocks() {
+    let program = rust_program("spies", "spies");
+    let plain = run(Mode::Native, Command::new(&program).arg("plain"));
+    let out = run(Mode::Shim(""), Command::new(&program).arg("reentrant"));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let checksum = |o: &std::process::Output| text(&o.stdout).split('=').nth(1).map(str::to_string);
+    assert_eq!(checksum(&out), checksum(&plain), "same work, same result");
+}
+
+#[test]
+fn a_panicking_spy_is_reported_once_and_the_program_goes_on() {
+    let program = rust_program("spies", "spies");
+    let plain = run(Mode::Native, Command::new(&program).arg("plain"));
+    let out = run(Mode::Shim(""), Command::new(&program).arg("panicking"));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert_eq!(stderr.matches("mallocspy: the registered spy panicked").count(), 1, "{stderr}");
+    assert_eq!(text(&out.stdout).split('=').nth(1), text(&plain.stdout).split('=').nth(1));
+}
+
+#[test]
+fn fork_while_other_threads_are_inside_hooks() {
+    let program = c_program("fork_load.c");
+    let outputs = same_in_every_mode("fork_load", || Command::new(&program));
+    assert_eq!(outputs[0].1.status.code(), Some(0));
+}
+
+#[test]
+fn malloc_and_free_in_signal_handlers() {
+    let program = c_program("signal_alloc.c");
+    let outputs = same_in_every_mode("signal_alloc", || Command::new(&program));
+    assert_eq!(outputs[0].1.status.code(), Some(0));
+}
+
+#[test]
+fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
+    let program = c_program("guard_findings.c");
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!(text(&out.stdout), "realloc of a freed block -> NULL\nsurvived\n");
+    assert_eq!(out.status.code(), Some(0));
+    let findings: Vec<String> =
+        text(&out.stderr).lines().filter(|l| l.starts_with("mallocspy: guard:")).map(String::from).collect();
+    let expect = [
+        ("heap-buffer-overflow", "size 48 (in free)"),
+        ("heap-buffer-underflow", "(in free)"),
+        ("double-free", "size 64 (in free)"),
+        ("invalid-free", "(in free)"),
+        ("double-free", "size 20 (in realloc)"),
+        ("5 finding(s): 1 overflow, 1 underflow, 2 double-free, 1 invalid-free", ""),
+    ];
+    assert_eq!(findings.len(), expect.len(), "{findings:#?}");
+    for (line, (what, tail)) in findings.iter().zip(expect) {
+        assert!(line.contains(what) && line.ends_with(tail), "{line:?} should report {what} ... {tail}");
+    }
+}

@@ -1,0 +1,60 @@
+//! CoRegisterMallocSpy semantics from C (through the header), from a dlopen'ed plugin, from a
+//! second preloaded library, from Rust through the shim, and from a Rust program that is its
+//! own interposer.
+
+mod common;
+
+use common::*;
+use std::process::Command;
+
+fn assert_all_ok(what: &str, out: &std::process::Output) {
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{what} failed ({:?}):\n{stdout}\n{}", out.status, text(&out.stderr));
+    assert!(!stdout.contains("FAILED"), "{what}:\n{stdout}");
+    assert!(stdout.lines().filter(|l| l.ends_with(": ok")).count() >= 10, "{what} ran its checks:\n{stdout}");
+}
+
+#[test]
+fn a_c_program_registers_a_header_spy_through_the_header() {
+    let program = c_program("register.c");
+    assert_all_ok("register.c", &run(Mode::Shim(""), &mut Command::new(&program)));
+    // Without the shim there is no interposer to register with.
+    let native = run(Mode::Native, &mut Command::new(&program));
+    assert_eq!(text(&native.stdout).trim(), "no interposer");
+}
+
+#[test]
+fn a_dlopened_plugin_registers_the_spy_the_interposer_calls() {
+    let host = c_program("plugin_host.c");
+    let plugin = c_library("plugin.c");
+    let out = run(Mode::Shim(""), Command::new(&host).arg("dlopen").arg(&plugin));
+    assert_eq!(text(&out.stdout), "register: 0\nspy saw 1000 mallocs\n", "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
+    let host = c_program("plugin_host.c");
+    let plugin = c_library("plugin.c");
+    let out = Command::new(&host)
+        .arg("preloaded")
+        .env("LD_PRELOAD", format!("{} {}", shim().display(), plugin.display()))
+        .env("PLUGIN_AUTOREGISTER", "1")
+        .env_remove("MALLOCSPY_OPTIONS")
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "spy saw 1000 mallocs\n", "{}", text(&out.stderr));
+}
+
+#[test]
+fn a_rust_program_registers_through_the_preloaded_shim() {
+    let program = rust_program("spies", "spies");
+    assert_all_ok("spies registry", &run(Mode::Shim(""), Command::new(&program).arg("registry")));
+}
+
+#[test]
+fn a_rust_program_is_its_own_interposer_and_sees_strdup() {
+    let program = rust_program("interposer", "rust-interposer");
+    let out = run(Mode::Native, &mut Command::new(&program));
+    assert_all_ok("rust-interposer", &out);
+    assert!(text(&out.stdout).contains("strdup's malloc seen by the spy: ok"));
+}
