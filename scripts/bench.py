@@ -3,14 +3,17 @@
 
 Each workload runs under every variant in turn (native, shim, shim + spy, ...), round after round,
 so that the machine's drift touches all variants alike; the figures are medians over the rounds.
-Ratios are to the native median of the same run, and "extra ns/call" divides the wall-clock
-difference by the number of allocator calls the workload makes (churn prints them).
+Ratios are to the native median of the same run, and "extra ns/call" divides the difference by
+the number of allocator calls the workload makes (churn prints them). Wall clock is what users
+see; CPU time (user + sys of the process) is less disturbed by other tenants of the machine.
+Page faults are shown because the heap's layout alone moves them, and with them the time.
 
 usage: bench.py [--rounds N] [--iters N] [--only NAME] SHIM BENCH_DIR
 """
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -18,12 +21,16 @@ import time
 
 
 def run(cmd, env, cwd):
+    """Runs cmd; returns (wall s, cpu s, minor page faults, stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     elapsed = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed with {p.returncode}: {p.stderr.strip()[-500:]}")
-    return elapsed, p.stdout
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return elapsed, cpu, after.ru_minflt - before.ru_minflt, p.stdout
 
 
 def churn_calls(stdout):
@@ -55,20 +62,27 @@ def main():
     for name, cmd in workloads:
         if a.only and a.only not in name:
             continue
-        times = {v: [] for v, _ in variants}
+        wall = {v: [] for v, _ in variants}
+        cpu = {v: [] for v, _ in variants}
+        faults = {}
         calls = None
         for _ in range(a.rounds):
             for v, env in variants:
-                t, out = run(cmd, env, a.bench_dir)
-                times[v].append(t)
+                t, c, f, out = run(cmd, env, a.bench_dir)
+                wall[v].append(t)
+                cpu[v].append(c)
+                faults[v] = f
                 calls = calls or churn_calls(out)
-        native = statistics.median(times["native"])
+        native_wall = statistics.median(wall["native"])
+        native_cpu = statistics.median(cpu["native"])
         print(f"\n{name}  ({calls:,} allocator calls)")
-        print(f"  {'variant':<18} {'median s':>9} {'ratio':>7} {'extra ns/call':>14}")
+        print(f"  {'variant':<18} {'wall s':>7} {'ratio':>7} {'extra ns/call':>14}   {'cpu s':>7} {'ratio':>7} {'extra ns/call':>14}  {'page faults':>11}")
         for v, _ in variants:
-            m = statistics.median(times[v])
-            extra = (m - native) / calls * 1e9
-            print(f"  {v:<18} {m:9.3f} {m / native:6.3f}x {extra:14.1f}")
+            w, c = statistics.median(wall[v]), statistics.median(cpu[v])
+            print(
+                f"  {v:<18} {w:7.3f} {w / native_wall:6.3f}x {(w - native_wall) / calls * 1e9:14.1f}"
+                f"   {c:7.3f} {c / native_cpu:6.3f}x {(c - native_cpu) / calls * 1e9:14.1f}  {faults[v]:11,}"
+            )
 
 
 if __name__ == "__main__":

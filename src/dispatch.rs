@@ -22,7 +22,7 @@ use crate::deferred::DeferredFrees;
 use crate::heap::Heap;
 use crate::live_table::{LiveTable, Lookup};
 use crate::os;
-use crate::registry::{Registry, SpyCell};
+use crate::registry::{Registry, SpyCell, SpyRef};
 use crate::spy::{Call, DidAlloc, Entry, MallocSpy, SpyError};
 use crate::threads::{self, InFlight};
 use crate::tls::{self, ThreadState};
@@ -297,9 +297,10 @@ impl<H: Heap> Interposer<H> {
         }
         let Some(scope) = Scope::enter() else { return self.heap.trim(pad) };
         let Some(cell) = self.registry.current().filter(|c| c.is_active()) else { return self.heap.trim(pad) };
-        let pre = cell.call(|spy| spy.pre_heap_minimize());
+        let interposes = !cell.observes;
+        let pre = if interposes { cell.call(|spy| spy.pre_heap_minimize()) } else { Ok(()) };
         let r = self.heap.trim(pad);
-        let post = cell.call(|spy| spy.post_heap_minimize());
+        let post = if interposes { cell.call(|spy| spy.post_heap_minimize()) } else { Ok(()) };
         if pre.is_err() || post.is_err() {
             self.disable(cell, &scope);
         }
@@ -334,7 +335,9 @@ impl<H: Heap> Interposer<H> {
             return plain(matches!(self.spied.try_get(ptr as usize), Lookup::Found(_)));
         };
         let spied = self.is_spied(ptr);
-        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else { return plain(spied) };
+        let Some(cell) = self.registry.current().filter(|c| !c.observes && (spied || c.is_active())) else {
+            return plain(spied);
+        };
         let actual = plain(spied);
         let answer = match cell.call(|spy| spy.pre_did_alloc(ptr, spied)) {
             Ok(_lookup) => cell.call(|spy| spy.post_did_alloc(ptr, spied, actual)),
@@ -351,7 +354,12 @@ impl<H: Heap> Interposer<H> {
     // ---- registration ----------------------------------------------------------------------
 
     pub(crate) fn register(&self, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
-        self.registry.register(make)
+        self.registry.register(|| SpyRef::Owned(make()))
+    }
+
+    /// Registers a spy that outlives its registration (the built-in spies).
+    pub(crate) fn register_static(&self, spy: &'static dyn MallocSpy) -> Result<(), SpyError> {
+        self.registry.register(|| SpyRef::Static(spy))
     }
 
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
@@ -420,7 +428,7 @@ impl<H: Heap> Interposer<H> {
     /// Whether the current spy has its blocks recorded (an empty table needs no lookups).
     #[inline(always)]
     fn tracking(&self) -> bool {
-        self.registry.current().is_some_and(|c| c.tracks)
+        self.registry.current().is_some_and(|c| !c.observes)
     }
 
     /// Whether `ptr` is a live block recorded for the spy.
@@ -447,8 +455,7 @@ impl<H: Heap> Interposer<H> {
 
     /// The real call behind an allocating request of `size` real bytes.
     #[inline(always)]
-    fn real_alloc(&self, req: &AllocRequest, size: usize, saved_errno: c_int) -> Outcome {
-        os::set_errno(saved_errno);
+    fn real_alloc(&self, req: &AllocRequest, size: usize) -> Outcome {
         let ptr = match req.kind {
             Kind::Malloc => self.heap.malloc(size),
             Kind::Calloc { nmemb, elem } => {
@@ -472,10 +479,11 @@ impl<H: Heap> Interposer<H> {
         Outcome { ptr, err: if ptr.is_null() { os::errno() } else { 0 } }
     }
 
-    /// An allocating call served by the real allocator alone.
+    /// An allocating call served by the real allocator alone, after spy code may have
+    /// disturbed errno.
     fn alloc_unspied(&self, req: &AllocRequest, saved_errno: c_int) -> Outcome {
-        let r = self.real_alloc(req, req.size, saved_errno);
-        if r.ptr.is_null() { self.fail(req, r.err) } else { r }
+        os::set_errno(saved_errno);
+        self.real_alloc(req, req.size)
     }
 
     /// Reports a failed allocating call: errno, or the return value of posix_memalign (which
@@ -489,20 +497,38 @@ impl<H: Heap> Interposer<H> {
 
     /// An allocating call while a spy may be registered.
     fn alloc(&self, req: AllocRequest) -> Outcome {
-        let saved = os::errno();
-        let Some(scope) = Scope::enter() else { return self.alloc_unspied(&req, saved) };
+        let Some(scope) = Scope::enter() else { return self.real_alloc(&req, req.size) };
         if self.deferred.has_pending() {
             self.drain_deferred(&scope);
         }
         let Some(cell) = self.registry.current().filter(|c| c.is_active()) else {
-            return self.alloc_unspied(&req, saved);
+            return self.real_alloc(&req, req.size);
         };
-        let out = self.alloc_with(cell, &scope, &req, saved);
+        let out =
+            if cell.observes { self.alloc_observed(cell, &scope, &req) } else { self.alloc_with(cell, &scope, &req) };
         self.retire(cell, &scope);
         out
     }
 
-    fn alloc_with(&self, cell: &SpyCell, scope: &Scope, req: &AllocRequest, saved: c_int) -> Outcome {
+    /// An allocating call under an observing spy: the real call, then `after_call`.
+    fn alloc_observed(&self, cell: &SpyCell, scope: &Scope, req: &AllocRequest) -> Outcome {
+        let r = self.real_alloc(req, req.size);
+        let err = os::errno();
+        let call = Call {
+            entry: req.entry,
+            size: req.asked,
+            align: req.align,
+            ptr: null(),
+            result: r.ptr,
+            failed: r.ptr.is_null(),
+        };
+        self.observe(cell, scope, call);
+        os::set_errno(err);
+        r
+    }
+
+    fn alloc_with(&self, cell: &SpyCell, scope: &Scope, req: &AllocRequest) -> Outcome {
+        let saved = os::errno();
         let aligned = req.align != 0;
         let call =
             |result, failed| Call { entry: req.entry, size: req.asked, align: req.align, ptr: null(), result, failed };
@@ -516,7 +542,8 @@ impl<H: Heap> Interposer<H> {
         if size == 0 && req.size != 0 {
             // Forced failure. The error is the real allocator's own verdict on the caller's
             // request when it would reject it too (a bad alignment), else ENOMEM.
-            let probe = self.real_alloc(req, req.size, saved);
+            os::set_errno(saved);
+            let probe = self.real_alloc(req, req.size);
             let err = if probe.ptr.is_null() { probe.err } else { libc::ENOMEM };
             // SAFETY: the probe block was just allocated by the real heap and never shared.
             unsafe { self.heap.free(probe.ptr) };
@@ -524,7 +551,8 @@ impl<H: Heap> Interposer<H> {
             return self.fail(req, err);
         }
 
-        let real = self.real_alloc(req, size, saved);
+        os::set_errno(saved);
+        let real = self.real_alloc(req, size);
         let post = cell
             .call(|spy| if aligned { spy.post_alloc_aligned(real.ptr, req.align) } else { spy.post_alloc(real.ptr) });
         let Ok(ptr) = post else {
@@ -537,7 +565,7 @@ impl<H: Heap> Interposer<H> {
             return self.fail(req, if real.ptr.is_null() { real.err } else { libc::ENOMEM });
         }
         let aligned_ok = keeps_alignment(ptr, real.ptr, req.align);
-        if !aligned_ok || (cell.tracks && !self.spied.insert(ptr as usize, req.size)) {
+        if !aligned_ok || !self.spied.insert(ptr as usize, req.size) {
             if aligned_ok {
                 os::write_all(2, b"mallocspy: cannot map memory for the live-block table; serving unspied\n");
             } else {
@@ -588,8 +616,16 @@ impl<H: Heap> Interposer<H> {
             // SAFETY: unspied block: a real block.
             return unsafe { self.heap.free(ptr) };
         };
-        // SAFETY: the caller's guarantee.
-        unsafe { self.release_with(cell, scope, entry, ptr, spied) };
+        if cell.observes {
+            if !ptr.is_null() && cell.call(|spy| spy.before_release(entry, ptr, false)).is_err() {
+                self.disable(cell, scope);
+            }
+            // SAFETY: nothing changes pointers under an observer: a real block.
+            unsafe { self.heap.free(ptr) };
+        } else {
+            // SAFETY: the caller's guarantee.
+            unsafe { self.release_with(cell, scope, entry, ptr, spied) };
+        }
         if observe {
             self.observe(cell, scope, Call { entry, size: 0, align: 0, ptr, result: null(), failed: false });
         }
@@ -664,9 +700,37 @@ impl<H: Heap> Interposer<H> {
             // SAFETY: unspied: a real block.
             return unsafe { self.heap.realloc(ptr, size) };
         };
-        // SAFETY: the caller's guarantee.
-        let new = unsafe { self.realloc_with(cell, &scope, entry, ptr, size, old_size, saved) };
+        let new = if cell.observes {
+            // SAFETY: the caller's guarantee.
+            unsafe { self.realloc_observed(cell, &scope, entry, ptr, size) }
+        } else {
+            // SAFETY: the caller's guarantee.
+            unsafe { self.realloc_with(cell, &scope, entry, ptr, size, old_size, saved) }
+        };
         self.retire(cell, &scope);
+        new
+    }
+
+    /// `realloc` under an observing spy: `before_release`, the real call, `after_call`.
+    ///
+    /// # Safety
+    /// `ptr` is a live block of this allocator.
+    unsafe fn realloc_observed(
+        &self,
+        cell: &SpyCell,
+        scope: &Scope,
+        entry: Entry,
+        ptr: *mut c_void,
+        size: usize,
+    ) -> *mut c_void {
+        if cell.call(|spy| spy.before_release(entry, ptr, false)).is_err() {
+            self.disable(cell, scope);
+        }
+        // SAFETY: the caller's guarantee; under an observer every block is a real block.
+        let new = unsafe { self.heap.realloc(ptr, size) };
+        let err = os::errno();
+        self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: new, failed: new.is_null() });
+        os::set_errno(err);
         new
     }
 
@@ -734,7 +798,7 @@ impl<H: Heap> Interposer<H> {
         if !keeps_alignment(new, moved, 0) {
             cell.report_misaligned();
         }
-        if cell.tracks && !self.spied.insert(new as usize, size) {
+        if !self.spied.insert(new as usize, size) {
             // No memory for the table: the block keeps the spy's layout but can no longer be
             // freed through it. Leak rather than corrupt.
             os::write_all(2, b"mallocspy: cannot map memory for the live-block table; a block will leak\n");
@@ -792,8 +856,13 @@ impl<H: Heap> Interposer<H> {
             // SAFETY: unspied: a real block.
             return unsafe { self.heap.usable_size(ptr) };
         };
-        // SAFETY: the caller's guarantee.
-        let size = unsafe { self.usable_size_with(cell, &scope, ptr, spied, recorded) };
+        let size = if cell.observes {
+            // SAFETY: the caller's guarantee; under an observer every block is a real block.
+            unsafe { self.heap.usable_size(ptr) }
+        } else {
+            // SAFETY: the caller's guarantee.
+            unsafe { self.usable_size_with(cell, &scope, ptr, spied, recorded) }
+        };
         self.observe(
             cell,
             &scope,

@@ -91,6 +91,13 @@ pub(crate) fn register_here(make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result
     GLOBAL.register(make)
 }
 
+/// Registers a spy that outlives its registration with [`GLOBAL`] (the built-in spies).
+pub(crate) fn register_static_here(spy: &'static dyn MallocSpy) -> Result<(), SpyError> {
+    ensure_fork_handlers();
+    GLOBAL.heap.warm_up();
+    GLOBAL.register_static(spy)
+}
+
 // ---- the C API of this module -------------------------------------------------------------
 
 unsafe extern "C" fn api_register(vtable: *const SpyVtable, ctx: *mut c_void) -> i32 {

@@ -70,7 +70,6 @@ struct Fns {
     pvalloc: Option<MallocFn>,
     usable_size: Option<UsableSizeFn>,
     trim: Option<TrimFn>,
-    realloc_zero_frees: bool,
 }
 
 const UNRESOLVED: u8 = 0;
@@ -82,6 +81,9 @@ const FAILED: u8 = 3;
 pub(crate) struct NextHeap {
     state: AtomicU8,
     fns: UnsafeCell<Option<Fns>>,
+    /// What `realloc(p, 0)` does, asked on first need (asking allocates, and a pass-through
+    /// must not disturb the heap it forwards to): 0 unknown, 1 frees, 2 allocates.
+    realloc_zero: AtomicU8,
 }
 
 // SAFETY: `fns` is written once, by the thread that moved `state` to RESOLVING, before it
@@ -136,10 +138,9 @@ fn resolve() -> Option<Fns> {
             pvalloc: core::mem::transmute::<*mut c_void, Option<MallocFn>>(same_module(c"pvalloc")),
             usable_size: core::mem::transmute::<*mut c_void, Option<UsableSizeFn>>(same_module(c"malloc_usable_size")),
             trim: core::mem::transmute::<*mut c_void, Option<TrimFn>>(same_module(c"malloc_trim")),
-            realloc_zero_frees: true,
         }
     };
-    Some(Fns { realloc_zero_frees: probe_realloc_zero(&fns), ..fns })
+    Some(fns)
 }
 
 /// Asks the allocator what `realloc(p, 0)` does, so that a spied `realloc(p, 0)` does the same.
@@ -161,7 +162,7 @@ fn probe_realloc_zero(fns: &Fns) -> bool {
 
 impl NextHeap {
     pub(crate) const fn new() -> Self {
-        Self { state: AtomicU8::new(UNRESOLVED), fns: UnsafeCell::new(None) }
+        Self { state: AtomicU8::new(UNRESOLVED), fns: UnsafeCell::new(None), realloc_zero: AtomicU8::new(0) }
     }
 
     /// The resolved functions; `None` while another call on this or another thread is still
@@ -363,6 +364,14 @@ unsafe impl Heap for NextHeap {
     }
 
     fn realloc_zero_frees(&self) -> bool {
-        self.fns().is_none_or(|f| f.realloc_zero_frees)
+        match self.realloc_zero.load(Ordering::Relaxed) {
+            1 => true,
+            2 => false,
+            _ => {
+                let frees = self.fns().is_none_or(probe_realloc_zero);
+                self.realloc_zero.store(if frees { 1 } else { 2 }, Ordering::Relaxed);
+                frees
+            }
+        }
     }
 }

@@ -80,7 +80,7 @@ mod tls;
 
 pub use api::{did_alloc, register_malloc_spy, revoke_malloc_spy, spied_blocks};
 pub use global_alloc::RealAllocator;
-pub use spy::{Call, CallScratch, DidAlloc, Entry, MallocSpy, SpyError};
+pub use spy::{Call, CallScratch, DidAlloc, Entry, MallocSpy, Role, SpyError};
 pub use threads::MAX_THREADS;
 
 #[cfg(feature = "interpose")]

@@ -72,12 +72,9 @@ pub fn init() {
     }
     let _ = BUILTINS.set(builtins);
     global::set_fork_child_hook(after_fork_child);
-    let registered = if layers.len() == 1 {
-        let only = layers[0];
-        global::register_here(move || Box::new(only))
-    } else {
-        global::register_here(move || Box::new(SpyStack::new(layers)))
-    };
+    let spy: &'static dyn MallocSpy =
+        if layers.len() == 1 { layers[0] } else { Box::leak(Box::new(SpyStack::new(layers))) };
+    let registered = global::register_static_here(spy);
     if let Err(e) = registered {
         say(&format!("cannot register the built-in spies: {e}"));
     }

@@ -13,15 +13,25 @@
 use core::panic::AssertUnwindSafe;
 use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
-use crate::spy::{MallocSpy, SpyError};
+use crate::spy::{MallocSpy, Role, SpyError};
 use crate::sync::SpinLock;
 use crate::{os, threads};
 
+/// A spy to register: owned (dropped when the registration ends) or static (the built-in
+/// spies, which outlive it for their exit reports).
+pub(crate) enum SpyRef {
+    Owned(Box<dyn MallocSpy>),
+    Static(&'static dyn MallocSpy),
+}
+
 /// The registered spy and its lifecycle flags.
 pub(crate) struct SpyCell {
-    spy: Box<dyn MallocSpy>,
-    /// [`MallocSpy::tracks_blocks`], asked once.
-    pub(crate) tracks: bool,
+    /// The spy itself (a raw pointer so that static and owned spies are called alike, with one
+    /// indirect call); owned when `owned`, and then freed by the cell's drop.
+    spy: *const dyn MallocSpy,
+    owned: bool,
+    /// [`MallocSpy::role`] is [`Role::Observe`] (asked once).
+    pub(crate) observes: bool,
     /// No new blocks, no calls for unspied blocks: revoked by the program or after a panic.
     revoked: AtomicBool,
     /// The revoke's grace period is over: every allocation that could still add a spied block
@@ -36,6 +46,21 @@ pub(crate) struct SpyCell {
 /// A spy method panicked; the spy is being disabled.
 pub(crate) struct Panicked;
 
+// SAFETY: the spy is `Send + Sync` (the trait's bounds); the flags are atomics.
+unsafe impl Send for SpyCell {}
+// SAFETY: as above.
+unsafe impl Sync for SpyCell {}
+
+impl Drop for SpyCell {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: an owned spy came from Box::into_raw in `register`, and the cell is its
+            // only owner.
+            drop(unsafe { Box::from_raw(self.spy.cast_mut()) });
+        }
+    }
+}
+
 impl SpyCell {
     /// Whether new calls may use the spy.
     #[inline]
@@ -47,7 +72,9 @@ impl SpyCell {
     /// back to what it would do without the spy (and disables it).
     #[inline(always)]
     pub(crate) fn call<R>(&self, f: impl FnOnce(&dyn MallocSpy) -> R) -> Result<R, Panicked> {
-        match std::panic::catch_unwind(AssertUnwindSafe(|| f(&*self.spy))) {
+        // SAFETY: the spy lives as long as the cell (static, or freed by the cell's drop).
+        let spy = unsafe { &*self.spy };
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(spy))) {
             Ok(r) => Ok(r),
             Err(payload) => {
                 // The payload's own Drop could panic again; a few leaked bytes are the safe side.
@@ -102,15 +129,21 @@ impl Registry {
 
     /// Registers the spy `make` builds; `make` runs only once the slot is known to be free,
     /// so a refused spy is never built (a C spy's `release` is not called for nothing).
-    pub(crate) fn register(&self, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef) -> Result<(), SpyError> {
         let _guard = self.lock.lock();
         if !self.cell.load(Ordering::Acquire).is_null() {
             return Err(SpyError::AlreadyRegistered);
         }
-        let spy = make();
+        let (spy, owned): (*const dyn MallocSpy, bool) = match make() {
+            SpyRef::Owned(b) => (Box::into_raw(b), true),
+            SpyRef::Static(s) => (s, false),
+        };
+        // SAFETY: just made from a live Box or a static reference.
+        let observes = unsafe { (*spy).role() } == Role::Observe;
         let cell = Box::new(SpyCell {
-            tracks: spy.tracks_blocks(),
             spy,
+            owned,
+            observes,
             revoked: AtomicBool::new(false),
             settled: AtomicBool::new(false),
             retiring: AtomicBool::new(false),

@@ -225,6 +225,20 @@ impl CallScratch {
     }
 }
 
+/// What a spy does with the calls it sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// IMallocSpy: every Pre and Post method runs, the spy may change sizes and pointers, the
+    /// blocks allocated under it are recorded (that record is `spied`, what
+    /// [`crate::did_alloc`] answers from, and what defers a revoke while they live; it costs a
+    /// hash table insert and remove per block).
+    Interpose,
+    /// A pure observer, like an ETW listener: only [`MallocSpy::before_release`] and
+    /// [`MallocSpy::after_call`] run, nothing is changed or recorded, `spied` is always false
+    /// and revoking takes effect at once. The cheapest kind of spy.
+    Observe,
+}
+
 /// A malloc spy: code that runs around every call of the process's allocator, and may change
 /// what is allocated and what the caller gets, as COM's `IMallocSpy` may.
 ///
@@ -348,15 +362,10 @@ pub trait MallocSpy: Send + Sync {
     /// After `malloc_trim`.
     fn post_heap_minimize(&self) {}
 
-    /// Whether the dispatcher keeps a record of the blocks allocated under this spy (asked
-    /// once, at registration). The record is what `spied` reports, what [`crate::did_alloc`]
-    /// answers from, and what defers a revoke while the spy's blocks live. It costs a hash
-    /// table insert and remove per block.
-    ///
-    /// A pure observer — a spy that never changes a size or a pointer — does not need it and
-    /// may return false: its `spied` is then always false and revoking it takes effect at once.
-    fn tracks_blocks(&self) -> bool {
-        true
+    /// What the spy does (asked once, at registration): interpose like IMallocSpy (the
+    /// default), or only observe.
+    fn role(&self) -> Role {
+        Role::Interpose
     }
 
     /// A block the caller had is about to go back to the real allocator (by `free`, or by
@@ -365,34 +374,4 @@ pub trait MallocSpy: Send + Sync {
 
     /// A call of an entry point completed (or failed), as the caller saw it.
     fn after_call(&self, call: &Call) {}
-}
-
-macro_rules! forward_spy {
-    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
-        /// A spy behind a `'static` reference is a spy (the built-in spies are registered so,
-        /// and stay reachable for their reports).
-        impl<T: MallocSpy + ?Sized> MallocSpy for &'static T {
-            $(fn $name(&self, $($arg: $ty),*) -> $ret { (**self).$name($($arg),*) })*
-        }
-    };
-}
-
-forward_spy! {
-    pre_alloc(size: usize) -> usize;
-    post_alloc(actual: *mut c_void) -> *mut c_void;
-    pre_alloc_aligned(size: usize, align: usize) -> usize;
-    post_alloc_aligned(actual: *mut c_void, align: usize) -> *mut c_void;
-    pre_free(request: *mut c_void, spied: bool) -> *mut c_void;
-    post_free(spied: bool) -> ();
-    pre_realloc(request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize);
-    post_realloc(actual: *mut c_void, spied: bool) -> *mut c_void;
-    pre_get_size(request: *mut c_void, spied: bool) -> *mut c_void;
-    post_get_size(actual: usize, spied: bool) -> usize;
-    pre_did_alloc(request: *mut c_void, spied: bool) -> *mut c_void;
-    post_did_alloc(request: *mut c_void, spied: bool, actual: DidAlloc) -> DidAlloc;
-    pre_heap_minimize() -> ();
-    post_heap_minimize() -> ();
-    tracks_blocks() -> bool;
-    before_release(entry: Entry, ptr: *mut c_void, spied: bool) -> ();
-    after_call(call: &Call) -> ();
 }

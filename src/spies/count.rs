@@ -9,7 +9,7 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::line::Line;
-use crate::spy::{Call, Entry, MallocSpy};
+use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::threads::{self, MAX_THREADS};
 
 #[repr(C, align(64))]
@@ -107,8 +107,8 @@ fn bump(counter: &AtomicU64, n: u64) {
 }
 
 impl MallocSpy for CountSpy {
-    fn tracks_blocks(&self) -> bool {
-        false
+    fn role(&self) -> Role {
+        Role::Observe
     }
 
     #[inline]

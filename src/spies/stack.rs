@@ -6,7 +6,7 @@
 
 use core::ffi::c_void;
 
-use crate::spy::{Call, DidAlloc, Entry, MallocSpy};
+use crate::spy::{Call, DidAlloc, Entry, MallocSpy, Role};
 
 /// A stack of spies acting as one.
 pub(crate) struct SpyStack {
@@ -73,8 +73,8 @@ impl MallocSpy for SpyStack {
     fn post_heap_minimize(&self) {
         self.layers.iter().rev().for_each(|l| l.post_heap_minimize())
     }
-    fn tracks_blocks(&self) -> bool {
-        self.layers.iter().any(|l| l.tracks_blocks())
+    fn role(&self) -> Role {
+        if self.layers.iter().all(|l| l.role() == Role::Observe) { Role::Observe } else { Role::Interpose }
     }
     fn before_release(&self, entry: Entry, ptr: *mut c_void, spied: bool) {
         self.layers.iter().for_each(|l| l.before_release(entry, ptr, spied))
