@@ -7,7 +7,7 @@
 //! with `dlopen`, a Rust program using this crate — finds it with
 //! `dlsym(RTLD_DEFAULT, "mallocspy_api_v1")` and registers through it, so there is one spy per
 //! process whoever registers it. A Rust spy registered from another module crosses this ABI
-//! through [`remote_vtable`]'s trampolines.
+//! through a table of trampolines that catch its panics.
 
 use core::ffi::{c_int, c_void};
 use core::panic::AssertUnwindSafe;

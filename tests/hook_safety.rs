@@ -42,6 +42,17 @@ fn malloc_and_free_in_signal_handlers() {
 }
 
 #[test]
+fn blocks_allocated_by_constructors_before_ours_stay_usable() {
+    // libearly's constructor runs before the shim's (the loader initialises it first) and keeps
+    // its blocks; the program then frees and reallocates them under the spy.
+    let library = c_library("early.c");
+    let dir = library.parent().unwrap().display().to_string();
+    let program = c_program_with("early_main.c", &[&format!("-L{dir}"), "-learly", &format!("-Wl,-rpath,{dir}")]);
+    let outputs = same_in_every_mode("early", || std::process::Command::new(&program));
+    assert_eq!(text(&outputs[0].1.stdout), "early: ok\n");
+}
+
+#[test]
 fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     let program = c_program("guard_findings.c");
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));

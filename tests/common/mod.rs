@@ -76,10 +76,11 @@ fn compile(source: &str, out: &str, extra: &[&str]) -> PathBuf {
         // into malloc and drops unused malloc/free pairs).
         .args(["-O2", "-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread", "-w", "-I"])
         .arg(root().join("include"))
-        .args(extra)
+        .args(extra.iter().filter(|a| !a.starts_with("-l") && !a.starts_with("-Wl,")))
         .arg("-o")
         .arg(&tmp)
         .arg(&src)
+        .args(extra.iter().filter(|a| a.starts_with("-l") || a.starts_with("-Wl,")))
         .status()
         .expect("the C compiler runs");
     assert!(status.success(), "compiling {source} failed");
@@ -89,8 +90,13 @@ fn compile(source: &str, out: &str, extra: &[&str]) -> PathBuf {
 
 /// A C/C++ fixture program.
 pub fn c_program(source: &str) -> PathBuf {
+    c_program_with(source, &[])
+}
+
+/// A C/C++ fixture program built with extra compiler flags (libraries to link).
+pub fn c_program_with(source: &str, extra: &[&str]) -> PathBuf {
     let name = source.rsplit_once('.').unwrap().0;
-    compile(source, name, &[])
+    compile(source, name, extra)
 }
 
 /// A C fixture built as a shared library `lib<name>.so`.
