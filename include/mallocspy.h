@@ -97,6 +97,43 @@ struct mallocspy_spy_vtable {
     void (*release)(void *ctx);
 };
 
+/* Blocks and bytes. */
+struct mallocspy_tally {
+    uint64_t blocks;
+    uint64_t bytes;
+};
+
+/* A leak check's totals (valgrind's LEAK SUMMARY). */
+struct mallocspy_leak_summary {
+    struct mallocspy_tally definitely_lost;
+    struct mallocspy_tally indirectly_lost;
+    struct mallocspy_tally possibly_lost;
+    struct mallocspy_tally still_reachable;
+    struct mallocspy_tally suppressed;
+    uint64_t total_allocs;
+    uint64_t total_frees;
+    uint64_t total_bytes_allocated;
+};
+
+/* The leak tracker's heap statistics. */
+struct mallocspy_heap_stats {
+    uint64_t live_blocks;
+    uint64_t live_bytes;
+    uint64_t peak_bytes;
+    uint64_t total_allocs;
+    uint64_t total_frees;
+    uint64_t total_bytes;
+};
+
+/* The leak tracker's own memory (mallocspy's pool, never the watched heap). */
+struct mallocspy_tracker_memory {
+    uint64_t live_blocks;
+    uint64_t table_bytes;
+    uint64_t stacks;
+    uint64_t stack_bytes;
+    uint64_t pool_bytes;
+};
+
 struct mallocspy_api {
     uint32_t version; /* MALLOCSPY_ABI_VERSION */
     uint32_t size;    /* sizeof(struct mallocspy_api) */
@@ -110,6 +147,11 @@ struct mallocspy_api {
     uint64_t *(*call_scratch)(void);
     /* 1 when this interposer is the process's allocator. */
     int (*is_active)(void);
+    /* The leak tracker (spy=leaks): S_OK, or E_OBJNOTREG when no tracker runs. */
+    int32_t (*heap_stats)(struct mallocspy_heap_stats *out);
+    /* A leak check now: the report goes to the log, the totals to *out. */
+    int32_t (*leak_check)(struct mallocspy_leak_summary *out);
+    int32_t (*tracker_memory)(struct mallocspy_tracker_memory *out);
 };
 
 /* The active interposer's API, or NULL when mallocspy is not the process's allocator. */

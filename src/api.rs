@@ -5,6 +5,8 @@ use core::ffi::c_void;
 
 use crate::ffi;
 use crate::global::{self, GLOBAL};
+use crate::leaks::Summary;
+use crate::spies::leaks::{HeapStats, TrackerMemory};
 use crate::spy::{DidAlloc, MallocSpy, SpyError};
 
 /// Where the process's registry is.
@@ -74,4 +76,62 @@ pub fn did_alloc(ptr: *const c_void) -> DidAlloc {
 /// (0 when this module is not the interposer).
 pub fn spied_blocks() -> usize {
     if global::is_active_here() { GLOBAL.spied_blocks() } else { 0 }
+}
+
+/// Calls a C API query that fills a `T`.
+fn query<T: Default>(f: impl FnOnce(&'static ffi::Api) -> unsafe extern "C" fn(*mut T) -> i32) -> Result<T, SpyError> {
+    let api: &'static ffi::Api = match target()? {
+        Target::Here => &global::LOCAL_API,
+        Target::Remote(api) => api,
+    };
+    let mut out = T::default();
+    // SAFETY: `out` is a valid, initialised T for the call to write.
+    SpyError::from_status(unsafe { f(api)(&mut out) })?;
+    Ok(out)
+}
+
+/// The leak tracker's heap statistics: live blocks and bytes, peak, totals — the dhat-rs
+/// idea of heap-usage testing (take two readings around the code under test).
+///
+/// # Errors
+/// [`SpyError::NotRegistered`] when no leak tracker runs (`spy=leaks`, the preloaded shim's
+/// default, or [`start_leak_tracking`]); [`SpyError::NotInterposed`].
+pub fn heap_stats() -> Result<HeapStats, SpyError> {
+    query(|api| api.heap_stats)
+}
+
+/// Runs a leak check now (as LeakSanitizer's `__lsan_do_recoverable_leak_check`): the report
+/// goes to the log, the summary is returned, the program goes on.
+///
+/// # Errors
+/// As [`heap_stats`].
+pub fn leak_check() -> Result<Summary, SpyError> {
+    query(|api| api.leak_check)
+}
+
+/// The leak tracker's own memory (all from mallocspy's pool, none from the watched heap).
+///
+/// # Errors
+/// As [`heap_stats`].
+pub fn tracker_memory() -> Result<TrackerMemory, SpyError> {
+    query(|api| api.tracker_memory)
+}
+
+/// Starts leak tracking in a program that is its own interposer (the `interpose` feature):
+/// registers the tracker as the process's spy, capturing `stack_depth` frames per block.
+///
+/// # Errors
+/// [`SpyError::NotInterposed`] when this module is not the interposer (a preloaded shim
+/// tracks by itself); [`SpyError::AlreadyRegistered`] when a spy is registered.
+pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
+    if !global::is_active_here() {
+        return Err(SpyError::NotInterposed);
+    }
+    if let Some(t) = crate::spies::leaks::tracker() {
+        return global::register_static_here(t);
+    }
+    let tracker = crate::spies::leaks::LeakTracker::new(stack_depth).ok_or(SpyError::InvalidArgument)?;
+    let tracker: &'static crate::spies::leaks::LeakTracker = Box::leak(Box::new(tracker));
+    crate::spies::leaks::set_tracker(tracker);
+    global::register_static_here(tracker)
 }

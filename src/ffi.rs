@@ -88,6 +88,12 @@ pub struct Api {
     pub call_scratch: extern "C" fn() -> *mut u64,
     /// 1 when this interposer is the process's allocator (its registry is the one in use).
     pub is_active: extern "C" fn() -> c_int,
+    /// The leak tracker's totals; `CO_E_OBJNOTREG` when no tracker runs.
+    pub heap_stats: unsafe extern "C" fn(out: *mut crate::HeapStats) -> i32,
+    /// A leak check now: the report goes to the log, the summary to `out`.
+    pub leak_check: unsafe extern "C" fn(out: *mut crate::leaks::Summary) -> i32,
+    /// The leak tracker's own memory.
+    pub tracker_memory: unsafe extern "C" fn(out: *mut crate::TrackerMemory) -> i32,
 }
 
 /// A spy registered through the C ABI.

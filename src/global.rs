@@ -64,6 +64,7 @@ extern "C" fn fork_parent() {
 }
 
 extern "C" fn fork_child() {
+    crate::pool::force_unlock();
     GLOBAL.after_fork_child();
     threads::fork_child();
     let hook = CHILD_HOOK.load(Ordering::Acquire);
@@ -131,6 +132,39 @@ extern "C" fn api_is_active() -> c_int {
     is_active_here() as c_int
 }
 
+/// Writes `value` to `out` when this module runs a leak tracker.
+///
+/// # Safety
+/// `out` is NULL or valid for a write of `T`.
+unsafe fn with_tracker<T>(out: *mut T, value: impl FnOnce(&crate::spies::leaks::LeakTracker) -> T) -> i32 {
+    let Some(tracker) = crate::spies::leaks::tracker() else { return ffi::CO_E_OBJNOTREG };
+    if out.is_null() {
+        return ffi::E_INVALIDARG;
+    }
+    // SAFETY: the caller's guarantee.
+    unsafe { out.write(value(tracker)) };
+    ffi::S_OK
+}
+
+unsafe extern "C" fn api_heap_stats(out: *mut crate::HeapStats) -> i32 {
+    // SAFETY: the caller's guarantee (header contract).
+    unsafe { with_tracker(out, |t| t.stats()) }
+}
+
+unsafe extern "C" fn api_leak_check(out: *mut crate::leaks::Summary) -> i32 {
+    let caller = crate::leaks::Caller::here();
+    // SAFETY: the caller's guarantee (header contract).
+    unsafe { with_tracker(out, |t| crate::preload::write_leak_report(t, caller)) }
+}
+
+unsafe extern "C" fn api_tracker_memory(out: *mut crate::TrackerMemory) -> i32 {
+    // SAFETY: the caller's guarantee (header contract).
+    unsafe { with_tracker(out, |t| t.memory()) }
+}
+
+/// This module's API table, for the Rust API when this module is the interposer.
+pub(crate) static LOCAL_API: Api = API;
+
 /// The table [`crate::export_interposer!`] exports as `mallocspy_api_v1`.
 #[doc(hidden)]
 pub const API: Api = Api {
@@ -141,4 +175,7 @@ pub const API: Api = Api {
     did_alloc: api_did_alloc,
     call_scratch: api_call_scratch,
     is_active: api_is_active,
+    heap_stats: api_heap_stats,
+    leak_check: api_leak_check,
+    tracker_memory: api_tracker_memory,
 };

@@ -10,7 +10,8 @@ use core::ffi::{c_int, c_void};
 
 use crate::global::GLOBAL;
 
-/// Defines the twelve C entry points of the malloc family and the `mallocspy_api_v1` table in
+/// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` (so that exit
+/// reports are written) and the `mallocspy_api_v1` table in
 /// the invoking crate, forwarding to this crate's process-wide interposer.
 ///
 /// Invoke it once, at the root of a `cdylib` to preload, or of a program that should be its
@@ -105,6 +106,16 @@ macro_rules! export_interposer {
         #[unsafe(no_mangle)]
         pub extern "C" fn malloc_trim(pad: usize) -> ::core::ffi::c_int {
             $crate::interpose::malloc_trim(pad)
+        }
+        /// C `_exit`: writes the exit reports first (nothing else would).
+        #[unsafe(no_mangle)]
+        pub extern "C" fn _exit(status: ::core::ffi::c_int) -> ! {
+            $crate::preload::exit_now(status)
+        }
+        /// C `_Exit`, as `_exit`.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn _Exit(status: ::core::ffi::c_int) -> ! {
+            $crate::preload::exit_now(status)
         }
         /// The C API of this interposer (`include/mallocspy.h`).
         #[unsafe(no_mangle)]

@@ -64,22 +64,30 @@ mod global_alloc;
 mod heap;
 #[doc(hidden)]
 pub mod interpose;
+pub mod leaks;
 mod line;
 mod live_table;
 pub mod options;
 mod os;
+mod pool;
 #[doc(hidden)]
 pub mod preload;
 mod registry;
 mod sink;
 mod spies;
 mod spy;
+mod stacks;
 mod sync;
 mod threads;
 mod tls;
+mod unwind;
 
-pub use api::{did_alloc, register_malloc_spy, revoke_malloc_spy, spied_blocks};
+pub use api::{
+    did_alloc, heap_stats, leak_check, register_malloc_spy, revoke_malloc_spy, spied_blocks, start_leak_tracking,
+    tracker_memory,
+};
 pub use global_alloc::RealAllocator;
+pub use spies::leaks::{HeapStats, TrackerMemory};
 pub use spy::{Call, CallScratch, DidAlloc, Entry, MallocSpy, Role, SpyError};
 pub use threads::MAX_THREADS;
 

@@ -5,7 +5,7 @@
 //! that threads rarely meet. Memory comes from anonymous mappings, never from the heap being
 //! watched, and grows by doubling per shard. DashMap measured 62 ns per insert/remove pair here
 //! and allocated through the hook (see `interposer-pitfalls.md` section 6); this costs one
-//! uncontended lock and a probe or two.
+//! uncontended lock and a probe or two. Its arrays are leased from [`crate::pool`].
 //!
 //! A signal handler can interrupt a thread inside a shard's critical section; its own
 //! allocator calls then see the lock held by themselves. [`LiveTable::try_get`] reports that
@@ -15,7 +15,7 @@ use core::cell::UnsafeCell;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::os;
+use crate::pool;
 use crate::sync::{SelfHeld, SpinLock};
 
 /// Number of shards (a power of two); the top bits of the hash choose one.
@@ -128,7 +128,7 @@ impl<V: Copy> Array<V> {
 
     /// Rebuilds into a fresh mapping of `capacity` entries, dropping tombstones.
     fn rebuild(&mut self, capacity: usize) -> bool {
-        let Some(mem) = os::map(Self::bytes(capacity)) else { return false };
+        let Some(mem) = pool::lease(Self::bytes(capacity)) else { return false };
         let fresh = Array { entries: mem.as_ptr().cast::<Entry<V>>(), capacity };
         for i in 0..self.capacity {
             // SAFETY: i < capacity of the old mapping.
@@ -146,9 +146,9 @@ impl<V: Copy> Array<V> {
 
     fn release(&mut self) {
         if let Some(p) = NonNull::new(self.entries) {
-            // SAFETY: entries/capacity describe the one mapping this array made; the lock
+            // SAFETY: entries/capacity describe the one lease this array made; the lock
             // holder is its only user and forgets it right after.
-            unsafe { os::unmap(p.cast(), Self::bytes(self.capacity)) };
+            unsafe { pool::give_back(p.cast(), Self::bytes(self.capacity)) };
         }
         self.entries = core::ptr::null_mut();
         self.capacity = 0;
@@ -272,6 +272,38 @@ impl<V: Copy> LiveTable<V> {
     /// at least one sees both removals.
     pub(crate) fn len(&self) -> usize {
         self.shards.iter().map(|s| s.len.load(Ordering::SeqCst)).sum()
+    }
+
+    /// Bytes of pool memory the table holds.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| {
+                let _guard = s.lock.lock();
+                // SAFETY: the shard lock is held.
+                Array::<V>::bytes(unsafe { (*s.array.get()).capacity })
+            })
+            .sum()
+    }
+
+    /// Calls `f` on every entry, shard by shard, each under its lock. `f` must not touch the
+    /// table (nor allocate through the hooks: the lock is held).
+    pub(crate) fn for_each(&self, mut f: impl FnMut(usize, V)) {
+        for shard in &self.shards {
+            if shard.len.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let _guard = shard.lock.lock();
+            // SAFETY: the shard lock is held.
+            let array = unsafe { &*shard.array.get() };
+            for i in 0..array.capacity {
+                // SAFETY: i < capacity.
+                let e = unsafe { *array.entries.add(i) };
+                if e.key != EMPTY {
+                    f(e.key, e.value);
+                }
+            }
+        }
     }
 
     /// Child side of `fork`: no other thread survived, so no lock can be legitimately held.

@@ -2,9 +2,16 @@
 //!
 //! | key | values | default | meaning |
 //! |---|---|---|---|
-//! | `spy` | comma-separated: `count`, `guard`, `none` | none | built-in spies to register; several combine into one |
+//! | `spy` | comma-separated: `leaks`, `count`, `guard`, `none` | `leaks` | built-in spies to register; several combine into one |
 //! | `log_path` | a path; `%p` is the process id | stderr | where reports go (appended) |
+//! | `report_format` | `text`, `json` | `text` | the leak report's format |
+//! | `show_reachable` | `0`, `1` | `0` | list still-reachable records in the text report (JSON always has them) |
+//! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
+//! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23) |
+//! | `stack_depth` | 1-128 | 32 | frames recorded per allocation |
+//! | `max_memory` | bytes, `k`/`m`/`g` suffixes | `4g` | cap on mallocspy's own memory |
 //!
+//! With `MALLOCSPY_OPTIONS` unset the shim tracks leaks, as a preloaded LeakSanitizer does.
 //! Any unknown key or bad value is reported in one line and the program runs unspied.
 
 use core::fmt;
@@ -12,6 +19,8 @@ use core::fmt;
 /// The built-in spies.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpySet {
+    /// `leaks`: live blocks with their stacks; the leak report at exit.
+    pub leaks: bool,
     /// `count`: calls per entry point, bytes requested, failures; a JSON line at exit.
     pub count: bool,
     /// `guard`: header and trailer canaries, double and invalid frees.
@@ -25,13 +34,50 @@ impl SpySet {
     }
 }
 
+/// The leak report's format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ReportFormat {
+    /// valgrind's layout.
+    #[default]
+    Text,
+    /// One JSON object on one line.
+    Json,
+}
+
 /// Parsed `MALLOCSPY_OPTIONS`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
     /// Built-in spies to register.
     pub spies: SpySet,
     /// Report destination (`%p` not yet expanded); stderr when `None`.
     pub log_path: Option<String>,
+    /// The leak report's format.
+    pub report_format: ReportFormat,
+    /// List still-reachable records in the text report.
+    pub show_reachable: bool,
+    /// Suppressions file.
+    pub suppressions: Option<String>,
+    /// Exit status when definite or indirect leaks remain.
+    pub exitcode: Option<u8>,
+    /// Frames recorded per allocation.
+    pub stack_depth: usize,
+    /// Cap on mallocspy's own memory, in bytes.
+    pub max_memory: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            spies: SpySet { leaks: true, ..SpySet::default() },
+            log_path: None,
+            report_format: ReportFormat::Text,
+            show_reachable: false,
+            suppressions: None,
+            exitcode: None,
+            stack_depth: crate::spies::leaks::DEFAULT_DEPTH,
+            max_memory: 4 << 30,
+        }
+    }
 }
 
 /// A malformed `MALLOCSPY_OPTIONS`; displays as one line.
@@ -52,7 +98,7 @@ pub enum OptionsError {
     Malformed(String),
 }
 
-const KEYS: &str = "spy, log_path";
+const KEYS: &str = "spy, log_path, report_format, show_reachable, suppressions, exitcode, stack_depth, max_memory";
 
 impl fmt::Display for OptionsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -68,28 +114,67 @@ impl fmt::Display for OptionsError {
 
 impl std::error::Error for OptionsError {}
 
+/// Parses a byte count with an optional `k`, `m` or `g` suffix (powers of 1024).
+pub fn parse_size(value: &str) -> Option<usize> {
+    let v = value.trim().to_ascii_lowercase();
+    let (digits, shift) = match v.as_bytes().last()? {
+        b'k' => (&v[..v.len() - 1], 10),
+        b'm' => (&v[..v.len() - 1], 20),
+        b'g' => (&v[..v.len() - 1], 30),
+        _ => (&v[..], 0),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(1 << shift)
+}
+
 impl Options {
     /// Parses the text of `MALLOCSPY_OPTIONS`.
     pub fn parse(text: &str) -> Result<Options, OptionsError> {
-        let mut options = Options::default();
+        let mut o = Options::default();
         for pair in text.split(':').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').ok_or_else(|| OptionsError::Malformed(pair.to_string()))?;
+            let value = value.trim();
+            let bad = |key: &'static str, expected: &'static str| OptionsError::BadValue {
+                key,
+                value: value.to_string(),
+                expected,
+            };
             match key.trim() {
-                "spy" => options.spies = parse_spies(value.trim())?,
-                "log_path" => {
-                    if value.is_empty() {
-                        return Err(OptionsError::BadValue {
-                            key: "log_path",
-                            value: value.to_string(),
-                            expected: "a file path",
-                        });
+                "spy" => o.spies = parse_spies(value)?,
+                "log_path" if !value.is_empty() => o.log_path = Some(value.to_string()),
+                "log_path" => return Err(bad("log_path", "a file path")),
+                "report_format" => {
+                    o.report_format = match value {
+                        "text" => ReportFormat::Text,
+                        "json" => ReportFormat::Json,
+                        _ => return Err(bad("report_format", "text or json")),
                     }
-                    options.log_path = Some(value.to_string());
+                }
+                "show_reachable" => {
+                    o.show_reachable = match value {
+                        "0" => false,
+                        "1" => true,
+                        _ => return Err(bad("show_reachable", "0 or 1")),
+                    }
+                }
+                "suppressions" if !value.is_empty() => o.suppressions = Some(value.to_string()),
+                "suppressions" => return Err(bad("suppressions", "a file path")),
+                "exitcode" => o.exitcode = Some(value.parse().map_err(|_| bad("exitcode", "a number from 0 to 255"))?),
+                "stack_depth" => {
+                    o.stack_depth = value
+                        .parse()
+                        .ok()
+                        .filter(|d| (1..=crate::spies::leaks::MAX_DEPTH).contains(d))
+                        .ok_or_else(|| bad("stack_depth", "a number from 1 to 128"))?
+                }
+                "max_memory" => {
+                    o.max_memory = parse_size(value)
+                        .filter(|&n| n >= 1 << 20)
+                        .ok_or_else(|| bad("max_memory", "a size of at least 1m"))?
                 }
                 other => return Err(OptionsError::UnknownKey(other.to_string())),
             }
         }
-        Ok(options)
+        Ok(o)
     }
 }
 
@@ -97,6 +182,7 @@ fn parse_spies(value: &str) -> Result<SpySet, OptionsError> {
     let mut set = SpySet::default();
     for name in value.split(',').map(str::trim) {
         match name {
+            "leaks" => set.leaks = true,
             "count" => set.count = true,
             "guard" => set.guard = true,
             "none" => {}
@@ -104,7 +190,7 @@ fn parse_spies(value: &str) -> Result<SpySet, OptionsError> {
                 return Err(OptionsError::BadValue {
                     key: "spy",
                     value: value.to_string(),
-                    expected: "a comma-separated list of count, guard, none",
+                    expected: "a comma-separated list of leaks, count, guard, none",
                 });
             }
         }
@@ -117,24 +203,44 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_spies_and_log_path() {
-        let o = Options::parse("spy=count,guard:log_path=/tmp/x.%p").unwrap();
-        assert_eq!(o.spies, SpySet { count: true, guard: true });
+    fn parses_every_key() {
+        let o = Options::parse(
+            "spy=count,guard:log_path=/tmp/x.%p:report_format=json:show_reachable=1:suppressions=s.txt:exitcode=23:stack_depth=8:max_memory=64m",
+        )
+        .unwrap();
+        assert_eq!(o.spies, SpySet { leaks: false, count: true, guard: true });
         assert_eq!(o.log_path.as_deref(), Some("/tmp/x.%p"));
+        assert_eq!(o.report_format, ReportFormat::Json);
+        assert!(o.show_reachable);
+        assert_eq!(o.suppressions.as_deref(), Some("s.txt"));
+        assert_eq!(o.exitcode, Some(23));
+        assert_eq!(o.stack_depth, 8);
+        assert_eq!(o.max_memory, 64 << 20);
         assert_eq!(Options::parse("").unwrap(), Options::default());
+        assert!(Options::default().spies.leaks, "leak tracking by default");
         assert!(Options::parse("spy=none").unwrap().spies.is_empty());
     }
 
     #[test]
     fn rejects_bad_input_with_one_line_messages() {
         let e = Options::parse("spy=count:colour=blue").unwrap_err();
-        assert_eq!(e.to_string(), "unknown key 'colour' (known: spy, log_path)");
+        assert_eq!(e.to_string(), format!("unknown key 'colour' (known: {KEYS})"));
         let e = Options::parse("spy=count,bogus").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "bad value 'count,bogus' for spy (expected a comma-separated list of count, guard, none)"
+            "bad value 'count,bogus' for spy (expected a comma-separated list of leaks, count, guard, none)"
         );
         assert_eq!(Options::parse("spy").unwrap_err().to_string(), "'spy' is not key=value");
+        assert_eq!(
+            Options::parse("exitcode=300").unwrap_err().to_string(),
+            "bad value '300' for exitcode (expected a number from 0 to 255)"
+        );
+        assert!(Options::parse("stack_depth=0").is_err());
+        assert!(Options::parse("stack_depth=129").is_err());
+        assert!(Options::parse("report_format=xml").is_err());
+        assert!(Options::parse("max_memory=12q").is_err());
         assert!(Options::parse("log_path=").is_err());
+        assert_eq!(parse_size("4g"), Some(4 << 30));
+        assert_eq!(parse_size("100k"), Some(102400));
     }
 }

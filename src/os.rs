@@ -39,16 +39,6 @@ pub(crate) fn map(len: usize) -> Option<NonNull<u8>> {
     if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
 }
 
-/// Returns a mapping made by [`map`] to the kernel.
-///
-/// # Safety
-/// `ptr` and `len` must describe exactly one earlier [`map`] call, and nothing may use the
-/// memory afterwards.
-pub(crate) unsafe fn unmap(ptr: NonNull<u8>, len: usize) {
-    // SAFETY: the caller guarantees the range is a mapping of ours that nobody uses any more.
-    unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
-}
-
 static PAGE_SIZE: AtomicUsize = AtomicUsize::new(0);
 
 /// The system page size (cached; `getauxval` works before libc is initialised).
@@ -97,6 +87,13 @@ pub(crate) fn write_all(fd: c_int, mut bytes: &[u8]) -> bool {
 pub(crate) fn getpid() -> u32 {
     // SAFETY: getpid has no preconditions.
     unsafe { libc::syscall(libc::SYS_getpid) as u32 }
+}
+
+/// The calling thread's kernel id.
+#[inline]
+pub(crate) fn gettid() -> u32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::syscall(libc::SYS_gettid) as u32 }
 }
 
 /// Gives up the processor while spinning on a lock or a quiescence wait.

@@ -1,47 +1,60 @@
 //! Start-up and exit of the preloaded shim: read `MALLOCSPY_OPTIONS`, register the built-in
-//! spies, write their reports at exit.
+//! spies, write their reports as late as the process allows.
+//!
+//! The reports run after everything else: the shim's `.fini_array` entry runs inside the
+//! dynamic loader's `_dl_fini`, and registers [`report_at_exit`] with `atexit` from there.
+//! glibc runs handlers registered while exit handlers run, so it comes after `_dl_fini` has
+//! run the destructors of every module, including those initialised before the shim (a
+//! library that frees its caches in a destructor is then not reported as leaking). A program
+//! that leaves by `_exit` gets the same report from the shim's `_exit`.
 
+use core::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use crate::global::{self, GLOBAL};
-use crate::options::Options;
+use crate::leaks::{self, Caller, Suppressions};
+use crate::options::{Options, ReportFormat};
 use crate::spies::count::CountSpy;
 use crate::spies::guard::GuardSpy;
+use crate::spies::leaks::LeakTracker;
 use crate::spies::stack::SpyStack;
 use crate::spy::MallocSpy;
-use crate::{os, sink};
+use crate::{os, pool, sink};
 
-/// The built-in spies of this process, kept for their exit reports.
+/// The built-in spies of this process and how to report them.
 struct Builtins {
     count: Option<&'static CountSpy>,
     guard: Option<&'static GuardSpy>,
+    leaks: Option<&'static LeakTracker>,
+    options: Options,
+    suppressions: Suppressions,
 }
 
 static BUILTINS: OnceLock<Builtins> = OnceLock::new();
+/// The process the reports belong to (a `vfork` child shares our memory but is not us).
+static OWNER: AtomicU32 = AtomicU32::new(0);
+static REPORTED: AtomicBool = AtomicBool::new(false);
 
 fn say(message: &str) {
     let line = format!("mallocspy: {message}\n");
     os::write_all(2, line.as_bytes());
 }
 
+fn leak<T>(value: T) -> &'static T {
+    Box::leak(Box::new(value))
+}
+
 /// Reads `MALLOCSPY_OPTIONS` and registers the spies it names. Called once by the shim's
 /// constructor. A malformed value is reported in one line and the program runs unspied.
 pub fn init() {
     GLOBAL.heap.warm_up();
-    let text = match std::env::var("MALLOCSPY_OPTIONS") {
-        Ok(text) => text,
-        Err(std::env::VarError::NotPresent) => return,
-        Err(std::env::VarError::NotUnicode(_)) => {
-            say("MALLOCSPY_OPTIONS is not valid UTF-8; running unspied");
-            return;
-        }
-    };
-    let options = match Options::parse(&text) {
-        Ok(o) => o,
-        Err(e) => {
-            say(&format!("MALLOCSPY_OPTIONS: {e}; running unspied"));
-            return;
-        }
+    let options = match std::env::var("MALLOCSPY_OPTIONS") {
+        Ok(text) => match Options::parse(&text) {
+            Ok(o) => o,
+            Err(e) => return say(&format!("MALLOCSPY_OPTIONS: {e}; running unspied")),
+        },
+        Err(std::env::VarError::NotPresent) => Options::default(),
+        Err(std::env::VarError::NotUnicode(_)) => return say("MALLOCSPY_OPTIONS is not valid UTF-8; running unspied"),
     };
     match &options.log_path {
         Some(path) => {
@@ -51,54 +64,136 @@ pub fn init() {
         }
         None => sink::use_stderr(),
     }
+    let suppressions = match &options.suppressions {
+        None => Suppressions::default(),
+        Some(path) => match std::fs::read_to_string(path)
+            .map_err(|e| e.to_string())
+            .and_then(|t| Suppressions::parse(&t).map_err(|e| e.to_string()))
+        {
+            Ok(s) => s,
+            Err(e) => {
+                say(&format!("suppressions file '{path}': {e}; reporting without suppressions"));
+                Suppressions::default()
+            }
+        },
+    };
     if options.spies.is_empty() {
         return;
     }
+    pool::set_limit(options.max_memory);
     let builtins = Builtins {
-        count: options.spies.count.then(CountSpy::new).flatten().map(|s| &*Box::leak(Box::new(s))),
-        guard: options.spies.guard.then(GuardSpy::new).flatten().map(|s| &*Box::leak(Box::new(s))),
+        count: options.spies.count.then(CountSpy::new).flatten().map(leak),
+        guard: options.spies.guard.then(GuardSpy::new).flatten().map(leak),
+        leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
+        suppressions,
+        options,
     };
-    if options.spies.count != builtins.count.is_some() || options.spies.guard != builtins.guard.is_some() {
-        say("cannot map memory for the spies; running unspied");
-        return;
+    let s = &builtins.options.spies;
+    if s.count != builtins.count.is_some() || s.guard != builtins.guard.is_some() || s.leaks != builtins.leaks.is_some()
+    {
+        return say("cannot map memory for the spies; running unspied");
     }
     // Observers outermost, so they see the caller's pointers and sizes.
     let mut layers: Vec<&'static dyn MallocSpy> = Vec::new();
+    if let Some(leaks) = builtins.leaks {
+        layers.push(leaks);
+    }
     if let Some(count) = builtins.count {
         layers.push(count);
     }
     if let Some(guard) = builtins.guard {
         layers.push(guard);
     }
-    let _ = BUILTINS.set(builtins);
+    if let Some(tracker) = builtins.leaks {
+        crate::spies::leaks::set_tracker(tracker);
+    }
+    if BUILTINS.set(builtins).is_err() {
+        return;
+    }
+    OWNER.store(os::getpid(), Ordering::Relaxed);
     global::set_fork_child_hook(after_fork_child);
-    let spy: &'static dyn MallocSpy =
-        if layers.len() == 1 { layers[0] } else { Box::leak(Box::new(SpyStack::new(layers))) };
-    let registered = global::register_static_here(spy);
-    if let Err(e) = registered {
+    let spy: &'static dyn MallocSpy = if layers.len() == 1 { layers[0] } else { leak(SpyStack::new(layers)) };
+    if let Err(e) = global::register_static_here(spy) {
         say(&format!("cannot register the built-in spies: {e}"));
     }
 }
 
 fn after_fork_child() {
     sink::after_fork_child();
-    if let Some(count) = BUILTINS.get().and_then(|b| b.count) {
-        count.reset();
+    OWNER.store(os::getpid(), Ordering::Relaxed);
+    if let Some(b) = BUILTINS.get() {
+        if let Some(count) = b.count {
+            count.reset();
+        }
+        if let Some(leaks) = b.leaks {
+            leaks.after_fork_child();
+        }
     }
 }
 
-/// Writes the built-in spies' reports. Called once by the shim's destructor, as late as the
-/// dynamic loader allows.
+/// Called by the shim's `.fini_array` entry: defer the reports past every other destructor.
 pub fn fini() {
+    unsafe extern "C" {
+        fn atexit(f: extern "C" fn()) -> core::ffi::c_int;
+    }
+    // SAFETY: registers an `extern "C" fn()` that never unwinds.
+    if unsafe { atexit(report_at_exit) } != 0 {
+        report_at_exit();
+    }
+}
+
+/// Writes every report, once per process. Runs last at exit, or from `_exit`.
+pub extern "C" fn report_at_exit() {
+    let caller = Caller::here();
+    if OWNER.load(Ordering::Relaxed) != os::getpid() || REPORTED.swap(true, Ordering::AcqRel) {
+        return;
+    }
     let leaked = GLOBAL.leaked_frees();
     if leaked > 0 {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
-    let Some(builtins) = BUILTINS.get() else { return };
-    if let Some(count) = builtins.count {
+    let Some(b) = BUILTINS.get() else { return };
+    if let Some(count) = b.count {
         sink::write(count.report().as_bytes());
     }
-    if let Some(mut summary) = builtins.guard.and_then(|g| g.report_summary()) {
+    if let Some(mut summary) = b.guard.and_then(|g| g.report_summary()) {
         sink::write(summary.as_bytes());
+    }
+    let Some(tracker) = b.leaks else { return };
+    let summary = write_leak_report(tracker, caller);
+    if let Some(code) = b.options.exitcode
+        && summary.lost_blocks() > 0
+    {
+        // SAFETY: flushes stdio (the program's buffered output must not be lost), then
+        // leaves with the leak status, as LSan's exitcode does.
+        unsafe {
+            libc::fflush(core::ptr::null_mut());
+            libc::syscall(libc::SYS_exit_group, code as libc::c_int);
+        }
+    }
+}
+
+/// Runs a leak check and writes its report to the log, with the options of the shim (or
+/// the defaults). Returns the summary.
+pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks::Summary {
+    let default = Options::default();
+    let none = Suppressions::default();
+    let (options, suppressions) = BUILTINS.get().map_or((&default, &none), |b| (&b.options, &b.suppressions));
+    let reachable_stacks = options.report_format == ReportFormat::Json || options.show_reachable;
+    let report = leaks::check(tracker, suppressions, reachable_stacks, caller);
+    let text = match options.report_format {
+        ReportFormat::Text => report.to_text(options.show_reachable),
+        ReportFormat::Json => report.to_json(),
+    };
+    sink::write(text.as_bytes());
+    report.summary
+}
+
+/// `_exit` and `_Exit`: report, then leave.
+pub fn exit_now(status: core::ffi::c_int) -> ! {
+    report_at_exit();
+    loop {
+        // SAFETY: exit_group ends the process and does not return.
+        unsafe { libc::syscall(libc::SYS_exit_group, status) };
     }
 }

@@ -21,7 +21,7 @@ use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering
 
 use crate::sync::SpinLock;
 use crate::tls::ThreadState;
-use crate::{os, tls};
+use crate::{os, pool, tls};
 
 /// How many threads can be inside spied hooks over the process's life at once.
 pub const MAX_THREADS: usize = 16384;
@@ -88,10 +88,10 @@ fn init_tables() -> bool {
     if !SLOTS.table.load(Ordering::Acquire).is_null() {
         return true;
     }
-    let Some(table) = os::map(MAX_THREADS * core::mem::size_of::<Slot>()) else { return false };
-    let Some(free) = os::map(MAX_THREADS * core::mem::size_of::<u32>()) else {
-        // SAFETY: `table` was mapped just above with this length and never shared.
-        unsafe { os::unmap(table, MAX_THREADS * core::mem::size_of::<Slot>()) };
+    let Some(table) = pool::lease(MAX_THREADS * core::mem::size_of::<Slot>()) else { return false };
+    let Some(free) = pool::lease(MAX_THREADS * core::mem::size_of::<u32>()) else {
+        // SAFETY: `table` was leased just above with this length and never shared.
+        unsafe { pool::give_back(table, MAX_THREADS * core::mem::size_of::<Slot>()) };
         return false;
     };
     let mut key: libc::pthread_key_t = 0;
@@ -304,7 +304,8 @@ pub(crate) fn high_water() -> usize {
     SLOTS.high_water.load(Ordering::Acquire)
 }
 
-/// Maps `MAX_THREADS` per-thread records of `T` for a spy's single-writer counters.
+/// Leases `MAX_THREADS` zeroed per-thread records of `T` (a spy's single-writer counters),
+/// indexed by slot. Pages are touched only by the threads that use them.
 pub(crate) fn map_per_thread<T>() -> Option<NonNull<T>> {
-    os::map(MAX_THREADS * core::mem::size_of::<T>()).map(NonNull::cast)
+    pool::lease(MAX_THREADS * core::mem::size_of::<T>()).map(NonNull::cast)
 }

@@ -27,6 +27,12 @@ pub(crate) struct ThreadState {
     pub slot: Cell<u32>,
     /// Scratch words for the spy, private to the call in progress.
     pub scratch: [Cell<u64>; SCRATCH_WORDS],
+    /// Bounds of this thread's stack, for the unwinder (0 until first needed).
+    pub stack_top: Cell<u64>,
+    pub stack_low: Cell<u64>,
+    /// The thread's kernel id, for the leak tracker's records (0 until first needed; reset
+    /// in the child of a fork).
+    pub tid: Cell<u32>,
 }
 
 const BLOCK_SIZE: usize = 128;

@@ -10,7 +10,7 @@ use std::process::Command;
 fn a_spy_that_allocates_in_every_hook_neither_recurses_nor_deadlocks() {
     let program = rust_program("spies", "spies");
     let plain = run(Mode::Native, Command::new(&program).arg("plain"));
-    let out = run(Mode::Shim(""), Command::new(&program).arg("reentrant"));
+    let out = run(PASS_THROUGH, Command::new(&program).arg("reentrant"));
     assert!(out.status.success(), "{}", text(&out.stderr));
     let checksum = |o: &std::process::Output| text(&o.stdout).split('=').nth(1).map(str::to_string);
     assert_eq!(checksum(&out), checksum(&plain), "same work, same result");
@@ -20,7 +20,7 @@ fn a_spy_that_allocates_in_every_hook_neither_recurses_nor_deadlocks() {
 fn a_panicking_spy_is_reported_once_and_the_program_goes_on() {
     let program = rust_program("spies", "spies");
     let plain = run(Mode::Native, Command::new(&program).arg("plain"));
-    let out = run(Mode::Shim(""), Command::new(&program).arg("panicking"));
+    let out = run(PASS_THROUGH, Command::new(&program).arg("panicking"));
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stderr = text(&out.stderr);
     assert_eq!(stderr.matches("mallocspy: the registered spy panicked").count(), 1, "{stderr}");

@@ -18,11 +18,15 @@ fn bad_options_are_one_line_and_the_program_runs_unspied() {
     for (options, message) in [
         (
             "spy=count:colour=blue",
-            "mallocspy: MALLOCSPY_OPTIONS: unknown key 'colour' (known: spy, log_path); running unspied\n",
+            "mallocspy: MALLOCSPY_OPTIONS: unknown key 'colour' (known: spy, log_path, report_format, show_reachable, suppressions, exitcode, stack_depth, max_memory); running unspied\n",
         ),
         (
             "spy=cuont",
-            "mallocspy: MALLOCSPY_OPTIONS: bad value 'cuont' for spy (expected a comma-separated list of count, guard, none); running unspied\n",
+            "mallocspy: MALLOCSPY_OPTIONS: bad value 'cuont' for spy (expected a comma-separated list of leaks, count, guard, none); running unspied\n",
+        ),
+        (
+            "exitcode=x",
+            "mallocspy: MALLOCSPY_OPTIONS: bad value 'x' for exitcode (expected a number from 0 to 255); running unspied\n",
         ),
         ("spy", "mallocspy: MALLOCSPY_OPTIONS: 'spy' is not key=value; running unspied\n"),
     ] {
@@ -74,8 +78,15 @@ fn an_unwritable_log_path_is_one_line_and_the_report_goes_to_stderr() {
 }
 
 #[test]
-fn unset_options_mean_a_pure_pass_through() {
-    let out = run(Mode::Shim(""), &mut ls());
+fn spy_none_is_a_pure_pass_through() {
+    let out = run(PASS_THROUGH, &mut ls());
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
     assert_eq!(out.stdout, run(Mode::Native, &mut ls()).stdout);
+}
+
+#[test]
+fn unset_options_track_leaks_as_a_preloaded_lsan_would() {
+    let out = run(Mode::Shim(""), &mut ls());
+    assert_eq!(out.stdout, run(Mode::Native, &mut ls()).stdout);
+    assert!(text(&out.stderr).contains("LEAK SUMMARY:"), "{}", text(&out.stderr));
 }

@@ -17,7 +17,7 @@ fn assert_all_ok(what: &str, out: &std::process::Output) {
 #[test]
 fn a_c_program_registers_a_header_spy_through_the_header() {
     let program = c_program("register.c");
-    assert_all_ok("register.c", &run(Mode::Shim(""), &mut Command::new(&program)));
+    assert_all_ok("register.c", &run(PASS_THROUGH, &mut Command::new(&program)));
     // Without the shim there is no interposer to register with.
     let native = run(Mode::Native, &mut Command::new(&program));
     assert_eq!(text(&native.stdout).trim(), "no interposer");
@@ -27,7 +27,7 @@ fn a_c_program_registers_a_header_spy_through_the_header() {
 fn a_dlopened_plugin_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
     let plugin = c_library("plugin.c");
-    let out = run(Mode::Shim(""), Command::new(&host).arg("dlopen").arg(&plugin));
+    let out = run(PASS_THROUGH, Command::new(&host).arg("dlopen").arg(&plugin));
     assert_eq!(text(&out.stdout), "register: 0\nspy saw 1000 mallocs\n", "{}", text(&out.stderr));
 }
 
@@ -48,7 +48,7 @@ fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
 #[test]
 fn a_rust_program_registers_through_the_preloaded_shim() {
     let program = rust_program("spies", "spies");
-    assert_all_ok("spies registry", &run(Mode::Shim(""), Command::new(&program).arg("registry")));
+    assert_all_ok("spies registry", &run(PASS_THROUGH, Command::new(&program).arg("registry")));
 }
 
 #[test]

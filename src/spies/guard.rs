@@ -23,7 +23,7 @@ use crate::line::Line;
 use crate::live_table::LiveTable;
 use crate::spy::{CallScratch, MallocSpy};
 use crate::sync::SpinLock;
-use crate::{os, sink};
+use crate::{pool, sink};
 
 const HEADER: usize = 16;
 const TRAILER: usize = 8;
@@ -135,7 +135,7 @@ fn offset_for(align: usize) -> usize {
 impl GuardSpy {
     /// A guard with an empty memory of freed blocks; `None` if it cannot be mapped.
     pub(crate) fn new() -> Option<Self> {
-        let ring = os::map(RECENT * core::mem::size_of::<usize>())?.cast::<usize>();
+        let ring = pool::lease(RECENT * core::mem::size_of::<usize>())?.cast::<usize>();
         Some(Self {
             recent: LiveTable::new(),
             ring,

@@ -2,4 +2,5 @@
 
 pub(crate) mod count;
 pub(crate) mod guard;
+pub(crate) mod leaks;
 pub(crate) mod stack;

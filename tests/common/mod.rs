@@ -157,9 +157,14 @@ pub enum Mode {
     Shim(&'static str),
 }
 
+/// The shim with no spy: a pure pass-through.
+pub const PASS_THROUGH: Mode = Mode::Shim("spy=none");
+
 impl Mode {
-    /// Native, the shim with no spy, and the shim with each built-in spy.
-    pub const ALL: [Mode; 4] = [Mode::Native, Mode::Shim(""), Mode::Shim("spy=count"), Mode::Shim("spy=guard")];
+    /// Native, the shim with no spy, and the shim with each built-in spy (options unset is
+    /// the leak tracker, as a preloaded LeakSanitizer).
+    pub const ALL: [Mode; 5] =
+        [Mode::Native, PASS_THROUGH, Mode::Shim("spy=count"), Mode::Shim("spy=guard"), Mode::Shim("")];
 
     pub fn apply(self, cmd: &mut Command) {
         cmd.env_remove("LD_PRELOAD").env_remove("MALLOCSPY_OPTIONS");
@@ -206,6 +211,13 @@ pub fn same_in_every_mode(what: &str, make: impl Fn() -> Command) -> Vec<(Mode, 
         }
         if *mode == Mode::Shim("spy=guard") {
             assert!(!text(&out.stderr).contains("mallocspy: guard:"), "{what}: guard findings:\n{}", text(&out.stderr));
+        }
+        if *mode == Mode::Shim("") {
+            assert!(
+                text(&out.stderr).contains("LEAK SUMMARY:"),
+                "{what}: no leak report on stderr:\n{}",
+                text(&out.stderr)
+            );
         }
     }
     outputs

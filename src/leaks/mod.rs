@@ -1,0 +1,139 @@
+//! Leak reports: which live blocks are lost at exit (or on demand), how, and where they were
+//! allocated. [`scan`] classifies, [`roots`] finds where the program's pointers live,
+//! [`report`] aggregates and renders.
+
+pub(crate) mod report;
+pub(crate) mod roots;
+pub(crate) mod scan;
+pub(crate) mod suppress;
+pub(crate) mod symbols;
+
+pub use report::{LeakRecord, LeakReport, Summary, Tally};
+pub use scan::LeakKind;
+pub use suppress::{SuppressionError, Suppressions};
+pub use symbols::Frame;
+
+use crate::spies::leaks::LeakTracker;
+use crate::{os, tls};
+use report::Classified;
+use roots::{Maps, ProcessMemory};
+use scan::{Heap, Scratch};
+
+/// Registers of the reporting thread that may hold the program's pointers (callee-saved:
+/// rbx, rbp, r12-r15), and its stack pointer, taken where the report starts so that the
+/// report's own frames are not scanned.
+#[derive(Clone, Copy)]
+pub(crate) struct Caller {
+    pub sp: u64,
+    pub regs: [u64; 6],
+}
+
+impl Caller {
+    /// The calling function's view. Always inlined, so that it is the caller's stack pointer.
+    #[inline(always)]
+    pub(crate) fn here() -> Self {
+        let (sp, rbx, rbp, r12, r13, r14, r15): (u64, u64, u64, u64, u64, u64, u64);
+        // SAFETY: reads registers.
+        unsafe {
+            core::arch::asm!(
+                "mov {}, rsp", "mov {}, rbx", "mov {}, rbp", "mov {}, r12", "mov {}, r13", "mov {}, r14", "mov {}, r15",
+                out(reg) sp, out(reg) rbx, out(reg) rbp, out(reg) r12, out(reg) r13, out(reg) r14, out(reg) r15,
+                options(nomem, nostack, preserves_flags)
+            )
+        };
+        Self { sp, regs: [rbx, rbp, r12, r13, r14, r15] }
+    }
+}
+
+/// Stack words below a thread's stack pointer that may still be live (the x86_64 red zone).
+const RED_ZONE: u64 = 128;
+/// The thread control block above a thread pointer (glibc's `struct pthread`), rounded up.
+const TCB: u64 = 4096;
+
+/// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
+/// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
+pub(crate) fn check(
+    tracker: &LeakTracker,
+    suppressions: &Suppressions,
+    reachable_stacks: bool,
+    caller: Caller,
+) -> LeakReport {
+    // Allocations made by libc on our behalf from here on are not the program's.
+    let ts = tls::state();
+    let depth = ts.depth.replace(ts.depth.get().max(1));
+
+    let mut blocks = tracker.snapshot();
+    blocks.sort_unstable_by_key(|b| b.0);
+    // A record whose block overlaps the previous one is stale (its free went unseen).
+    let mut last_end = 0;
+    blocks.retain(|(addr, r)| {
+        let keep = *addr >= last_end;
+        if keep {
+            last_end = addr + r.size().max(1);
+        }
+        keep
+    });
+    let spans: Vec<(u64, u64)> = blocks.iter().map(|(a, r)| (*a, r.size())).collect();
+    let heap = Heap::new(&spans);
+    let mut scratch = Scratch::for_blocks(spans.len());
+    let modules = roots::module_data(check as *const core::ffi::c_void);
+    let tls_size = roots::static_tls_size();
+    let mut maps = Maps::reserve();
+    let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.len() + 2 * 4096 + 4);
+    let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8);
+    let own_tp = roots::thread_pointer();
+
+    let stopped = roots::stop_the_world();
+    maps.read();
+    regions.extend_from_slice(&modules);
+    let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>| {
+        if let Some(end) = maps.end_of(sp) {
+            regions.push((sp.saturating_sub(RED_ZONE), end));
+        }
+        if tp != 0 {
+            regions.push((tp.saturating_sub(tls_size), tp + TCB));
+        }
+    };
+    add_thread(caller.sp, own_tp, &mut regions);
+    words.extend_from_slice(&caller.regs);
+    let mut missing = 0;
+    if let Some(stopped) = &stopped {
+        for p in stopped.parked() {
+            if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
+                add_thread(p.sp, p.tp, &mut regions);
+                words.extend_from_slice(&p.regs);
+            }
+        }
+        missing = stopped.missing;
+    }
+    scan::classify(&heap, &regions, &words, &ProcessMemory(&maps), &mut scratch);
+    drop(stopped);
+
+    let mut notes = Vec::new();
+    if missing > 0 {
+        notes.push(format!("{missing} thread(s) did not stop in time; their stacks were not scanned"));
+    }
+    let untracked = tracker.untracked();
+    if untracked > 0 {
+        notes.push(format!(
+            "{untracked} allocation(s) were not tracked: mallocspy's memory limit (max_memory) was reached"
+        ));
+    }
+    let classified: Vec<Classified> = blocks
+        .iter()
+        .zip(scratch.kinds())
+        .map(|((_, r), kind)| Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind })
+        .collect();
+    let stats = tracker.stats();
+    let report = report::build(
+        os::getpid(),
+        &classified,
+        (stats.total_allocs, stats.total_frees, stats.total_bytes),
+        |id| tracker.stacks.frames(id).to_vec(),
+        suppressions,
+        reachable_stacks,
+        notes,
+    );
+    ts.depth.set(depth);
+    report
+}

@@ -1,0 +1,293 @@
+//! The leak report: blocks grouped by allocation stack and kind, symbolized, as text or JSON.
+//! Building and rendering are pure functions of the classified blocks and the tracker's totals.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use super::scan::LeakKind;
+use super::suppress::Suppressions;
+use super::symbols::{Frame, Symbolizer};
+use crate::spy::Entry;
+
+/// Blocks and bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Tally {
+    /// Number of blocks.
+    pub blocks: u64,
+    /// Bytes in them (as asked for).
+    pub bytes: u64,
+}
+
+impl Tally {
+    fn add(&mut self, bytes: u64) {
+        self.blocks += 1;
+        self.bytes += bytes;
+    }
+}
+
+/// Totals of a report, keyed as valgrind's LEAK SUMMARY. (`#[repr(C)]`: the C API's
+/// `struct mallocspy_leak_summary`.)
+#[repr(C)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Summary {
+    /// No pointer to them anywhere.
+    pub definitely_lost: Tally,
+    /// Reachable only from lost blocks.
+    pub indirectly_lost: Tally,
+    /// Reachable only through interior pointers.
+    pub possibly_lost: Tally,
+    /// Reachable from a root.
+    pub still_reachable: Tally,
+    /// Lost blocks whose stack matched a suppression (not counted above).
+    pub suppressed: Tally,
+    /// Allocating calls (a realloc is one allocation and one free).
+    pub total_allocs: u64,
+    /// Frees of tracked blocks.
+    pub total_frees: u64,
+    /// Bytes allocated in all.
+    pub total_bytes_allocated: u64,
+}
+
+impl Summary {
+    fn tally(&mut self, kind: LeakKind) -> &mut Tally {
+        match kind {
+            LeakKind::DefinitelyLost => &mut self.definitely_lost,
+            LeakKind::IndirectlyLost => &mut self.indirectly_lost,
+            LeakKind::PossiblyLost => &mut self.possibly_lost,
+            LeakKind::StillReachable => &mut self.still_reachable,
+        }
+    }
+
+    /// Definitely plus indirectly lost blocks (what `exitcode` is about).
+    pub fn lost_blocks(&self) -> u64 {
+        self.definitely_lost.blocks + self.indirectly_lost.blocks
+    }
+}
+
+/// One allocation stack's blocks of one kind.
+#[derive(Clone, Debug, Serialize)]
+pub struct LeakRecord {
+    /// `definitely_lost`, `indirectly_lost`, `possibly_lost` or `still_reachable`.
+    #[serde(serialize_with = "kind_name")]
+    pub kind: LeakKind,
+    /// Blocks allocated at this stack and left in this state.
+    pub blocks: u64,
+    /// Bytes in them.
+    pub bytes: u64,
+    /// The entry point that allocated the first of them.
+    #[serde(serialize_with = "entry_name")]
+    pub entry: Entry,
+    /// The allocation stack, innermost first, starting at the allocator's caller.
+    pub stack: Vec<Frame>,
+}
+
+fn kind_name<S: serde::Serializer>(k: &LeakKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(k.name())
+}
+
+fn entry_name<S: serde::Serializer>(e: &Entry, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(e.name())
+}
+
+/// A leak report.
+#[derive(Clone, Debug, Serialize)]
+pub struct LeakReport {
+    /// The process reported on.
+    pub pid: u32,
+    /// Totals.
+    pub summary: Summary,
+    /// Records, by bytes (largest first).
+    pub leaks: Vec<LeakRecord>,
+    /// What limited the report (threads that could not be stopped, untracked allocations).
+    pub notes: Vec<String>,
+}
+
+/// A classified live block, as the report needs it.
+pub(crate) struct Classified {
+    pub size: u64,
+    pub stack: u32,
+    pub entry: Entry,
+    pub kind: LeakKind,
+}
+
+/// Groups blocks by (stack, kind), applies suppressions to the lost kinds, symbolizes
+/// (still-reachable stacks only when `reachable_stacks`: a text report does not show them).
+pub(crate) fn build(
+    pid: u32,
+    blocks: &[Classified],
+    totals: (u64, u64, u64),
+    frames_of: impl Fn(u32) -> Vec<u64>,
+    suppressions: &Suppressions,
+    reachable_stacks: bool,
+    notes: Vec<String>,
+) -> LeakReport {
+    let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
+    for b in blocks {
+        groups.entry((b.stack, b.kind)).or_insert((Tally::default(), b.entry)).0.add(b.size);
+    }
+    let mut summary = Summary {
+        total_allocs: totals.0,
+        total_frees: totals.1,
+        total_bytes_allocated: totals.2,
+        ..Summary::default()
+    };
+    let mut symbolizer = Symbolizer::default();
+    let mut leaks = Vec::new();
+    for ((stack_id, kind), (tally, entry)) in groups {
+        let lost = kind != LeakKind::StillReachable;
+        let mut stack = Vec::new();
+        if lost || reachable_stacks {
+            for addr in frames_of(stack_id) {
+                stack.extend_from_slice(symbolizer.frames(addr));
+            }
+        }
+        let suppressed = lost
+            && !suppressions.is_empty()
+            && stack.iter().any(|f| {
+                let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
+                suppressions.matching(texts.into_iter().flatten()).is_some()
+            });
+        let t = if suppressed { &mut summary.suppressed } else { summary.tally(kind) };
+        t.blocks += tally.blocks;
+        t.bytes += tally.bytes;
+        if !suppressed {
+            leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack });
+        }
+    }
+    leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
+    LeakReport { pid, summary, leaks, notes }
+}
+
+impl LeakReport {
+    /// One line of JSON.
+    pub fn to_json(&self) -> String {
+        let mut s = serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
+        s.push('\n');
+        s
+    }
+
+    /// The text report: every lost record, still-reachable ones when `show_reachable`, then
+    /// the summary (valgrind's layout, prefixed by the pid).
+    pub fn to_text(&self, show_reachable: bool) -> String {
+        let p = format!("=={}==", self.pid);
+        let mut out = String::new();
+        let _ = writeln!(out, "{p} mallocspy leak report");
+        let mut hidden = Tally::default();
+        for r in &self.leaks {
+            if r.kind == LeakKind::StillReachable && !show_reachable {
+                hidden.add(0);
+                continue;
+            }
+            let what = match r.kind {
+                LeakKind::DefinitelyLost => "definitely lost",
+                LeakKind::IndirectlyLost => "indirectly lost",
+                LeakKind::PossiblyLost => "possibly lost",
+                LeakKind::StillReachable => "still reachable",
+            };
+            let _ = writeln!(
+                out,
+                "{p}\n{p} {} bytes in {} blocks are {what} ({})",
+                grouped(r.bytes),
+                grouped(r.blocks),
+                r.entry
+            );
+            for (i, f) in r.stack.iter().enumerate() {
+                let _ = write!(out, "{p}    #{i} {} in {}", f.address, f.function.as_deref().unwrap_or("??"));
+                match (&f.file, f.line, &f.module) {
+                    (Some(file), Some(line), _) => {
+                        let _ = writeln!(out, " {file}:{line}");
+                    }
+                    (_, _, Some(module)) => {
+                        let _ = writeln!(out, " ({module})");
+                    }
+                    _ => out.push('\n'),
+                }
+            }
+        }
+        let s = &self.summary;
+        let _ = writeln!(out, "{p}\n{p} LEAK SUMMARY:");
+        for (name, t) in [
+            ("definitely lost", s.definitely_lost),
+            ("indirectly lost", s.indirectly_lost),
+            ("possibly lost", s.possibly_lost),
+            ("still reachable", s.still_reachable),
+            ("suppressed", s.suppressed),
+        ] {
+            let _ = writeln!(out, "{p}    {name:>15}: {} bytes in {} blocks", grouped(t.bytes), grouped(t.blocks));
+        }
+        if hidden.blocks > 0 {
+            let _ = writeln!(out, "{p}    ({} still-reachable records not shown: show_reachable=1)", hidden.blocks);
+        }
+        let _ = writeln!(
+            out,
+            "{p} total heap usage: {} allocs, {} frees, {} bytes allocated",
+            grouped(s.total_allocs),
+            grouped(s.total_frees),
+            grouped(s.total_bytes_allocated)
+        );
+        for note in &self.notes {
+            let _ = writeln!(out, "{p} note: {note}");
+        }
+        out
+    }
+}
+
+/// 1234567 -> "1,234,567".
+fn grouped(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(size: u64, stack: u32, kind: LeakKind) -> Classified {
+        Classified { size, stack, entry: Entry::Malloc, kind }
+    }
+
+    #[test]
+    fn groups_by_stack_and_kind_sorts_by_bytes_and_suppresses_lost_only() {
+        let blocks = [
+            block(48, 1, LeakKind::DefinitelyLost),
+            block(48, 1, LeakKind::DefinitelyLost),
+            block(4096, 2, LeakKind::DefinitelyLost),
+            block(100, 3, LeakKind::StillReachable),
+            block(10, 3, LeakKind::IndirectlyLost),
+        ];
+        let report = build(7, &blocks, (50, 21, 18288), |_| Vec::new(), &Suppressions::default(), true, vec![]);
+        assert_eq!(report.summary.definitely_lost, Tally { blocks: 3, bytes: 4192 });
+        assert_eq!(report.summary.indirectly_lost, Tally { blocks: 1, bytes: 10 });
+        assert_eq!(report.summary.still_reachable, Tally { blocks: 1, bytes: 100 });
+        let sizes: Vec<u64> = report.leaks.iter().map(|r| r.bytes).collect();
+        assert_eq!(sizes, [4096, 100, 96, 10]);
+        let json: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+        assert_eq!(json["summary"]["definitely_lost"]["bytes"], 4192);
+        assert_eq!(json["leaks"][0]["kind"], "definitely_lost");
+        assert_eq!(json["summary"]["total_allocs"], 50);
+        let text = report.to_text(false);
+        assert!(text.contains("==7== 4,096 bytes in 1 blocks are definitely lost (malloc)"), "{text}");
+        assert!(text.contains("definitely lost: 4,192 bytes in 3 blocks"), "{text}");
+        assert!(text.contains("total heap usage: 50 allocs, 21 frees, 18,288 bytes allocated"), "{text}");
+        assert!(!text.contains("still reachable (malloc)"), "reachable records hidden by default");
+    }
+
+    #[test]
+    fn numbers_are_grouped_by_thousands() {
+        assert_eq!(grouped(0), "0");
+        assert_eq!(grouped(999), "999");
+        assert_eq!(grouped(1000), "1,000");
+        assert_eq!(grouped(18288), "18,288");
+        assert_eq!(grouped(1234567), "1,234,567");
+    }
+}

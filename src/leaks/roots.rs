@@ -1,0 +1,347 @@
+//! Where the program keeps its pointers: the writable data of every loaded module, and each
+//! thread's registers, stack and static TLS. Other threads are stopped while the heap is
+//! scanned, so that what the scan reads is one moment of the program.
+//!
+//! Stopping the world is done with a signal, as without ptrace it must be: each other thread
+//! is sent a real-time signal nobody uses, its handler records the registers the signal
+//! interrupted and waits on a futex until the scan is over. Nothing may allocate between
+//! stopping and resuming (a stopped thread may hold the allocator's lock), so every buffer
+//! the scan needs is reserved before.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::scan::Memory;
+use crate::os;
+
+/// A readable range of the address space.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub readable: bool,
+}
+
+/// `/proc/self/maps`, read without allocating into buffers reserved beforehand.
+pub(crate) struct Maps {
+    text: Vec<u8>,
+    pub list: Vec<Mapping>,
+}
+
+fn parse_hex(s: &[u8]) -> Option<u64> {
+    let mut v: u64 = 0;
+    for &c in s {
+        let d = (c as char).to_digit(16)?;
+        v = v.checked_mul(16)?.checked_add(d as u64)?;
+    }
+    Some(v)
+}
+
+impl Maps {
+    /// Buffers sized for the current map, with room to grow.
+    pub(crate) fn reserve() -> Self {
+        let len = std::fs::read("/proc/self/maps").map_or(64 << 10, |t| t.len());
+        Self { text: Vec::with_capacity(len * 2 + 4096), list: Vec::with_capacity(len / 40 * 2 + 256) }
+    }
+
+    /// Re-reads the map into the reserved buffers (what does not fit is dropped, which only
+    /// makes less memory readable). Raw system calls: safe while other threads are stopped.
+    pub(crate) fn read(&mut self) {
+        self.text.clear();
+        self.list.clear();
+        // SAFETY: a NUL-terminated path; the descriptor is closed below.
+        let fd = unsafe { libc::open(c"/proc/self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return;
+        }
+        loop {
+            let room = self.text.capacity() - self.text.len();
+            if room == 0 {
+                break;
+            }
+            // SAFETY: writes at most `room` bytes into the reserved, unused tail.
+            let n = unsafe { libc::read(fd, self.text.as_mut_ptr().add(self.text.len()).cast(), room) };
+            if n <= 0 {
+                break;
+            }
+            // SAFETY: read(2) initialised n more bytes.
+            unsafe { self.text.set_len(self.text.len() + n as usize) };
+        }
+        // SAFETY: fd is ours.
+        unsafe { libc::close(fd) };
+        for line in self.text.split(|&c| c == b'\n') {
+            if self.list.len() == self.list.capacity() {
+                break;
+            }
+            let mut fields = line.split(|&c| c == b' ');
+            let (Some(range), Some(perms)) = (fields.next(), fields.next()) else { continue };
+            let Some(dash) = range.iter().position(|&c| c == b'-') else { continue };
+            let (Some(start), Some(end)) = (parse_hex(&range[..dash]), parse_hex(&range[dash + 1..])) else { continue };
+            // [vvar] and friends are readable in name only.
+            let special = line.ends_with(b"[vvar]") || line.ends_with(b"[vvar_vclock]");
+            self.list.push(Mapping { start, end, readable: perms.first() == Some(&b'r') && !special });
+        }
+    }
+
+    /// The end of the mapping holding `addr` (merging adjacent readable mappings).
+    pub(crate) fn end_of(&self, addr: u64) -> Option<u64> {
+        let mut i = self.list.partition_point(|m| m.end <= addr);
+        let first = self.list.get(i)?;
+        if first.start > addr || !first.readable {
+            return None;
+        }
+        let mut end = first.end;
+        while let Some(next) = self.list.get(i + 1) {
+            if next.start != end || !next.readable {
+                break;
+            }
+            end = next.end;
+            i += 1;
+        }
+        Some(end)
+    }
+}
+
+/// Process memory, read only where the map says it is readable.
+pub(crate) struct ProcessMemory<'a>(pub &'a Maps);
+
+impl Memory for ProcessMemory<'_> {
+    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+        let mut addr = start.next_multiple_of(8);
+        let maps = &self.0.list;
+        let mut i = maps.partition_point(|m| m.end <= addr);
+        while addr + 8 <= end {
+            let Some(m) = maps.get(i) else { return };
+            if m.start >= end {
+                return;
+            }
+            if !m.readable || m.start > addr {
+                addr = addr.max(m.start).next_multiple_of(8);
+                if !m.readable {
+                    i += 1;
+                    addr = addr.max(m.end);
+                }
+                continue;
+            }
+            let stop = end.min(m.end);
+            while addr + 8 <= stop {
+                // SAFETY: [addr, addr + 8) lies in a readable mapping of this process, which
+                // stays mapped: the other threads are stopped and this one does not unmap.
+                f(unsafe { core::ptr::read_volatile(addr as *const u64) });
+                addr += 8;
+            }
+            i += 1;
+        }
+    }
+}
+
+/// Writable data of every loaded module except mallocspy's own (its tables hold addresses
+/// of blocks, not references to them).
+pub(crate) fn module_data(own: *const c_void) -> Vec<(u64, u64)> {
+    unsafe extern "C" fn collect(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info; data is the Vec below.
+        let (info, out) = unsafe { (&*info, &mut *(data as *mut (u64, Vec<(u64, u64)>))) };
+        if info.dlpi_phdr.is_null() || info.dlpi_addr == out.0 {
+            return 0;
+        }
+        // SAFETY: dlpi_phdr points to dlpi_phnum headers.
+        for ph in unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) } {
+            if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_W != 0 {
+                let start = info.dlpi_addr + ph.p_vaddr;
+                out.1.push((start, start + ph.p_memsz));
+            }
+        }
+        0
+    }
+    let mut out: (u64, Vec<(u64, u64)>) = (module_base(own), Vec::new());
+    // SAFETY: the callback matches dl_iterate_phdr's contract.
+    unsafe { libc::dl_iterate_phdr(Some(collect), &mut out as *mut _ as *mut c_void) };
+    out.1
+}
+
+fn module_base(addr: *const c_void) -> u64 {
+    // SAFETY: Dl_info is plain data; dladdr only writes it.
+    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+    // SAFETY: any address may be asked about.
+    if unsafe { libc::dladdr(addr, &mut info) } == 0 {
+        return u64::MAX;
+    }
+    // dl_phdr_info's dlpi_addr is the load bias, dladdr's dli_fbase the lowest mapped address:
+    // for a shared object both are the start of its first segment (p_vaddr 0).
+    info.dli_fbase as u64
+}
+
+/// Size of the static TLS area below each thread pointer (glibc's private accessor), or a
+/// page when unknown.
+pub(crate) fn static_tls_size() -> u64 {
+    type GetInfo = unsafe extern "C" fn(*mut usize, *mut usize);
+    // SAFETY: a NUL-terminated name.
+    let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_get_tls_static_info".as_ptr()) };
+    if sym.is_null() {
+        return 4096;
+    }
+    // SAFETY: glibc's `void _dl_get_tls_static_info (size_t *sizep, size_t *alignp)`.
+    let get: GetInfo = unsafe { core::mem::transmute::<*mut c_void, GetInfo>(sym) };
+    let (mut size, mut align) = (0usize, 0usize);
+    // SAFETY: two valid out-pointers.
+    unsafe { get(&mut size, &mut align) };
+    size as u64
+}
+
+/// The calling thread's thread pointer.
+pub(crate) fn thread_pointer() -> u64 {
+    let tp: u64;
+    // SAFETY: reads fs:0, the thread pointer, on x86_64 Linux.
+    unsafe { core::arch::asm!("mov {}, qword ptr fs:[0]", out(reg) tp, options(nostack, readonly)) };
+    tp
+}
+
+/// What a stopped thread left: its registers, stack pointer and thread pointer.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Parked {
+    pub regs: [u64; 23],
+    pub sp: u64,
+    pub tp: u64,
+}
+
+const MAX_PARKED: usize = 4096;
+
+/// The slots parked threads write their context into.
+struct Slots(core::cell::UnsafeCell<[Parked; MAX_PARKED]>);
+
+// SAFETY: each slot is written by the one thread the counter handed it to, and read only
+// after that thread published it (see `park` and `Stopped::parked`).
+unsafe impl Sync for Slots {}
+
+static PARKED: Slots = Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, tp: 0 }; MAX_PARKED]));
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+static ARRIVED: AtomicUsize = AtomicUsize::new(0);
+static LEFT: AtomicUsize = AtomicUsize::new(0);
+/// Futex word: 0 while the world is stopped.
+static RESUME: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
+    let saved = os::errno();
+    let i = NEXT.fetch_add(1, Ordering::AcqRel);
+    if i < MAX_PARKED {
+        // SAFETY: the kernel passes the interrupted context; slot i is this thread's alone
+        // (handed out by the counter) until ARRIVED publishes it.
+        unsafe {
+            let gregs = (*(uc as *const libc::ucontext_t)).uc_mcontext.gregs;
+            let slot = &mut (*PARKED.0.get())[i];
+            slot.regs = gregs.map(|r| r as u64);
+            slot.sp = gregs[libc::REG_RSP as usize] as u64;
+            slot.tp = thread_pointer();
+        }
+    }
+    ARRIVED.fetch_add(1, Ordering::Release);
+    while RESUME.load(Ordering::Acquire) == 0 {
+        // SAFETY: futex wait on a static word; spurious wake-ups loop.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                RESUME.as_ptr(),
+                libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                0,
+                core::ptr::null::<libc::timespec>(),
+            )
+        };
+    }
+    LEFT.fetch_add(1, Ordering::Release);
+    os::set_errno(saved);
+}
+
+/// Other threads, parked until this is dropped.
+pub(crate) struct Stopped {
+    signal: c_int,
+    old: libc::sigaction,
+    /// Threads that did not answer in time (signal blocked, or stuck in the kernel).
+    pub missing: usize,
+}
+
+/// A real-time signal with the default disposition (nobody uses it), if any.
+fn free_signal() -> Option<c_int> {
+    (libc::SIGRTMIN() + 4..=libc::SIGRTMAX() - 1).rev().find(|&sig| {
+        // SAFETY: sigaction is plain data.
+        let mut old: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: querying a disposition writes only `old`.
+        unsafe { libc::sigaction(sig, core::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_DFL }
+    })
+}
+
+/// Stops every other thread of the process. Allocates (thread list) before stopping anyone.
+pub(crate) fn stop_the_world() -> Option<Stopped> {
+    let me = os::gettid();
+    let tids: Vec<u32> = std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&t| t != me)
+        .collect();
+    let signal = free_signal()?;
+    NEXT.store(0, Ordering::Relaxed);
+    ARRIVED.store(0, Ordering::Relaxed);
+    LEFT.store(0, Ordering::Relaxed);
+    RESUME.store(0, Ordering::Release);
+    // SAFETY: sigaction structs are plain data; the handler is an async-signal-safe
+    // `extern "C"` fn with the SA_SIGINFO signature.
+    let old = unsafe {
+        let mut act: libc::sigaction = core::mem::zeroed();
+        act.sa_sigaction = park as *const () as usize;
+        act.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+        libc::sigfillset(&mut act.sa_mask);
+        let mut old: libc::sigaction = core::mem::zeroed();
+        if libc::sigaction(signal, &act, &mut old) != 0 {
+            return None;
+        }
+        old
+    };
+    let pid = os::getpid();
+    let mut sent = 0;
+    for tid in tids {
+        // SAFETY: tgkill to a thread of this process; a thread that exited meanwhile is ESRCH.
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, signal) } == 0 {
+            sent += 1;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_millis(500);
+    while ARRIVED.load(Ordering::Acquire) < sent && Instant::now() < deadline {
+        os::yield_now();
+    }
+    let arrived = ARRIVED.load(Ordering::Acquire);
+    Some(Stopped { signal, old, missing: sent - arrived.min(sent) })
+}
+
+impl Stopped {
+    /// The registers, stack and thread pointers of the parked threads.
+    pub(crate) fn parked(&self) -> &[Parked] {
+        let n = ARRIVED.load(Ordering::Acquire).min(MAX_PARKED);
+        // SAFETY: slots below ARRIVED were written before the Release increment and are not
+        // written again until the next stop.
+        unsafe { &(&*PARKED.0.get())[..n] }
+    }
+}
+
+impl Drop for Stopped {
+    /// Lets the parked threads go, and restores the signal's disposition once they left the
+    /// handler.
+    fn drop(&mut self) {
+        RESUME.store(1, Ordering::Release);
+        // SAFETY: futex wake on a static word.
+        unsafe {
+            libc::syscall(libc::SYS_futex, RESUME.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX)
+        };
+        // Late arrivals also see RESUME set and leave at once.
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while LEFT.load(Ordering::Acquire) < ARRIVED.load(Ordering::Acquire) && Instant::now() < deadline {
+            os::yield_now();
+        }
+        // A thread that has not answered may still get the signal later: under the default
+        // disposition that would kill the process, so the handler then stays (it returns at
+        // once now that RESUME is set).
+        if self.missing == 0 {
+            // SAFETY: restores the disposition saved in stop_the_world.
+            unsafe { libc::sigaction(self.signal, &self.old, core::ptr::null_mut()) };
+        }
+    }
+}

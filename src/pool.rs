@@ -1,0 +1,126 @@
+//! mallocspy's own memory: regions of anonymous mappings, leased and returned like the slabs
+//! of Kestrel's `MemoryPool` (a lease takes a region from the pool, or maps a new one when
+//! the pool has none of that size; a return puts it back for the next lease).
+//!
+//! Nothing of mallocspy's bookkeeping (live-block tables, stack tables, per-thread records)
+//! comes from the heap it watches, so watching never changes the target's heap layout, and
+//! the memory mallocspy costs is counted here, exactly. The pool is bounded: past
+//! [`set_limit`] bytes a lease fails, and the caller degrades (the leak tracker stops
+//! recording new blocks and says so in its report) instead of growing without end.
+
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::os;
+use crate::sync::SpinLock;
+
+/// Smallest region: one page.
+const MIN_SHIFT: u32 = 12;
+/// Size classes: 4 KiB, 8 KiB, ... 2^(MIN_SHIFT + CLASSES - 1).
+const CLASSES: usize = 36;
+
+struct Class {
+    lock: SpinLock,
+    /// Free regions of this size, linked through their first word.
+    free: AtomicUsize,
+}
+
+static FREE: [Class; CLASSES] = [const { Class { lock: SpinLock::new(), free: AtomicUsize::new(0) } }; CLASSES];
+/// Bytes mapped by the pool (leased or free).
+static MAPPED: AtomicUsize = AtomicUsize::new(0);
+/// Bytes leased and not returned.
+static LEASED: AtomicUsize = AtomicUsize::new(0);
+static LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// The region size and class a request of `bytes` gets.
+fn class_of(bytes: usize) -> Option<(usize, usize)> {
+    let size = bytes.max(1).checked_next_power_of_two()?.max(1 << MIN_SHIFT);
+    let class = (size.trailing_zeros() - MIN_SHIFT) as usize;
+    (class < CLASSES).then_some((size, class))
+}
+
+/// Leases a zeroed region of at least `bytes`; `None` past the limit or when the kernel
+/// refuses. Return it with [`give_back`] and the same `bytes`.
+pub(crate) fn lease(bytes: usize) -> Option<NonNull<u8>> {
+    let (size, class) = class_of(bytes)?;
+    let c = &FREE[class];
+    {
+        let _guard = c.lock.lock();
+        let head = c.free.load(Ordering::Relaxed);
+        if let Some(region) = NonNull::new(head as *mut u8) {
+            // SAFETY: a free region's first word links to the next free region of its class.
+            let next = unsafe { *(head as *const usize) };
+            c.free.store(next, Ordering::Relaxed);
+            // SAFETY: the region is ours alone now; zero it as a fresh mapping would be (its
+            // pages were released on return, so only the first is touched).
+            unsafe { *(head as *mut usize) = 0 };
+            LEASED.fetch_add(size, Ordering::Relaxed);
+            return Some(region);
+        }
+    }
+    if MAPPED.load(Ordering::Relaxed).saturating_add(size) > LIMIT.load(Ordering::Relaxed) {
+        return None;
+    }
+    let region = os::map(size)?;
+    MAPPED.fetch_add(size, Ordering::Relaxed);
+    LEASED.fetch_add(size, Ordering::Relaxed);
+    Some(region)
+}
+
+/// Returns a region leased for `bytes`. Its pages go back to the kernel; the mapping stays
+/// in the pool for the next lease of its size.
+///
+/// # Safety
+/// `region` came from [`lease`] with the same `bytes` and nothing uses it any more.
+pub(crate) unsafe fn give_back(region: NonNull<u8>, bytes: usize) {
+    let Some((size, class)) = class_of(bytes) else { return };
+    // SAFETY: the caller's guarantee: the whole region is ours and unused.
+    unsafe { libc::madvise(region.as_ptr().cast(), size, libc::MADV_DONTNEED) };
+    let c = &FREE[class];
+    let _guard = c.lock.lock();
+    // SAFETY: as above; the first word becomes the free-list link.
+    unsafe { *(region.as_ptr() as *mut usize) = c.free.load(Ordering::Relaxed) };
+    c.free.store(region.as_ptr() as usize, Ordering::Relaxed);
+    LEASED.fetch_sub(size, Ordering::Relaxed);
+}
+
+/// Caps the bytes the pool may map (leases past it fail).
+pub(crate) fn set_limit(bytes: usize) {
+    LIMIT.store(bytes, Ordering::Relaxed);
+}
+
+/// Bytes mapped by the pool, and bytes of them leased.
+pub(crate) fn usage() -> (usize, usize) {
+    (MAPPED.load(Ordering::Relaxed), LEASED.load(Ordering::Relaxed))
+}
+
+/// Child side of `fork`: no other thread survived to hold a class lock.
+pub(crate) fn force_unlock() {
+    for c in &FREE {
+        c.lock.force_unlock();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_are_reused_after_return_and_counted() {
+        let a = lease(5000).unwrap();
+        // SAFETY: a is an 8 KiB region of ours.
+        unsafe { a.as_ptr().write_bytes(7, 8192) };
+        let (_, leased) = usage();
+        assert!(leased >= 8192);
+        // SAFETY: a came from lease(5000) and is unused now.
+        unsafe { give_back(a, 5000) };
+        let b = lease(8000).unwrap();
+        assert_eq!(a, b, "the returned region is leased again");
+        // SAFETY: b is an 8 KiB region of ours.
+        assert!(unsafe { core::slice::from_raw_parts(b.as_ptr(), 8192) }.iter().all(|&x| x == 0), "zeroed");
+        // SAFETY: as above.
+        unsafe { give_back(b, 8000) };
+        assert_eq!(class_of(1), Some((4096, 0)));
+        assert_eq!(class_of(4097), Some((8192, 1)));
+    }
+}

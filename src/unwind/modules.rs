@@ -1,0 +1,112 @@
+//! The loaded modules and where their unwind tables are, for the unwinder's misses.
+//!
+//! Built with `dl_iterate_phdr` from each module's program headers: the executable segment
+//! (code) and `PT_GNU_EH_FRAME` (`.eh_frame_hdr`, whose binary-search table leads to the FDE
+//! of an address in `.eh_frame`). The list is immutable once published; a refresh after a
+//! `dlopen` publishes a new one and leaks the old one (a few hundred bytes per refresh), so
+//! that readers never wait and never see a freed list.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+
+/// One loaded module's code and unwind tables (addresses as mapped).
+#[derive(Clone, Copy)]
+pub(crate) struct Module {
+    /// Executable range.
+    pub text: (u64, u64),
+    /// `.eh_frame_hdr`, as mapped.
+    pub eh_frame_hdr: (u64, u64),
+    /// `.eh_frame` from its start to the end of the segment holding it (the header gives
+    /// its start, not its length; FDEs are found by offset, so a longer view is harmless).
+    pub eh_frame: (u64, u64),
+}
+
+/// The published module list, sorted by text start.
+pub(crate) struct Modules {
+    pub list: Vec<Module>,
+    /// Bumped on every refresh: unwind rules cached under an older generation are stale.
+    pub generation: u32,
+}
+
+static CURRENT: AtomicPtr<Modules> = AtomicPtr::new(core::ptr::null_mut());
+static GENERATION: AtomicU32 = AtomicU32::new(0);
+
+/// Reads `.eh_frame_hdr`'s `eh_frame_ptr` (always `DW_EH_PE_pcrel | DW_EH_PE_sdata4` on Linux).
+///
+/// # Safety
+/// `hdr` is the address of a mapped `.eh_frame_hdr`.
+unsafe fn eh_frame_from_hdr(hdr: u64) -> Option<u64> {
+    let h = hdr as *const u8;
+    // SAFETY: the header's first 8 bytes are mapped (version, 3 encodings, the pointer).
+    let (version, encoding, rel) = unsafe { (*h, *h.add(1), (h.add(4) as *const i32).read_unaligned()) };
+    (version == 1 && encoding == 0x1b).then(|| (hdr as i64 + 4 + rel as i64) as u64)
+}
+
+unsafe extern "C" fn collect(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+    // SAFETY: dl_iterate_phdr passes a valid info for the duration of the callback, and `data`
+    // is the Vec passed by `refresh`.
+    let (info, list) = unsafe { (&*info, &mut *(data as *mut Vec<Module>)) };
+    if info.dlpi_phdr.is_null() {
+        return 0;
+    }
+    // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
+    let phdrs = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+    let base = info.dlpi_addr;
+    let mut text = None;
+    let mut hdr = None;
+    for ph in phdrs {
+        match ph.p_type {
+            libc::PT_LOAD if ph.p_flags & libc::PF_X != 0 => {
+                text = Some((base + ph.p_vaddr, base + ph.p_vaddr + ph.p_memsz))
+            }
+            libc::PT_GNU_EH_FRAME => hdr = Some((base + ph.p_vaddr, base + ph.p_vaddr + ph.p_memsz)),
+            _ => {}
+        }
+    }
+    let (Some(text), Some(hdr)) = (text, hdr) else { return 0 };
+    // SAFETY: PT_GNU_EH_FRAME is mapped.
+    let Some(eh_frame) = (unsafe { eh_frame_from_hdr(hdr.0) }) else { return 0 };
+    let segment_end = phdrs
+        .iter()
+        .filter(|ph| ph.p_type == libc::PT_LOAD)
+        .map(|ph| (base + ph.p_vaddr, base + ph.p_vaddr + ph.p_filesz))
+        .find(|&(start, end)| start <= eh_frame && eh_frame < end)
+        .map(|(_, end)| end);
+    if let Some(end) = segment_end {
+        list.push(Module { text, eh_frame_hdr: hdr, eh_frame: (eh_frame, end) });
+    }
+    0
+}
+
+/// Re-reads the module list (after a `dlopen`, or the first time). May allocate: call it
+/// where allocations go to the real allocator (inside a hook, or at start-up).
+pub(crate) fn refresh() -> &'static Modules {
+    let mut list: Vec<Module> = Vec::with_capacity(64);
+    // SAFETY: the callback matches dl_iterate_phdr's contract and only touches `list`.
+    unsafe { libc::dl_iterate_phdr(Some(collect), &mut list as *mut Vec<Module> as *mut c_void) };
+    list.sort_by_key(|m| m.text.0);
+    let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
+    let fresh = Box::into_raw(Box::new(Modules { list, generation }));
+    // The old list stays allocated: other threads may be reading it.
+    CURRENT.store(fresh, Ordering::Release);
+    // SAFETY: just published, never freed.
+    unsafe { &*fresh }
+}
+
+/// The current module list (read on the first use of the unwinder).
+pub(crate) fn current() -> &'static Modules {
+    // SAFETY: a published list is never freed.
+    match unsafe { CURRENT.load(Ordering::Acquire).as_ref() } {
+        Some(m) => m,
+        None => refresh(),
+    }
+}
+
+impl Modules {
+    /// The module whose code contains `pc`.
+    pub(crate) fn find(&self, pc: u64) -> Option<&Module> {
+        let i = self.list.partition_point(|m| m.text.0 <= pc);
+        let m = self.list.get(i.checked_sub(1)?)?;
+        (pc < m.text.1).then_some(m)
+    }
+}

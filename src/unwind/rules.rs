@@ -1,0 +1,220 @@
+//! Unwind rules per return address, computed once from `.eh_frame` and cached.
+//!
+//! On x86_64 nearly every frame is described by "CFA = RSP + n" (code without frame
+//! pointers) or "CFA = RBP + 16" (with), the return address at CFA - 8 and RBP either left
+//! alone or saved at CFA - m. Such a rule packs into 64 bits; applying it is a couple of
+//! loads. The DWARF work (finding the FDE through `.eh_frame_hdr`'s binary-search table and
+//! running its CFA program, with gimli) happens once per distinct address, on a miss.
+//! Anything else (a CFA expression, a signal trampoline) is cached as `Stop`.
+//!
+//! The cache is a fixed, direct-mapped table in an anonymous mapping; each entry is
+//! published under a sequence number, so readers never lock and never see half an entry.
+
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use gimli::{
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, Register, RegisterRule, UnwindSection,
+};
+
+use super::modules::{self, Modules};
+use crate::pool;
+
+/// What to do at one frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rule {
+    /// CFA = RSP + `cfa`; the caller's RBP is at CFA - `rbp` (0: RBP unchanged).
+    Rsp { cfa: u32, rbp: u16 },
+    /// CFA = RBP + `cfa`; as above.
+    Rbp { cfa: u32, rbp: u16 },
+    /// No rule this unwinder follows: the stack ends here.
+    Stop,
+}
+
+const DWARF_RBP: Register = Register(6);
+const DWARF_RSP: Register = Register(7);
+const DWARF_RA: Register = Register(16);
+
+impl Rule {
+    fn pack(self) -> u64 {
+        match self {
+            Rule::Rsp { cfa, rbp } => 1 | (rbp as u64) << 8 | (cfa as u64) << 32,
+            Rule::Rbp { cfa, rbp } => 2 | (rbp as u64) << 8 | (cfa as u64) << 32,
+            Rule::Stop => 3,
+        }
+    }
+
+    fn unpack(v: u64) -> Rule {
+        let (rbp, cfa) = ((v >> 8) as u16, (v >> 32) as u32);
+        match v & 3 {
+            1 => Rule::Rsp { cfa, rbp },
+            2 => Rule::Rbp { cfa, rbp },
+            _ => Rule::Stop,
+        }
+    }
+}
+
+/// Computes the rule for `pc` from the unwind tables of its module.
+fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
+    let m = modules.find(pc)?;
+    let slice = |(start, end): (u64, u64)| {
+        // SAFETY: the ranges come from the module's mapped program headers, which stay mapped
+        // while the module is loaded.
+        EndianSlice::new(
+            unsafe { core::slice::from_raw_parts(start as *const u8, (end - start) as usize) },
+            LittleEndian,
+        )
+    };
+    let bases =
+        BaseAddresses::default().set_eh_frame_hdr(m.eh_frame_hdr.0).set_eh_frame(m.eh_frame.0).set_text(m.text.0);
+    let hdr = EhFrameHdr::from(slice(m.eh_frame_hdr)).parse(&bases, 8).ok()?;
+    let eh_frame = EhFrame::from(slice(m.eh_frame));
+    let mut ctx = gimli::UnwindContext::new();
+    let row = hdr.table()?.unwind_info_for_address(&eh_frame, &bases, &mut ctx, pc, EhFrame::cie_from_offset).ok()?;
+    let ra_at_cfa_minus_8 = matches!(row.register(DWARF_RA), Some(RegisterRule::Offset(-8)));
+    let rbp = match row.register(DWARF_RBP) {
+        None | Some(RegisterRule::Undefined | RegisterRule::SameValue) => Some(0),
+        Some(RegisterRule::Offset(off)) if (-65535..0).contains(&off) => Some((-off) as u16),
+        _ => None,
+    };
+    let rule = match (row.cfa(), rbp) {
+        (_, None) => Rule::Stop,
+        _ if !ra_at_cfa_minus_8 => Rule::Stop,
+        (&CfaRule::RegisterAndOffset { register, offset }, Some(rbp)) if (0..=u32::MAX as i64).contains(&offset) => {
+            match register {
+                DWARF_RSP => Rule::Rsp { cfa: offset as u32, rbp },
+                DWARF_RBP => Rule::Rbp { cfa: offset as u32, rbp },
+                _ => Rule::Stop,
+            }
+        }
+        _ => Rule::Stop,
+    };
+    Some(rule)
+}
+
+const ENTRIES: usize = 1 << 16;
+
+#[repr(C, align(32))]
+struct Entry {
+    /// Even when the entry is stable.
+    seq: AtomicU32,
+    /// The address with the module generation in the top 16 bits, 0 when empty.
+    key: AtomicU64,
+    rule: AtomicU64,
+}
+
+/// The cache table, mapped on first use; `None` if the mapping failed (rules are then
+/// computed every time).
+fn table() -> Option<&'static [Entry]> {
+    static TABLE: OnceLock<Option<usize>> = OnceLock::new();
+    let base =
+        (*TABLE.get_or_init(|| pool::lease(ENTRIES * core::mem::size_of::<Entry>()).map(|p| p.as_ptr() as usize)))?;
+    // SAFETY: the mapping holds ENTRIES zeroed entries (valid atomics) and is never released.
+    Some(unsafe { core::slice::from_raw_parts(base as *const Entry, ENTRIES) })
+}
+
+fn slot(key: u64) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - ENTRIES.trailing_zeros())) as usize
+}
+
+/// A view of the rule cache for one stack walk (the module list is read once per walk).
+pub(crate) struct Rules {
+    modules: &'static Modules,
+    table: Option<&'static [Entry]>,
+}
+
+impl Rules {
+    pub(crate) fn new() -> Self {
+        Self { modules: modules::current(), table: table() }
+    }
+
+    /// The module list generation the rules belong to.
+    pub(crate) fn generation(&self) -> u32 {
+        self.modules.generation
+    }
+
+    /// The rule for the frame whose (lookup) address is `pc`.
+    #[inline(always)]
+    pub(crate) fn get(&self, pc: u64) -> Rule {
+        let key = pc | (self.modules.generation as u64) << 48;
+        let Some(table) = self.table else { return compute(self.modules, pc).unwrap_or(Rule::Stop) };
+        let e = &table[slot(key)];
+        let seq = e.seq.load(Ordering::Acquire);
+        if seq & 1 == 0 && e.key.load(Ordering::Acquire) == key {
+            let rule = e.rule.load(Ordering::Acquire);
+            if e.seq.load(Ordering::Acquire) == seq {
+                return Rule::unpack(rule);
+            }
+        }
+        miss(self.modules, pc, key, e)
+    }
+}
+
+/// The rule for the frame whose (lookup) address is `pc`.
+#[cfg(test)]
+fn lookup(pc: u64) -> Rule {
+    let modules = modules::current();
+    let key = pc | (modules.generation as u64) << 48;
+    let Some(table) = table() else { return compute(modules, pc).unwrap_or(Rule::Stop) };
+    let e = &table[slot(key)];
+    let seq = e.seq.load(Ordering::Acquire);
+    if seq & 1 == 0 && e.key.load(Ordering::Acquire) == key {
+        let rule = e.rule.load(Ordering::Acquire);
+        if e.seq.load(Ordering::Acquire) == seq {
+            return Rule::unpack(rule);
+        }
+    }
+    miss(modules, pc, key, e)
+}
+
+#[cold]
+fn miss(modules: &'static Modules, pc: u64, key: u64, e: &Entry) -> Rule {
+    let rule = match compute(modules, pc) {
+        Some(rule) => rule,
+        // Code outside every known module: maybe a library opened since; look once more.
+        None => match compute(modules::refresh(), pc) {
+            Some(rule) => return rule, // cached under the new generation next time
+            None => Rule::Stop,
+        },
+    };
+    // Publish; a writer that finds the entry busy just skips caching.
+    let seq = e.seq.load(Ordering::Relaxed);
+    if seq & 1 == 0 && e.seq.compare_exchange(seq, seq + 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+        e.key.store(key, Ordering::Release);
+        e.rule.store(rule.pack(), Ordering::Release);
+        e.seq.store(seq + 2, Ordering::Release);
+    }
+    rule
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_pack_and_unpack() {
+        for r in [
+            Rule::Rsp { cfa: 8, rbp: 0 },
+            Rule::Rbp { cfa: 16, rbp: 16 },
+            Rule::Rsp { cfa: 70_000, rbp: 48 },
+            Rule::Stop,
+        ] {
+            assert_eq!(Rule::unpack(r.pack()), r);
+        }
+    }
+
+    #[inline(never)]
+    fn here() -> u64 {
+        let pc: u64;
+        // SAFETY: reads the instruction pointer.
+        unsafe { core::arch::asm!("lea {}, [rip]", out(reg) pc) };
+        pc
+    }
+
+    #[test]
+    fn a_function_of_this_binary_has_a_followable_rule() {
+        let rule = lookup(here());
+        assert!(matches!(rule, Rule::Rsp { .. } | Rule::Rbp { .. }), "{rule:?}");
+        assert_eq!(lookup(here()), rule, "cached");
+    }
+}
