@@ -4,7 +4,10 @@
 //!
 //! Nothing of mallocspy's bookkeeping (live-block tables, stack tables, per-thread records)
 //! comes from the heap it watches, so watching never changes the target's heap layout, and
-//! the memory mallocspy costs is counted here, exactly. The pool is bounded: past
+//! the memory mallocspy costs is counted here, exactly. Regions are carved from a few large
+//! reservations (arenas, mapped with `MAP_NORESERVE`, so untouched pages cost nothing), which
+//! also lets the leak scan recognise mallocspy's own memory and leave it out of the roots. The
+//! pool is bounded: past
 //! [`set_limit`] bytes a lease fails, and the caller degrades (the leak tracker stops
 //! recording new blocks and says so in its report) instead of growing without end.
 
@@ -26,6 +29,18 @@ struct Class {
 }
 
 static FREE: [Class; CLASSES] = [const { Class { lock: SpinLock::new(), free: AtomicUsize::new(0) } }; CLASSES];
+
+/// Size of an arena (a region larger than this gets an arena of its own).
+const ARENA: usize = 1 << 30;
+const MAX_ARENAS: usize = 256;
+
+/// The reservations regions are carved from: `(start, length)`, published by `ARENAS_LEN`.
+static ARENA_START: [AtomicUsize; MAX_ARENAS] = [const { AtomicUsize::new(0) }; MAX_ARENAS];
+static ARENA_LEN: [AtomicUsize; MAX_ARENAS] = [const { AtomicUsize::new(0) }; MAX_ARENAS];
+static ARENAS_LEN: AtomicUsize = AtomicUsize::new(0);
+/// Carving state of the current (last) arena, under `CARVE`.
+static CARVE: SpinLock = SpinLock::new();
+static CARVED: AtomicUsize = AtomicUsize::new(0);
 /// Bytes mapped by the pool (leased or free).
 static MAPPED: AtomicUsize = AtomicUsize::new(0);
 /// Bytes leased and not returned.
@@ -61,10 +76,40 @@ pub(crate) fn lease(bytes: usize) -> Option<NonNull<u8>> {
     if MAPPED.load(Ordering::Relaxed).saturating_add(size) > LIMIT.load(Ordering::Relaxed) {
         return None;
     }
-    let region = os::map(size)?;
+    let region = carve(size)?;
     MAPPED.fetch_add(size, Ordering::Relaxed);
     LEASED.fetch_add(size, Ordering::Relaxed);
     Some(region)
+}
+
+/// Cuts a fresh page-aligned region of `size` bytes from the current arena, reserving a new
+/// one when it is full.
+fn carve(size: usize) -> Option<NonNull<u8>> {
+    let _guard = CARVE.lock();
+    let n = ARENAS_LEN.load(Ordering::Relaxed);
+    let carved = CARVED.load(Ordering::Relaxed);
+    if n > 0 && carved + size <= ARENA_LEN[n - 1].load(Ordering::Relaxed) {
+        CARVED.store(carved + size, Ordering::Relaxed);
+        return NonNull::new((ARENA_START[n - 1].load(Ordering::Relaxed) + carved) as *mut u8);
+    }
+    if n == MAX_ARENAS {
+        return None;
+    }
+    let len = size.max(ARENA);
+    let arena = os::map(len)?;
+    ARENA_START[n].store(arena.as_ptr() as usize, Ordering::Relaxed);
+    ARENA_LEN[n].store(len, Ordering::Relaxed);
+    ARENAS_LEN.store(n + 1, Ordering::Release);
+    CARVED.store(size, Ordering::Relaxed);
+    Some(arena)
+}
+
+/// Whether `[start, end)` overlaps memory of the pool.
+pub(crate) fn owns(start: u64, end: u64) -> bool {
+    (0..ARENAS_LEN.load(Ordering::Acquire)).any(|i| {
+        let (s, l) = (ARENA_START[i].load(Ordering::Relaxed) as u64, ARENA_LEN[i].load(Ordering::Relaxed) as u64);
+        start < s + l && s < end
+    })
 }
 
 /// Returns a region leased for `bytes`. Its pages go back to the kernel; the mapping stays
@@ -99,6 +144,7 @@ pub(crate) fn force_unlock() {
     for c in &FREE {
         c.lock.force_unlock();
     }
+    CARVE.force_unlock();
 }
 
 #[cfg(test)]
@@ -120,6 +166,8 @@ mod tests {
         assert!(unsafe { core::slice::from_raw_parts(b.as_ptr(), 8192) }.iter().all(|&x| x == 0), "zeroed");
         // SAFETY: as above.
         unsafe { give_back(b, 8000) };
+        assert!(owns(b.as_ptr() as u64, b.as_ptr() as u64 + 1));
+        assert!(!owns(0x1000, 0x2000));
         assert_eq!(class_of(1), Some((4096, 0)));
         assert_eq!(class_of(4097), Some((8192, 1)));
     }

@@ -134,10 +134,19 @@ fn after_fork_child() {
 /// Called by the shim's `.fini_array` entry: defer the reports past every other destructor.
 pub fn fini() {
     unsafe extern "C" {
-        fn atexit(f: extern "C" fn()) -> core::ffi::c_int;
+        fn __cxa_atexit(
+            f: extern "C" fn(*mut core::ffi::c_void),
+            arg: *mut core::ffi::c_void,
+            dso: *mut core::ffi::c_void,
+        ) -> core::ffi::c_int;
     }
-    // SAFETY: registers an `extern "C" fn()` that never unwinds.
-    if unsafe { atexit(report_at_exit) } != 0 {
+    extern "C" fn report(_: *mut core::ffi::c_void) {
+        report_at_exit();
+    }
+    // Not `atexit`: that ties the handler to this library, whose own finalisation (this very
+    // call) would run it at once. A null DSO handle puts it in the process's list.
+    // SAFETY: registers an `extern "C"` function that never unwinds, with no argument.
+    if unsafe { __cxa_atexit(report, core::ptr::null_mut(), core::ptr::null_mut()) } != 0 {
         report_at_exit();
     }
 }

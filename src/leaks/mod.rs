@@ -74,14 +74,22 @@ pub(crate) fn check(
         keep
     });
     let spans: Vec<(u64, u64)> = blocks.iter().map(|(a, r)| (*a, r.size())).collect();
+    let starts: Vec<u64> = spans.iter().map(|s| s.0).collect();
     let heap = Heap::new(&spans);
     let mut scratch = Scratch::for_blocks(spans.len());
     let modules = roots::module_data(check as *const core::ffi::c_void);
     let tls_size = roots::static_tls_size();
     let mut maps = Maps::reserve();
-    let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.len() + 2 * 4096 + 4);
-    let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8);
+    let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.len() + 2 * 4096 + 4 + maps.list.capacity());
+    let mut stack_pointers: Vec<u64> = Vec::with_capacity(4097);
+    let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8 + blocks.len());
     let own_tp = roots::thread_pointer();
+    let loader = roots::loader_text().unwrap_or((0, 0));
+    let by_loader: Vec<u64> = blocks
+        .iter()
+        .filter(|(_, r)| tracker.stacks.frames(r.stack).first().is_some_and(|&f| loader.0 <= f && f < loader.1))
+        .map(|(addr, _)| *addr)
+        .collect();
 
     let stopped = roots::stop_the_world();
     maps.read();
@@ -95,17 +103,23 @@ pub(crate) fn check(
         }
     };
     add_thread(caller.sp, own_tp, &mut regions);
+    stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
+    words.extend_from_slice(&by_loader);
     let mut missing = 0;
     if let Some(stopped) = &stopped {
         for p in stopped.parked() {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
                 add_thread(p.sp, p.tp, &mut regions);
                 words.extend_from_slice(&p.regs);
+                if stack_pointers.len() < stack_pointers.capacity() {
+                    stack_pointers.push(p.sp);
+                }
             }
         }
         missing = stopped.missing;
     }
+    roots::anonymous_roots(&maps, &starts, &stack_pointers, &mut regions);
     scan::classify(&heap, &regions, &words, &ProcessMemory(&maps), &mut scratch);
     drop(stopped);
 

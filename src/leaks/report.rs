@@ -97,6 +97,8 @@ fn entry_name<S: serde::Serializer>(e: &Entry, s: S) -> Result<S::Ok, S::Error> 
 pub struct LeakReport {
     /// The process reported on.
     pub pid: u32,
+    /// Its executable.
+    pub program: String,
     /// Totals.
     pub summary: Summary,
     /// Records, by bytes (largest first).
@@ -158,7 +160,8 @@ pub(crate) fn build(
         }
     }
     leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
-    LeakReport { pid, summary, leaks, notes }
+    let program = std::fs::read_link("/proc/self/exe").map(|p| p.display().to_string()).unwrap_or_default();
+    LeakReport { pid, program, summary, leaks, notes }
 }
 
 impl LeakReport {
@@ -174,7 +177,7 @@ impl LeakReport {
     pub fn to_text(&self, show_reachable: bool) -> String {
         let p = format!("=={}==", self.pid);
         let mut out = String::new();
-        let _ = writeln!(out, "{p} mallocspy leak report");
+        let _ = writeln!(out, "{p} mallocspy leak report for {}", self.program);
         let mut hidden = Tally::default();
         for r in &self.leaks {
             if r.kind == LeakKind::StillReachable && !show_reachable {

@@ -15,12 +15,15 @@ use std::time::{Duration, Instant};
 use super::scan::Memory;
 use crate::os;
 
-/// A readable range of the address space.
+/// A range of the address space.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Mapping {
     pub start: u64,
     pub end: u64,
     pub readable: bool,
+    /// Writable memory not backed by a file nor special (`[heap]`, `[stack]`, ...): what a
+    /// program maps for itself (arenas, caches, dead threads' stacks), or an allocator's heap.
+    pub anonymous_data: bool,
 }
 
 /// `/proc/self/maps`, read without allocating into buffers reserved beforehand.
@@ -80,26 +83,36 @@ impl Maps {
             let (Some(start), Some(end)) = (parse_hex(&range[..dash]), parse_hex(&range[dash + 1..])) else { continue };
             // [vvar] and friends are readable in name only.
             let special = line.ends_with(b"[vvar]") || line.ends_with(b"[vvar_vclock]");
-            self.list.push(Mapping { start, end, readable: perms.first() == Some(&b'r') && !special });
+            let readable = perms.first() == Some(&b'r') && !special;
+            // Fields after the permissions: offset, device, inode, then the path if any.
+            let path = fields.filter(|f| !f.is_empty()).nth(3).unwrap_or(b"");
+            let anonymous_data =
+                readable && perms.get(1) == Some(&b'w') && (path.is_empty() || path.starts_with(b"[anon:"));
+            self.list.push(Mapping { start, end, readable, anonymous_data });
         }
     }
 
-    /// The end of the mapping holding `addr` (merging adjacent readable mappings).
+    /// The end of the readable mapping holding `addr`. (Thread stacks are one mapping each,
+    /// stack and thread control block; neighbouring mappings are someone else's.)
     pub(crate) fn end_of(&self, addr: u64) -> Option<u64> {
-        let mut i = self.list.partition_point(|m| m.end <= addr);
-        let first = self.list.get(i)?;
-        if first.start > addr || !first.readable {
-            return None;
+        let m = self.list.get(self.list.partition_point(|m| m.end <= addr))?;
+        (m.start <= addr && m.readable).then_some(m.end)
+    }
+}
+
+/// Anonymous data mappings to scan as roots, as memcheck scans the memory a program maps
+/// for itself (GCC's garbage-collected pages, Python's arenas, the cached stacks of exited
+/// threads hold pointers to heap blocks). Left out: mappings holding a live block (an
+/// allocator's heap: its free chunks are not roots), mallocspy's own memory, and the
+/// mappings of live threads' stacks (scanned from their stack pointers only: what lies
+/// below is dead frames).
+pub(crate) fn anonymous_roots(maps: &Maps, block_starts: &[u64], stack_pointers: &[u64], out: &mut Vec<(u64, u64)>) {
+    for m in maps.list.iter().filter(|m| m.anonymous_data) {
+        let holds_block = block_starts.get(block_starts.partition_point(|&b| b < m.start)).is_some_and(|&b| b < m.end);
+        let holds_stack = stack_pointers.iter().any(|&sp| m.start <= sp && sp < m.end);
+        if !holds_block && !holds_stack && !crate::pool::owns(m.start, m.end) && out.len() < out.capacity() {
+            out.push((m.start, m.end));
         }
-        let mut end = first.end;
-        while let Some(next) = self.list.get(i + 1) {
-            if next.start != end || !next.readable {
-                break;
-            }
-            end = next.end;
-            i += 1;
-        }
-        Some(end)
     }
 }
 
@@ -157,6 +170,36 @@ pub(crate) fn module_data(own: *const c_void) -> Vec<(u64, u64)> {
     let mut out: (u64, Vec<(u64, u64)>) = (module_base(own), Vec::new());
     // SAFETY: the callback matches dl_iterate_phdr's contract.
     unsafe { libc::dl_iterate_phdr(Some(collect), &mut out as *mut _ as *mut c_void) };
+    out.1
+}
+
+/// The dynamic loader's code. Blocks it allocates (the DTV of each thread's TLS, among
+/// others) are referenced from loader structures outside every root (a cached thread
+/// stack's TCB): like LeakSanitizer, the scan treats them as roots themselves.
+pub(crate) fn loader_text() -> Option<(u64, u64)> {
+    unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info; data is the tuple below.
+        let (info, out) = unsafe { (&*info, &mut *(data as *mut (u64, Option<(u64, u64)>))) };
+        if info.dlpi_addr != out.0 || info.dlpi_phdr.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_phdr points to dlpi_phnum headers.
+        for ph in unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) } {
+            if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_X != 0 {
+                let start = info.dlpi_addr + ph.p_vaddr;
+                out.1 = Some((start, start + ph.p_memsz));
+            }
+        }
+        1
+    }
+    // SAFETY: getauxval reads the auxiliary vector; AT_BASE is the interpreter's load address.
+    let base = unsafe { libc::getauxval(libc::AT_BASE) };
+    if base == 0 {
+        return None;
+    }
+    let mut out: (u64, Option<(u64, u64)>) = (base, None);
+    // SAFETY: the callback matches dl_iterate_phdr's contract.
+    unsafe { libc::dl_iterate_phdr(Some(find), &mut out as *mut _ as *mut c_void) };
     out.1
 }
 

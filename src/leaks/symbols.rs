@@ -53,7 +53,8 @@ impl Symbolizer {
             backtrace::resolve((addr - 1) as *mut core::ffi::c_void, |sym| {
                 frames.push(Frame {
                     address: format!("{addr:#x}"),
-                    function: sym.name().map(|n| n.to_string()),
+                    // `{:#}`: demangled, without the hash suffix of Rust symbols.
+                    function: sym.name().map(|n| format!("{n:#}")),
                     file: sym.filename().map(|p| p.display().to_string()),
                     line: sym.lineno(),
                     module: module.clone(),

@@ -113,9 +113,9 @@ fn unchanged(prev: &PrevWalk, from: usize) -> bool {
     })
 }
 
-/// The unwind loop; return addresses inside `own` are skipped until the first one outside.
+/// The unwind loop; the frames `own` recognises as mallocspy's are skipped.
 #[inline(always)]
-fn walk(out: &mut [u64], own: (u64, u64), prev: &mut PrevWalk) -> usize {
+fn walk(out: &mut [u64], own: Own, prev: &mut PrevWalk) -> usize {
     let (mut pc, mut sp, mut bp): (u64, u64, u64);
     // SAFETY: reads three registers.
     unsafe { core::arch::asm!("lea {}, [rip]", "mov {}, rsp", "mov {}, rbp", out(reg) pc, out(reg) sp, out(reg) bp) };
@@ -133,6 +133,7 @@ fn walk(out: &mut [u64], own: (u64, u64), prev: &mut PrevWalk) -> usize {
     let rules = rules::Rules::new();
     let reusable = prev.generation == rules.generation();
     let (mut n, mut walked, mut j) = (0, 0, 0);
+    let mut inside = true;
     let mut truncated = true;
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
@@ -181,7 +182,9 @@ fn walk(out: &mut [u64], own: (u64, u64), prev: &mut PrevWalk) -> usize {
         };
         prev.frames[walked] = Frame { cfa, ra, bp, bp_slot };
         walked += 1;
-        if !(n == 0 && own.0 <= ra && ra < own.1) {
+        let skip;
+        (skip, inside) = own.still_inside(ra, inside);
+        if !skip {
             out[n] = ra;
             n += 1;
         }
@@ -194,7 +197,9 @@ fn walk(out: &mut [u64], own: (u64, u64), prev: &mut PrevWalk) -> usize {
                 prev.frames[walked] = f;
                 walked += 1;
                 took += 1;
-                if !(n == 0 && own.0 <= f.ra && f.ra < own.1) {
+                let skip;
+                (skip, inside) = own.still_inside(f.ra, inside);
+                if !skip {
                     out[n] = f.ra;
                     n += 1;
                 }
@@ -229,20 +234,84 @@ impl PrevWalk {
     }
 }
 
-/// This module's executable range (mallocspy's own code, skipped at the top of stacks).
-fn own_text() -> (u64, u64) {
-    use core::sync::atomic::{AtomicU64, Ordering};
-    static START: AtomicU64 = AtomicU64::new(0);
-    static END: AtomicU64 = AtomicU64::new(0);
-    let start = START.load(Ordering::Relaxed);
-    if start != 0 {
-        return (start, END.load(Ordering::Relaxed));
+/// How the frames of mallocspy itself are recognised at the top of a stack.
+#[derive(Clone, Copy)]
+pub(crate) enum Own {
+    /// mallocspy is a library of its own (the preloaded shim): every frame inside it.
+    Module(u64, u64),
+    /// mallocspy is linked into the program (the `interpose` feature): the frames up to
+    /// and including the one returning into an exported entry point.
+    Exports([(u64, u64); EXPORTS.len()]),
+}
+
+const EXPORTS: [&core::ffi::CStr; 12] = [
+    c"malloc",
+    c"calloc",
+    c"realloc",
+    c"reallocarray",
+    c"free",
+    c"posix_memalign",
+    c"aligned_alloc",
+    c"memalign",
+    c"valloc",
+    c"pvalloc",
+    c"malloc_usable_size",
+    c"malloc_trim",
+];
+
+impl Own {
+    /// Whether the walk is still inside mallocspy after the frame returning to `ra`, given
+    /// whether it was before.
+    #[inline(always)]
+    fn still_inside(&self, ra: u64, inside: bool) -> (bool, bool) {
+        match *self {
+            // (skip this frame, inside after it)
+            Own::Module(start, end) => {
+                let here = inside && start <= ra && ra < end;
+                (here, here)
+            }
+            Own::Exports(ranges) => {
+                if !inside {
+                    return (false, false);
+                }
+                let returns_into_export = ranges.iter().any(|&(s, e)| s <= ra && ra < e);
+                (true, !returns_into_export)
+            }
+        }
     }
-    let here = own_text as *const () as u64;
-    let range = modules::current().find(here).map_or((here, here + 1), |m| m.text);
-    END.store(range.1, Ordering::Relaxed);
-    START.store(range.0, Ordering::Relaxed);
-    range
+}
+
+/// mallocspy's own frames, worked out once.
+fn own_text() -> Own {
+    static OWN: std::sync::OnceLock<Own> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| {
+        let here = own_text as *const () as u64;
+        let module = modules::current().find(here).map_or((here, here + 1), |m| m.text);
+        // SAFETY: getauxval reads the auxiliary vector.
+        let entry = unsafe { libc::getauxval(libc::AT_ENTRY) };
+        if !(module.0 <= entry && entry < module.1) {
+            return Own::Module(module.0, module.1);
+        }
+        let mut ranges = [(0u64, 0u64); EXPORTS.len()];
+        for (range, name) in ranges.iter_mut().zip(EXPORTS) {
+            // SAFETY: NUL-terminated names; dladdr1 writes only its out-parameters, and the
+            // symbol entry it returns lives in the loaded module.
+            unsafe {
+                let f = libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) as u64;
+                if !(module.0 <= f && f < module.1) {
+                    continue;
+                }
+                let mut info: libc::Dl_info = core::mem::zeroed();
+                let mut sym: *mut core::ffi::c_void = core::ptr::null_mut();
+                const RTLD_DL_SYMENT: core::ffi::c_int = 1;
+                if libc::dladdr1(f as *const _, &mut info, &mut sym, RTLD_DL_SYMENT) != 0 && !sym.is_null() {
+                    let size = (*(sym as *const libc::Elf64_Sym)).st_size.max(1);
+                    *range = (f, f + size);
+                }
+            }
+        }
+        Own::Exports(ranges)
+    })
 }
 
 #[cfg(test)]
@@ -251,7 +320,7 @@ mod tests {
 
     #[inline(never)]
     fn nest(depth: u32, out: &mut [u64], prev: &mut PrevWalk) -> usize {
-        if depth == 0 { walk(out, (0, 0), prev) } else { core::hint::black_box(nest(depth - 1, out, prev)) }
+        if depth == 0 { walk(out, Own::Module(0, 0), prev) } else { core::hint::black_box(nest(depth - 1, out, prev)) }
     }
 
     #[test]
@@ -312,15 +381,15 @@ mod timing {
         let mut out = [0u64; 32];
         let mut prev = Box::new(super::PrevWalk::new());
         nest(25, &mut || {
-            let n = super::walk(&mut out, (0, 0), &mut prev);
+            let n = super::walk(&mut out, super::Own::Module(0, 0), &mut prev);
             let t = std::time::Instant::now();
             for _ in 0..200_000 {
-                core::hint::black_box(super::walk(&mut out, (0, 0), &mut prev));
+                core::hint::black_box(super::walk(&mut out, super::Own::Module(0, 0), &mut prev));
             }
             eprintln!("{n} frames: {:?} per capture (reusing)", t.elapsed() / 200_000);
             let t = std::time::Instant::now();
             for _ in 0..200_000 {
-                core::hint::black_box(super::walk(&mut out, (0, 0), &mut super::PrevWalk::new()));
+                core::hint::black_box(super::walk(&mut out, super::Own::Module(0, 0), &mut super::PrevWalk::new()));
             }
             eprintln!("{n} frames: {:?} per capture (fresh)", t.elapsed() / 200_000);
         });

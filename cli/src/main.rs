@@ -1,0 +1,33 @@
+//! `mallocspy`: run a program with the shim preloaded and its leak tracker on.
+//!
+//! The command only sets the program's environment (`LD_PRELOAD`, `MALLOCSPY_OPTIONS`) and
+//! forwards its exit status; the report is written by each process of the program itself, at
+//! its exit (see the `mallocspy` crate).
+
+mod run;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// mallocspy: COM's IMallocSpy for Linux. Spies on the malloc family of unmodified programs.
+#[derive(Parser)]
+#[command(name = "mallocspy", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run PROGRAM with the leak tracker and print its leak report when it exits.
+    #[command(after_help = run::EXAMPLES)]
+    Run(run::RunArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run(args) => run::run(args),
+    }
+}

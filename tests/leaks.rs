@@ -1,0 +1,282 @@
+//! Leak reports at exit: exact figures on leaky.c's ground truth, text and JSON, the exit
+//! paths, late destructors, suppressions, exitcode and the `mallocspy` command.
+
+mod common;
+
+use common::*;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn mallocspy() -> PathBuf {
+    shim();
+    target_dir().join("mallocspy")
+}
+
+/// leaky.expected as key -> value.
+fn expected() -> HashMap<String, String> {
+    let shared = std::env::var_os("MALLOCSPY_SHARED").map(PathBuf::from).unwrap_or_else(|| root().join("../shared"));
+    std::fs::read_to_string(shared.join("bench/leaky.expected"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn json_report(out: &Output) -> serde_json::Value {
+    let stderr = text(&out.stderr);
+    let line =
+        stderr.lines().find(|l| l.starts_with("{\"pid\"")).unwrap_or_else(|| panic!("no JSON report:\n{stderr}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// The first frame of a record that lies in the program (leaky.c).
+fn program_frame(record: &serde_json::Value) -> (String, String) {
+    let frame = record["stack"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["file"].as_str().is_some_and(|f| f.ends_with("leaky.c")))
+        .unwrap_or_else(|| panic!("no leaky.c frame in {record}"));
+    (frame["function"].as_str().unwrap().to_string(), format!("leaky.c:{}", frame["line"]))
+}
+
+#[test]
+fn json_report_matches_leaky_expected_exactly() {
+    let leaky = bench_dir().join("leaky");
+    let out =
+        Command::new(&leaky).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", "report_format=json").output().unwrap();
+    assert!(out.status.success());
+    let report = json_report(&out);
+    let s = &report["summary"];
+    let exp = expected();
+    let num = |k: &str| exp[k].parse::<u64>().unwrap();
+    for (kind, key) in [
+        ("definitely_lost", "definitely_lost"),
+        ("indirectly_lost", "indirectly_lost"),
+        ("possibly_lost", "possibly_lost"),
+        ("still_reachable", "reachable"),
+    ] {
+        assert_eq!(s[kind]["blocks"], num(&format!("{key}_blocks")), "{kind} blocks: {s}");
+        assert_eq!(s[kind]["bytes"], num(&format!("{key}_bytes")), "{kind} bytes: {s}");
+    }
+    for key in ["total_allocs", "total_frees", "total_bytes_allocated"] {
+        assert_eq!(s[key], num(key), "{key}: {s}");
+    }
+    assert_eq!(s["suppressed"]["blocks"], 0);
+    // Every expected call site: kind, blocks, bytes, and leaky.c:LINE in its first program frame.
+    let records = report["leaks"].as_array().unwrap();
+    for (key, value) in exp.iter().filter(|(k, _)| k.starts_with("site_")) {
+        let kind = match key.split('_').nth(1).unwrap() {
+            "definite" => "definitely_lost",
+            "indirect" => "indirectly_lost",
+            _ => "still_reachable",
+        };
+        // e.g. "leak_small:leaky.c:64:7x48"
+        let parts: Vec<&str> = value.split(':').collect();
+        let (function, location) = (parts[0], format!("{}:{}", parts[1], parts[2]));
+        let (blocks, size) = parts[3].split_once('x').unwrap();
+        let (blocks, size): (u64, u64) = (blocks.parse().unwrap(), size.parse().unwrap());
+        let found =
+            records.iter().find(|r| r["kind"] == kind && program_frame(r) == (function.to_string(), location.clone()));
+        let r =
+            found.unwrap_or_else(|| panic!("{key}={value}: no {kind} record at {function} {location} in {records:#?}"));
+        assert_eq!((r["blocks"].as_u64().unwrap(), r["bytes"].as_u64().unwrap()), (blocks, blocks * size), "{key}");
+    }
+    assert_eq!(records.len(), exp.keys().filter(|k| k.starts_with("site_")).count(), "one record per site");
+}
+
+#[test]
+fn bare_preload_prints_the_text_report_on_stderr_naming_the_sites() {
+    let out = Command::new(bench_dir().join("leaky"))
+        .env("LD_PRELOAD", shim())
+        .env_remove("MALLOCSPY_OPTIONS")
+        .output()
+        .unwrap();
+    assert!(out.status.success() && out.stdout.is_empty());
+    let stderr = text(&out.stderr);
+    for needle in [
+        "definitely lost: 11,592 bytes in 13 blocks",
+        "indirectly lost: 1,536 bytes in 8 blocks",
+        "still reachable: 1,760 bytes in 8 blocks",
+        "total heap usage: 50 allocs, 21 frees, 18,288 bytes allocated",
+        "336 bytes in 7 blocks are definitely lost (malloc)",
+        "8,192 bytes in 2 blocks are definitely lost (posix_memalign)",
+        "3,000 bytes in 3 blocks are definitely lost (calloc)",
+    ] {
+        assert!(stderr.contains(needle), "missing {needle:?} in\n{stderr}");
+    }
+    for site in ["leak_small", "leak_calloc", "leak_aligned", "leak_tree"] {
+        assert!(
+            stderr.lines().any(|l| l.contains(&format!("in {site} ")) && l.contains("leaky.c:")),
+            "{site} in\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn mallocspy_run_exitcode_fails_leaky_and_passes_churn() {
+    let bench = bench_dir();
+    let leaky =
+        Command::new(mallocspy()).args(["run", "--exitcode", "23", "--"]).arg(bench.join("leaky")).output().unwrap();
+    assert_eq!(leaky.status.code(), Some(23), "{}", text(&leaky.stderr));
+    let churn = Command::new(mallocspy())
+        .args(["run", "--exitcode", "23", "--json", "--"])
+        .arg(bench.join("churn"))
+        .args(["2", "100000"])
+        .output()
+        .unwrap();
+    assert_eq!(churn.status.code(), Some(0), "{}", text(&churn.stderr));
+    let s = &json_report(&churn)["summary"];
+    assert_eq!(
+        (s["definitely_lost"]["blocks"].as_u64(), s["indirectly_lost"]["blocks"].as_u64()),
+        (Some(0), Some(0)),
+        "{s}"
+    );
+    assert!(text(&churn.stdout).contains("errors=0"));
+}
+
+#[test]
+fn every_exit_path_writes_the_report() {
+    let program = c_program("exit_paths.c");
+    for (how, status) in [("return", 0), ("exit", 3), ("_exit", 4), ("threads", 0)] {
+        let out = Command::new(&program)
+            .arg(how)
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", "report_format=json")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(status), "{how}");
+        assert_eq!(text(&out.stdout), format!("leaving by {how}\n"));
+        let s = &json_report(&out)["summary"];
+        assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{how}: {s}");
+        assert!(s["still_reachable"]["bytes"].as_u64().unwrap() >= 200, "{how}: {s}");
+    }
+}
+
+#[test]
+fn destructors_that_run_after_ours_are_not_reported_as_leaks() {
+    let library = c_library("cache_lib.c");
+    let dir = library.parent().unwrap().display().to_string();
+    let program = c_program_with("cache_main.c", &[&format!("-L{dir}"), "-lcache_lib", &format!("-Wl,-rpath,{dir}")]);
+    let out = Command::new(&program)
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "report_format=json")
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "cache ready: 1\n");
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["total_frees"], 8, "the library's destructor freed its cache before the report: {s}");
+    assert_eq!(s["definitely_lost"]["blocks"], 0, "{s}");
+}
+
+fn write(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, body).unwrap();
+    path
+}
+
+#[test]
+fn suppressions_move_matching_leaks_out_of_the_totals() {
+    let dir = tempfile::tempdir().unwrap();
+    let supp = write(dir.path(), "leaky.supp", "# known\nleak:leak_small\nleak:^leak_cal*$\n");
+    let out = Command::new(mallocspy())
+        .args(["run", "--json", "--suppressions"])
+        .arg(&supp)
+        .arg("--")
+        .arg(bench_dir().join("leaky"))
+        .output()
+        .unwrap();
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["suppressed"], serde_json::json!({"blocks": 10, "bytes": 3336}), "{s}");
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 3, "bytes": 8256}), "{s}");
+    // A broken or missing file is one clear line, before anything runs.
+    let bad = write(dir.path(), "bad.supp", "leak:x\nrace:y\n");
+    for (file, message) in [
+        (
+            bad.clone(),
+            format!(
+                "mallocspy: suppressions file '{}': line 2: unknown kind 'race' (only leak: is supported)\n",
+                bad.display()
+            ),
+        ),
+        (
+            dir.path().join("missing.supp"),
+            format!(
+                "mallocspy: cannot read suppressions file '{}': No such file or directory (os error 2)\n",
+                dir.path().join("missing.supp").display()
+            ),
+        ),
+    ] {
+        let out =
+            Command::new(mallocspy()).args(["run", "--suppressions"]).arg(&file).args(["--", "true"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        assert_eq!(text(&out.stderr), message);
+    }
+}
+
+#[test]
+fn the_command_forwards_status_and_follows_children() {
+    let out = Command::new(mallocspy()).arg("--version").output().unwrap();
+    assert!(text(&out.stdout).starts_with("mallocspy "));
+    let help = text(&Command::new(mallocspy()).args(["run", "--help"]).output().unwrap().stdout);
+    assert!(help.contains("Examples:") && help.contains("--exitcode"), "{help}");
+    let missing = Command::new(mallocspy()).args(["run", "--", "/nonexistent/program"]).output().unwrap();
+    assert_eq!(missing.status.code(), Some(127));
+    assert_eq!(
+        text(&missing.stderr),
+        "mallocspy: cannot run '/nonexistent/program': No such file or directory (os error 2)\n"
+    );
+    let status = Command::new(mallocspy()).args(["run", "--", "sh", "-c", "exit 42"]).output().unwrap();
+    assert_eq!(status.status.code(), Some(42));
+
+    // Children inherit the preload; each process writes its own report.
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("r.%p.json");
+    let leaky = bench_dir().join("leaky");
+    let script = format!("{0} ; {0} ; exit 0", leaky.display());
+    let out = Command::new(mallocspy())
+        .args(["run", "--json", "--log"])
+        .arg(&log)
+        .args(["--", "sh", "-c", &script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let reports: Vec<serde_json::Value> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| serde_json::from_str(std::fs::read_to_string(e.unwrap().path()).unwrap().trim()).unwrap())
+        .collect();
+    let leaky_reports = reports.iter().filter(|r| r["program"].as_str().unwrap().ends_with("/leaky")).count();
+    assert_eq!((reports.len(), leaky_reports), (3, 2), "sh and two leaky: {reports:#?}");
+}
+
+#[test]
+fn stack_depth_limits_the_frames() {
+    let out = Command::new(mallocspy())
+        .args(["run", "--json", "--stack-depth", "1", "--"])
+        .arg(bench_dir().join("leaky"))
+        .output()
+        .unwrap();
+    let report = json_report(&out);
+    for r in report["leaks"].as_array().unwrap() {
+        assert_eq!(r["stack"].as_array().unwrap().len(), 1, "{r}");
+    }
+    let bad = Command::new(mallocspy()).args(["run", "--stack-depth", "0", "--", "true"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
+
+#[test]
+fn heap_stats_and_on_demand_leak_check_from_an_own_interposer() {
+    let program = rust_program("interposer", "rust-interposer");
+    let out = Command::new(&program).arg("heap-stats").env_remove("LD_PRELOAD").output().unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert_eq!(stdout.lines().filter(|l| l.ends_with(": ok")).count(), 7, "{stdout}");
+    assert!(
+        text(&out.stderr).contains("in rust_interposer::forget_one"),
+        "Rust names demangled: {}",
+        text(&out.stderr)
+    );
+}

@@ -1,0 +1,235 @@
+//! The compatibility matrix's real programs under the leak tracker: no definite leak that
+//! valgrind memcheck does not report too. (Identical stdout and exit status under the
+//! tracker is checked by `real_programs.rs`, where it is one of the modes.)
+
+mod common;
+
+use common::*;
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+/// Definitely lost blocks of a run (all its processes), and the functions that allocated
+/// them (the first named frame past the allocator's own wrappers).
+#[derive(Debug, Default)]
+struct Definite {
+    blocks: u64,
+    bytes: u64,
+    functions: BTreeSet<String>,
+}
+
+/// Frames that name nothing of the program: the allocator's wrappers, and what lies below
+/// `main` (valgrind calls it "(below main)"; a stripped program has no other names).
+fn is_uninformative(function: &str) -> bool {
+    function.starts_with("__libc_start") || function == "_start" || function == "(below main)" || is_allocator(function)
+}
+
+fn is_allocator(function: &str) -> bool {
+    let f = function.trim_start_matches("__libc_").trim_start_matches("__GI_");
+    [
+        "malloc",
+        "calloc",
+        "realloc",
+        "reallocarray",
+        "strdup",
+        "strndup",
+        "xmalloc",
+        "xcalloc",
+        "xrealloc",
+        "xstrdup",
+        "xmemdup",
+        "memalign",
+        "posix_memalign",
+        "aligned_alloc",
+    ]
+    .contains(&f)
+        || f.starts_with("operator new")
+        || f.starts_with("__rust_alloc")
+        || f.starts_with("alloc::")
+}
+
+fn ours(dir: &Path, make: &dyn Fn(&Path) -> Command) -> Definite {
+    let logs = dir.join("ours");
+    std::fs::create_dir_all(&logs).unwrap();
+    let mut cmd = make(dir);
+    let out = cmd
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("report_format=json:log_path={}/%p.json", logs.display()))
+        .output()
+        .unwrap();
+    assert!(out.status.code().is_some(), "{cmd:?} was killed: {}", text(&out.stderr));
+    let mut d = Definite::default();
+    for entry in std::fs::read_dir(&logs).unwrap() {
+        let body = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        for line in body.lines() {
+            let report: serde_json::Value = serde_json::from_str(line).unwrap();
+            d.blocks += report["summary"]["definitely_lost"]["blocks"].as_u64().unwrap();
+            d.bytes += report["summary"]["definitely_lost"]["bytes"].as_u64().unwrap();
+            for r in report["leaks"].as_array().unwrap().iter().filter(|r| r["kind"] == "definitely_lost") {
+                let named = r["stack"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|f| f["function"].as_str())
+                    .find(|f| !is_uninformative(f));
+                if let Some(f) = named {
+                    d.functions.insert(f.to_string());
+                }
+            }
+        }
+    }
+    d
+}
+
+fn valgrind(dir: &Path, make: &dyn Fn(&Path) -> Command) -> Definite {
+    let logs = dir.join("valgrind");
+    std::fs::create_dir_all(&logs).unwrap();
+    let inner = make(dir);
+    let mut cmd = Command::new("valgrind");
+    cmd.args(["--leak-check=full", "--show-leak-kinds=definite", "--trace-children=yes", "--num-callers=24"])
+        .arg(format!("--log-file={}/%p.log", logs.display()))
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .envs(inner.get_envs().filter_map(|(k, v)| Some((k, v?))))
+        .env_remove("LD_PRELOAD")
+        .current_dir(inner.get_current_dir().unwrap_or(dir));
+    let out = cmd.output().unwrap();
+    assert!(out.status.code().is_some(), "valgrind {:?}: {}", inner.get_program(), text(&out.stderr));
+    let mut d = Definite::default();
+    for entry in std::fs::read_dir(&logs).unwrap() {
+        let log = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        let mut in_record = false;
+        for line in log.lines() {
+            let body = line.split_once("== ").map_or(line, |(_, b)| b).trim();
+            if let Some(rest) = body.strip_prefix("definitely lost: ") {
+                // "1,234 bytes in 5 blocks"
+                let nums: Vec<u64> = rest.split_whitespace().filter_map(|w| w.replace(',', "").parse().ok()).collect();
+                d.bytes += nums[0];
+                d.blocks += nums[1];
+            }
+            if body.contains("are definitely lost in loss record") {
+                in_record = true;
+                continue;
+            }
+            if in_record {
+                // "at 0x4848899: malloc (vg_replace_malloc.c:381)" / "by 0x...: foo (file.c:12)"
+                match body.split_once(": ") {
+                    Some((at, function)) if at.starts_with("at 0x") || at.starts_with("by 0x") => {
+                        let name = function.rsplit_once(" (").map_or(function, |(n, _)| n);
+                        d.functions.insert(name.to_string());
+                    }
+                    _ => in_record = false,
+                }
+            }
+        }
+    }
+    d
+}
+
+/// Runs `make`'s program under both tools and checks mallocspy's definite leaks are among
+/// valgrind's.
+fn compare(what: &str, make: &dyn Fn(&Path) -> Command) {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    let ours = ours(&a, make);
+    let theirs = valgrind(&b, make);
+    assert!(
+        ours.blocks <= theirs.blocks && ours.bytes <= theirs.bytes,
+        "{what}: mallocspy reports {} definitely lost blocks ({} bytes), valgrind {} ({} bytes)\nours: {:?}\nvalgrind: {:?}",
+        ours.blocks,
+        ours.bytes,
+        theirs.blocks,
+        theirs.bytes,
+        ours.functions,
+        theirs.functions
+    );
+    let unknown: Vec<&String> = ours.functions.iter().filter(|f| !theirs.functions.contains(*f)).collect();
+    assert!(
+        unknown.is_empty(),
+        "{what}: definite leaks at {unknown:?} that valgrind does not report ({:?})",
+        theirs.functions
+    );
+}
+
+#[test]
+fn python3() {
+    compare("python3", &|_| {
+        let mut c = Command::new(python());
+        c.args(["-c", "import json; d = {str(i): [i] * 3 for i in range(3000)}; print(len(json.dumps(d)))"])
+            .env("PYTHONMALLOC", "malloc");
+        c
+    });
+}
+
+#[test]
+fn sqlite3() {
+    compare("sqlite3", &|dir| {
+        let sql = dir.join("small.sql");
+        let mut body =
+            String::from("CREATE TABLE t(a INTEGER PRIMARY KEY, b TEXT);\nCREATE INDEX tb ON t(b);\nBEGIN;\n");
+        for i in 0..3000 {
+            body.push_str(&format!("INSERT INTO t(b) VALUES('row {i} {}');\n", i * 7919 % 1000));
+        }
+        body.push_str("COMMIT;\nSELECT count(*), count(DISTINCT b) FROM t;\n");
+        std::fs::write(&sql, body).unwrap();
+        let mut c = Command::new("sqlite3");
+        c.arg(":memory:").arg(format!(".read {}", sql.display())).current_dir(dir);
+        c
+    });
+}
+
+#[test]
+fn git() {
+    compare("git", &|dir| {
+        let mut c = Command::new("bash");
+        c.args(["-c", "git init -q -b main . && seq 1 500 > f && git add f && git -c user.name=a -c user.email=a@b commit -q -m m && git log --oneline | wc -l"])
+            .current_dir(dir)
+            .env("HOME", dir)
+            .env("GIT_CONFIG_NOSYSTEM", "1");
+        c
+    });
+}
+
+#[test]
+fn sort_and_ls_and_bash() {
+    compare("sort", &|_| {
+        let mut c = Command::new("sort");
+        c.arg("/etc/passwd");
+        c
+    });
+    compare("ls", &|_| {
+        let mut c = Command::new("ls");
+        c.args(["-la", "/usr/lib"]);
+        c
+    });
+    compare("bash", &|_| {
+        let mut c = Command::new("bash");
+        c.args(["-c", "for i in 1 2 3; do ( echo $i ); done; x=$(echo hi | tr a-z A-Z); echo $x"]);
+        c
+    });
+}
+
+#[test]
+fn gcc() {
+    compare("gcc", &|dir| {
+        let mut c = Command::new("gcc");
+        c.args(["-O2", "-c", "-o"]).arg(dir.join("m.o")).arg(root().join("tests/fixtures/matrix.c"));
+        c
+    });
+}
+
+#[test]
+fn churn_cxx_and_rust() {
+    let churn = bench_dir().join("churn");
+    compare("churn", &|_| {
+        let mut c = Command::new(&churn);
+        c.args(["2", "20000"]);
+        c
+    });
+    let cxx = c_program("cxx_stress.cpp");
+    compare("cxx_stress", &|_| Command::new(&cxx));
+    let aligned = rust_program("spies", "aligned");
+    compare("rust aligned", &|_| Command::new(&aligned));
+}
