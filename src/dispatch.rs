@@ -95,6 +95,13 @@ impl Scope {
         }
         ts.depth.set(1);
         let depth = Depth(ts);
+        // Where the caller's stack starts, for spies that capture it. The trampoline's record
+        // is trusted only if it lies above this frame (a signal handler could have run an
+        // export of its own in between, deeper on the stack).
+        let entry = ts.entry_sp.get();
+        let valid = entry > crate::unwind::current_sp();
+        ts.hook_sp.set(if valid { entry } else { 0 });
+        ts.hook_bp.set(ts.entry_bp.get());
         let slot = threads::current(ts)?;
         Some(Scope { slot, _in_flight: InFlight::enter(slot), _depth: depth })
     }

@@ -11,46 +11,28 @@ use core::ffi::{c_int, c_void};
 use crate::global::GLOBAL;
 
 /// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` (so that exit
-/// reports are written) and the `mallocspy_api_v1` table in
-/// the invoking crate, forwarding to this crate's process-wide interposer.
+/// reports are written) and the `mallocspy_api_v1` table in the invoking crate, forwarding to
+/// this crate's process-wide interposer.
+///
+/// The allocating entry points are naked trampolines: they note the stack and frame pointer
+/// the caller left (the caller's return address is on top) in thread-local storage and jump
+/// to the implementation. Stack capture then starts right at the caller, without walking
+/// mallocspy's own frames.
 ///
 /// Invoke it once, at the root of a `cdylib` to preload, or of a program that should be its
 /// own interposer (or enable the `interpose` feature instead).
 #[macro_export]
 macro_rules! export_interposer {
     () => {
-        /// C `malloc`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn malloc(size: usize) -> *mut ::core::ffi::c_void {
-            $crate::interpose::malloc(size)
-        }
-        /// C `calloc`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn calloc(nmemb: usize, size: usize) -> *mut ::core::ffi::c_void {
-            $crate::interpose::calloc(nmemb, size)
-        }
-        /// C `realloc`.
-        ///
-        /// # Safety
-        /// `ptr` is NULL or a live block of the malloc family.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn realloc(ptr: *mut ::core::ffi::c_void, size: usize) -> *mut ::core::ffi::c_void {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::realloc(ptr, size) }
-        }
-        /// C `reallocarray`.
-        ///
-        /// # Safety
-        /// `ptr` is NULL or a live block of the malloc family.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn reallocarray(
-            ptr: *mut ::core::ffi::c_void,
-            nmemb: usize,
-            size: usize,
-        ) -> *mut ::core::ffi::c_void {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::reallocarray(ptr, nmemb, size) }
-        }
+        $crate::__trampoline!(malloc, $crate::interpose::malloc, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(calloc, $crate::interpose::calloc, (nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(realloc, $crate::interpose::realloc, (ptr: *mut ::core::ffi::c_void, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(reallocarray, $crate::interpose::reallocarray, (ptr: *mut ::core::ffi::c_void, nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(posix_memalign, $crate::interpose::posix_memalign, (memptr: *mut *mut ::core::ffi::c_void, align: usize, size: usize) -> ::core::ffi::c_int);
+        $crate::__trampoline!(aligned_alloc, $crate::interpose::aligned_alloc, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(memalign, $crate::interpose::memalign, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
         /// C `free`.
         ///
         /// # Safety
@@ -59,39 +41,6 @@ macro_rules! export_interposer {
         pub unsafe extern "C" fn free(ptr: *mut ::core::ffi::c_void) {
             // SAFETY: the caller's guarantee.
             unsafe { $crate::interpose::free(ptr) }
-        }
-        /// C `posix_memalign`.
-        ///
-        /// # Safety
-        /// `memptr` is valid for a write.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn posix_memalign(
-            memptr: *mut *mut ::core::ffi::c_void,
-            align: usize,
-            size: usize,
-        ) -> ::core::ffi::c_int {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::posix_memalign(memptr, align, size) }
-        }
-        /// C `aligned_alloc`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut ::core::ffi::c_void {
-            $crate::interpose::aligned_alloc(align, size)
-        }
-        /// C `memalign`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn memalign(align: usize, size: usize) -> *mut ::core::ffi::c_void {
-            $crate::interpose::memalign(align, size)
-        }
-        /// C `valloc`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn valloc(size: usize) -> *mut ::core::ffi::c_void {
-            $crate::interpose::valloc(size)
-        }
-        /// C `pvalloc`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn pvalloc(size: usize) -> *mut ::core::ffi::c_void {
-            $crate::interpose::pvalloc(size)
         }
         /// C `malloc_usable_size`.
         ///
@@ -123,26 +72,48 @@ macro_rules! export_interposer {
     };
 }
 
+/// One naked trampoline of [`export_interposer!`].
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __trampoline {
+    ($name:ident, $target:path, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        /// The C function of this name (see `export_interposer!`).
+        #[unsafe(naked)]
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($($arg: $ty),*) -> $ret {
+            ::core::arch::naked_asm!(
+                "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
+                "mov qword ptr fs:[rax + {sp}], rsp",
+                "mov qword ptr fs:[rax + {bp}], rbp",
+                "jmp {target}",
+                sp = const $crate::interpose::ENTRY_SP_OFFSET,
+                bp = const $crate::interpose::ENTRY_BP_OFFSET,
+                target = sym $target,
+            )
+        }
+    };
+}
+
+#[doc(hidden)]
+pub use crate::tls::{ENTRY_BP_OFFSET, ENTRY_SP_OFFSET};
+
 #[doc(hidden)]
 pub use crate::global::API;
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn malloc(size: usize) -> *mut c_void {
+pub extern "C" fn malloc(size: usize) -> *mut c_void {
     GLOBAL.malloc(size)
 }
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn calloc(nmemb: usize, size: usize) -> *mut c_void {
+pub extern "C" fn calloc(nmemb: usize, size: usize) -> *mut c_void {
     GLOBAL.calloc(nmemb, size)
 }
 
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
-#[inline(always)]
-pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.realloc(ptr, size) }
 }
@@ -150,8 +121,7 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
-#[inline(always)]
-pub unsafe fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usize) -> *mut c_void {
+pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usize) -> *mut c_void {
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.reallocarray(ptr, nmemb, size) }
 }
@@ -168,33 +138,28 @@ pub unsafe fn free(ptr: *mut c_void) {
 /// # Safety
 /// `memptr` is valid for a write.
 #[doc(hidden)]
-#[inline(always)]
-pub unsafe fn posix_memalign(memptr: *mut *mut c_void, align: usize, size: usize) -> c_int {
+pub unsafe extern "C" fn posix_memalign(memptr: *mut *mut c_void, align: usize, size: usize) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.posix_memalign(memptr, align, size) }
 }
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
+pub extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
     GLOBAL.aligned_alloc(align, size)
 }
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn memalign(align: usize, size: usize) -> *mut c_void {
+pub extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
     GLOBAL.memalign(align, size)
 }
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn valloc(size: usize) -> *mut c_void {
+pub extern "C" fn valloc(size: usize) -> *mut c_void {
     GLOBAL.valloc(size)
 }
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn pvalloc(size: usize) -> *mut c_void {
+pub extern "C" fn pvalloc(size: usize) -> *mut c_void {
     GLOBAL.pvalloc(size)
 }
 

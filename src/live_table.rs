@@ -19,7 +19,7 @@ use crate::pool;
 use crate::sync::{SelfHeld, SpinLock};
 
 /// Number of shards (a power of two); the top bits of the hash choose one.
-pub(crate) const SHARDS: usize = 256;
+pub(crate) const SHARDS: usize = 64;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 
 const EMPTY: usize = 0;

@@ -2,8 +2,9 @@
 //!
 //! The hook path hashes the return addresses it captured and looks the hash up in a
 //! [`LiveTable`]; only a stack never seen before takes the store's lock and is appended.
-//! Frames live in chunks leased from [`crate::pool`], never moved, so a stack read at report
-//! time is a plain slice. Ids start at 1 (0 means "no stack").
+//! Stacks live in chunks leased from [`crate::pool`] as `[len, frame...]` runs, never moved,
+//! so a stack read at report time is a plain slice; a stack's id is where its run starts
+//! (plus one: 0 means "no stack").
 
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -12,33 +13,24 @@ use crate::live_table::LiveTable;
 use crate::pool;
 use crate::sync::SpinLock;
 
-/// Frames per chunk of the store.
-const CHUNK_FRAMES: usize = 1 << 16;
-/// Most chunks (so at most 64 Mi frames: far beyond any program's distinct stacks).
+/// Words per chunk of the store.
+const CHUNK_WORDS: usize = 1 << 16;
+/// Most chunks (so at most 64 Mi words: far beyond any program's distinct stacks).
 const MAX_CHUNKS: usize = 1024;
-/// Most stacks (the index is leased whole, its pages touched as it fills).
-const MAX_STACKS: usize = 1 << 24;
-
-/// Where a stack's frames are: chunk, offset, length.
-#[derive(Clone, Copy, Default)]
-struct Location {
-    chunk: u16,
-    len: u16,
-    offset: u32,
-}
 
 /// The table of interned stacks.
 pub(crate) struct Stacks {
     by_hash: LiveTable<u32>,
     lock: SpinLock,
-    /// Chunk base addresses (`[u64; CHUNK_FRAMES]` each), `[usize; MAX_CHUNKS]`.
+    /// Chunk base addresses (`[u64; CHUNK_WORDS]` each), `[usize; MAX_CHUNKS]`.
     chunks: AtomicUsize,
     chunk_count: AtomicUsize,
-    /// Frames used in the last chunk.
+    /// Words used in the last chunk.
     used: AtomicUsize,
-    /// `[Location; MAX_STACKS]`, indexed by id.
-    index: AtomicUsize,
-    next_id: AtomicU32,
+    /// Stacks interned.
+    count: AtomicU32,
+    /// Words stored in all.
+    words: AtomicUsize,
 }
 
 /// FNV-1a over the addresses, never 0 (a table key).
@@ -58,9 +50,9 @@ impl Stacks {
             lock: SpinLock::new(),
             chunks: AtomicUsize::new(0),
             chunk_count: AtomicUsize::new(0),
-            used: AtomicUsize::new(CHUNK_FRAMES),
-            index: AtomicUsize::new(0),
-            next_id: AtomicU32::new(1),
+            used: AtomicUsize::new(CHUNK_WORDS),
+            count: AtomicU32::new(0),
+            words: AtomicUsize::new(0),
         }
     }
 
@@ -81,25 +73,15 @@ impl Stacks {
         if let Some(id) = self.by_hash.get(h) {
             return id;
         }
-        let len = frames.len().min(u16::MAX as usize);
-        let id = self.next_id.load(Ordering::Relaxed);
-        if id as usize >= MAX_STACKS {
-            return 0;
-        }
-        if self.index.load(Ordering::Relaxed) == 0 {
-            let (Some(index), Some(chunks)) = (
-                pool::lease(MAX_STACKS * core::mem::size_of::<Location>()),
-                pool::lease(MAX_CHUNKS * core::mem::size_of::<usize>()),
-            ) else {
-                return 0;
-            };
+        let len = frames.len().min(CHUNK_WORDS - 1);
+        if self.chunks.load(Ordering::Relaxed) == 0 {
+            let Some(chunks) = pool::lease(MAX_CHUNKS * core::mem::size_of::<usize>()) else { return 0 };
             self.chunks.store(chunks.as_ptr() as usize, Ordering::Release);
-            self.index.store(index.as_ptr() as usize, Ordering::Release);
         }
         let mut used = self.used.load(Ordering::Relaxed);
-        if used + len > CHUNK_FRAMES {
+        if used + 1 + len > CHUNK_WORDS {
             let count = self.chunk_count.load(Ordering::Relaxed);
-            let Some(chunk) = (count < MAX_CHUNKS).then(|| pool::lease(CHUNK_FRAMES * 8)).flatten() else { return 0 };
+            let Some(chunk) = (count < MAX_CHUNKS).then(|| pool::lease(CHUNK_WORDS * 8)).flatten() else { return 0 };
             // SAFETY: count < MAX_CHUNKS, the chunk table's length; the lock is held.
             unsafe { *(self.chunks.load(Ordering::Relaxed) as *mut usize).add(count) = chunk.as_ptr() as usize };
             self.chunk_count.store(count + 1, Ordering::Release);
@@ -107,48 +89,53 @@ impl Stacks {
         }
         let chunk = self.chunk_count.load(Ordering::Relaxed) - 1;
         let Some(base) = self.chunk_base(chunk) else { return 0 };
-        // SAFETY: used + len <= CHUNK_FRAMES, inside the chunk; these frames are not yet
+        // SAFETY: used + 1 + len <= CHUNK_WORDS, inside the chunk; these words are not yet
         // published, so nobody reads them.
-        unsafe { core::ptr::copy_nonoverlapping(frames.as_ptr(), base.as_ptr().add(used), len) };
-        let location = Location { chunk: chunk as u16, len: len as u16, offset: used as u32 };
-        // SAFETY: id < MAX_STACKS, the index's length; published below with Release.
-        unsafe { *(self.index.load(Ordering::Relaxed) as *mut Location).add(id as usize) = location };
-        self.used.store(used + len, Ordering::Relaxed);
-        self.next_id.store(id + 1, Ordering::Release);
+        unsafe {
+            *base.as_ptr().add(used) = len as u64;
+            core::ptr::copy_nonoverlapping(frames.as_ptr(), base.as_ptr().add(used + 1), len);
+        }
+        let id = (chunk * CHUNK_WORDS + used + 1) as u32;
+        self.used.store(used + 1 + len, Ordering::Relaxed);
+        self.words.fetch_add(1 + len, Ordering::Relaxed);
         if !self.by_hash.insert(h, id) {
             return 0;
         }
+        self.count.fetch_add(1, Ordering::Release);
         id
     }
 
     fn chunk_base(&self, chunk: usize) -> Option<NonNull<u64>> {
+        if chunk >= self.chunk_count.load(Ordering::Acquire) {
+            return None;
+        }
         // SAFETY: chunk < chunk_count <= MAX_CHUNKS, and published chunk slots hold leased,
         // never-returned chunks.
         let addr = unsafe { *(self.chunks.load(Ordering::Acquire) as *const usize).add(chunk) };
         NonNull::new(addr as *mut u64)
     }
 
-    /// The frames of stack `id` (empty for 0 or an unknown id).
+    /// The frames of stack `id` (empty for 0). `id` must come from [`Stacks::intern`].
     pub(crate) fn frames(&self, id: u32) -> &[u64] {
-        if id == 0 || id >= self.next_id.load(Ordering::Acquire) {
-            return &[];
+        let Some(at) = (id as usize).checked_sub(1) else { return &[] };
+        let Some(base) = self.chunk_base(at / CHUNK_WORDS) else { return &[] };
+        let offset = at % CHUNK_WORDS;
+        // SAFETY: an interned id names a `[len, frames...]` run inside its chunk, written
+        // before the id was published and never changed.
+        unsafe {
+            let len = *base.as_ptr().add(offset) as usize;
+            core::slice::from_raw_parts(base.as_ptr().add(offset + 1), len.min(CHUNK_WORDS - offset - 1))
         }
-        // SAFETY: id was published (next_id is stored after its location, with Release).
-        let location = unsafe { *(self.index.load(Ordering::Acquire) as *const Location).add(id as usize) };
-        let Some(base) = self.chunk_base(location.chunk as usize) else { return &[] };
-        // SAFETY: the frames were written before the id was published and are never changed.
-        unsafe { core::slice::from_raw_parts(base.as_ptr().add(location.offset as usize), location.len as usize) }
     }
 
     /// Number of distinct stacks.
     pub(crate) fn count(&self) -> usize {
-        self.next_id.load(Ordering::Acquire) as usize - 1
+        self.count.load(Ordering::Acquire) as usize
     }
 
-    /// Bytes of pool memory the stored frames and the hash index hold (the id index is
-    /// counted by the pages it touches: 8 bytes a stack).
+    /// Bytes the stacks take: their words, and their entries in the hash index.
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.chunk_count.load(Ordering::Relaxed) * CHUNK_FRAMES * 8 + self.count() * 8 + self.by_hash.memory_bytes()
+        self.words.load(Ordering::Relaxed) * 8 + self.by_hash.memory_bytes()
     }
 
     /// Child side of `fork`.
@@ -173,6 +160,7 @@ mod tests {
         assert_eq!(s.frames(b), &[1, 2, 4]);
         assert_eq!(s.frames(0), &[] as &[u64]);
         let many: Vec<u32> = (0..100_000u64).map(|i| s.intern(&[i, i * 3, 7])).collect();
+        assert!(many.iter().all(|&id| id != 0));
         assert_eq!(s.count(), 2 + 100_000);
         assert_eq!(s.frames(many[77_777]), &[77_777, 233_331, 7]);
     }

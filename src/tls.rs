@@ -33,7 +33,21 @@ pub(crate) struct ThreadState {
     /// The thread's kernel id, for the leak tracker's records (0 until first needed; reset
     /// in the child of a fork).
     pub tid: Cell<u32>,
+    /// Stack and frame pointer at the entry of the last exported allocating function called
+    /// on this thread, written by its trampoline (see [`crate::export_interposer!`]): the
+    /// caller's return address is at `entry_sp`.
+    pub entry_sp: Cell<u64>,
+    pub entry_bp: Cell<u64>,
+    /// The same for the top-level hook in progress (copied when it starts, so that the
+    /// spy's own allocations do not overwrite it): where its call stack starts.
+    pub hook_sp: Cell<u64>,
+    pub hook_bp: Cell<u64>,
 }
+
+/// Offset of [`ThreadState::entry_sp`] in the block (for the trampolines' assembly).
+pub const ENTRY_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_sp);
+/// Offset of [`ThreadState::entry_bp`] in the block.
+pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 
 const BLOCK_SIZE: usize = 128;
 const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);

@@ -8,14 +8,14 @@
 //! are process-wide atomics, because a peak is only a peak if it is one number.
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::Stacks;
 use crate::threads::{self, MAX_THREADS};
-use crate::tls;
 use crate::unwind::{self, PrevWalk};
+use crate::{pool, tls};
 
 /// Deepest stack the option `stack_depth` may ask for.
 pub(crate) const MAX_DEPTH: usize = 128;
@@ -98,7 +98,8 @@ pub(crate) struct LeakTracker {
     pub(crate) live: LiveTable<Record>,
     pub(crate) stacks: Stacks,
     depth: usize,
-    per_thread: NonNull<PerThread>,
+    /// `[*mut PerThread; MAX_THREADS]`, each leased by its thread on first use.
+    per_thread: NonNull<AtomicPtr<PerThread>>,
     live_bytes: AtomicU64,
     peak_bytes: AtomicU64,
     /// Allocations that could not be recorded (mallocspy's memory limit).
@@ -140,28 +141,39 @@ impl LeakTracker {
             live: LiveTable::new(),
             stacks: Stacks::new(),
             depth: depth.clamp(1, MAX_DEPTH),
-            per_thread: threads::map_per_thread::<PerThread>()?,
+            per_thread: threads::map_per_thread::<AtomicPtr<PerThread>>()?,
             live_bytes: AtomicU64::new(0),
             peak_bytes: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
         })
     }
 
-    /// The calling thread's record (inside a hook every thread has a slot).
+    fn slot(&self, index: usize) -> &AtomicPtr<PerThread> {
+        debug_assert!(index < MAX_THREADS);
+        // SAFETY: index < MAX_THREADS, the array's length; zeroed memory is null pointers.
+        unsafe { &*self.per_thread.as_ptr().add(index) }
+    }
+
+    /// The calling thread's record (inside a hook every thread has a slot), leased from the
+    /// pool the first time.
     #[allow(clippy::mut_from_ref)] // one slot per thread, used by one hook at a time
     fn mine(&self) -> Option<&mut PerThread> {
-        let index = threads::current_index()? as usize;
-        debug_assert!(index < MAX_THREADS);
-        // SAFETY: index < MAX_THREADS (the mapping's length); the slot is owned by the calling
-        // thread, which is inside a hook and so not re-entering this method; zeroed memory is
-        // a valid PerThread (atomics, integers, arrays).
-        Some(unsafe { &mut *self.per_thread.as_ptr().add(index) })
+        let slot = self.slot(threads::current_index()? as usize);
+        let mut record = slot.load(Ordering::Acquire);
+        if record.is_null() {
+            record = pool::lease(core::mem::size_of::<PerThread>())?.as_ptr().cast();
+            slot.store(record, Ordering::Release);
+        }
+        // SAFETY: the record is owned by the calling thread's slot, and the thread is inside a
+        // hook, so not re-entering this method; zeroed memory is a valid PerThread (atomics,
+        // integers, arrays) and leases are zeroed.
+        Some(unsafe { &mut *record })
     }
 
     fn all_threads(&self) -> impl Iterator<Item = &PerThread> {
-        // SAFETY: slots below the high-water mark are within the mapping; only the counters
-        // (atomics) are read.
-        (0..threads::high_water()).map(|i| unsafe { &*self.per_thread.as_ptr().add(i) })
+        // SAFETY: published records live as long as the tracker; only the counters (atomics)
+        // are read.
+        (0..threads::high_water()).filter_map(|i| unsafe { self.slot(i).load(Ordering::Acquire).as_ref() })
     }
 
     /// The id of the calling thread's current stack.

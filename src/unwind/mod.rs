@@ -91,14 +91,44 @@ struct Frame {
     bp_slot: u64,
 }
 
-/// Fills `out` with the return addresses of the calling thread's stack, innermost first,
-/// leaving out the frames of this module (mallocspy's own) at the top. Returns how many.
-/// `prev` is the calling thread's previous walk (a walk may reuse its tail).
+/// The calling thread's stack pointer.
+#[inline(always)]
+pub(crate) fn current_sp() -> u64 {
+    let sp: u64;
+    // SAFETY: reads a register.
+    unsafe { core::arch::asm!("mov {}, rsp", out(reg) sp, options(nomem, nostack, preserves_flags)) };
+    sp
+}
+
+/// Where a walk starts: a frame's registers, and whether `pc` is a return address (to be
+/// reported, and looked up one byte back) or the current instruction.
+#[derive(Clone, Copy)]
+struct Start {
+    pc: u64,
+    sp: u64,
+    bp: u64,
+    is_return: bool,
+}
+
+/// Fills `out` with the return addresses of the stack of the top-level hook in progress,
+/// innermost first, starting with the address its caller will return to (the trampoline of
+/// the exported function noted where that is). Returns how many. `prev` is the calling
+/// thread's previous walk (a walk may reuse its tail).
 ///
 /// Never allocates once the unwind rules of the addresses involved are cached.
 #[inline(never)]
 pub(crate) fn capture(out: &mut [u64], prev: &mut PrevWalk) -> usize {
-    walk(out, own_text(), prev)
+    let ts = tls::state();
+    let entry = ts.hook_sp.get();
+    let (_, high) = stack_bounds();
+    let here = current_sp();
+    if entry % 8 != 0 || entry <= here || entry + 8 > high {
+        prev.len = 0;
+        return 0;
+    }
+    // SAFETY: entry lies between this frame and the top of the thread's stack: mapped.
+    let ra = unsafe { *(entry as *const u64) };
+    walk(out, Start { pc: ra, sp: entry + 8, bp: ts.hook_bp.get(), is_return: true }, prev)
 }
 
 /// Whether every stack word the previous walk read at frames `from..` still holds its value.
@@ -113,19 +143,17 @@ fn unchanged(prev: &PrevWalk, from: usize) -> bool {
     })
 }
 
-/// The unwind loop; the frames `own` recognises as mallocspy's are skipped.
+/// The unwind loop.
 #[inline(always)]
-fn walk(out: &mut [u64], own: Own, prev: &mut PrevWalk) -> usize {
-    let (mut pc, mut sp, mut bp): (u64, u64, u64);
-    // SAFETY: reads three registers.
-    unsafe { core::arch::asm!("lea {}, [rip]", "mov {}, rsp", "mov {}, rbp", out(reg) pc, out(reg) sp, out(reg) bp) };
+fn walk(out: &mut [u64], start: Start, prev: &mut PrevWalk) -> usize {
+    let Start { mut pc, mut sp, mut bp, is_return } = start;
     let (bottom, high) = stack_bounds();
-    if sp < bottom || sp >= high {
+    let low = current_sp();
+    if low < bottom || low >= high || out.is_empty() || pc == 0 {
         // On another stack (sigaltstack, a coroutine's): its extent is unknown, walk nothing.
         prev.len = 0;
         return 0;
     }
-    let low = sp;
     let read = |addr: u64| -> Option<u64> {
         // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
         (addr >= low && addr.wrapping_add(8) <= high && addr % 8 == 0).then(|| unsafe { *(addr as *const u64) })
@@ -133,11 +161,14 @@ fn walk(out: &mut [u64], own: Own, prev: &mut PrevWalk) -> usize {
     let rules = rules::Rules::new();
     let reusable = prev.generation == rules.generation();
     let (mut n, mut walked, mut j) = (0, 0, 0);
-    let mut inside = true;
+    if is_return {
+        out[0] = pc;
+        n = 1;
+    }
     let mut truncated = true;
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
-        let rule = rules.get(if walked == 0 { pc } else { pc - 1 });
+        let rule = rules.get(if is_return || walked > 0 { pc - 1 } else { pc });
         let (cfa, saved_bp) = match rule {
             rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp),
             rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp),
@@ -182,29 +213,20 @@ fn walk(out: &mut [u64], own: Own, prev: &mut PrevWalk) -> usize {
         };
         prev.frames[walked] = Frame { cfa, ra, bp, bp_slot };
         walked += 1;
-        let skip;
-        (skip, inside) = own.still_inside(ra, inside);
-        if !skip {
-            out[n] = ra;
-            n += 1;
-        }
+        out[n] = ra;
+        n += 1;
         if splice {
             // Frames j+1.. of the previous walk follow: move them up behind this one.
             let tail = prev.len - (j + 1);
-            let mut took = 0;
-            while took < tail && n < out.len() && walked < MAX_WALK {
-                let f = prev.frames[j + 1 + took];
-                prev.frames[walked] = f;
-                walked += 1;
-                took += 1;
-                let skip;
-                (skip, inside) = own.still_inside(f.ra, inside);
-                if !skip {
-                    out[n] = f.ra;
-                    n += 1;
-                }
+            let take = tail.min(out.len() - n).min(MAX_WALK - walked);
+            if j + 1 != walked {
+                prev.frames.copy_within(j + 1..j + 1 + take, walked);
             }
-            if took == tail && !prev.truncated {
+            for (o, f) in out[n..n + take].iter_mut().zip(&prev.frames[walked..walked + take]) {
+                *o = f.ra;
+            }
+            (walked, n) = (walked + take, n + take);
+            if take == tail && !prev.truncated {
                 truncated = false;
                 break;
             }
@@ -234,93 +256,24 @@ impl PrevWalk {
     }
 }
 
-/// How the frames of mallocspy itself are recognised at the top of a stack.
-#[derive(Clone, Copy)]
-pub(crate) enum Own {
-    /// mallocspy is a library of its own (the preloaded shim): every frame inside it.
-    Module(u64, u64),
-    /// mallocspy is linked into the program (the `interpose` feature): the frames up to
-    /// and including the one returning into an exported entry point.
-    Exports([(u64, u64); EXPORTS.len()]),
-}
-
-const EXPORTS: [&core::ffi::CStr; 12] = [
-    c"malloc",
-    c"calloc",
-    c"realloc",
-    c"reallocarray",
-    c"free",
-    c"posix_memalign",
-    c"aligned_alloc",
-    c"memalign",
-    c"valloc",
-    c"pvalloc",
-    c"malloc_usable_size",
-    c"malloc_trim",
-];
-
-impl Own {
-    /// Whether the walk is still inside mallocspy after the frame returning to `ra`, given
-    /// whether it was before.
-    #[inline(always)]
-    fn still_inside(&self, ra: u64, inside: bool) -> (bool, bool) {
-        match *self {
-            // (skip this frame, inside after it)
-            Own::Module(start, end) => {
-                let here = inside && start <= ra && ra < end;
-                (here, here)
-            }
-            Own::Exports(ranges) => {
-                if !inside {
-                    return (false, false);
-                }
-                let returns_into_export = ranges.iter().any(|&(s, e)| s <= ra && ra < e);
-                (true, !returns_into_export)
-            }
-        }
-    }
-}
-
-/// mallocspy's own frames, worked out once.
-fn own_text() -> Own {
-    static OWN: std::sync::OnceLock<Own> = std::sync::OnceLock::new();
-    *OWN.get_or_init(|| {
-        let here = own_text as *const () as u64;
-        let module = modules::current().find(here).map_or((here, here + 1), |m| m.text);
-        // SAFETY: getauxval reads the auxiliary vector.
-        let entry = unsafe { libc::getauxval(libc::AT_ENTRY) };
-        if !(module.0 <= entry && entry < module.1) {
-            return Own::Module(module.0, module.1);
-        }
-        let mut ranges = [(0u64, 0u64); EXPORTS.len()];
-        for (range, name) in ranges.iter_mut().zip(EXPORTS) {
-            // SAFETY: NUL-terminated names; dladdr1 writes only its out-parameters, and the
-            // symbol entry it returns lives in the loaded module.
-            unsafe {
-                let f = libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) as u64;
-                if !(module.0 <= f && f < module.1) {
-                    continue;
-                }
-                let mut info: libc::Dl_info = core::mem::zeroed();
-                let mut sym: *mut core::ffi::c_void = core::ptr::null_mut();
-                const RTLD_DL_SYMENT: core::ffi::c_int = 1;
-                if libc::dladdr1(f as *const _, &mut info, &mut sym, RTLD_DL_SYMENT) != 0 && !sym.is_null() {
-                    let size = (*(sym as *const libc::Elf64_Sym)).st_size.max(1);
-                    *range = (f, f + size);
-                }
-            }
-        }
-        Own::Exports(ranges)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Walks from the current instruction of the calling function.
+    #[inline(always)]
+    fn walk_here(out: &mut [u64], prev: &mut PrevWalk) -> usize {
+        let (pc, sp, bp): (u64, u64, u64);
+        // SAFETY: reads three registers.
+        unsafe {
+            core::arch::asm!("lea {}, [rip]", "mov {}, rsp", "mov {}, rbp", out(reg) pc, out(reg) sp, out(reg) bp)
+        };
+        walk(out, Start { pc, sp, bp, is_return: false }, prev)
+    }
+
     #[inline(never)]
     fn nest(depth: u32, out: &mut [u64], prev: &mut PrevWalk) -> usize {
-        if depth == 0 { walk(out, Own::Module(0, 0), prev) } else { core::hint::black_box(nest(depth - 1, out, prev)) }
+        if depth == 0 { walk_here(out, prev) } else { core::hint::black_box(nest(depth - 1, out, prev)) }
     }
 
     #[test]
@@ -363,35 +316,5 @@ mod tests {
         let n = nest(20, &mut full, &mut prev);
         let f = nest(20, &mut [0u64; 64], &mut PrevWalk::new());
         assert_eq!(n, f, "a walk after a truncated one still reaches the bottom");
-    }
-}
-#[cfg(test)]
-mod timing {
-    #[inline(never)]
-    fn nest(depth: u32, f: &mut dyn FnMut()) {
-        if depth == 0 {
-            f()
-        } else {
-            nest(depth - 1, f);
-            core::hint::black_box(depth);
-        }
-    }
-    #[test]
-    fn timing() {
-        let mut out = [0u64; 32];
-        let mut prev = Box::new(super::PrevWalk::new());
-        nest(25, &mut || {
-            let n = super::walk(&mut out, super::Own::Module(0, 0), &mut prev);
-            let t = std::time::Instant::now();
-            for _ in 0..200_000 {
-                core::hint::black_box(super::walk(&mut out, super::Own::Module(0, 0), &mut prev));
-            }
-            eprintln!("{n} frames: {:?} per capture (reusing)", t.elapsed() / 200_000);
-            let t = std::time::Instant::now();
-            for _ in 0..200_000 {
-                core::hint::black_box(super::walk(&mut out, super::Own::Module(0, 0), &mut super::PrevWalk::new()));
-            }
-            eprintln!("{n} frames: {:?} per capture (fresh)", t.elapsed() / 200_000);
-        });
     }
 }
