@@ -1,27 +1,39 @@
 #!/usr/bin/env python3
-"""Wall-clock benchmark of mallocspy against the native run, on workloads with known call counts.
+"""Wall-clock benchmarks of mallocspy against the native run, on workloads with known call counts.
 
-Each workload runs under every variant in turn (native, shim, shim + spy, ...), round after round,
-so that the machine's drift touches all variants alike; the figures are medians over the rounds.
-Ratios are to the native median of the same run, and "extra ns/call" divides the difference by
-the number of allocator calls the workload makes (churn prints them). Wall clock is what users
-see; CPU time (user + sys of the process) is less disturbed by other tenants of the machine.
-Page faults are shown because the heap's layout alone moves them, and with them the time.
+Each workload runs under every variant in turn, round after round, so that the machine's drift
+touches all variants alike; the figures are medians over the rounds. Ratios are to the native
+median of the same run, and "extra ns/call" divides the difference by the number of allocator
+calls the workload makes (counted once under spy=count). Wall clock is what users see; CPU time
+(user + sys of the process and its children) is less disturbed by other tenants of the machine,
+but misses work done on other cores (heaptrack interprets its trace in a second process).
 
-usage: bench.py [--rounds N] [--iters N] [--only NAME] SHIM BENCH_DIR
+Suites:
+  interposer  the shim alone, and with spy=count (issue 2): churn 1 and 2 threads
+  leaks       heaptrack and `mallocspy run` (full stacks, leak report at exit) on churn 1 and 2
+              threads, sqlite3 on insert.sql and python3 with PYTHONMALLOC=malloc (issue 3);
+              then the exit report of a process with 1 million live blocks, and the tracker's
+              memory per live block and per stack
+
+usage: bench.py [--suite NAME] [--rounds N] [--iters N] [--only TEXT] RELEASE_DIR BENCH_DIR
 """
 import argparse
+import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(cmd, env, cwd):
-    """Runs cmd; returns (wall s, cpu s, minor page faults, stdout)."""
+    """Runs cmd; returns (wall s, cpu s, stdout, stderr)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -30,59 +42,131 @@ def run(cmd, env, cwd):
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed with {p.returncode}: {p.stderr.strip()[-500:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return elapsed, cpu, after.ru_minflt - before.ru_minflt, p.stdout
+    return elapsed, cpu, p.stdout, p.stderr
 
 
-def churn_calls(stdout):
-    m = re.search(r"free=(\d+) alloc_calls_total=(\d+)", stdout)
-    return int(m.group(1)) + int(m.group(2))
+def count_calls(cmd, env, cwd, shim):
+    """Allocator calls the workload makes (allocating calls and frees), counted by spy=count."""
+    _, _, _, err = run(cmd, dict(env, LD_PRELOAD=shim, MALLOCSPY_OPTIONS="spy=count"), cwd)
+    counts = [json.loads(line) for line in err.splitlines() if line.startswith('{"calls"')]
+    if not counts:
+        sys.exit(f"bench: no spy=count report from {' '.join(cmd)}")
+    # The workload's own process is the one that made the most calls.
+    calls = max(counts, key=lambda c: sum(c["calls"].values()))["calls"]
+    return sum(n for name, n in calls.items() if name not in ("malloc_usable_size", "malloc_trim"))
+
+
+def python3():
+    """The real interpreter behind `python3` (not a wrapper such as pyenv's shim)."""
+    out = subprocess.run(["python3", "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    return out.stdout.strip() or "python3"
+
+
+def compare(name, cmd, env, calls, variants, rounds, cwd):
+    """Runs cmd under each variant `rounds` times, alternating; prints medians and ratios.
+    A variant is (name, wrap), wrap(cmd, env) giving the argv and environment to run."""
+    wall = {v: [] for v, _ in variants}
+    cpu = {v: [] for v, _ in variants}
+    for _ in range(rounds):
+        for v, wrap in variants:
+            t, c, _, _ = run(*wrap(cmd, env), cwd)
+            wall[v].append(t)
+            cpu[v].append(c)
+    native_wall = statistics.median(wall["native"])
+    native_cpu = statistics.median(cpu["native"])
+    print(f"\n{name}  ({calls:,} allocator calls)")
+    print(f"  {'variant':<18} {'wall s':>7} {'ratio':>7} {'extra ns/call':>14}   {'cpu s':>7} {'ratio':>7} {'extra ns/call':>14}")
+    extra = {}
+    for v, _ in variants:
+        w, c = statistics.median(wall[v]), statistics.median(cpu[v])
+        extra[v] = (w - native_wall) / calls * 1e9
+        print(
+            f"  {v:<18} {w:7.3f} {w / native_wall:6.3f}x {extra[v]:14.1f}"
+            f"   {c:7.3f} {c / native_cpu:6.3f}x {(c - native_cpu) / calls * 1e9:14.1f}"
+        )
+    return extra
+
+
+def interposer_suite(a, base, shim):
+    variants = [
+        ("native", lambda cmd, env: (cmd, env)),
+        ("shim, no spy", lambda cmd, env: (cmd, dict(env, LD_PRELOAD=shim, MALLOCSPY_OPTIONS="spy=none"))),
+        ("shim, spy=count", lambda cmd, env: (cmd, dict(env, LD_PRELOAD=shim, MALLOCSPY_OPTIONS="spy=count"))),
+    ]
+    print("\n== interposer: the shim alone and with spy=count ==")
+    for threads in (1, 2):
+        cmd = ["./churn", str(threads), str(a.iters)]
+        name = f"churn {threads} thread{'s' if threads > 1 else ''}"
+        if a.only and a.only not in name:
+            continue
+        compare(name, cmd, base, count_calls(cmd, base, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
+
+
+def leaks_suite(a, base, shim, mallocspy):
+    if not shutil.which("heaptrack"):
+        sys.exit("bench: heaptrack is not installed (scripts/install-deps.sh installs it)")
+    scratch = tempfile.mkdtemp(prefix="mallocspy-bench-")
+    variants = [
+        ("native", lambda cmd, env: (cmd, env)),
+        ("heaptrack", lambda cmd, env: (["heaptrack", "-o", os.path.join(scratch, "heaptrack"), *cmd], env)),
+        ("mallocspy run", lambda cmd, env: ([mallocspy, "run", "--log", os.path.join(scratch, "report"), "--", *cmd], env)),
+    ]
+    py_env = dict(base, PYTHONMALLOC="malloc")
+    workloads = [
+        ("churn 1 thread", ["./churn", "1", str(a.iters)], base),
+        ("churn 2 threads", ["./churn", "2", str(a.iters)], base),
+        ("sqlite3 insert.sql", ["sqlite3", ":memory:", ".read insert.sql"], base),
+        ("python3 workload.py", [python3(), os.path.join(SCRIPTS, "workload.py")], py_env),
+    ]
+    print("\n== leaks: heaptrack and mallocspy run (full stacks, report at exit) ==")
+    print("target: mallocspy's extra ns/call at most 1/3 of heaptrack's")
+    for name, cmd, env in workloads:
+        if a.only and a.only not in name:
+            continue
+        extra = compare(name, cmd, env, count_calls(cmd, env, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
+        share = extra["mallocspy run"] / extra["heaptrack"] if extra["heaptrack"] > 0 else float("nan")
+        print(f"  mallocspy / heaptrack extra cost: {share:.2f} ({'within' if share <= 1 / 3 else 'above'} 1/3)")
+    shutil.rmtree(scratch, ignore_errors=True)
+    if not a.only or "million" in a.only:
+        exit_report(a, base, shim, mallocspy)
+
+
+def exit_report(a, base, shim, mallocspy):
+    """Time from main's return to process exit, with and without the leak report."""
+    print("\nmillion: 1,000,000 live blocks at exit (1,000 stacks, half lost)")
+    times = {"native": [], "mallocspy run": []}
+    tracker = ""
+    for _ in range(a.rounds):
+        for v in times:
+            argv = ["./million"] if v == "native" else [mallocspy, "run", "--log", os.devnull, "--", "./million"]
+            _, _, out, _ = run(argv, base, a.bench_dir)
+            end = time.clock_gettime(time.CLOCK_MONOTONIC)
+            returned = float(re.search(r"main returns at (\d+\.\d+)", out).group(1))
+            times[v].append(end - returned)
+            tracker = next((line for line in out.splitlines() if line.startswith("tracker:")), tracker)
+    for v, t in times.items():
+        print(f"  {v:<18} main's return to exit: median {statistics.median(t):.3f} s (min {min(t):.3f}, max {max(t):.3f})")
+    print(f"  {tracker}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=["all", "interposer", "leaks"], default="all")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=1500000, help="churn iterations per thread")
     ap.add_argument("--only", help="run only workloads whose name contains this")
-    ap.add_argument("shim")
-    ap.add_argument("bench_dir")
+    ap.add_argument("release_dir", help="where cargo put libmallocspy_preload.so and mallocspy")
+    ap.add_argument("bench_dir", help="the built workloads of ../shared/bench, and million")
     a = ap.parse_args()
 
-    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOCSPY_OPTIONS")}
-    shim = os.path.abspath(a.shim)
-    variants = [
-        ("native", dict(base)),
-        ("shim, no spy", dict(base, LD_PRELOAD=shim)),
-        ("shim, spy=count", dict(base, LD_PRELOAD=shim, MALLOCSPY_OPTIONS="spy=count")),
-    ]
-    workloads = [
-        (f"churn 1 thread", ["./churn", "1", str(a.iters)]),
-        (f"churn 2 threads", ["./churn", "2", str(a.iters)]),
-    ]
+    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOCSPY_OPTIONS", "PYTHONMALLOC")}
+    shim = os.path.abspath(os.path.join(a.release_dir, "libmallocspy_preload.so"))
+    mallocspy = os.path.abspath(os.path.join(a.release_dir, "mallocspy"))
     print(f"mallocspy benchmark: median of {a.rounds} alternating rounds; {os.cpu_count()} CPUs")
-    for name, cmd in workloads:
-        if a.only and a.only not in name:
-            continue
-        wall = {v: [] for v, _ in variants}
-        cpu = {v: [] for v, _ in variants}
-        faults = {}
-        calls = None
-        for _ in range(a.rounds):
-            for v, env in variants:
-                t, c, f, out = run(cmd, env, a.bench_dir)
-                wall[v].append(t)
-                cpu[v].append(c)
-                faults[v] = f
-                calls = calls or churn_calls(out)
-        native_wall = statistics.median(wall["native"])
-        native_cpu = statistics.median(cpu["native"])
-        print(f"\n{name}  ({calls:,} allocator calls)")
-        print(f"  {'variant':<18} {'wall s':>7} {'ratio':>7} {'extra ns/call':>14}   {'cpu s':>7} {'ratio':>7} {'extra ns/call':>14}  {'page faults':>11}")
-        for v, _ in variants:
-            w, c = statistics.median(wall[v]), statistics.median(cpu[v])
-            print(
-                f"  {v:<18} {w:7.3f} {w / native_wall:6.3f}x {(w - native_wall) / calls * 1e9:14.1f}"
-                f"   {c:7.3f} {c / native_cpu:6.3f}x {(c - native_cpu) / calls * 1e9:14.1f}  {faults[v]:11,}"
-            )
+    if a.suite in ("all", "interposer"):
+        interposer_suite(a, base, shim)
+    if a.suite in ("all", "leaks"):
+        leaks_suite(a, base, shim, mallocspy)
 
 
 if __name__ == "__main__":

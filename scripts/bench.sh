@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Benchmarks mallocspy against the native run: builds the shim and the shared workloads,
-# then prints median wall-clock ratios and extra ns per allocator call (see scripts/bench.py).
-#   scripts/bench.sh [--rounds N] [--iters N]
+# Benchmarks mallocspy against the native run (and heaptrack): builds mallocspy, the shared
+# workloads and the million-block fixture, then prints median wall-clock ratios and extra ns
+# per allocator call (see scripts/bench.py).
+#   scripts/bench.sh [--suite interposer|leaks] [--rounds N] [--iters N] [--only TEXT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -9,4 +10,5 @@ cargo build --release -q
 shared=${MALLOCSPY_SHARED:-../shared}
 mkdir -p target/bench
 make -s -C "$shared/bench" OUT="$PWD/target/bench"
-exec python3 scripts/bench.py "$@" target/release/libmallocspy_preload.so target/bench
+gcc -O2 -g -Iinclude -o target/bench/million tests/fixtures/million.c
+exec python3 scripts/bench.py "$@" target/release target/bench

@@ -2,6 +2,7 @@
 //! symbols and real programs are tested by the integration tests, under LD_PRELOAD.)
 
 use super::*;
+use crate::spies::leaks::LeakTracker;
 use crate::spy::CallScratch;
 use core::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -337,5 +338,30 @@ fn calls_from_inside_a_hook_go_to_the_real_heap_and_spied_frees_wait_for_the_nex
     assert!(!ip.deferred.has_pending());
     // SAFETY: p is a live spied block.
     unsafe { ip.free(p) };
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
+#[test]
+fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_goes() {
+    let ip = fresh();
+    let tracker: &'static LeakTracker = Box::leak(Box::new(LeakTracker::new(8).unwrap()));
+    ip.register_static(tracker).unwrap();
+    let p = ip.malloc(100);
+    // SAFETY: p is a live block; its free is queued, its record stays for a while.
+    unsafe { ip.free(p) };
+    let q = ip.malloc(100);
+    assert_eq!(q, p, "glibc's tcache hands the freed address straight back");
+    let s = tracker.stats();
+    assert_eq!((s.live_blocks, s.live_bytes, s.total_allocs, s.total_frees), (1, 100, 2, 1));
+    // SAFETY: q is live; then each of `others` is.
+    unsafe { ip.free(q) };
+    let others: Vec<_> = (0..10).map(|i| ip.malloc(1000 + i)).collect();
+    for o in others {
+        // SAFETY: as above.
+        unsafe { ip.free(o) };
+    }
+    let s = tracker.stats();
+    assert_eq!((s.live_blocks, s.live_bytes, s.total_allocs, s.total_frees), (0, 0, 12, 12));
+    assert_eq!(s.peak_bytes, (1000..1010).sum::<u64>(), "the ten blocks at once; queued frees do not count");
     assert_eq!(ip.revoke(), Ok(()));
 }

@@ -13,7 +13,7 @@
 
 use core::cell::UnsafeCell;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 use crate::pool;
 use crate::sync::{SelfHeld, SpinLock};
@@ -43,6 +43,10 @@ struct Shard<V> {
     array: UnsafeCell<Array<V>>,
     /// Live entries; updated under the lock, read without it.
     len: AtomicUsize,
+    /// The array's address and capacity, published for [`LiveTable::prefetch`] (which reads
+    /// them without the lock).
+    hint_entries: AtomicPtr<u8>,
+    hint_capacity: AtomicUsize,
 }
 
 /// Outcome of a lookup that must not wait for the calling thread itself.
@@ -64,18 +68,23 @@ unsafe impl<V: Copy + Send> Sync for LiveTable<V> {}
 // SAFETY: the table owns its mappings; moving it between threads moves plain pointers.
 unsafe impl<V: Copy + Send> Send for LiveTable<V> {}
 
+/// Where `key` lives: the top bits choose the shard, the low bits the slot.
+///
+/// Each 64 KiB region of addresses starts at a random place (Fibonacci hashing of the
+/// region number) and its 16-byte granules follow in order from there, so blocks allocated
+/// one after another, which allocators carve side by side, share cache lines of the table:
+/// an allocation mostly finds its slot already in cache, where a uniform hash would miss
+/// every time the table outgrows the cache.
 #[inline]
 fn hash(key: usize) -> u64 {
-    // Fibonacci hashing: the high bits of the product mix every bit of the address.
-    ((key as u64) >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    let key = key as u64;
+    (key >> 16).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(key >> 4)
 }
 
 impl<V: Copy> Array<V> {
     #[inline]
     fn index(&self, h: u64) -> usize {
-        // Bits just below the shard bits.
-        let bits = self.capacity.trailing_zeros();
-        ((h << SHARD_BITS) >> (64 - bits)) as usize
+        h as usize & (self.capacity - 1)
     }
 
     /// Finds `key`: `Ok(slot)` when present, `Err(slot)` with the empty slot where it would
@@ -161,6 +170,8 @@ impl<V: Copy> Shard<V> {
             lock: SpinLock::new(),
             array: UnsafeCell::new(Array { entries: core::ptr::null_mut(), capacity: 0 }),
             len: AtomicUsize::new(0),
+            hint_entries: AtomicPtr::new(core::ptr::null_mut()),
+            hint_capacity: AtomicUsize::new(0),
         }
     }
 }
@@ -178,6 +189,12 @@ impl<V: Copy> LiveTable<V> {
 
     /// Inserts or replaces `key`. Returns false when no memory could be mapped.
     pub(crate) fn insert(&self, key: usize, value: V) -> bool {
+        self.insert_with(key, value, |_| {})
+    }
+
+    /// Inserts `key`, or replaces it and calls `replaced` with the old value, under the
+    /// shard's lock. Returns false when no memory could be mapped.
+    pub(crate) fn insert_with(&self, key: usize, value: V, replaced: impl FnOnce(V)) -> bool {
         debug_assert!(key != EMPTY);
         let h = hash(key);
         let shard = self.shard(h);
@@ -192,14 +209,20 @@ impl<V: Copy> LiveTable<V> {
             if !array.rebuild((array.capacity * 2).max(min)) {
                 return false;
             }
+            shard.hint_entries.store(array.entries.cast(), Ordering::Relaxed);
+            shard.hint_capacity.store(array.capacity, Ordering::Relaxed);
         }
         match array.probe(key, h) {
-            // SAFETY: slot < capacity; lock held.
-            Ok(slot) => unsafe { (*array.entries.add(slot)).value = value },
+            Ok(slot) => {
+                // SAFETY: slot < capacity; lock held.
+                let entry = unsafe { &mut (*array.entries.add(slot)).value };
+                replaced(core::mem::replace(entry, value));
+            }
             Err(slot) => {
                 // SAFETY: slot < capacity; lock held.
                 unsafe { *array.entries.add(slot) = Entry { key, value } };
-                shard.len.fetch_add(1, Ordering::SeqCst);
+                // Under the lock: a plain store, no locked instruction (see `len`).
+                shard.len.store(shard.len.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
             }
         }
         true
@@ -207,12 +230,20 @@ impl<V: Copy> LiveTable<V> {
 
     /// Removes `key`, returning its value.
     pub(crate) fn remove(&self, key: usize) -> Option<V> {
-        let h = hash(key);
-        let shard = self.shard(h);
-        if shard.len.load(Ordering::Relaxed) == 0 {
+        if self.shard(hash(key)).len.load(Ordering::Relaxed) == 0 {
             return None;
         }
+        self.remove_if(key, || true)
+    }
+
+    /// Removes `key` if `claim`, called first under the shard's lock, says so.
+    pub(crate) fn remove_if(&self, key: usize, claim: impl FnOnce() -> bool) -> Option<V> {
+        let h = hash(key);
+        let shard = self.shard(h);
         let _guard = shard.lock.lock();
+        if !claim() {
+            return None;
+        }
         // SAFETY: the shard lock is held.
         let array = unsafe { &mut *shard.array.get() };
         if array.capacity == 0 {
@@ -222,7 +253,7 @@ impl<V: Copy> LiveTable<V> {
         // SAFETY: slot < capacity; lock held.
         let value = unsafe { (*array.entries.add(slot)).value };
         array.delete(slot);
-        shard.len.fetch_sub(1, Ordering::SeqCst);
+        shard.len.store(shard.len.load(Ordering::Relaxed) - 1, Ordering::Relaxed);
         Some(value)
     }
 
@@ -267,11 +298,38 @@ impl<V: Copy> LiveTable<V> {
         Some(unsafe { (*array.entries.add(slot)).value })
     }
 
-    /// Number of live entries. Exact when no insert or remove runs concurrently; with
-    /// `SeqCst` updates, of two threads that each remove an entry and then read the length,
-    /// at least one sees both removals.
+    /// Number of live entries. Exact when no insert or remove runs concurrently. The fence
+    /// orders the caller's own earlier removals before these loads, so of two threads that
+    /// each remove an entry and then read the length, at least one sees both removals (the
+    /// store-buffering pattern needs a full fence between store and load on both sides).
     pub(crate) fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.len.load(Ordering::SeqCst)).sum()
+        core::sync::atomic::fence(Ordering::SeqCst);
+        self.shards.iter().map(|s| s.len.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Starts loading the cache line where `key` would sit, so that a later insert or remove
+    /// finds it in cache. A hint only: it reads the shard's array without the lock, and a
+    /// stale array (mid-rebuild) merely prefetches the wrong line.
+    #[inline(always)]
+    pub(crate) fn prefetch(&self, key: usize) {
+        let h = hash(key);
+        let shard = self.shard(h);
+        let entries = shard.hint_entries.load(Ordering::Relaxed).cast::<Entry<V>>();
+        let capacity = shard.hint_capacity.load(Ordering::Relaxed);
+        if capacity != 0 {
+            let i = h as usize & (capacity - 1);
+            // The entry and the one after it (a removal looks at the next to shift it back;
+            // either may straddle a line).
+            let first = entries.wrapping_add(i).cast::<i8>();
+            let last = first.wrapping_add(2 * core::mem::size_of::<Entry<V>>() - 1);
+            // SAFETY: prefetching never faults; the addresses are only hints.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                _mm_prefetch::<_MM_HINT_T0>(first);
+                _mm_prefetch::<_MM_HINT_T0>(last);
+            };
+        }
     }
 
     /// Bytes of pool memory the table holds.

@@ -97,6 +97,10 @@ fn carve(size: usize) -> Option<NonNull<u8>> {
     }
     let len = size.max(ARENA);
     let arena = os::map(len)?;
+    // Transparent huge pages where the system allows them on request: the tables are read
+    // at random on every call, and with 4 KiB pages each read risked a TLB miss too.
+    // SAFETY: advice on a mapping just made, of `len` bytes.
+    unsafe { libc::madvise(arena.as_ptr().cast(), len, libc::MADV_HUGEPAGE) };
     ARENA_START[n].store(arena.as_ptr() as usize, Ordering::Relaxed);
     ARENA_LEN[n].store(len, Ordering::Relaxed);
     ARENAS_LEN.store(n + 1, Ordering::Release);

@@ -33,14 +33,28 @@ pub(crate) struct Stacks {
     words: AtomicUsize,
 }
 
-/// FNV-1a over the addresses, never 0 (a table key).
-fn hash(frames: &[u64]) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &f in frames {
-        h = (h ^ f).wrapping_mul(0x0000_0100_0000_01b3);
+/// A 64-bit hash of the addresses, never 0 (a table key). A stack is known by its hash
+/// alone, so every bit of every address must reach every bit of the hash: each step
+/// multiplies and folds the high half back. Four lanes, so that the multiplies of a deep
+/// stack overlap instead of waiting on each other.
+pub(crate) fn hash(frames: &[u64]) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let step = |h: u64, f: u64| {
+        let x = (h ^ f).wrapping_mul(K);
+        x ^ (x >> 29)
+    };
+    let mut lanes = [0x243F_6A88_85A3_08D3u64, 0x1319_8A2E_0370_7344, 0xA409_3822_299F_31D0, 0x082E_FA98_EC4E_6C89];
+    let mut chunks = frames.chunks_exact(4);
+    for c in &mut chunks {
+        for (lane, &f) in lanes.iter_mut().zip(c) {
+            *lane = step(*lane, f);
+        }
     }
-    h ^= frames.len() as u64;
-    (h.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1) as usize
+    for (lane, &f) in lanes.iter_mut().zip(chunks.remainder()) {
+        *lane = step(*lane, f);
+    }
+    let h = lanes.iter().fold(frames.len() as u64, |h, &l| step(h, l));
+    step(h, K) | 1
 }
 
 impl Stacks {
@@ -56,11 +70,11 @@ impl Stacks {
         }
     }
 
-    /// The id of `frames` (at most `u16::MAX` of them), interning it if new; 0 when mallocspy's
-    /// memory is exhausted.
+    /// The id of `frames` (at most `u16::MAX` of them), whose [`hash`] is `h`, interning it if
+    /// new; 0 when mallocspy's memory is exhausted.
     #[inline]
-    pub(crate) fn intern(&self, frames: &[u64]) -> u32 {
-        let h = hash(frames);
+    pub(crate) fn intern(&self, h: u64, frames: &[u64]) -> u32 {
+        let h = h as usize;
         if let Some(id) = self.by_hash.get(h) {
             return id;
         }
@@ -152,16 +166,34 @@ mod tests {
     #[test]
     fn interns_each_distinct_stack_once() {
         let s = Stacks::new();
-        let a = s.intern(&[1, 2, 3]);
-        let b = s.intern(&[1, 2, 4]);
+        let intern = |frames: &[u64]| s.intern(hash(frames), frames);
+        let a = intern(&[1, 2, 3]);
+        let b = intern(&[1, 2, 4]);
         assert_ne!(a, b);
-        assert_eq!(s.intern(&[1, 2, 3]), a);
+        assert_eq!(intern(&[1, 2, 3]), a);
         assert_eq!(s.frames(a), &[1, 2, 3]);
         assert_eq!(s.frames(b), &[1, 2, 4]);
         assert_eq!(s.frames(0), &[] as &[u64]);
-        let many: Vec<u32> = (0..100_000u64).map(|i| s.intern(&[i, i * 3, 7])).collect();
+        let many: Vec<u32> = (0..100_000u64).map(|i| intern(&[i, i * 3, 7])).collect();
         assert!(many.iter().all(|&id| id != 0));
         assert_eq!(s.count(), 2 + 100_000);
         assert_eq!(s.frames(many[77_777]), &[77_777, 233_331, 7]);
+    }
+
+    #[test]
+    fn hash_separates_stacks_that_differ_anywhere() {
+        let base: Vec<u64> = (0..32).map(|i| 0x7f00_1234_0000 + i * 0x40).collect();
+        let mut seen = std::collections::HashSet::new();
+        assert!(seen.insert(hash(&base)));
+        for i in 0..base.len() {
+            for bit in 0..64 {
+                let mut v = base.clone();
+                v[i] ^= 1 << bit;
+                assert!(seen.insert(hash(&v)), "frame {i} bit {bit}");
+            }
+        }
+        for n in 0..base.len() {
+            assert!(seen.insert(hash(&base[..n])), "prefix of {n}");
+        }
     }
 }

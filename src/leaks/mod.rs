@@ -91,6 +91,7 @@ pub(crate) fn check(
         .map(|(addr, _)| *addr)
         .collect();
 
+    let buffer = ProcessMemory::buffer();
     let stopped = roots::stop_the_world();
     maps.read();
     regions.extend_from_slice(&modules);
@@ -120,7 +121,7 @@ pub(crate) fn check(
         missing = stopped.missing;
     }
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &mut regions);
-    scan::classify(&heap, &regions, &words, &ProcessMemory(&maps), &mut scratch);
+    scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffer), &mut scratch);
     drop(stopped);
 
     let mut notes = Vec::new();

@@ -116,36 +116,111 @@ pub(crate) fn anonymous_roots(maps: &Maps, block_starts: &[u64], stack_pointers:
     }
 }
 
-/// Process memory, read only where the map says it is readable.
-pub(crate) struct ProcessMemory<'a>(pub &'a Maps);
+/// Process memory, read only where the map says it is readable. Root regions are read
+/// through `process_vm_readv` into a buffer: a page the map calls readable may still fault
+/// (a file mapping past the end of its truncated file, a region a runtime such as valgrind
+/// keeps from its client), and the kernel reports that as a short read instead of a signal.
+/// Blocks are read directly: they are heap memory, and one system call per block would
+/// cost seconds for a million blocks. Where the call is refused (a seccomp filter), roots
+/// are read directly too.
+pub(crate) struct ProcessMemory<'a> {
+    maps: &'a Maps,
+    buffer: core::cell::RefCell<Vec<u64>>,
+    direct: core::cell::Cell<bool>,
+}
 
-impl Memory for ProcessMemory<'_> {
-    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+/// Words read per `process_vm_readv` call: the length of [`ProcessMemory::buffer`].
+const CHUNK_WORDS: usize = 8192;
+const PAGE: u64 = 4096;
+
+impl<'a> ProcessMemory<'a> {
+    /// A read buffer, to allocate before the other threads are stopped (allocating while
+    /// they are could wait for a lock one of them holds).
+    pub(crate) fn buffer() -> Vec<u64> {
+        vec![0; CHUNK_WORDS]
+    }
+
+    /// Reads through `buffer` (from [`ProcessMemory::buffer`]) where `maps` allows.
+    pub(crate) fn new(maps: &'a Maps, buffer: Vec<u64>) -> Self {
+        Self { maps, buffer: core::cell::RefCell::new(buffer), direct: core::cell::Cell::new(false) }
+    }
+
+    /// Calls `read(from, to)` on each readable part of `[start, end)` (8-aligned bounds).
+    fn readable(&self, start: u64, end: u64, mut read: impl FnMut(u64, u64)) {
         let mut addr = start.next_multiple_of(8);
-        let maps = &self.0.list;
+        let maps = &self.maps.list;
         let mut i = maps.partition_point(|m| m.end <= addr);
         while addr + 8 <= end {
             let Some(m) = maps.get(i) else { return };
             if m.start >= end {
                 return;
             }
-            if !m.readable || m.start > addr {
-                addr = addr.max(m.start).next_multiple_of(8);
-                if !m.readable {
-                    i += 1;
-                    addr = addr.max(m.end);
+            if m.readable {
+                let from = addr.max(m.start).next_multiple_of(8);
+                let to = end.min(m.end) & !7;
+                if from < to {
+                    read(from, to);
                 }
-                continue;
             }
-            let stop = end.min(m.end);
-            while addr + 8 <= stop {
-                // SAFETY: [addr, addr + 8) lies in a readable mapping of this process, which
-                // stays mapped: the other threads are stopped and this one does not unmap.
-                f(unsafe { core::ptr::read_volatile(addr as *const u64) });
-                addr += 8;
-            }
+            addr = m.end;
             i += 1;
         }
+    }
+
+    /// Reads the words of `[addr, end)` into `buf`: how many could be read, or `None` when
+    /// the kernel refuses to read at all.
+    fn read_chunk(buf: &mut [u64], addr: u64, end: u64) -> Option<usize> {
+        let len = ((end - addr) as usize).min(buf.len() * 8);
+        let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: len };
+        let remote = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
+        // SAFETY: both iovecs describe memory of the right length; the kernel checks the
+        // remote one and the local one is our buffer.
+        let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+        if n >= 0 {
+            return Some(n as usize / 8);
+        }
+        (os::errno() == libc::EFAULT).then_some(0)
+    }
+}
+
+/// Calls `f` on the words of `[from, to)`.
+///
+/// # Safety
+/// The range is readable memory of this process that stays mapped meanwhile.
+unsafe fn read_directly(from: u64, to: u64, f: &mut dyn FnMut(u64)) {
+    for addr in (from..to).step_by(8) {
+        // SAFETY: the caller's guarantee.
+        f(unsafe { core::ptr::read_volatile(addr as *const u64) });
+    }
+}
+
+impl Memory for ProcessMemory<'_> {
+    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+        let mut buf = self.buffer.borrow_mut();
+        self.readable(start, end, |mut addr, to| {
+            while addr < to && !self.direct.get() {
+                match Self::read_chunk(&mut buf, addr, to) {
+                    // A page that faults: skip it.
+                    Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
+                    Some(n) => {
+                        buf[..n].iter().for_each(|&w| f(w));
+                        addr += n as u64 * 8;
+                    }
+                    None => self.direct.set(true),
+                }
+            }
+            if addr < to {
+                // SAFETY: a readable mapping of this process, which stays mapped: the other
+                // threads are stopped and this one does not unmap.
+                unsafe { read_directly(addr, to, f) };
+            }
+        });
+    }
+
+    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+        // SAFETY: as above (a block freed and unmapped since the snapshot is not in the map,
+        // which was read after the other threads stopped).
+        self.readable(start, end, |from, to| unsafe { read_directly(from, to, f) });
     }
 }
 

@@ -37,8 +37,13 @@ impl LeakKind {
 
 /// Reads memory word by word; a range it cannot read yields nothing.
 pub(crate) trait Memory {
-    /// Calls `f` on each 8-byte-aligned word in `[start, end)`.
+    /// Calls `f` on each 8-byte-aligned word in `[start, end)`, a root region.
     fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64));
+
+    /// The same for a live block's bytes (many small ranges, all in the heap).
+    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+        self.words(start, end, f)
+    }
 }
 
 const UNREACHED: u8 = 0;
@@ -141,7 +146,7 @@ pub(crate) fn classify(
     while let Some(i) = todo.pop() {
         let definite = state[i] == REACHABLE;
         let (start, size) = heap.blocks[i];
-        memory.words(start, start + size, &mut |w| mark(w, definite, state, todo));
+        memory.block_words(start, start + size, &mut |w| mark(w, definite, state, todo));
     }
 
     // The lost: groups led by the lowest unclaimed block.
@@ -153,7 +158,7 @@ pub(crate) fn classify(
         todo.push(l);
         while let Some(i) = todo.pop() {
             let (start, size) = heap.blocks[i];
-            memory.words(start, start + size, &mut |w| {
+            memory.block_words(start, start + size, &mut |w| {
                 if let Some((k, _)) = heap.find(w)
                     && k != l
                     && state[k] == UNREACHED

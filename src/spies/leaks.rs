@@ -1,26 +1,41 @@
 //! `spy=leaks`: every live block with its size, the entry point that made it, its thread and
 //! its call stack, for the leak report at exit and for [`crate::heap_stats`].
 //!
-//! An observer ([`Role::Observe`]): it records after each allocation and forgets before each
-//! release (the address may be handed out again right after the real free). Its memory —
+//! An observer ([`Role::Observe`]): it records after each allocation. A free is noted, not
+//! applied: the block's line of the live table is prefetched and its address queued in the
+//! thread's [`PENDING`] ring, and the record is removed a few frees later, when the line has
+//! arrived (the removal is the cache miss that dominated a free). The address may be handed
+//! out again before that: an allocation that finds its address still recorded takes the old
+//! record out itself and withdraws the queued free (under the same shard lock), and reports
+//! ([`LeakTracker::stats`], the leak check) first apply every queued free. Its memory —
 //! the live-block table, the stack table, per-thread records — comes from [`crate::pool`].
-//! Per-thread counters are single-writer (no atomic read-modify-write); live and peak bytes
-//! are process-wide atomics, because a peak is only a peak if it is one number.
+//! Per-thread counters are single-writer (no atomic read-modify-write). Live bytes are kept
+//! per thread too and folded into one process-wide figure every [`LIVE_FLUSH`] bytes, so the
+//! threads do not fight over one cache line on every call; the peak compares that figure plus
+//! the calling thread's unfolded part, which makes it exact in a single-threaded program and
+//! within `threads x LIVE_FLUSH` bytes otherwise.
 
+use core::cell::UnsafeCell;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicI64, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
-use crate::stacks::Stacks;
+use crate::stacks::{self, Stacks};
 use crate::threads::{self, MAX_THREADS};
-use crate::unwind::{self, PrevWalk};
+use crate::unwind::{self, WalkCache};
 use crate::{pool, tls};
 
 /// Deepest stack the option `stack_depth` may ask for.
 pub(crate) const MAX_DEPTH: usize = 128;
 /// Default `stack_depth`.
 pub(crate) const DEFAULT_DEPTH: usize = 32;
+/// Live bytes a thread keeps to itself before adding them to the process-wide figure.
+const LIVE_FLUSH: i64 = 256 << 10;
+/// Frees a thread keeps queued before removing their records.
+const PENDING: usize = 4;
+/// Entries of a thread's cache of stack ids (a power of two).
+const KNOWN_STACKS: usize = 256;
 
 // Scratch words (4..7; the guard spy uses 0..3): the record a realloc removed, kept until
 // the call's outcome is known.
@@ -47,16 +62,43 @@ impl Record {
     }
 }
 
-/// Per-thread state: counters, and the last walk and stack (consecutive allocations mostly
-/// share their stack).
+/// Per-thread state: what other threads read (counters, queued frees), and what only the
+/// owning thread touches, inside its hooks.
 struct PerThread {
     allocs: AtomicU64,
     frees: AtomicU64,
     bytes: AtomicU64,
-    last_len: usize,
-    last_id: u32,
-    last: [u64; MAX_DEPTH],
-    walk: PrevWalk,
+    /// Net live bytes not yet added to `LeakTracker::live_bytes` (below `LIVE_FLUSH`).
+    unflushed: AtomicI64,
+    /// Addresses freed (or about to be) whose records are still in the table; 0 when empty.
+    /// Whoever swaps one to 0, under the lock of its shard, removes the record.
+    pending: [AtomicUsize; PENDING],
+    own: UnsafeCell<Own>,
+}
+
+/// The owning thread's part of [`PerThread`].
+struct Own {
+    /// The oldest entry of the `pending` ring, where the next free goes.
+    pending_next: usize,
+    /// The walk being made (kept here, not on the stack, to spare a 1 KiB frame per call).
+    frames: [u64; MAX_DEPTH],
+    /// Stacks this thread recorded lately, by hash: `(hash, id)` (a thread mostly allocates
+    /// from the same few stacks, and the shared table is a lock and a cache miss away).
+    known_stacks: [(u64, u32); KNOWN_STACKS],
+    walk: WalkCache,
+}
+
+impl PerThread {
+    /// The owning thread's part.
+    ///
+    /// # Safety
+    /// Only the thread owning this record may call this, from inside a hook, and not while
+    /// an earlier result is in use (hooks do not nest into the spy).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn own(&self) -> &mut Own {
+        // SAFETY: the caller's guarantee makes this the only reference to `own`.
+        unsafe { &mut *self.own.get() }
+    }
 }
 
 /// Totals since the tracker started.
@@ -100,8 +142,11 @@ pub(crate) struct LeakTracker {
     depth: usize,
     /// `[*mut PerThread; MAX_THREADS]`, each leased by its thread on first use.
     per_thread: NonNull<AtomicPtr<PerThread>>,
-    live_bytes: AtomicU64,
+    /// Live bytes, but for each thread's `unflushed` part.
+    live_bytes: AtomicI64,
     peak_bytes: AtomicU64,
+    /// Frees applied by [`LeakTracker::apply_all_pending`] (the others count per thread).
+    applied_frees: AtomicU64,
     /// Allocations that could not be recorded (mallocspy's memory limit).
     untracked: AtomicU64,
 }
@@ -142,8 +187,9 @@ impl LeakTracker {
             stacks: Stacks::new(),
             depth: depth.clamp(1, MAX_DEPTH),
             per_thread: threads::map_per_thread::<AtomicPtr<PerThread>>()?,
-            live_bytes: AtomicU64::new(0),
+            live_bytes: AtomicI64::new(0),
             peak_bytes: AtomicU64::new(0),
+            applied_frees: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
         })
     }
@@ -156,18 +202,16 @@ impl LeakTracker {
 
     /// The calling thread's record (inside a hook every thread has a slot), leased from the
     /// pool the first time.
-    #[allow(clippy::mut_from_ref)] // one slot per thread, used by one hook at a time
-    fn mine(&self) -> Option<&mut PerThread> {
+    fn mine(&self) -> Option<&PerThread> {
         let slot = self.slot(threads::current_index()? as usize);
         let mut record = slot.load(Ordering::Acquire);
         if record.is_null() {
             record = pool::lease(core::mem::size_of::<PerThread>())?.as_ptr().cast();
             slot.store(record, Ordering::Release);
         }
-        // SAFETY: the record is owned by the calling thread's slot, and the thread is inside a
-        // hook, so not re-entering this method; zeroed memory is a valid PerThread (atomics,
-        // integers, arrays) and leases are zeroed.
-        Some(unsafe { &mut *record })
+        // SAFETY: published records live as long as the tracker; zeroed memory is a valid
+        // PerThread (atomics, integers, arrays) and leases are zeroed.
+        Some(unsafe { &*record })
     }
 
     fn all_threads(&self) -> impl Iterator<Item = &PerThread> {
@@ -178,52 +222,145 @@ impl LeakTracker {
 
     /// The id of the calling thread's current stack.
     #[inline]
-    fn stack_id(&self, t: &mut PerThread) -> u32 {
-        let mut frames = [0u64; MAX_DEPTH];
-        let n = unwind::capture(&mut frames[..self.depth], &mut t.walk);
-        if n == t.last_len && frames[..n] == t.last[..n] && t.last_id != 0 {
-            return t.last_id;
+    fn stack_id(&self, t: &PerThread) -> u32 {
+        // SAFETY: `t` is the calling thread's record (from `mine`), inside its hook.
+        let t = unsafe { t.own() };
+        let n = unwind::capture(&mut t.frames[..self.depth], &mut t.walk);
+        let frames = &t.frames[..n];
+        let h = stacks::hash(frames);
+        let known = &mut t.known_stacks[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
+        if known.0 == h && known.1 != 0 {
+            return known.1;
         }
-        let id = self.stacks.intern(&frames[..n]);
-        t.last[..n].copy_from_slice(&frames[..n]);
-        t.last_len = n;
-        t.last_id = id;
+        let id = self.stacks.intern(h, frames);
+        *known = (h, id);
         id
     }
 
-    fn record(&self, ptr: usize, size: u64, entry: Entry, t: &mut PerThread) {
+    fn record(&self, ptr: usize, size: u64, entry: Entry, t: &PerThread) {
+        // The table's line for `ptr` is likely out of cache: fetch it while the stack is walked.
+        self.live.prefetch(ptr);
         let stack = self.stack_id(t);
         let record = Record { size_entry: size << 8 | entry as u64, stack, tid: tid() };
-        if stack == 0 || !self.live.insert(ptr, record) {
+        // The address is still recorded when its free is queued (or went unseen): that block
+        // is gone, and its queued free must not remove this one.
+        let mut replaced = None;
+        let inserted = stack != 0
+            && self.live.insert_with(ptr, record, |old| {
+                self.withdraw_pending(ptr);
+                replaced = Some(old);
+            });
+        if let Some(old) = replaced {
+            self.forget(&old, t);
+        }
+        if !inserted {
             self.untracked.fetch_add(1, Ordering::Relaxed);
             return;
         }
         bump(&t.allocs, 1);
         bump(&t.bytes, size);
-        let live = self.live_bytes.fetch_add(size, Ordering::Relaxed) + size;
+        let mut live = self.add_live(t, size as i64);
         if live > self.peak_bytes.load(Ordering::Relaxed) {
+            // A new peak, unless this thread's queued frees bring it back down.
+            for slot in &t.pending {
+                let ptr = slot.load(Ordering::Relaxed);
+                if let Some(r) = (ptr != 0).then(|| self.apply_pending(slot, ptr)).flatten() {
+                    self.forget(&r, t);
+                }
+            }
+            live = self.add_live(t, 0);
             self.peak_bytes.fetch_max(live, Ordering::Relaxed);
         }
     }
 
-    fn forget(&self, record: &Record, t: &mut PerThread) {
+    fn forget(&self, record: &Record, t: &PerThread) {
         bump(&t.frees, 1);
-        self.live_bytes.fetch_sub(record.size(), Ordering::Relaxed);
+        self.add_live(t, -(record.size() as i64));
+    }
+
+    /// Adds `delta` to the calling thread's live bytes; returns the process's live bytes as
+    /// this thread sees them.
+    #[inline(always)]
+    fn add_live(&self, t: &PerThread, delta: i64) -> u64 {
+        let mine = t.unflushed.load(Ordering::Relaxed) + delta;
+        let global = if mine.abs() >= LIVE_FLUSH {
+            t.unflushed.store(0, Ordering::Relaxed);
+            self.live_bytes.fetch_add(mine, Ordering::Relaxed) + mine
+        } else {
+            t.unflushed.store(mine, Ordering::Relaxed);
+            self.live_bytes.load(Ordering::Relaxed) + mine
+        };
+        global.max(0) as u64
+    }
+
+    /// Queues the free of `ptr`, applying the oldest queued one.
+    fn free_later(&self, ptr: usize, t: &PerThread) {
+        self.live.prefetch(ptr);
+        // SAFETY: `t` is the calling thread's record (from `mine`), inside its hook.
+        let own = unsafe { t.own() };
+        let i = own.pending_next;
+        own.pending_next = (i + 1) % PENDING;
+        let oldest = t.pending[i].load(Ordering::Relaxed);
+        if let Some(r) = (oldest != 0).then(|| self.apply_pending(&t.pending[i], oldest)).flatten() {
+            self.forget(&r, t);
+        }
+        // Stored before the real free, so an allocation that gets `ptr` back sees it.
+        t.pending[i].store(ptr, Ordering::Release);
+    }
+
+    /// Removes the record of `ptr`, queued in `slot`, unless someone else claimed it first.
+    fn apply_pending(&self, slot: &AtomicUsize, ptr: usize) -> Option<Record> {
+        let claim = || slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+        self.live.remove_if(ptr, claim)
+    }
+
+    /// Takes back every queued free of `ptr` (its address was allocated again). Called under
+    /// the lock of `ptr`'s shard, which every claim of a queued `ptr` also holds.
+    #[cold]
+    fn withdraw_pending(&self, ptr: usize) {
+        for other in self.all_threads() {
+            for slot in &other.pending {
+                let _ = slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Applies every thread's queued frees (for a report: the records of freed blocks go).
+    pub(crate) fn apply_all_pending(&self) {
+        let (mut frees, mut bytes) = (0, 0);
+        for other in self.all_threads() {
+            for slot in &other.pending {
+                let ptr = slot.load(Ordering::Acquire);
+                if let Some(r) = (ptr != 0).then(|| self.apply_pending(slot, ptr)).flatten() {
+                    frees += 1;
+                    bytes += r.size() as i64;
+                }
+            }
+        }
+        // Straight into the process-wide figures: the caller may have no thread record.
+        self.applied_frees.fetch_add(frees, Ordering::Relaxed);
+        self.live_bytes.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     /// Totals so far (exact when no other thread is allocating).
     pub(crate) fn stats(&self) -> HeapStats {
+        self.apply_all_pending();
         let mut s = HeapStats {
             live_blocks: self.live.len() as u64,
-            live_bytes: self.live_bytes.load(Ordering::Relaxed),
+            live_bytes: 0,
             peak_bytes: self.peak_bytes.load(Ordering::Relaxed),
+            total_frees: self.applied_frees.load(Ordering::Relaxed),
             ..HeapStats::default()
         };
+        let mut live = self.live_bytes.load(Ordering::Relaxed);
         for t in self.all_threads() {
+            live += t.unflushed.load(Ordering::Relaxed);
             s.total_allocs += t.allocs.load(Ordering::Relaxed);
             s.total_frees += t.frees.load(Ordering::Relaxed);
             s.total_bytes += t.bytes.load(Ordering::Relaxed);
         }
+        s.live_bytes = live.max(0) as u64;
+        s.peak_bytes = s.peak_bytes.max(s.live_bytes);
         s
     }
 
@@ -246,6 +383,7 @@ impl LeakTracker {
 
     /// Every live block: address and record.
     pub(crate) fn snapshot(&self) -> Vec<(u64, Record)> {
+        self.apply_all_pending();
         let mut blocks = Vec::with_capacity(self.live.len() + 64);
         self.live.for_each(|addr, r| blocks.push((addr as u64, r)));
         blocks
@@ -266,13 +404,13 @@ impl MallocSpy for LeakTracker {
     }
 
     fn before_release(&self, entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
-        let removed = self.live.remove(ptr as usize);
         if entry == Entry::Free {
-            if let (Some(r), Some(t)) = (removed, self.mine()) {
-                self.forget(&r, t);
+            if let Some(t) = self.mine() {
+                self.free_later(ptr as usize, t);
             }
             return;
         }
+        let removed = self.live.remove(ptr as usize);
         // realloc: the outcome decides whether the block was freed.
         CallScratch::set(S_HAD_RECORD, removed.is_some() as u64);
         if let Some(r) = removed {

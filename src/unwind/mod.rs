@@ -62,6 +62,20 @@ fn query_stack_bounds() -> (u64, u64) {
 /// Most frames to walk (the deepest `stack_depth` plus mallocspy's own frames on top).
 pub(crate) const MAX_WALK: usize = 160;
 
+/// What a thread keeps between walks: its previous walk and the rules it used last.
+pub(crate) struct WalkCache {
+    prev: PrevWalk,
+    rules: rules::Recent,
+}
+
+impl WalkCache {
+    /// An empty cache. Zeroed memory is one too.
+    #[cfg(test)]
+    pub(crate) const fn new() -> Self {
+        Self { prev: PrevWalk::new(), rules: rules::Recent::new() }
+    }
+}
+
 /// The previous walk of a thread: where each frame's CFA was, and the values read there.
 ///
 /// Consecutive allocations mostly share everything below their last few frames. A walk is a
@@ -71,7 +85,7 @@ pub(crate) const MAX_WALK: usize = 160;
 /// same value, the rest of the walk would repeat the previous one: it is copied instead.
 /// Checking those words is a row of independent loads, where walking them is a chain of
 /// dependent ones (about 7 ns a frame).
-pub(crate) struct PrevWalk {
+struct PrevWalk {
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
@@ -112,23 +126,23 @@ struct Start {
 
 /// Fills `out` with the return addresses of the stack of the top-level hook in progress,
 /// innermost first, starting with the address its caller will return to (the trampoline of
-/// the exported function noted where that is). Returns how many. `prev` is the calling
-/// thread's previous walk (a walk may reuse its tail).
+/// the exported function noted where that is). Returns how many. `cache` is the calling
+/// thread's walk cache (a walk may reuse the previous walk's tail).
 ///
 /// Never allocates once the unwind rules of the addresses involved are cached.
 #[inline(never)]
-pub(crate) fn capture(out: &mut [u64], prev: &mut PrevWalk) -> usize {
+pub(crate) fn capture(out: &mut [u64], cache: &mut WalkCache) -> usize {
     let ts = tls::state();
     let entry = ts.hook_sp.get();
     let (_, high) = stack_bounds();
     let here = current_sp();
     if entry % 8 != 0 || entry <= here || entry + 8 > high {
-        prev.len = 0;
+        cache.prev.len = 0;
         return 0;
     }
     // SAFETY: entry lies between this frame and the top of the thread's stack: mapped.
     let ra = unsafe { *(entry as *const u64) };
-    walk(out, Start { pc: ra, sp: entry + 8, bp: ts.hook_bp.get(), is_return: true }, prev)
+    walk(out, Start { pc: ra, sp: entry + 8, bp: ts.hook_bp.get(), is_return: true }, cache)
 }
 
 /// Whether every stack word the previous walk read at frames `from..` still holds its value.
@@ -145,7 +159,8 @@ fn unchanged(prev: &PrevWalk, from: usize) -> bool {
 
 /// The unwind loop.
 #[inline(always)]
-fn walk(out: &mut [u64], start: Start, prev: &mut PrevWalk) -> usize {
+fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
+    let WalkCache { prev, rules: recent } = cache;
     let Start { mut pc, mut sp, mut bp, is_return } = start;
     let (bottom, high) = stack_bounds();
     let low = current_sp();
@@ -168,7 +183,7 @@ fn walk(out: &mut [u64], start: Start, prev: &mut PrevWalk) -> usize {
     let mut truncated = true;
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
-        let rule = rules.get(if is_return || walked > 0 { pc - 1 } else { pc });
+        let rule = rules.get(recent, if is_return || walked > 0 { pc - 1 } else { pc });
         let (cfa, saved_bp) = match rule {
             rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp),
             rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp),
@@ -262,7 +277,7 @@ mod tests {
 
     /// Walks from the current instruction of the calling function.
     #[inline(always)]
-    fn walk_here(out: &mut [u64], prev: &mut PrevWalk) -> usize {
+    fn walk_here(out: &mut [u64], prev: &mut WalkCache) -> usize {
         let (pc, sp, bp): (u64, u64, u64);
         // SAFETY: reads three registers.
         unsafe {
@@ -272,13 +287,13 @@ mod tests {
     }
 
     #[inline(never)]
-    fn nest(depth: u32, out: &mut [u64], prev: &mut PrevWalk) -> usize {
+    fn nest(depth: u32, out: &mut [u64], prev: &mut WalkCache) -> usize {
         if depth == 0 { walk_here(out, prev) } else { core::hint::black_box(nest(depth - 1, out, prev)) }
     }
 
     #[test]
     fn captures_the_whole_chain_of_a_deep_stack() {
-        let mut prev = Box::new(PrevWalk::new());
+        let mut prev = Box::new(WalkCache::new());
         let mut out = [0u64; 64];
         let shallow = nest(0, &mut out, &mut prev);
         let deep = nest(20, &mut out, &mut prev);
@@ -290,18 +305,18 @@ mod tests {
     /// Walks at `depth`, then at `depth2` from a different call site, with and without the
     /// previous walk: the reused tail must give exactly what a fresh walk gives.
     #[inline(never)]
-    fn twice(depth: u32, depth2: u32, prev: &mut PrevWalk) -> (Vec<u64>, Vec<u64>) {
+    fn twice(depth: u32, depth2: u32, prev: &mut WalkCache) -> (Vec<u64>, Vec<u64>) {
         nest(depth, &mut [0u64; 64], prev);
         let mut b = [0u64; 64];
         let m = core::hint::black_box(nest(depth2, &mut b, prev));
         let mut fresh = [0u64; 64];
-        let f = nest(depth2, &mut fresh, &mut PrevWalk::new());
+        let f = nest(depth2, &mut fresh, &mut WalkCache::new());
         (b[..m].to_vec(), fresh[..f].to_vec())
     }
 
     #[test]
     fn reusing_the_previous_walk_gives_what_a_fresh_walk_gives() {
-        let mut prev = Box::new(PrevWalk::new());
+        let mut prev = Box::new(WalkCache::new());
         for (d1, d2) in [(5, 5), (5, 9), (9, 5), (30, 2), (0, 40)] {
             let (second, fresh) = twice(d1, d2, &mut prev);
             assert_eq!(second.len(), fresh.len(), "depths {d1} then {d2}");
@@ -314,7 +329,7 @@ mod tests {
         assert_eq!(nest(20, &mut short, &mut prev), 8);
         let mut full = [0u64; 64];
         let n = nest(20, &mut full, &mut prev);
-        let f = nest(20, &mut [0u64; 64], &mut PrevWalk::new());
+        let f = nest(20, &mut [0u64; 64], &mut WalkCache::new());
         assert_eq!(n, f, "a walk after a truncated one still reaches the bottom");
     }
 }

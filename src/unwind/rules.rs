@@ -117,6 +117,24 @@ fn slot(key: u64) -> usize {
     (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - ENTRIES.trailing_zeros())) as usize
 }
 
+/// Entries of a thread's own cache of recent rules.
+const RECENT: usize = 512;
+
+/// A thread's own direct-mapped cache of the rules it used last, in front of the shared
+/// table: the shared table is too large to stay in cache while the program works, and a
+/// walk consults it once a frame. Zeroed memory is an empty cache (keys are never 0: the
+/// module generation starts at 1).
+pub(crate) struct Recent {
+    entries: [(u64, u64); RECENT],
+}
+
+impl Recent {
+    #[cfg(test)]
+    pub(crate) const fn new() -> Self {
+        Self { entries: [(0, 0); RECENT] }
+    }
+}
+
 /// A view of the rule cache for one stack walk (the module list is read once per walk).
 pub(crate) struct Rules {
     modules: &'static Modules,
@@ -133,10 +151,23 @@ impl Rules {
         self.modules.generation
     }
 
-    /// The rule for the frame whose (lookup) address is `pc`.
+    /// The rule for the frame whose (lookup) address is `pc`, from the thread's `recent`
+    /// rules or the shared table.
     #[inline(always)]
-    pub(crate) fn get(&self, pc: u64) -> Rule {
+    pub(crate) fn get(&self, recent: &mut Recent, pc: u64) -> Rule {
         let key = pc | (self.modules.generation as u64) << 48;
+        let mine =
+            &mut recent.entries[(key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT.trailing_zeros())) as usize];
+        if mine.0 == key {
+            return Rule::unpack(mine.1);
+        }
+        let rule = self.shared(key, pc);
+        *mine = (key, rule.pack());
+        rule
+    }
+
+    #[inline(always)]
+    fn shared(&self, key: u64, pc: u64) -> Rule {
         let Some(table) = self.table else { return compute(self.modules, pc).unwrap_or(Rule::Stop) };
         let e = &table[slot(key)];
         let seq = e.seq.load(Ordering::Acquire);
@@ -150,21 +181,11 @@ impl Rules {
     }
 }
 
-/// The rule for the frame whose (lookup) address is `pc`.
+/// The rule for the frame whose (lookup) address is `pc`, from the shared table.
 #[cfg(test)]
 fn lookup(pc: u64) -> Rule {
-    let modules = modules::current();
-    let key = pc | (modules.generation as u64) << 48;
-    let Some(table) = table() else { return compute(modules, pc).unwrap_or(Rule::Stop) };
-    let e = &table[slot(key)];
-    let seq = e.seq.load(Ordering::Acquire);
-    if seq & 1 == 0 && e.key.load(Ordering::Acquire) == key {
-        let rule = e.rule.load(Ordering::Acquire);
-        if e.seq.load(Ordering::Acquire) == seq {
-            return Rule::unpack(rule);
-        }
-    }
-    miss(modules, pc, key, e)
+    let rules = Rules::new();
+    rules.shared(pc | (rules.generation() as u64) << 48, pc)
 }
 
 #[cold]
