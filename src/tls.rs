@@ -44,9 +44,9 @@ pub(crate) struct ThreadState {
     pub hook_bp: Cell<u64>,
 }
 
-/// Offset of [`ThreadState::entry_sp`] in the block (for the trampolines' assembly).
+/// Offset of `ThreadState::entry_sp` in the block (for the trampolines' assembly).
 pub const ENTRY_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_sp);
-/// Offset of [`ThreadState::entry_bp`] in the block.
+/// Offset of `ThreadState::entry_bp` in the block.
 pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 
 const BLOCK_SIZE: usize = 128;

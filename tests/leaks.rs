@@ -117,6 +117,42 @@ fn bare_preload_prints_the_text_report_on_stderr_naming_the_sites() {
 }
 
 #[test]
+fn still_reachable_records_show_a_retention_path_from_a_named_global() {
+    let leaky = bench_dir().join("leaky");
+    let run = |options| Command::new(&leaky).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output();
+    let stderr = text(&run("show_reachable=1").unwrap().stderr);
+    // g_table -> the 48-byte table (keep_reachable, leaky.c:117) -> each 200-byte block.
+    let lines: Vec<&str> = stderr
+        .lines()
+        .skip_while(|l| !l.contains("1,200 bytes in 6 blocks are still reachable"))
+        .skip_while(|l| !l.contains("retained by:"))
+        .take(2)
+        .collect();
+    assert!(lines[0].contains("retained by: global g_table (") && lines[0].ends_with("leaky)"), "{stderr}");
+    assert!(lines[1].contains("-> block 0x") && lines[1].ends_with(" -> this block"), "{stderr}");
+    assert!(lines[1].contains("(48 bytes from keep_reachable (bench/leaky.c:117)) at offset 0"), "{stderr}");
+    assert!(stderr.contains("retained by: global g_buf ("), "{stderr}");
+
+    let report = json_report(&run("report_format=json").unwrap());
+    for record in report["leaks"].as_array().unwrap() {
+        let path = record.get("retained_by").and_then(|p| p.as_array());
+        if record["kind"] != "still_reachable" {
+            assert!(path.is_none(), "lost blocks have no retention path: {record}");
+            continue;
+        }
+        let path: Vec<&str> =
+            path.unwrap_or_else(|| panic!("no path: {record}")).iter().flat_map(|h| h.as_str()).collect();
+        let root = match record["bytes"].as_u64() {
+            Some(1200 | 48) => "global g_table (",
+            Some(512) => "global g_buf (",
+            _ => panic!("unexpected reachable record {record}"),
+        };
+        assert!(path[0].starts_with(root), "{record}");
+        assert_eq!(path.len(), if record["bytes"] == 1200 { 2 } else { 1 }, "{record}");
+    }
+}
+
+#[test]
 fn mallocspy_run_exitcode_fails_leaky_and_passes_churn() {
     let bench = bench_dir();
     let leaky =

@@ -1,6 +1,6 @@
 //! Leak reports: which live blocks are lost at exit (or on demand), how, and where they were
-//! allocated. [`scan`] classifies, [`roots`] finds where the program's pointers live,
-//! [`report`] aggregates and renders.
+//! allocated. `scan` classifies, `roots` finds where the program's pointers live,
+//! `report` aggregates and renders.
 
 pub(crate) mod report;
 pub(crate) mod roots;
@@ -15,9 +15,47 @@ pub use symbols::Frame;
 
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};
+use std::collections::HashMap;
+
 use report::Classified;
 use roots::{Maps, ProcessMemory};
-use scan::{Heap, Scratch};
+use scan::{Heap, Hop, Scratch};
+use symbols::Symbolizer;
+
+/// What a root region is, for retention paths.
+#[derive(Clone, Copy)]
+enum Root {
+    Global,
+    Stack(u32),
+    Tls(u32),
+    Anonymous,
+}
+
+/// Hops of a retention path shown per still-reachable record: its root and those nearest the block.
+const PATH_HOPS: usize = 6;
+
+/// One retention path per still-reachable allocation stack (its first block's), described.
+fn retention_paths(
+    blocks: &[Classified],
+    scratch: &Scratch,
+    symbols: &mut Symbolizer,
+    describe: impl Fn(&mut Symbolizer, Hop) -> String,
+) -> HashMap<u32, Vec<String>> {
+    let mut paths = HashMap::new();
+    for (i, b) in blocks.iter().enumerate() {
+        if b.kind == LeakKind::StillReachable && !paths.contains_key(&b.stack) {
+            let path = scratch.retention_path(i, PATH_HOPS).into_iter().map(|hop| describe(symbols, hop)).collect();
+            paths.insert(b.stack, path);
+        }
+    }
+    paths
+}
+
+/// The last two components of a path (`dir/file.c`).
+fn short_path(path: &str) -> &str {
+    let mut cut = path.rmatch_indices('/').map(|(i, _)| i + 1);
+    cut.nth(1).map_or(path, |i| &path[i..])
+}
 
 /// Registers of the reporting thread that may hold the program's pointers (callee-saved:
 /// rbx, rbp, r12-r15), and its stack pointer, taken where the report starts so that the
@@ -81,6 +119,7 @@ pub(crate) fn check(
     let tls_size = roots::static_tls_size();
     let mut maps = Maps::reserve();
     let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.len() + 2 * 4096 + 4 + maps.list.capacity());
+    let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4097);
     let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8 + blocks.len());
     let own_tp = roots::thread_pointer();
@@ -95,15 +134,19 @@ pub(crate) fn check(
     let stopped = roots::stop_the_world();
     maps.read();
     regions.extend_from_slice(&modules);
-    let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>| {
+    region_kinds.extend(modules.iter().map(|_| Root::Global));
+    let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
+        let thread = kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
         if let Some(end) = maps.end_of(sp) {
             regions.push((sp.saturating_sub(RED_ZONE), end));
+            kinds.push(Root::Stack(thread));
         }
         if tp != 0 {
             regions.push((tp.saturating_sub(tls_size), tp + TCB));
+            kinds.push(Root::Tls(thread));
         }
     };
-    add_thread(caller.sp, own_tp, &mut regions);
+    add_thread(caller.sp, own_tp, &mut regions, &mut region_kinds);
     stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
     words.extend_from_slice(&by_loader);
@@ -111,7 +154,7 @@ pub(crate) fn check(
     if let Some(stopped) = &stopped {
         for p in stopped.parked() {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
-                add_thread(p.sp, p.tp, &mut regions);
+                add_thread(p.sp, p.tp, &mut regions, &mut region_kinds);
                 words.extend_from_slice(&p.regs);
                 if stack_pointers.len() < stack_pointers.capacity() {
                     stack_pointers.push(p.sp);
@@ -123,6 +166,7 @@ pub(crate) fn check(
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &mut regions);
     scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffer), &mut scratch);
     drop(stopped);
+    region_kinds.resize(regions.len(), Root::Anonymous);
 
     let mut notes = Vec::new();
     if missing > 0 {
@@ -140,13 +184,41 @@ pub(crate) fn check(
         .map(|((_, r), kind)| Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind })
         .collect();
     let stats = tracker.stats();
+    let retained = if reachable_stacks {
+        let describe = |symbols: &mut Symbolizer, hop: Hop| match hop {
+            Hop::Root(0) => "a thread's registers".to_owned(),
+            Hop::Elided(n) => format!("... {n} more blocks ..."),
+            Hop::Root(at) => {
+                let region = regions.iter().position(|&(s, e)| s <= at && at < e);
+                match region.map(|r| region_kinds[r]) {
+                    Some(Root::Global) | None => format!("global {}", symbols.global(at)),
+                    Some(Root::Stack(t)) => format!("the stack of thread {t} (at {at:#x})"),
+                    Some(Root::Tls(t)) => format!("thread-local storage of thread {t} (at {at:#x})"),
+                    Some(Root::Anonymous) => format!("mapped memory at {at:#x}"),
+                }
+            }
+            Hop::Block { index, via } => {
+                let (start, r) = &blocks[index];
+                let site = tracker.stacks.frames(r.stack).first().and_then(|&f| symbols.frames(f).first().cloned());
+                let site = site.map(|f| match (f.function, f.file, f.line) {
+                    (Some(func), Some(file), Some(line)) => format!(" from {func} ({}:{line})", short_path(&file)),
+                    (Some(func), _, _) => format!(" from {func}"),
+                    _ => String::new(),
+                });
+                format!("block {start:#x} ({} bytes{}) at offset {}", r.size(), site.unwrap_or_default(), via - start)
+            }
+        };
+        Some(retention_paths(&classified, &scratch, &mut Symbolizer::default(), describe))
+    } else {
+        None
+    };
     let report = report::build(
         os::getpid(),
         &classified,
         (stats.total_allocs, stats.total_frees, stats.total_bytes),
         |id| tracker.stacks.frames(id).to_vec(),
         suppressions,
-        reachable_stacks,
+        retained.as_ref(),
         notes,
     );
     ts.depth.set(depth);

@@ -82,6 +82,11 @@ pub struct LeakRecord {
     pub entry: Entry,
     /// The allocation stack, innermost first, starting at the allocator's caller.
     pub stack: Vec<Frame>,
+    /// For still-reachable records (with `show_reachable` or in JSON): how the first of the
+    /// blocks is retained, from a root (a global, a thread's stack) through the blocks that
+    /// point to it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub retained_by: Vec<String>,
 }
 
 fn kind_name<S: serde::Serializer>(k: &LeakKind, s: S) -> Result<S::Ok, S::Error> {
@@ -116,14 +121,15 @@ pub(crate) struct Classified {
 }
 
 /// Groups blocks by (stack, kind), applies suppressions to the lost kinds, symbolizes
-/// (still-reachable stacks only when `reachable_stacks`: a text report does not show them).
+/// (still-reachable stacks only when `reachable` is given, with the retention path of each:
+/// a text report does not show them).
 pub(crate) fn build(
     pid: u32,
     blocks: &[Classified],
     totals: (u64, u64, u64),
     frames_of: impl Fn(u32) -> Vec<u64>,
     suppressions: &Suppressions,
-    reachable_stacks: bool,
+    reachable: Option<&HashMap<u32, Vec<String>>>,
     notes: Vec<String>,
 ) -> LeakReport {
     let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
@@ -141,7 +147,7 @@ pub(crate) fn build(
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
         let mut stack = Vec::new();
-        if lost || reachable_stacks {
+        if lost || reachable.is_some() {
             for addr in frames_of(stack_id) {
                 stack.extend_from_slice(symbolizer.frames(addr));
             }
@@ -156,7 +162,9 @@ pub(crate) fn build(
         t.blocks += tally.blocks;
         t.bytes += tally.bytes;
         if !suppressed {
-            leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack });
+            let path = reachable.filter(|_| !lost).and_then(|paths| paths.get(&stack_id));
+            let retained_by = path.cloned().unwrap_or_default();
+            leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack, retained_by });
         }
     }
     leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
@@ -208,6 +216,10 @@ impl LeakReport {
                     }
                     _ => out.push('\n'),
                 }
+            }
+            if !r.retained_by.is_empty() {
+                let hops = r.retained_by.join(&format!("\n{p}               -> "));
+                let _ = writeln!(out, "{p}  retained by: {hops} -> this block");
             }
         }
         let s = &self.summary;
@@ -268,7 +280,9 @@ mod tests {
             block(100, 3, LeakKind::StillReachable),
             block(10, 3, LeakKind::IndirectlyLost),
         ];
-        let report = build(7, &blocks, (50, 21, 18288), |_| Vec::new(), &Suppressions::default(), true, vec![]);
+        let retained = HashMap::from([(3, vec!["global table (prog)".to_owned()])]);
+        let report =
+            build(7, &blocks, (50, 21, 18288), |_| Vec::new(), &Suppressions::default(), Some(&retained), vec![]);
         assert_eq!(report.summary.definitely_lost, Tally { blocks: 3, bytes: 4192 });
         assert_eq!(report.summary.indirectly_lost, Tally { blocks: 1, bytes: 10 });
         assert_eq!(report.summary.still_reachable, Tally { blocks: 1, bytes: 100 });
@@ -283,6 +297,10 @@ mod tests {
         assert!(text.contains("definitely lost: 4,192 bytes in 3 blocks"), "{text}");
         assert!(text.contains("total heap usage: 50 allocs, 21 frees, 18,288 bytes allocated"), "{text}");
         assert!(!text.contains("still reachable (malloc)"), "reachable records hidden by default");
+        let text = report.to_text(true);
+        assert!(text.contains("==7==  retained by: global table (prog) -> this block"), "{text}");
+        assert_eq!(json["leaks"][1]["retained_by"][0], "global table (prog)");
+        assert!(json["leaks"][0].get("retained_by").is_none(), "only reachable records have a path");
     }
 
     #[test]

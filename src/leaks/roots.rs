@@ -187,15 +187,15 @@ impl<'a> ProcessMemory<'a> {
 ///
 /// # Safety
 /// The range is readable memory of this process that stays mapped meanwhile.
-unsafe fn read_directly(from: u64, to: u64, f: &mut dyn FnMut(u64)) {
+unsafe fn read_directly(from: u64, to: u64, f: &mut dyn FnMut(u64, u64)) {
     for addr in (from..to).step_by(8) {
         // SAFETY: the caller's guarantee.
-        f(unsafe { core::ptr::read_volatile(addr as *const u64) });
+        f(addr, unsafe { core::ptr::read_volatile(addr as *const u64) });
     }
 }
 
 impl Memory for ProcessMemory<'_> {
-    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64)) {
         let mut buf = self.buffer.borrow_mut();
         self.readable(start, end, |mut addr, to| {
             while addr < to && !self.direct.get() {
@@ -203,7 +203,9 @@ impl Memory for ProcessMemory<'_> {
                     // A page that faults: skip it.
                     Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
                     Some(n) => {
-                        buf[..n].iter().for_each(|&w| f(w));
+                        for (k, &w) in buf[..n].iter().enumerate() {
+                            f(addr + k as u64 * 8, w);
+                        }
                         addr += n as u64 * 8;
                     }
                     None => self.direct.set(true),
@@ -217,7 +219,7 @@ impl Memory for ProcessMemory<'_> {
         });
     }
 
-    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64)) {
         // SAFETY: as above (a block freed and unmapped since the snapshot is not in the map,
         // which was read after the other threads stopped).
         self.readable(start, end, |from, to| unsafe { read_directly(from, to, f) });

@@ -8,7 +8,9 @@
 //! lost block not yet claimed leads a group, and everything the group reaches through any
 //! pointer is *indirectly* lost; the leader is *definitely* lost (a lost cycle has one
 //! definitely lost block and the rest indirect). Each edge between live blocks is followed
-//! once per state change, as ObjectReferences reports each reference once.
+//! once per state change, as ObjectReferences reports each reference once. The first
+//! pointer that made a block reachable is kept: following them back from any reachable
+//! block gives one retention path to a root ([`Scratch::retention_path`]).
 
 /// How a block ended up, memcheck's four kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -37,13 +39,27 @@ impl LeakKind {
 
 /// Reads memory word by word; a range it cannot read yields nothing.
 pub(crate) trait Memory {
-    /// Calls `f` on each 8-byte-aligned word in `[start, end)`, a root region.
-    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64));
+    /// Calls `f(address, word)` on each 8-byte-aligned word in `[start, end)`, a root region.
+    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64));
 
     /// The same for a live block's bytes (many small ranges, all in the heap).
-    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
+    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64)) {
         self.words(start, end, f)
     }
+}
+
+/// A `parent` of a block reached from a root, not from another block.
+const ROOT: u32 = u32::MAX;
+
+/// One step of a retention path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Hop {
+    /// The root word at this address (0: a thread's register) points at the next hop.
+    Root(u64),
+    /// Block `index` (in heap order), whose word at `via` points at the next hop.
+    Block { index: usize, via: u64 },
+    /// This many blocks left out of a long path.
+    Elided(usize),
 }
 
 const UNREACHED: u8 = 0;
@@ -91,13 +107,53 @@ pub(crate) struct Scratch {
     state: Vec<u8>,
     todo: Vec<usize>,
     leader: Vec<bool>,
+    /// For a reachable block: the block whose word first made it so, or [`ROOT`].
+    parent: Vec<u32>,
+    /// ... and that word's address (0 for a register).
+    via: Vec<u64>,
 }
 
 impl Scratch {
     /// Room for `n` blocks: each is pushed at most twice while marking (possibly, then
     /// reachable) and once while grouping the lost.
     pub(crate) fn for_blocks(n: usize) -> Self {
-        Self { state: vec![UNREACHED; n], todo: Vec::with_capacity(2 * n + 1), leader: vec![false; n] }
+        Self {
+            state: vec![UNREACHED; n],
+            todo: Vec::with_capacity(2 * n + 1),
+            leader: vec![false; n],
+            parent: vec![ROOT; n],
+            via: vec![0; n],
+        }
+    }
+
+    /// How block `index` (reachable) is retained: from the root to the block pointing at it.
+    /// A path longer than `max` hops (at least 2) keeps its root and the hops nearest the
+    /// block, with [`Hop::Elided`] between. Empty for a block that is not reachable.
+    pub(crate) fn retention_path(&self, index: usize, max: usize) -> Vec<Hop> {
+        let mut path = Vec::new();
+        if self.state.get(index) != Some(&REACHABLE) {
+            return path;
+        }
+        // Parents were set when blocks were first reached, so the chain ends at a root.
+        let mut at = index;
+        loop {
+            let (parent, via) = (self.parent[at], self.via[at]);
+            if parent == ROOT {
+                path.push(Hop::Root(via));
+                break;
+            }
+            path.push(Hop::Block { index: parent as usize, via });
+            at = parent as usize;
+        }
+        let max = max.max(2);
+        if path.len() > max {
+            let root = path[path.len() - 1];
+            let elided = path.len() - max + 1;
+            path.truncate(max - 2);
+            path.extend([Hop::Elided(elided), root]);
+        }
+        path.reverse();
+        path
     }
 
     /// The kinds found by [`classify`], in block order.
@@ -123,12 +179,15 @@ pub(crate) fn classify(
 ) {
     let n = heap.blocks.len();
     assert!(scratch.state.len() == n && scratch.leader.len() == n, "scratch made for another heap");
-    let Scratch { state, todo, leader } = scratch;
-    let mark = |word: u64, definite: bool, state: &mut [u8], todo: &mut Vec<usize>| {
+    let Scratch { state, todo, leader, parent, via } = scratch;
+    // `from`: the block holding the word, or ROOT; `at`: the word's address.
+    let mut mark = |word: u64, at: u64, from: u32, definite: bool, state: &mut [u8], todo: &mut Vec<usize>| {
         if let Some((i, at_start)) = heap.find(word) {
             if at_start && definite {
                 if state[i] != REACHABLE {
                     state[i] = REACHABLE;
+                    parent[i] = from;
+                    via[i] = at;
                     todo.push(i);
                 }
             } else if state[i] == UNREACHED {
@@ -138,16 +197,22 @@ pub(crate) fn classify(
         }
     };
     for &(start, end) in regions {
-        memory.words(start, end, &mut |w| mark(w, true, state, todo));
+        memory.words(start, end, &mut |at, w| mark(w, at, ROOT, true, state, todo));
     }
     for &w in words {
-        mark(w, true, state, todo);
+        mark(w, 0, ROOT, true, state, todo);
     }
-    while let Some(i) = todo.pop() {
+    // Breadth first, so that each block's parent is on a shortest path from a root (the
+    // retention path a report shows). Each block is queued at most twice (possibly, then
+    // reachable), within the queue's capacity.
+    let mut head = 0;
+    while let Some(&i) = todo.get(head) {
+        head += 1;
         let definite = state[i] == REACHABLE;
         let (start, size) = heap.blocks[i];
-        memory.block_words(start, start + size, &mut |w| mark(w, definite, state, todo));
+        memory.block_words(start, start + size, &mut |at, w| mark(w, at, i as u32, definite, state, todo));
     }
+    todo.clear();
 
     // The lost: groups led by the lowest unclaimed block.
     for l in 0..n {
@@ -158,7 +223,7 @@ pub(crate) fn classify(
         todo.push(l);
         while let Some(i) = todo.pop() {
             let (start, size) = heap.blocks[i];
-            memory.block_words(start, start + size, &mut |w| {
+            memory.block_words(start, start + size, &mut |_, w| {
                 if let Some((k, _)) = heap.find(w)
                     && k != l
                     && state[k] == UNREACHED
@@ -179,18 +244,22 @@ mod tests {
     use super::*;
 
     fn run(blocks: &[(u64, u64)], regions: &[(u64, u64)], words: &[u64], memory: &dyn Memory) -> Vec<LeakKind> {
+        scan(blocks, regions, words, memory).kinds().collect()
+    }
+
+    fn scan(blocks: &[(u64, u64)], regions: &[(u64, u64)], words: &[u64], memory: &dyn Memory) -> Scratch {
         let mut scratch = Scratch::for_blocks(blocks.len());
         classify(&Heap::new(blocks), regions, words, memory, &mut scratch);
-        scratch.kinds().collect()
+        scratch
     }
 
     /// A toy address space: words at addresses.
     struct Toy(std::collections::BTreeMap<u64, u64>);
 
     impl Memory for Toy {
-        fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64)) {
-            for (_, &w) in self.0.range(start..end) {
-                f(w);
+        fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64)) {
+            for (&at, &w) in self.0.range(start..end) {
+                f(at, w);
             }
         }
     }
@@ -239,6 +308,41 @@ mod tests {
                 IndirectlyLost
             ]
         );
+    }
+
+    #[test]
+    fn retention_paths_lead_from_the_root_through_the_first_pointers() {
+        // global 0x100 -> 0x1000 -> (word at 0x1010) 0x2000 -> (0x2008) 0x3000; a register
+        // -> 0x4000; 0x5000 lost.
+        let blocks = [(0x1000, 32), (0x2000, 16), (0x3000, 16), (0x4000, 16), (0x5000, 16)];
+        let mem = std::collections::BTreeMap::from([(0x100, 0x1000), (0x1010, 0x2000), (0x2008, 0x3000)]);
+        let s = scan(&blocks, &[(0x100, 0x110)], &[0x4000], &Toy(mem));
+        assert_eq!(
+            s.retention_path(2, 8),
+            [Hop::Root(0x100), Hop::Block { index: 0, via: 0x1010 }, Hop::Block { index: 1, via: 0x2008 }]
+        );
+        assert_eq!(s.retention_path(2, 2), [Hop::Root(0x100), Hop::Elided(2)]);
+        assert_eq!(s.retention_path(2, 3).len(), 3, "short enough to show whole");
+        assert_eq!(s.retention_path(0, 8), [Hop::Root(0x100)]);
+        assert_eq!(s.retention_path(3, 8), [Hop::Root(0)], "a register");
+        assert_eq!(s.retention_path(4, 8), [], "lost blocks have no path");
+    }
+
+    #[test]
+    fn retention_paths_are_shortest() {
+        // global 0x100 -> 0x6000 -> 0x7000, and global 0x108 -> 0x1000 -> 0x2000 -> 0x3000 -> 0x7000:
+        // a depth-first walk would meet 0x7000 at the end of the long chain.
+        let blocks = [(0x1000, 16), (0x2000, 16), (0x3000, 16), (0x6000, 16), (0x7000, 16)];
+        let mem = std::collections::BTreeMap::from([
+            (0x100, 0x6000),
+            (0x108, 0x1000),
+            (0x1000, 0x2000),
+            (0x2000, 0x3000),
+            (0x3000, 0x7000),
+            (0x6000, 0x7000),
+        ]);
+        let s = scan(&blocks, &[(0x100, 0x110)], &[], &Toy(mem));
+        assert_eq!(s.retention_path(4, 8), [Hop::Root(0x100), Hop::Block { index: 3, via: 0x6000 }]);
     }
 
     #[test]

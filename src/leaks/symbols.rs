@@ -25,6 +25,36 @@ pub struct Frame {
 #[derive(Default)]
 pub(crate) struct Symbolizer {
     cache: HashMap<u64, Vec<Frame>>,
+    /// Data symbols of each module (`(start, end, name)` sorted, link-time addresses).
+    data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
+}
+
+/// The data symbols (objects with a size) of the ELF file at `path`, from its full symbol
+/// table: a program's globals are rarely in the dynamic one that `dladdr` reads.
+fn read_data_symbols(path: &str) -> Vec<(u64, u64, String)> {
+    use object::{Object, ObjectSymbol, SymbolKind};
+    let Ok(bytes) = std::fs::read(path) else { return Vec::new() };
+    let Ok(file) = object::File::parse(&*bytes) else { return Vec::new() };
+    let data = |s: &object::Symbol| {
+        (s.kind() == SymbolKind::Data && s.size() > 0)
+            .then(|| Some((s.address(), s.address() + s.size(), s.name().ok()?.to_owned())))
+            .flatten()
+    };
+    let mut out: Vec<(u64, u64, String)> =
+        file.symbols().chain(file.dynamic_symbols()).filter_map(|s| data(&s)).collect();
+    // A stripped library's static data is named in its separate debug file (Debian's -dbg packages).
+    if let Ok(Some(id)) = file.build_id().map(|id| id.filter(|id| id.len() > 1)) {
+        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
+        let debug = format!("/usr/lib/debug/.build-id/{}/{}.debug", &hex[..2], &hex[2..]);
+        if let Ok(bytes) = std::fs::read(debug)
+            && let Ok(file) = object::File::parse(&*bytes)
+        {
+            out.extend(file.symbols().filter_map(|s| data(&s)));
+        }
+    }
+    out.sort_unstable();
+    out.dedup_by(|a, b| a.0 == b.0);
+    out
 }
 
 fn module_of(addr: u64) -> Option<String> {
@@ -44,6 +74,28 @@ fn module_of(addr: u64) -> Option<String> {
 }
 
 impl Symbolizer {
+    /// `name (module)` of the global variable holding `addr`, or `module+0xoffset`.
+    pub(crate) fn global(&mut self, addr: u64) -> String {
+        // SAFETY: Dl_info is plain data; dladdr only writes it.
+        let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+        // SAFETY: any address may be asked about.
+        if unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } == 0 {
+            return format!("{addr:#x}");
+        }
+        let base = info.dli_fbase as u64;
+        let Some(module) = module_of(addr) else { return format!("{addr:#x}") };
+        let symbols = self.data_symbols.entry(module.clone()).or_insert_with(|| read_data_symbols(&module));
+        // Executables linked at a fixed address carry absolute symbol values.
+        let fixed = symbols.first().is_some_and(|s| s.0 >= base);
+        let at = if fixed { addr } else { addr - base };
+        let i = symbols.partition_point(|s| s.0 <= at);
+        match i.checked_sub(1).map(|i| &symbols[i]).filter(|s| at < s.1) {
+            Some((start, _, name)) if *start == at => format!("{name} ({module})"),
+            Some((start, _, name)) => format!("{name}+{:#x} ({module})", at - start),
+            None => format!("{module}+{:#x}", addr - base),
+        }
+    }
+
     /// The frames (innermost inlined call first) of return address `addr`.
     pub(crate) fn frames(&mut self, addr: u64) -> &[Frame] {
         self.cache.entry(addr).or_insert_with(|| {
