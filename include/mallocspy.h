@@ -125,6 +125,40 @@ struct mallocspy_heap_stats {
     uint64_t total_bytes;
 };
 
+/* A sampled allocation (GCAllocationTick_V3 for malloc). */
+struct mallocspy_allocation_tick {
+    uint64_t time_ns;         /* since the spy started */
+    uint32_t thread;          /* the allocating thread's index (the heap index) */
+    uint8_t kind;             /* 0 small, 1 large (>= 128 KiB), 2 aligned (memalign family) */
+    uint8_t entry;            /* 0 malloc, 1 calloc, 2 realloc, 3 reallocarray, 5.. the aligned family */
+    uint64_t size;            /* bytes asked for */
+    uint64_t address;         /* the block */
+    uint64_t weight;          /* bytes this sample stands for: sums estimate true totals */
+    const uint64_t *frames;   /* return addresses, innermost first, valid during the call */
+    size_t frame_count;
+};
+
+/* Per-kind figures of a heap statistics event (small, large, aligned). */
+struct mallocspy_kind_stats {
+    uint64_t live_bytes;  /* estimated from the live samples */
+    uint64_t live_blocks; /* estimated likewise */
+    uint64_t allocs;      /* exact */
+    uint64_t bytes;       /* exact */
+};
+
+/* A heap statistics event (GCHeapStats_V2 for malloc). */
+struct mallocspy_heap_stats_event {
+    uint64_t time_ns;
+    struct mallocspy_kind_stats kinds[3];
+    uint64_t frees;
+    uint64_t peak_live_bytes;
+    uint64_t arena_bytes;   /* mallinfo2: arena */
+    uint64_t mmapped_bytes; /* hblkhd */
+    uint64_t free_bytes;    /* fordblks */
+    uint64_t in_use_bytes;  /* uordblks */
+    uint64_t own_bytes;     /* mallocspy's own memory */
+};
+
 /* The leak tracker's own memory (mallocspy's pool, never the watched heap). */
 struct mallocspy_tracker_memory {
     uint64_t live_blocks;
@@ -152,6 +186,12 @@ struct mallocspy_api {
     /* A leak check now: the report goes to the log, the totals to *out. */
     int32_t (*leak_check)(struct mallocspy_leak_summary *out);
     int32_t (*tracker_memory)(struct mallocspy_tracker_memory *out);
+    /* The ticks spy (spy=ticks): calls `callback` for every sampled allocation, inside the
+     * allocator (its allocations go straight to the real allocator; it must not block).
+     * NULL clears it. S_OK, or E_OBJNOTREG when no ticks spy runs. */
+    int32_t (*on_allocation_tick)(void (*callback)(const struct mallocspy_allocation_tick *tick));
+    /* Calls `callback` with every heap statistics event, on mallocspy's writer thread. */
+    int32_t (*on_heap_stats)(void (*callback)(const struct mallocspy_heap_stats_event *stats));
 };
 
 /* The active interposer's API, or NULL when mallocspy is not the process's allocator. */

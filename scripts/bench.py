@@ -14,6 +14,9 @@ Suites:
               threads, sqlite3 on insert.sql and python3 with PYTHONMALLOC=malloc (issue 3);
               then the exit report of a process with 1 million live blocks, and the tracker's
               memory per live block and per stack
+  ticks       spy=ticks at the default interval (allocation ticks and heap statistics into a
+              trace file, issue 4) on the same four workloads; target 1.05x native; and the
+              trace's size per second of run
 
 usage: bench.py [--suite NAME] [--rounds N] [--iters N] [--only TEXT] RELEASE_DIR BENCH_DIR
 """
@@ -131,6 +134,32 @@ def leaks_suite(a, base, shim, mallocspy):
         exit_report(a, base, shim, mallocspy)
 
 
+def ticks_suite(a, base, shim, mallocspy):
+    scratch = tempfile.mkdtemp(prefix="mallocspy-bench-")
+    trace = os.path.join(scratch, "trace")
+    variants = [
+        ("native", lambda cmd, env: (cmd, env)),
+        ("mallocspy record", lambda cmd, env: ([mallocspy, "record", "--output", trace, "--", *cmd], env)),
+    ]
+    py_env = dict(base, PYTHONMALLOC="malloc")
+    workloads = [
+        ("churn 1 thread", ["./churn", "1", str(a.iters)], base),
+        ("churn 2 threads", ["./churn", "2", str(a.iters)], base),
+        ("sqlite3 insert.sql", ["sqlite3", ":memory:", ".read insert.sql"], base),
+        ("python3 workload.py", [python3(), os.path.join(SCRIPTS, "workload.py")], py_env),
+    ]
+    print("\n== ticks: mallocspy record (spy=ticks, poisson, 100 KiB interval, trace file) ==")
+    print("target: at most 1.05x native wall clock")
+    for name, cmd, env in workloads:
+        if a.only and a.only not in name:
+            continue
+        compare(name, cmd, env, count_calls(cmd, env, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
+        wall, _, _, _ = run(variants[1][1](cmd, env)[0], env, a.bench_dir)
+        size = os.path.getsize(trace)
+        print(f"  trace: {size:,} bytes in {wall:.2f} s = {size / wall / 1024:.1f} KiB/s")
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
 def exit_report(a, base, shim, mallocspy):
     """Time from main's return to process exit, with and without the leak report."""
     print("\nmillion: 1,000,000 live blocks at exit (1,000 stacks, half lost)")
@@ -151,7 +180,7 @@ def exit_report(a, base, shim, mallocspy):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["all", "interposer", "leaks"], default="all")
+    ap.add_argument("--suite", choices=["all", "interposer", "leaks", "ticks"], default="all")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=1500000, help="churn iterations per thread")
     ap.add_argument("--only", help="run only workloads whose name contains this")
@@ -167,6 +196,8 @@ def main():
         interposer_suite(a, base, shim)
     if a.suite in ("all", "leaks"):
         leaks_suite(a, base, shim, mallocspy)
+    if a.suite in ("all", "ticks"):
+        ticks_suite(a, base, shim, mallocspy)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Benchmarks mallocspy against the native run (and heaptrack): builds mallocspy, the shared
 # workloads and the million-block fixture, then prints median wall-clock ratios and extra ns
 # per allocator call (see scripts/bench.py).
-#   scripts/bench.sh [--suite interposer|leaks] [--rounds N] [--iters N] [--only TEXT]
+#   scripts/bench.sh [--suite interposer|leaks|ticks] [--rounds N] [--iters N] [--only TEXT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh

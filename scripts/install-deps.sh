@@ -3,7 +3,7 @@
 # compatibility matrix and the allocators mallocspy composes with. Skips what is present.
 set -euo pipefail
 
-packages=(gcc g++ make git sqlite3 python3 valgrind heaptrack libjemalloc2 libtcmalloc-minimal4)
+packages=(gcc g++ make git sqlite3 python3 valgrind heaptrack libjemalloc2 libtcmalloc-minimal4 golang-go libc6-dbg)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -7,7 +7,9 @@ use crate::ffi;
 use crate::global::{self, GLOBAL};
 use crate::leaks::Summary;
 use crate::spies::leaks::{HeapStats, TrackerMemory};
+use crate::spies::ticks::TickCallback;
 use crate::spy::{DidAlloc, MallocSpy, SpyError};
+use crate::trace::{Sampling, StatsCallback};
 
 /// Where the process's registry is.
 enum Target {
@@ -134,4 +136,66 @@ pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
     let tracker: &'static crate::spies::leaks::LeakTracker = Box::leak(Box::new(tracker));
     crate::spies::leaks::set_tracker(tracker);
     global::register_static_here(tracker)
+}
+
+fn api_table() -> Result<&'static ffi::Api, SpyError> {
+    Ok(match target()? {
+        Target::Here => &global::LOCAL_API,
+        Target::Remote(api) => api,
+    })
+}
+
+/// Calls `callback` for every allocation tick of the ticks spy (`spy=ticks`, or
+/// [`start_allocation_ticks`]); `None` stops the calls.
+///
+/// The callback runs **inside the allocator**, on the allocating thread, right after the
+/// sampled allocation: its own allocations go straight to the real allocator (unsampled, no
+/// recursion), but it must not block, and it must be quick (it runs once per ~interval bytes
+/// allocated). The frames it is shown are valid only during the call.
+///
+/// # Errors
+/// [`SpyError::NotRegistered`] when no ticks spy runs; [`SpyError::NotInterposed`].
+pub fn on_allocation_tick(callback: Option<TickCallback>) -> Result<(), SpyError> {
+    SpyError::from_status((api_table()?.on_allocation_tick)(callback))
+}
+
+/// Calls `callback` with every heap statistics event (every `stats_interval_ms` while the
+/// program allocates, and at exit), on mallocspy's writer thread — outside the allocator,
+/// but its allocations are mallocspy's own (unsampled). `None` stops the calls.
+///
+/// # Errors
+/// As [`on_allocation_tick`].
+pub fn on_heap_stats(callback: Option<StatsCallback>) -> Result<(), SpyError> {
+    SpyError::from_status((api_table()?.on_heap_stats)(callback))
+}
+
+/// Starts allocation ticks in a program that is its own interposer (the `interpose`
+/// feature): registers the ticks spy, sampling as `sampling` says every `interval` bytes on
+/// average, and its writer (statistics every `stats_interval_ms`, no trace file).
+///
+/// # Errors
+/// [`SpyError::NotInterposed`] when this module is not the interposer (a preloaded shim
+/// takes `spy=ticks`); [`SpyError::AlreadyRegistered`] when a spy is registered;
+/// [`SpyError::InvalidArgument`] for a zero interval.
+pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_ms: u64) -> Result<(), SpyError> {
+    use crate::spies::ticks::{self, TickSpy};
+    if !global::is_active_here() {
+        return Err(SpyError::NotInterposed);
+    }
+    if interval == 0 || stats_interval_ms == 0 {
+        return Err(SpyError::InvalidArgument);
+    }
+    if let Some(spy) = ticks::spy() {
+        return global::register_static_here(spy);
+    }
+    let config =
+        ticks::Config { sampling, interval, depth: crate::spies::leaks::DEFAULT_DEPTH, seed: ticks::now_ns() | 1 };
+    let spy: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config, true).ok_or(SpyError::InvalidArgument)?));
+    ticks::set_spy(spy);
+    if crate::trace::writer::start(spy, None, "", stats_interval_ms).0.is_none() {
+        return Err(SpyError::InvalidArgument);
+    }
+    global::register_static_here(spy)?;
+    spy.open_gate(&GLOBAL.gate);
+    Ok(())
 }

@@ -19,6 +19,7 @@
 use core::ffi::{c_int, c_void};
 
 use crate::deferred::DeferredFrees;
+use crate::gate::{self, Gate};
 use crate::heap::Heap;
 use crate::live_table::{LiveTable, Lookup};
 use crate::os;
@@ -119,6 +120,8 @@ pub(crate) struct Interposer<H: Heap> {
     /// Caller pointer of every block allocated under the spy -> the size the caller may use.
     spied: LiveTable<usize>,
     deferred: DeferredFrees,
+    /// Lets the calls a sampling spy would only count bypass it.
+    pub(crate) gate: Gate,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -131,19 +134,25 @@ fn align_pow2(align: usize) -> usize {
 fn keeps_alignment(p: *mut c_void, real: *mut c_void, align: usize) -> bool {
     let owed = align_pow2(align.max(16));
     let real_align = 1usize.checked_shl((real as usize).trailing_zeros()).unwrap_or(owed);
-    (p as usize) % owed.min(real_align) == 0
+    (p as usize).is_multiple_of(owed.min(real_align))
 }
 
 impl<H: Heap> Interposer<H> {
     pub(crate) const fn new(heap: H) -> Self {
-        Self { heap, registry: Registry::new(), spied: LiveTable::new(), deferred: DeferredFrees::new() }
+        Self {
+            heap,
+            registry: Registry::new(),
+            spied: LiveTable::new(),
+            deferred: DeferredFrees::new(),
+            gate: Gate::new(),
+        }
     }
 
     // ---- the entry points ------------------------------------------------------------------
 
     #[inline]
     pub(crate) fn malloc(&self, size: usize) -> *mut c_void {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::kind_of(size)) {
             return self.heap.malloc(size);
         }
         self.alloc(AllocRequest { entry: Entry::Malloc, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr
@@ -156,6 +165,9 @@ impl<H: Heap> Interposer<H> {
         }
         match nmemb.checked_mul(elem) {
             Some(size) => {
+                if self.gate.pass_alloc(size, gate::kind_of(size)) {
+                    return self.heap.calloc(nmemb, elem);
+                }
                 let kind = Kind::Calloc { nmemb, elem };
                 self.alloc(AllocRequest { entry: Entry::Calloc, kind, size, asked: size, align: 0 }).ptr
             }
@@ -171,7 +183,7 @@ impl<H: Heap> Interposer<H> {
     /// `ptr` is NULL or a live block of this allocator.
     #[inline]
     pub(crate) unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || (size != 0 && self.gate.pass_realloc(ptr as usize, size)) {
             // SAFETY: the caller's guarantee; with no spy every block is a real block.
             return unsafe { self.heap.realloc(ptr, size) };
         }
@@ -190,7 +202,7 @@ impl<H: Heap> Interposer<H> {
             }
             return self.reject(Entry::Reallocarray, usize::MAX, 0, libc::ENOMEM);
         };
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || (size != 0 && self.gate.pass_realloc(ptr as usize, size)) {
             // SAFETY: the caller's guarantee.
             return unsafe { self.heap.realloc(ptr, size) };
         }
@@ -202,10 +214,20 @@ impl<H: Heap> Interposer<H> {
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
     #[inline]
     pub(crate) unsafe fn free(&self, ptr: *mut c_void) {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_free(ptr as usize) {
             // SAFETY: the caller's guarantee; with no spy every block is a real block.
             return unsafe { self.heap.free(ptr) };
         }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.free_slow(ptr) }
+    }
+
+    /// `free` through the spy, out of line so that the fast paths above stay small.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator, dead afterwards.
+    #[inline(never)]
+    unsafe fn free_slow(&self, ptr: *mut c_void) {
         let saved = os::errno();
         // SAFETY: the caller's guarantee.
         unsafe { self.free_spied(ptr) };
@@ -216,7 +238,7 @@ impl<H: Heap> Interposer<H> {
     /// `out` is valid for a write.
     #[inline]
     pub(crate) unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
             // SAFETY: the caller's guarantee.
             return unsafe { self.heap.posix_memalign(out, align, size) };
         }
@@ -236,7 +258,7 @@ impl<H: Heap> Interposer<H> {
 
     #[inline]
     pub(crate) fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
             return self.heap.aligned_alloc(align, size);
         }
         self.alloc(AllocRequest { entry: Entry::AlignedAlloc, kind: Kind::AlignedAlloc, size, asked: size, align }).ptr
@@ -244,7 +266,7 @@ impl<H: Heap> Interposer<H> {
 
     #[inline]
     pub(crate) fn memalign(&self, align: usize, size: usize) -> *mut c_void {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
             return self.heap.memalign(align, size);
         }
         self.alloc(AllocRequest { entry: Entry::Memalign, kind: Kind::Memalign, size, asked: size, align }).ptr
@@ -252,7 +274,7 @@ impl<H: Heap> Interposer<H> {
 
     #[inline]
     pub(crate) fn valloc(&self, size: usize) -> *mut c_void {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
             return self.heap.valloc(size);
         }
         let align = os::page_size();
@@ -261,7 +283,7 @@ impl<H: Heap> Interposer<H> {
 
     #[inline]
     pub(crate) fn pvalloc(&self, size: usize) -> *mut c_void {
-        if self.registry.is_empty() {
+        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
             return self.heap.pvalloc(size);
         }
         let align = os::page_size();
@@ -329,7 +351,7 @@ impl<H: Heap> Interposer<H> {
         let plain = |spied: bool| {
             if spied {
                 DidAlloc::Yes
-            } else if ptr.is_null() || (ptr as usize) % 16 != 0 {
+            } else if ptr.is_null() || !(ptr as usize).is_multiple_of(16) {
                 DidAlloc::No
             } else {
                 DidAlloc::Unknown

@@ -346,13 +346,22 @@ fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_go
     let ip = fresh();
     let tracker: &'static LeakTracker = Box::leak(Box::new(LeakTracker::new(8).unwrap()));
     ip.register_static(tracker).unwrap();
-    let p = ip.malloc(100);
-    // SAFETY: p is a live block; its free is queued, its record stays for a while.
-    unsafe { ip.free(p) };
-    let q = ip.malloc(100);
-    assert_eq!(q, p, "glibc's tcache hands the freed address straight back");
+    // glibc's tcache hands a freed address straight back, unless something else of this thread
+    // took it in between (the unwinder's first look at a module may allocate): try again.
+    let (mut p, mut allocs, mut frees) = (ip.malloc(100), 1, 0);
+    let q = loop {
+        // SAFETY: p is a live block; its free is queued, its record stays for a while.
+        unsafe { ip.free(p) };
+        let q = ip.malloc(100);
+        (allocs, frees) = (allocs + 1, frees + 1);
+        if q == p || allocs == 20 {
+            break q;
+        }
+        p = q;
+    };
+    assert_eq!(q, p, "the freed address came back");
     let s = tracker.stats();
-    assert_eq!((s.live_blocks, s.live_bytes, s.total_allocs, s.total_frees), (1, 100, 2, 1));
+    assert_eq!((s.live_blocks, s.live_bytes, s.total_allocs, s.total_frees), (1, 100, allocs, frees));
     // SAFETY: q is live; then each of `others` is.
     unsafe { ip.free(q) };
     let others: Vec<_> = (0..10).map(|i| ip.malloc(1000 + i)).collect();
@@ -361,7 +370,7 @@ fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_go
         unsafe { ip.free(o) };
     }
     let s = tracker.stats();
-    assert_eq!((s.live_blocks, s.live_bytes, s.total_allocs, s.total_frees), (0, 0, 12, 12));
+    assert_eq!((s.live_blocks, s.live_bytes, s.total_allocs, s.total_frees), (0, 0, allocs + 10, frees + 11));
     assert_eq!(s.peak_bytes, (1000..1010).sum::<u64>(), "the ten blocks at once; queued frees do not count");
     assert_eq!(ip.revoke(), Ok(()));
 }

@@ -94,6 +94,11 @@ pub struct Api {
     pub leak_check: unsafe extern "C" fn(out: *mut crate::leaks::Summary) -> i32,
     /// The leak tracker's own memory.
     pub tracker_memory: unsafe extern "C" fn(out: *mut crate::TrackerMemory) -> i32,
+    /// Sets (or clears, with `None`) the function called for every allocation tick;
+    /// `CO_E_OBJNOTREG` when no ticks spy runs.
+    pub on_allocation_tick: extern "C" fn(callback: Option<crate::TickCallback>) -> i32,
+    /// Sets (or clears) the function called for every heap statistics event.
+    pub on_heap_stats: extern "C" fn(callback: Option<crate::trace::StatsCallback>) -> i32,
 }
 
 /// A spy registered through the C ABI.

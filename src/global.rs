@@ -162,6 +162,26 @@ unsafe extern "C" fn api_tracker_memory(out: *mut crate::TrackerMemory) -> i32 {
     unsafe { with_tracker(out, |t| t.memory()) }
 }
 
+extern "C" fn api_on_allocation_tick(callback: Option<crate::TickCallback>) -> i32 {
+    match crate::spies::ticks::spy() {
+        Some(spy) => {
+            spy.set_callback(callback);
+            ffi::S_OK
+        }
+        None => ffi::CO_E_OBJNOTREG,
+    }
+}
+
+extern "C" fn api_on_heap_stats(callback: Option<crate::trace::StatsCallback>) -> i32 {
+    match crate::trace::writer::writer() {
+        Some(w) => {
+            w.set_stats_callback(callback);
+            ffi::S_OK
+        }
+        None => ffi::CO_E_OBJNOTREG,
+    }
+}
+
 /// This module's API table, for the Rust API when this module is the interposer.
 pub(crate) static LOCAL_API: Api = API;
 
@@ -178,4 +198,6 @@ pub const API: Api = Api {
     heap_stats: api_heap_stats,
     leak_check: api_leak_check,
     tracker_memory: api_tracker_memory,
+    on_allocation_tick: api_on_allocation_tick,
+    on_heap_stats: api_on_heap_stats,
 };

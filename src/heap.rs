@@ -306,7 +306,9 @@ unsafe impl Heap for NextHeap {
             return unsafe { posix_memalign(out, align, size) };
         }
         // POSIX: a power of two multiple of sizeof(void *).
-        if align % core::mem::size_of::<usize>() != 0 || !(align / core::mem::size_of::<usize>()).is_power_of_two() {
+        if !align.is_multiple_of(core::mem::size_of::<usize>())
+            || !(align / core::mem::size_of::<usize>()).is_power_of_two()
+        {
             return libc::EINVAL;
         }
         let saved = os::errno();

@@ -59,6 +59,7 @@ mod bootstrap;
 mod deferred;
 mod dispatch;
 pub mod ffi;
+mod gate;
 mod global;
 mod global_alloc;
 mod heap;
@@ -80,14 +81,16 @@ mod stacks;
 mod sync;
 mod threads;
 mod tls;
+pub mod trace;
 mod unwind;
 
 pub use api::{
-    did_alloc, heap_stats, leak_check, register_malloc_spy, revoke_malloc_spy, spied_blocks, start_leak_tracking,
-    tracker_memory,
+    did_alloc, heap_stats, leak_check, on_allocation_tick, on_heap_stats, register_malloc_spy, revoke_malloc_spy,
+    spied_blocks, start_allocation_ticks, start_leak_tracking, tracker_memory,
 };
 pub use global_alloc::RealAllocator;
 pub use spies::leaks::{HeapStats, TrackerMemory};
+pub use spies::ticks::{AllocationTick, TickCallback};
 pub use spy::{Call, CallScratch, DidAlloc, Entry, MallocSpy, Role, SpyError};
 pub use threads::MAX_THREADS;
 

@@ -2,7 +2,7 @@
 //!
 //! | key | values | default | meaning |
 //! |---|---|---|---|
-//! | `spy` | comma-separated: `leaks`, `count`, `guard`, `none` | `leaks` | built-in spies to register; several combine into one |
+//! | `spy` | comma-separated: `leaks`, `count`, `guard`, `ticks`, `none` | `leaks` | built-in spies to register; several combine into one |
 //! | `log_path` | a path; `%p` is the process id | stderr | where reports go (appended) |
 //! | `report_format` | `text`, `json` | `text` | the leak report's format |
 //! | `show_reachable` | `0`, `1` | `0` | list still-reachable records in the text report (JSON always has them) |
@@ -10,6 +10,11 @@
 //! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23) |
 //! | `stack_depth` | 1-128 | 32 | frames recorded per allocation |
 //! | `max_memory` | bytes, `k`/`m`/`g` suffixes | `4g` | cap on mallocspy's own memory |
+//! | `sampling` | `poisson`, `tick` | `poisson` | how `ticks` chooses allocations (see [`crate::trace::Sampling`]) |
+//! | `sample_interval` | bytes, `k`/`m`/`g` suffixes | `102400` | mean bytes between ticks |
+//! | `sample_seed` | a number | from the clock | seeds the poisson gaps (for reproducible runs) |
+//! | `trace` | a path; `%p` is the process id | none | the trace file of `ticks` |
+//! | `stats_interval_ms` | 1-60000 | 100 | period of the heap statistics events |
 //!
 //! With `MALLOCSPY_OPTIONS` unset the shim tracks leaks, as a preloaded LeakSanitizer does.
 //! Any unknown key or bad value is reported in one line and the program runs unspied.
@@ -25,6 +30,8 @@ pub struct SpySet {
     pub count: bool,
     /// `guard`: header and trailer canaries, double and invalid frees.
     pub guard: bool,
+    /// `ticks`: sampled allocations and heap statistics, for a trace file.
+    pub ticks: bool,
 }
 
 impl SpySet {
@@ -63,6 +70,16 @@ pub struct Options {
     pub stack_depth: usize,
     /// Cap on mallocspy's own memory, in bytes.
     pub max_memory: usize,
+    /// How `ticks` samples.
+    pub sampling: crate::trace::Sampling,
+    /// Mean bytes between ticks.
+    pub sample_interval: u64,
+    /// Seed of the poisson gaps; `None`: from the clock.
+    pub sample_seed: Option<u64>,
+    /// The trace file (`%p` not yet expanded).
+    pub trace: Option<String>,
+    /// Period of the heap statistics events.
+    pub stats_interval_ms: u64,
 }
 
 impl Default for Options {
@@ -76,6 +93,11 @@ impl Default for Options {
             exitcode: None,
             stack_depth: crate::spies::leaks::DEFAULT_DEPTH,
             max_memory: 4 << 30,
+            sampling: crate::trace::Sampling::Poisson,
+            sample_interval: 102_400,
+            sample_seed: None,
+            trace: None,
+            stats_interval_ms: 100,
         }
     }
 }
@@ -98,7 +120,8 @@ pub enum OptionsError {
     Malformed(String),
 }
 
-const KEYS: &str = "spy, log_path, report_format, show_reachable, suppressions, exitcode, stack_depth, max_memory";
+const KEYS: &str = "spy, log_path, report_format, show_reachable, suppressions, exitcode, stack_depth, max_memory, \
+                    sampling, sample_interval, sample_seed, trace, stats_interval_ms";
 
 impl fmt::Display for OptionsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -171,6 +194,29 @@ impl Options {
                         .filter(|&n| n >= 1 << 20)
                         .ok_or_else(|| bad("max_memory", "a size of at least 1m"))?
                 }
+                "sampling" => {
+                    o.sampling = match value {
+                        "poisson" => crate::trace::Sampling::Poisson,
+                        "tick" => crate::trace::Sampling::Tick,
+                        _ => return Err(bad("sampling", "poisson or tick")),
+                    }
+                }
+                "sample_interval" => {
+                    o.sample_interval = parse_size(value)
+                        .filter(|&n| n >= 1)
+                        .ok_or_else(|| bad("sample_interval", "a size of at least 1 byte"))?
+                        as u64
+                }
+                "sample_seed" => o.sample_seed = Some(value.parse().map_err(|_| bad("sample_seed", "a number"))?),
+                "trace" if !value.is_empty() => o.trace = Some(value.to_string()),
+                "trace" => return Err(bad("trace", "a file path")),
+                "stats_interval_ms" => {
+                    o.stats_interval_ms = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=60_000).contains(n))
+                        .ok_or_else(|| bad("stats_interval_ms", "a number from 1 to 60000"))?
+                }
                 other => return Err(OptionsError::UnknownKey(other.to_string())),
             }
         }
@@ -185,12 +231,13 @@ fn parse_spies(value: &str) -> Result<SpySet, OptionsError> {
             "leaks" => set.leaks = true,
             "count" => set.count = true,
             "guard" => set.guard = true,
+            "ticks" => set.ticks = true,
             "none" => {}
             _ => {
                 return Err(OptionsError::BadValue {
                     key: "spy",
                     value: value.to_string(),
-                    expected: "a comma-separated list of leaks, count, guard, none",
+                    expected: "a comma-separated list of leaks, count, guard, ticks, none",
                 });
             }
         }
@@ -208,7 +255,7 @@ mod tests {
             "spy=count,guard:log_path=/tmp/x.%p:report_format=json:show_reachable=1:suppressions=s.txt:exitcode=23:stack_depth=8:max_memory=64m",
         )
         .unwrap();
-        assert_eq!(o.spies, SpySet { leaks: false, count: true, guard: true });
+        assert_eq!(o.spies, SpySet { count: true, guard: true, ..SpySet::default() });
         assert_eq!(o.log_path.as_deref(), Some("/tmp/x.%p"));
         assert_eq!(o.report_format, ReportFormat::Json);
         assert!(o.show_reachable);
@@ -219,6 +266,15 @@ mod tests {
         assert_eq!(Options::parse("").unwrap(), Options::default());
         assert!(Options::default().spies.leaks, "leak tracking by default");
         assert!(Options::parse("spy=none").unwrap().spies.is_empty());
+        let o = Options::parse(
+            "spy=ticks:sampling=tick:sample_interval=512k:sample_seed=7:trace=t.%p:stats_interval_ms=20",
+        )
+        .unwrap();
+        assert_eq!(o.spies, SpySet { ticks: true, ..SpySet::default() });
+        assert_eq!(o.sampling, crate::trace::Sampling::Tick);
+        assert_eq!((o.sample_interval, o.sample_seed, o.stats_interval_ms), (512 << 10, Some(7), 20));
+        assert_eq!(o.trace.as_deref(), Some("t.%p"));
+        assert_eq!(Options::default().sample_interval, 102_400);
     }
 
     #[test]
@@ -228,7 +284,7 @@ mod tests {
         let e = Options::parse("spy=count,bogus").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "bad value 'count,bogus' for spy (expected a comma-separated list of leaks, count, guard, none)"
+            "bad value 'count,bogus' for spy (expected a comma-separated list of leaks, count, guard, ticks, none)"
         );
         assert_eq!(Options::parse("spy").unwrap_err().to_string(), "'spy' is not key=value");
         assert_eq!(
@@ -240,6 +296,10 @@ mod tests {
         assert!(Options::parse("report_format=xml").is_err());
         assert!(Options::parse("max_memory=12q").is_err());
         assert!(Options::parse("log_path=").is_err());
+        assert!(Options::parse("sampling=random").is_err());
+        assert!(Options::parse("sample_interval=0").is_err());
+        assert!(Options::parse("stats_interval_ms=0").is_err());
+        assert!(Options::parse("trace=").is_err());
         assert_eq!(parse_size("4g"), Some(4 << 30));
         assert_eq!(parse_size("100k"), Some(102400));
     }

@@ -18,7 +18,9 @@ use crate::spies::count::CountSpy;
 use crate::spies::guard::GuardSpy;
 use crate::spies::leaks::LeakTracker;
 use crate::spies::stack::SpyStack;
+use crate::spies::ticks::{self, TickSpy};
 use crate::spy::MallocSpy;
+use crate::trace::writer;
 use crate::{os, pool, sink};
 
 /// The built-in spies of this process and how to report them.
@@ -26,6 +28,7 @@ struct Builtins {
     count: Option<&'static CountSpy>,
     guard: Option<&'static GuardSpy>,
     leaks: Option<&'static LeakTracker>,
+    ticks: Option<&'static TickSpy>,
     options: Options,
     suppressions: Suppressions,
 }
@@ -85,11 +88,15 @@ pub fn init() {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),
         guard: options.spies.guard.then(GuardSpy::new).flatten().map(leak),
         leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
+        ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options), true)).flatten().map(leak),
         suppressions,
         options,
     };
     let s = &builtins.options.spies;
-    if s.count != builtins.count.is_some() || s.guard != builtins.guard.is_some() || s.leaks != builtins.leaks.is_some()
+    if s.count != builtins.count.is_some()
+        || s.guard != builtins.guard.is_some()
+        || s.leaks != builtins.leaks.is_some()
+        || s.ticks != builtins.ticks.is_some()
     {
         return say("cannot map memory for the spies; running unspied");
     }
@@ -97,6 +104,9 @@ pub fn init() {
     let mut layers: Vec<&'static dyn MallocSpy> = Vec::new();
     if let Some(leaks) = builtins.leaks {
         layers.push(leaks);
+    }
+    if let Some(ticks) = builtins.ticks {
+        layers.push(ticks);
     }
     if let Some(count) = builtins.count {
         layers.push(count);
@@ -107,14 +117,26 @@ pub fn init() {
     if let Some(tracker) = builtins.leaks {
         crate::spies::leaks::set_tracker(tracker);
     }
+    if let Some(spy) = builtins.ticks {
+        ticks::set_spy(spy);
+        let text = std::env::var("MALLOCSPY_OPTIONS").unwrap_or_default();
+        let trace = builtins.options.trace.as_deref();
+        if let (_, Some(e)) = writer::start(spy, trace, &text, builtins.options.stats_interval_ms) {
+            say(&format!("{e}; sampling without a trace"));
+        }
+    }
     if BUILTINS.set(builtins).is_err() {
         return;
     }
     OWNER.store(os::getpid(), Ordering::Relaxed);
     global::set_fork_child_hook(after_fork_child);
-    let spy: &'static dyn MallocSpy = if layers.len() == 1 { layers[0] } else { leak(SpyStack::new(layers)) };
+    let alone = layers.len() == 1;
+    let spy: &'static dyn MallocSpy = if alone { layers[0] } else { leak(SpyStack::new(layers)) };
     if let Err(e) = global::register_static_here(spy) {
-        say(&format!("cannot register the built-in spies: {e}"));
+        return say(&format!("cannot register the built-in spies: {e}"));
+    }
+    if let (Some(ticks), true) = (BUILTINS.get().and_then(|b| b.ticks), alone) {
+        ticks.open_gate(&GLOBAL.gate);
     }
 }
 
@@ -128,7 +150,18 @@ fn after_fork_child() {
         if let Some(leaks) = b.leaks {
             leaks.after_fork_child();
         }
+        if let Some(spy) = b.ticks {
+            spy.after_fork_child();
+            if let Some(w) = writer::writer() {
+                w.after_fork_child();
+            }
+        }
     }
+}
+
+fn tick_config(options: &Options) -> ticks::Config {
+    let seed = options.sample_seed.unwrap_or_else(|| ticks::now_ns() ^ (os::getpid() as u64) << 32);
+    ticks::Config { sampling: options.sampling, interval: options.sample_interval, depth: options.stack_depth, seed }
 }
 
 /// Called by the shim's `.fini_array` entry: defer the reports past every other destructor.
@@ -167,6 +200,23 @@ pub extern "C" fn report_at_exit() {
     }
     if let Some(mut summary) = b.guard.and_then(|g| g.report_summary()) {
         sink::write(summary.as_bytes());
+    }
+    if let (Some(spy), Some(w)) = (b.ticks, writer::writer())
+        && let Some((ticks, stats)) = w.finish()
+        && !w.has_file()
+    {
+        let (calls, bytes) = stats.kinds.iter().fold((0, 0), |(c, b), k| (c + k.allocs, b + k.bytes));
+        let c = &spy.config;
+        sink::write(
+            format!(
+                "mallocspy: ticks: {ticks} samples ({}, every {} bytes on average) of {calls} allocations, \
+                 {bytes} bytes; estimated peak live {} bytes (give trace=PATH to keep the samples)\n",
+                c.sampling.name(),
+                c.interval,
+                stats.peak_live_bytes
+            )
+            .as_bytes(),
+        );
     }
     let Some(tracker) = b.leaks else { return };
     let summary = write_leak_report(tracker, caller);

@@ -75,11 +75,12 @@ fn install(fd: i32) {
     FD.store(fd, Ordering::Release);
 }
 
-fn open_path(path: &str) -> Result<i32, String> {
+/// Opens `path` for writing at a high descriptor number: appending, or truncating it.
+pub(crate) fn open_path(path: &str, append: bool) -> Result<i32, String> {
     let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
+    let mode = if append { libc::O_APPEND } else { libc::O_TRUNC };
     // SAFETY: c is NUL-terminated; the flags and mode are plain integers.
-    let fd =
-        unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_APPEND | libc::O_CLOEXEC, 0o644) };
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC | mode, 0o644) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error().to_string());
     }
@@ -99,7 +100,7 @@ pub(crate) fn use_stderr() {
 /// stderr and the error is returned for a one-line message.
 pub(crate) fn use_path(template: &str) -> Result<(), String> {
     let path = expand(template, os::getpid());
-    match open_path(&path) {
+    match open_path(&path, true) {
         Ok(fd) => {
             install(fd);
             if let Ok(mut t) = TEMPLATE.lock() {
@@ -119,7 +120,7 @@ pub(crate) fn after_fork_child() {
     let template = TEMPLATE.try_lock().ok().and_then(|t| t.clone());
     if let Some(template) = template
         && template.contains("%p")
-        && let Ok(fd) = open_path(&expand(&template, os::getpid()))
+        && let Ok(fd) = open_path(&expand(&template, os::getpid()), true)
     {
         let old = FD.swap(-1, Ordering::AcqRel);
         install(fd);

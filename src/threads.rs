@@ -173,12 +173,26 @@ fn acquire(ts: &ThreadState) -> Option<u32> {
     }
 }
 
+/// A function told of each thread's exit (its slot index), before the slot is reused.
+static EXIT_HOOK: core::sync::atomic::AtomicPtr<()> = core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
+
+/// Sets the function told of thread exits (the ticks spy's thread events).
+pub(crate) fn set_exit_hook(hook: fn(u32)) {
+    EXIT_HOOK.store(hook as *mut (), Ordering::Release);
+}
+
 /// Returns the exiting thread's slot for reuse. Runs as a pthread key destructor.
 extern "C" fn release_at_thread_exit(value: *mut c_void) {
     let index = (value as usize).wrapping_sub(1) as u32;
     let ts = tls::state();
     if ts.slot.get() != index + 1 || ts.depth.get() != 0 {
         return;
+    }
+    let hook = EXIT_HOOK.load(Ordering::Acquire);
+    if !hook.is_null() {
+        // SAFETY: only `set_exit_hook` stores here, always a `fn(u32)`.
+        let hook: fn(u32) = unsafe { core::mem::transmute::<*mut (), fn(u32)>(hook) };
+        hook(index);
     }
     ts.slot.set(0);
     let _guard = SLOTS.lock.lock();

@@ -42,6 +42,12 @@ pub(crate) struct ThreadState {
     /// spy's own allocations do not overwrite it): where its call stack starts.
     pub hook_sp: Cell<u64>,
     pub hook_bp: Cell<u64>,
+    /// The ticks spy's counters for this thread (a `TickCounters` in mallocspy's pool), once
+    /// the spy has seen the thread; 0 before. The sampling gate counts through it.
+    pub tick_record: Cell<usize>,
+    /// Bytes left before the next sample: one countdown (poisson), or one per allocation
+    /// kind (tick). Only meaningful once `tick_record` is set.
+    pub tick_until: [Cell<i64>; 3],
 }
 
 /// Offset of `ThreadState::entry_sp` in the block (for the trampolines' assembly).
@@ -49,7 +55,7 @@ pub const ENTRY_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_sp);
 /// Offset of `ThreadState::entry_bp` in the block.
 pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 
-const BLOCK_SIZE: usize = 128;
+const BLOCK_SIZE: usize = 192;
 const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);
 
 #[cfg(not(target_arch = "x86_64"))]

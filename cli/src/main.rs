@@ -4,6 +4,9 @@
 //! forwards its exit status; the report is written by each process of the program itself, at
 //! its exit (see the `mallocspy` crate).
 
+mod launch;
+mod record;
+mod report;
 mod run;
 
 use std::process::ExitCode;
@@ -23,11 +26,19 @@ enum Command {
     /// Run PROGRAM with the leak tracker and print its leak report when it exits.
     #[command(after_help = run::EXAMPLES)]
     Run(run::RunArgs),
+    /// Run PROGRAM sampling its allocations (allocation ticks) into a trace file.
+    #[command(after_help = record::EXAMPLES)]
+    Record(record::RecordArgs),
+    /// Report where a recorded program allocated, from its trace file.
+    #[command(after_help = report::EXAMPLES)]
+    Report(report::ReportArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Record(args) => record::record(args),
+        Command::Report(args) => report::report(args),
     }
 }

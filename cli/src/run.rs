@@ -1,12 +1,13 @@
 //! `mallocspy run`.
 
 use std::ffi::OsString;
-use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 use clap::Args;
 use mallocspy::leaks::Suppressions;
+
+use crate::launch::{self, fail};
 
 pub const EXAMPLES: &str = "Examples:
   mallocspy run -- ./leaky
@@ -45,25 +46,7 @@ pub struct RunArgs {
     program: Vec<OsString>,
 }
 
-fn fail(message: &str, code: u8) -> ExitCode {
-    eprintln!("mallocspy: {message}");
-    ExitCode::from(code)
-}
-
-fn default_shim() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let shim = exe.parent()?.join("libmallocspy_preload.so");
-    shim.exists().then_some(shim)
-}
-
 pub fn run(args: RunArgs) -> ExitCode {
-    let Some(shim) = args.shim.clone().or_else(default_shim) else {
-        return fail("cannot find libmallocspy_preload.so next to this executable; give --shim PATH", 2);
-    };
-    if !shim.exists() {
-        return fail(&format!("no shim at '{}'", shim.display()), 2);
-    }
-    let shim = shim.canonicalize().unwrap_or(shim);
     let mut options = vec!["spy=leaks".to_string(), format!("stack_depth={}", args.stack_depth)];
     if args.json {
         options.push("report_format=json".into());
@@ -89,32 +72,8 @@ pub fn run(args: RunArgs) -> ExitCode {
         let absolute = path.canonicalize().unwrap_or_else(|_| path.clone());
         options.push(format!("suppressions={}", absolute.display()));
     }
-    let mut preload = OsString::from(&shim);
-    if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
-        preload.push(" ");
-        preload.push(existing);
+    match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
+        Ok((_, status)) => launch::forward(status),
+        Err(code) => code,
     }
-    let program = &args.program[0];
-    let mut child = Command::new(program);
-    child.args(&args.program[1..]).env("LD_PRELOAD", preload).env("MALLOCSPY_OPTIONS", options.join(":"));
-    let status = match child.status() {
-        Ok(s) => s,
-        Err(e) => {
-            let code = if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 };
-            return fail(&format!("cannot run '{}': {e}", program.to_string_lossy()), code);
-        }
-    };
-    if let Some(code) = status.code() {
-        return ExitCode::from(code as u8);
-    }
-    // Killed by a signal: die of the same one, so that our parent sees what happened.
-    if let Some(signal) = status.signal() {
-        // SAFETY: restoring the default action and raising a signal in our own process.
-        unsafe {
-            libc::signal(signal, libc::SIG_DFL);
-            libc::raise(signal);
-        }
-        return ExitCode::from(128 + signal as u8);
-    }
-    ExitCode::FAILURE
 }

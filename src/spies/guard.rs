@@ -204,7 +204,7 @@ impl GuardSpy {
     /// pointer no block starts at, or a block allocated before the guard (passed through).
     /// Returns false when the pointer must not reach the real allocator.
     fn check_foreign(&self, p: usize, place: &str) -> bool {
-        if p % HEADER != 0 {
+        if !p.is_multiple_of(HEADER) {
             self.report(Finding::InvalidFree, p, None, place);
             return false;
         }

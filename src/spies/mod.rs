@@ -4,3 +4,4 @@ pub(crate) mod count;
 pub(crate) mod guard;
 pub(crate) mod leaks;
 pub(crate) mod stack;
+pub(crate) mod ticks;

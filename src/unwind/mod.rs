@@ -136,7 +136,7 @@ pub(crate) fn capture(out: &mut [u64], cache: &mut WalkCache) -> usize {
     let entry = ts.hook_sp.get();
     let (_, high) = stack_bounds();
     let here = current_sp();
-    if entry % 8 != 0 || entry <= here || entry + 8 > high {
+    if !entry.is_multiple_of(8) || entry <= here || entry + 8 > high {
         cache.prev.len = 0;
         return 0;
     }
@@ -171,7 +171,8 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     }
     let read = |addr: u64| -> Option<u64> {
         // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
-        (addr >= low && addr.wrapping_add(8) <= high && addr % 8 == 0).then(|| unsafe { *(addr as *const u64) })
+        (addr >= low && addr.wrapping_add(8) <= high && addr.is_multiple_of(8))
+            .then(|| unsafe { *(addr as *const u64) })
     };
     let rules = rules::Rules::new();
     let reusable = prev.generation == rules.generation();

@@ -162,9 +162,16 @@ pub const PASS_THROUGH: Mode = Mode::Shim("spy=none");
 
 impl Mode {
     /// Native, the shim with no spy, and the shim with each built-in spy (options unset is
-    /// the leak tracker, as a preloaded LeakSanitizer).
-    pub const ALL: [Mode; 5] =
-        [Mode::Native, PASS_THROUGH, Mode::Shim("spy=count"), Mode::Shim("spy=guard"), Mode::Shim("")];
+    /// the leak tracker, as a preloaded LeakSanitizer; ticks without a trace file writes a
+    /// summary line).
+    pub const ALL: [Mode; 6] = [
+        Mode::Native,
+        PASS_THROUGH,
+        Mode::Shim("spy=count"),
+        Mode::Shim("spy=guard"),
+        Mode::Shim(""),
+        Mode::Shim("spy=ticks"),
+    ];
 
     pub fn apply(self, cmd: &mut Command) {
         cmd.env_remove("LD_PRELOAD").env_remove("MALLOCSPY_OPTIONS");
@@ -211,6 +218,13 @@ pub fn same_in_every_mode(what: &str, make: impl Fn() -> Command) -> Vec<(Mode, 
         }
         if *mode == Mode::Shim("spy=guard") {
             assert!(!text(&out.stderr).contains("mallocspy: guard:"), "{what}: guard findings:\n{}", text(&out.stderr));
+        }
+        if *mode == Mode::Shim("spy=ticks") {
+            assert!(
+                text(&out.stderr).contains("mallocspy: ticks: "),
+                "{what}: no ticks summary on stderr:\n{}",
+                text(&out.stderr)
+            );
         }
         if *mode == Mode::Shim("") {
             assert!(

@@ -1,0 +1,90 @@
+//! `mallocspy record`.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, ValueEnum};
+
+use crate::launch::{self, fail};
+
+pub const EXAMPLES: &str = "Examples:
+  mallocspy record -- sqlite3 db.sqlite '.read x.sql'
+  mallocspy report mallocspy.*.trace                      # top allocation sites
+  mallocspy record --interval 1m --output app.trace -- ./app
+  mallocspy report --format flamegraph --output app.svg app.trace
+
+Each process (children too) writes its own trace; %p in --output is its pid.";
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SamplingArg {
+    /// Each byte with probability 1/interval: unbiased estimates.
+    Poisson,
+    /// .NET's GCAllocationTick: a tick every interval bytes per thread and kind.
+    Tick,
+}
+
+/// Options mirror `MALLOCSPY_OPTIONS` (`spy=ticks`).
+#[derive(Args)]
+pub struct RecordArgs {
+    /// Mean bytes between samples (suffixes k, m, g).
+    #[arg(long, value_name = "BYTES", default_value = "102400", value_parser = parse_interval)]
+    interval: u64,
+    /// How allocations are chosen.
+    #[arg(long, value_enum, default_value = "poisson")]
+    sampling: SamplingArg,
+    /// The trace file (%p = process id).
+    #[arg(long, short, value_name = "TRACE", default_value = "mallocspy.%p.trace")]
+    output: String,
+    /// Period of the heap statistics events.
+    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60000))]
+    stats_interval_ms: u64,
+    /// Frames recorded per sample.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=128))]
+    stack_depth: u32,
+    /// The preload library (default: libmallocspy_preload.so next to this executable).
+    #[arg(long, value_name = "PATH")]
+    shim: Option<PathBuf>,
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "PROGRAM")]
+    program: Vec<OsString>,
+}
+
+fn parse_interval(text: &str) -> Result<u64, String> {
+    mallocspy::options::parse_size(text)
+        .filter(|&n| n > 0)
+        .map(|n| n as u64)
+        .ok_or_else(|| format!("'{text}' is not a size in bytes (e.g. 102400, 100k, 1m)"))
+}
+
+pub fn record(args: RecordArgs) -> ExitCode {
+    let output = match std::path::absolute(&args.output) {
+        Ok(p) => p.display().to_string(),
+        Err(e) => return fail(&format!("bad --output '{}': {e}", args.output), 2),
+    };
+    if output.contains(':') {
+        return fail(&format!("--output '{output}' contains ':', which MALLOCSPY_OPTIONS cannot carry"), 2);
+    }
+    let sampling = match args.sampling {
+        SamplingArg::Poisson => "poisson",
+        SamplingArg::Tick => "tick",
+    };
+    let options = [
+        "spy=ticks".to_string(),
+        format!("sampling={sampling}"),
+        format!("sample_interval={}", args.interval),
+        format!("stats_interval_ms={}", args.stats_interval_ms),
+        format!("stack_depth={}", args.stack_depth),
+        format!("trace={output}"),
+    ];
+    let (pid, status) = match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
+        Ok(done) => done,
+        Err(code) => return code,
+    };
+    let trace = output.replace("%p", &pid.to_string());
+    match std::fs::metadata(&trace) {
+        Ok(m) => eprintln!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
+        Err(e) => eprintln!("mallocspy: no trace at {trace}: {e}"),
+    }
+    launch::forward(status)
+}

@@ -1,0 +1,176 @@
+//! The JSON report: the text report's figures as one object, each site with its full
+//! symbolized stacks.
+
+use std::io::{self, Write};
+
+use serde::Serialize;
+
+use super::Report;
+use super::profile::{Figures, StackStats};
+use super::sites::{Site, top_live_at_peak};
+
+#[derive(Serialize)]
+struct Json<'a> {
+    trace: String,
+    program: &'a [String],
+    pid: u32,
+    options: &'a str,
+    sampling: &'static str,
+    /// Mean bytes between samples (poisson) or the tick stride (tick).
+    interval: u64,
+    start_unix_ns: u64,
+    duration_ns: u64,
+    /// The trace has its end record: the program exited normally.
+    complete: bool,
+    /// Where the file is cut inside a record, if it is.
+    truncated_at: Option<u64>,
+    lost_events: u64,
+    threads: u64,
+    ticks: u64,
+    frees: u64,
+    unmatched_frees: u64,
+    allocated: JsonFigures,
+    peak: JsonPeak,
+    live_at_end: JsonFigures,
+    top_by_bytes_allocated: Vec<JsonSite<'a>>,
+    top_by_live_at_peak: Vec<JsonSite<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonPeak {
+    live_bytes: u64,
+    time_ns: u64,
+}
+
+/// Estimates: `objects` is a sum of `weight / size`, so fractional.
+#[derive(Serialize)]
+struct JsonFigures {
+    bytes: u64,
+    objects: f64,
+    samples: u64,
+}
+
+impl From<Figures> for JsonFigures {
+    fn from(f: Figures) -> Self {
+        JsonFigures { bytes: f.bytes, objects: f.objects.max(0.0), samples: f.samples }
+    }
+}
+
+#[derive(Serialize)]
+struct JsonSite<'a> {
+    site: &'a str,
+    function: Option<&'a str>,
+    file: Option<&'a str>,
+    line: Option<u32>,
+    module: Option<&'a str>,
+    allocated: JsonFigures,
+    live_at_peak: JsonFigures,
+    live_at_end: JsonFigures,
+    stacks: Vec<JsonStack<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonStack<'a> {
+    id: u64,
+    allocated: JsonFigures,
+    live_at_peak: JsonFigures,
+    live_at_end: JsonFigures,
+    /// Estimated bytes allocated per kind.
+    small_bytes: u64,
+    large_bytes: u64,
+    aligned_bytes: u64,
+    /// Innermost first; inlined calls are frames of their own.
+    frames: Vec<JsonFrame<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonFrame<'a> {
+    address: String,
+    module: Option<&'a str>,
+    /// The address in the module's file (run-time address minus the load bias).
+    offset: Option<String>,
+    function: &'a str,
+    file: Option<&'a str>,
+    line: Option<u32>,
+    /// Inlined into the next frame (same address).
+    inlined: bool,
+    symbolized: bool,
+}
+
+fn stack<'r>(report: &'r Report<'_>, s: &'r StackStats) -> JsonStack<'r> {
+    let modules = &report.profile.modules;
+    let mut frames = Vec::new();
+    for &raw in &s.frames {
+        let location = report.symbols.location(raw);
+        let module = location.module.map(|m| &modules[m]);
+        let last = location.frames.len() - 1;
+        for (i, f) in location.frames.iter().enumerate() {
+            frames.push(JsonFrame {
+                address: format!("{:#x}", location.address),
+                module: module.map(|m| m.path.as_str()),
+                offset: module.map(|m| format!("{:#x}", location.address.wrapping_sub(m.base))),
+                function: &f.function,
+                file: f.file.as_deref(),
+                line: f.line,
+                inlined: i < last,
+                symbolized: location.symbolized,
+            });
+        }
+    }
+    JsonStack {
+        id: s.id,
+        allocated: s.allocated.into(),
+        live_at_peak: s.live_at_peak.into(),
+        live_at_end: s.live_at_end.into(),
+        small_bytes: s.kind_bytes[0],
+        large_bytes: s.kind_bytes[1],
+        aligned_bytes: s.kind_bytes[2],
+        frames,
+    }
+}
+
+fn site<'r>(report: &'r Report<'_>, site: &'r Site<'_>) -> JsonSite<'r> {
+    let frame = site.frame.filter(|f| f.location.symbolized).map(|f| f.frame);
+    JsonSite {
+        site: &site.label,
+        function: frame.map(|f| f.function.as_str()),
+        file: frame.and_then(|f| f.file.as_deref()),
+        line: frame.and_then(|f| f.line),
+        module: site.frame.and_then(|f| f.location.module).map(|m| report.profile.modules[m].path.as_str()),
+        allocated: site.allocated.into(),
+        live_at_peak: site.live_at_peak.into(),
+        live_at_end: site.live_at_end.into(),
+        stacks: site.stacks.iter().map(|&i| stack(report, &report.profile.stacks[i])).collect(),
+    }
+}
+
+/// Writes the report as one JSON object (and a newline).
+pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
+    let p = report.profile;
+    let h = &p.header;
+    let sites = report.sites();
+    let json = Json {
+        trace: report.trace.display().to_string(),
+        program: &h.command,
+        pid: h.pid,
+        options: &h.options,
+        sampling: h.sampling.name(),
+        interval: h.interval,
+        start_unix_ns: h.start_unix_ns,
+        duration_ns: p.duration_ns(),
+        complete: p.end_ns.is_some(),
+        truncated_at: p.truncated_at,
+        lost_events: p.lost_events,
+        threads: p.threads,
+        ticks: p.allocated.samples,
+        frees: p.frees,
+        unmatched_frees: p.unmatched_frees,
+        allocated: p.allocated.into(),
+        peak: JsonPeak { live_bytes: p.peak.live_bytes, time_ns: p.peak.time_ns },
+        live_at_end: p.live_at_end.into(),
+        top_by_bytes_allocated: sites.iter().take(report.top).map(|s| site(report, s)).collect(),
+        top_by_live_at_peak: top_live_at_peak(&sites, report.top).into_iter().map(|s| site(report, s)).collect(),
+    };
+    serde_json::to_writer(&mut *out, &json)?;
+    writeln!(out)
+}

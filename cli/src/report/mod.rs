@@ -1,0 +1,178 @@
+//! `mallocspy report`: reads a trace written by `mallocspy record` and reports where the
+//! program allocated.
+//!
+//! The trace's ticks are weighted samples, as .NET's GCAllocationTick: each stands for
+//! `weight` bytes, so sums of weights estimate the program's totals. The stages, one module
+//! each: [`profile`] aggregates the events per stack (with the live heap replayed to its peak),
+//! [`symbolize`] resolves the return addresses offline from the modules the trace lists,
+//! [`sites`] groups stacks by allocation site; then one module per format writes the report,
+//! a pure function of those.
+
+mod flame;
+mod json;
+mod pprof;
+mod profile;
+mod progress;
+mod sites;
+mod symbolize;
+#[cfg(test)]
+mod testing;
+#[cfg(test)]
+mod tests;
+mod text;
+mod timeline;
+mod units;
+
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, ValueEnum};
+
+use profile::Profile;
+use progress::Progress;
+use sites::Site;
+use symbolize::Symbols;
+
+pub const EXAMPLES: &str = "Examples:
+  mallocspy record -o app.trace -- ./app            # first, the trace
+  mallocspy report app.trace                        # top allocation sites, as text
+  mallocspy report --top 50 --format json app.trace > report.json
+  mallocspy report --format pprof -o heap.pb.gz app.trace && go tool pprof -top heap.pb.gz
+  mallocspy report --format flamegraph -o alloc.svg app.trace
+  mallocspy report --format folded app.trace | inferno-flamegraph > alloc.svg
+  mallocspy report --format timeline -o heap.svg app.trace
+
+Figures are estimates: each sampled allocation (a tick) stands for its weight in bytes.
+Symbols come from the program's files as they are now, found by the paths in the trace.";
+
+/// The report's form.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Top allocation sites by bytes allocated and by live bytes at the peak.
+    Text,
+    /// The text report's data as one JSON object, with full stacks per site.
+    Json,
+    /// A gzipped profile.proto for `go tool pprof` (alloc_/inuse_ objects and space).
+    Pprof,
+    /// Folded stacks weighted by bytes allocated (flamegraph.pl, inferno, speedscope).
+    Folded,
+    /// A flame graph (SVG) of bytes allocated.
+    Flamegraph,
+    /// An SVG chart of the live heap over time, per kind, with its peak.
+    Timeline,
+}
+
+/// `mallocspy report`'s arguments.
+#[derive(Args)]
+pub struct ReportArgs {
+    /// The report's form.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
+    /// Write the report to FILE instead of stdout.
+    #[arg(long, short, value_name = "FILE")]
+    output: Option<PathBuf>,
+    /// Sites in each table of the text and JSON reports.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    top: usize,
+    /// The trace, as written by `mallocspy record`.
+    #[arg(value_name = "TRACE")]
+    trace: PathBuf,
+}
+
+/// What every format is written from.
+pub struct Report<'a> {
+    /// The trace's path, as given.
+    pub trace: &'a Path,
+    /// The aggregated events.
+    pub profile: &'a Profile,
+    /// Their resolved addresses.
+    pub symbols: &'a Symbols,
+    /// Sites per table.
+    pub top: usize,
+}
+
+impl<'a> Report<'a> {
+    /// The report of a profile whose stacks `symbols` resolved.
+    pub fn new(trace: &'a Path, profile: &'a Profile, symbols: &'a Symbols, top: usize) -> Self {
+        Report { trace, profile, symbols, top }
+    }
+
+    /// Every allocation site, most bytes allocated first.
+    pub fn sites(&self) -> Vec<Site<'a>> {
+        sites::sites(self.profile, self.symbols)
+    }
+
+    /// The report in `format`.
+    ///
+    /// # Errors
+    /// A format that the trace has no data for (one line, for the user).
+    pub fn render(&self, format: Format) -> Result<Vec<u8>, String> {
+        let mut out = Vec::new();
+        let written = match format {
+            Format::Text => text::write(self, &mut out),
+            Format::Json => json::write(self, &mut out),
+            Format::Pprof => pprof::write(self, &mut out),
+            Format::Folded => flame::write_folded(self, &mut out),
+            Format::Flamegraph if self.profile.allocated.bytes == 0 => {
+                return Err("the trace has no sampled allocations to draw a flame graph of".into());
+            }
+            Format::Flamegraph => flame::write_flamegraph(self, &mut out),
+            Format::Timeline if self.profile.heap_stats.is_empty() => {
+                return Err("the trace has no heap statistics events to draw a timeline from".into());
+            }
+            Format::Timeline => timeline::write(self, &mut out),
+        };
+        // Every writer writes to memory, which cannot fail; a renderer's own error is a message.
+        written.map_err(|e| e.to_string())?;
+        Ok(out)
+    }
+}
+
+/// Runs `mallocspy report`: the report, or one line on stderr and status 1.
+pub fn report(args: ReportArgs) -> ExitCode {
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("mallocspy report: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &ReportArgs) -> Result<(), String> {
+    let path = &args.trace;
+    let failed = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let bytes = std::fs::read(path).map_err(|e| failed(&e))?;
+    let mut progress = Progress::new();
+    let profile = profile::read(&bytes, &mut progress).map_err(|e| failed(&e))?;
+    drop(bytes);
+    // The timeline needs no symbols, and symbolizing may be the slow part.
+    let symbols =
+        if args.format == Format::Timeline { Symbols::default() } else { Symbols::resolve(&profile, &mut progress) };
+    progress.finish();
+    if let Some(offset) = profile.truncated_at {
+        eprintln!(
+            "mallocspy report: warning: {} is cut at offset {offset}; reporting the events before it",
+            path.display()
+        );
+    } else if profile.end_ns.is_none() {
+        eprintln!(
+            "mallocspy report: warning: {} has no end record: the program did not exit normally; reporting the events it has",
+            path.display()
+        );
+    }
+    let report = Report::new(path, &profile, &symbols, args.top);
+    let out = report.render(args.format).map_err(|e| failed(&e))?;
+    match &args.output {
+        Some(file) => std::fs::write(file, out).map_err(|e| format!("{}: {e}", file.display())),
+        None => {
+            let mut stdout = io::stdout().lock();
+            match stdout.write_all(&out).and_then(|()| stdout.flush()) {
+                // A reader that stopped early (`| head`) wanted no more.
+                Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+                result => result.map_err(|e| format!("stdout: {e}")),
+            }
+        }
+    }
+}

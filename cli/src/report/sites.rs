@@ -1,0 +1,201 @@
+//! Allocation sites: stacks grouped by where the program asked for memory.
+//!
+//! A stack's site is the analogue of GCAllocationTick's TypeName: its innermost frame outside
+//! the allocator and the C runtime. Grouping by site rather than by whole stack puts the many
+//! paths into one `parse_row` together, which is what the tables rank.
+
+use std::collections::HashMap;
+
+use super::profile::{Figures, Profile, StackStats};
+use super::symbolize::{Location, SymFrame, Symbols};
+
+/// Modules whose frames are never a site: the C runtime, the loader, the C++ runtime, and
+/// mallocspy's own shim. Matched against the start of the module's file name.
+const RUNTIME_MODULES: [&str; 5] = ["libc.so", "libc-", "ld-linux", "libstdc++", "libmallocspy_preload"];
+
+/// Functions that allocate on their caller's behalf, matched against the whole name without
+/// its parameters.
+const ALLOCATOR_FUNCTIONS: [&str; 16] = [
+    "malloc",
+    "calloc",
+    "realloc",
+    "reallocarray",
+    "free",
+    "posix_memalign",
+    "aligned_alloc",
+    "memalign",
+    "valloc",
+    "pvalloc",
+    "__libc_malloc",
+    "__libc_calloc",
+    "__libc_realloc",
+    "__libc_memalign",
+    "__rust_alloc",
+    "__rust_realloc",
+];
+
+/// Prefixes of allocating functions: C++'s operators and allocators (usually inlined into the
+/// caller's frame, where only DWARF shows them), Rust's global allocator and the raw vector
+/// growth that every `Vec` and `String` allocates through.
+const ALLOCATOR_PREFIXES: [&str; 14] = [
+    "operator new",
+    "operator delete",
+    "__gnu_cxx::new_allocator<",
+    "std::__new_allocator<",
+    "std::allocator<",
+    "std::allocator_traits<",
+    "__rust_alloc",
+    "__rustc::__rust_",
+    "__rdl_",
+    "alloc::alloc::",
+    "<alloc::alloc::Global as ",
+    "alloc::raw_vec::",
+    "<std::alloc::System as ",
+    "std::sys::alloc::",
+];
+
+fn is_runtime_module(name: &str) -> bool {
+    RUNTIME_MODULES.iter().any(|m| name.starts_with(m))
+}
+
+fn is_allocator_function(name: &str) -> bool {
+    let bare = name.split('(').next().unwrap_or(name).trim();
+    ALLOCATOR_FUNCTIONS.contains(&bare) || ALLOCATOR_PREFIXES.iter().any(|p| bare.starts_with(p))
+}
+
+/// Where a stack allocated: its location and the (possibly inlined) frame within it.
+#[derive(Clone, Copy)]
+pub struct SiteFrame<'a> {
+    /// The resolved return address.
+    pub location: &'a Location,
+    /// The frame of it that is the site.
+    pub frame: &'a SymFrame,
+    /// When the site has no name (a static function of a stripped library): the nearest
+    /// caller that has one, so that the site still reads as code (`sqlite3Malloc`).
+    pub named_caller: Option<&'a SymFrame>,
+}
+
+/// The site of a stack; `None` for a stack with no frames (its record was lost).
+pub fn site_of<'a>(stack: &StackStats, symbols: &'a Symbols) -> Option<SiteFrame<'a>> {
+    let locations = || stack.frames.iter().map(|&f| symbols.location(f));
+    let outside = locations().enumerate().find_map(|(i, location)| {
+        if location.module.is_some_and(|m| is_runtime_module(symbols.module_name(m))) {
+            return None;
+        }
+        let frame = location.frames.iter().find(|f| !is_allocator_function(&f.function))?;
+        let named_caller = if location.symbolized {
+            None
+        } else {
+            locations().skip(i + 1).find(|l| l.symbolized).and_then(|l| l.frames.last())
+        };
+        Some(SiteFrame { location, frame, named_caller })
+    });
+    // All runtime (a libc-internal allocation): the allocator's caller is the best name left.
+    outside.or_else(|| {
+        let location = locations().next()?;
+        Some(SiteFrame { location, frame: location.frames.last()?, named_caller: None })
+    })
+}
+
+/// How a site reads in a table: `function (file:line)`, `function (module)` without line
+/// information, `module+0xOFFSET` without a symbol.
+pub fn label(site: Option<SiteFrame<'_>>, symbols: &Symbols) -> String {
+    let Some(SiteFrame { location, frame, named_caller }) = site else { return "[stack not recorded]".into() };
+    if let Some(caller) = named_caller {
+        return format!("{} (called from {})", frame.function, caller.function);
+    }
+    match (&frame.file, frame.line) {
+        (Some(file), Some(line)) => format!("{} ({file}:{line})", frame.function),
+        (Some(file), None) => format!("{} ({file})", frame.function),
+        _ if location.symbolized => match location.module {
+            Some(m) => format!("{} ({})", frame.function, symbols.module_name(m)),
+            None => frame.function.clone(),
+        },
+        _ => frame.function.clone(),
+    }
+}
+
+/// The stacks of one site, with their figures summed.
+pub struct Site<'a> {
+    /// How it reads: see [`label`].
+    pub label: String,
+    /// Its frame (`None` for stacks whose record was lost).
+    pub frame: Option<SiteFrame<'a>>,
+    /// What its stacks allocated.
+    pub allocated: Figures,
+    /// What was live at the peak.
+    pub live_at_peak: Figures,
+    /// What was live at the end.
+    pub live_at_end: Figures,
+    /// Its stacks (indices into [`Profile::stacks`]), most bytes allocated first.
+    pub stacks: Vec<usize>,
+}
+
+/// Every site of the profile, most bytes allocated first.
+pub fn sites<'a>(profile: &Profile, symbols: &'a Symbols) -> Vec<Site<'a>> {
+    let mut by_label: HashMap<String, usize> = HashMap::new();
+    let mut sites: Vec<Site<'a>> = Vec::new();
+    for (i, stack) in profile.stacks.iter().enumerate() {
+        if stack.allocated.samples == 0 {
+            continue;
+        }
+        let frame = site_of(stack, symbols);
+        let label = label(frame, symbols);
+        let at = *by_label.entry(label.clone()).or_insert_with(|| {
+            sites.push(Site {
+                label,
+                frame,
+                allocated: Figures::default(),
+                live_at_peak: Figures::default(),
+                live_at_end: Figures::default(),
+                stacks: Vec::new(),
+            });
+            sites.len() - 1
+        });
+        let site = &mut sites[at];
+        site.allocated.add(stack.allocated);
+        site.live_at_peak.add(stack.live_at_peak);
+        site.live_at_end.add(stack.live_at_end);
+        site.stacks.push(i);
+    }
+    for site in &mut sites {
+        site.stacks.sort_by_key(|&i| std::cmp::Reverse(profile.stacks[i].allocated.bytes));
+    }
+    sites.sort_by(|a, b| b.allocated.bytes.cmp(&a.allocated.bytes).then_with(|| a.label.cmp(&b.label)));
+    sites
+}
+
+/// The `n` sites with the most bytes live at the peak (none with nothing live then).
+pub fn top_live_at_peak<'s, 'a>(sites: &'s [Site<'a>], n: usize) -> Vec<&'s Site<'a>> {
+    let mut live: Vec<&Site<'a>> = sites.iter().filter(|s| s.live_at_peak.bytes > 0).collect();
+    live.sort_by(|a, b| b.live_at_peak.bytes.cmp(&a.live_at_peak.bytes).then_with(|| a.label.cmp(&b.label)));
+    live.truncate(n);
+    live
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocator_functions_and_runtime_modules_are_recognized() {
+        for f in [
+            "malloc",
+            "operator new(unsigned long)",
+            "operator new[](unsigned long, std::nothrow_t const&)",
+            "__gnu_cxx::new_allocator<int>::allocate(unsigned long, void const*)",
+            "alloc::alloc::alloc",
+            "alloc::raw_vec::finish_grow",
+            "__rustc::__rust_alloc",
+        ] {
+            assert!(is_allocator_function(f), "{f}");
+        }
+        for f in ["parse_row", "mallocator", "std::vector<int>::push_back", "report::tests::allocate"] {
+            assert!(!is_allocator_function(f), "{f}");
+        }
+        for m in ["libc.so.6", "libc-2.31.so", "ld-linux-x86-64.so.2", "libstdc++.so.6", "libmallocspy_preload.so"] {
+            assert!(is_runtime_module(m), "{m}");
+        }
+        assert!(!is_runtime_module("libcrypto.so.3"));
+    }
+}

@@ -1,0 +1,270 @@
+//! Return addresses to functions, files and lines, offline, from the modules the trace lists.
+//!
+//! The trace holds raw return addresses and, per module, its path, load bias, executable
+//! ranges and build id: everything needed to symbolize later, on this machine, as long as the
+//! files are still there. A module's DWARF comes from the file itself or from its separate debug
+//! file (found by build id or `.gnu_debuglink` under `/usr/lib/debug`, as gdb looks, with the
+//! `.gnu_debugaltlink` file that `dwz` makes); its symbol table names what DWARF does not cover.
+//! A module whose file is missing or was rebuilt since (another build id) names its frames
+//! `module+0xOFFSET`, never a wrong function.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use addr2line::Loader;
+use mallocspy::trace::Module;
+use object::{Object, ObjectSection};
+
+use super::profile::{Profile, RawFrame};
+use super::progress::Progress;
+
+/// Where distributions install separate debug files.
+const DEBUG_ROOT: &str = "/usr/lib/debug";
+
+/// One function of a resolved address: the address's own, or one inlined into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SymFrame {
+    /// The demangled function name; `module+0xOFFSET` (or the bare address) when unknown.
+    pub function: String,
+    /// The source file of the call (or of the allocation, innermost).
+    pub file: Option<String>,
+    /// Its line.
+    pub line: Option<u32>,
+}
+
+/// A resolved return address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Location {
+    /// The return address.
+    pub address: u64,
+    /// Its module (index into [`Profile::modules`]).
+    pub module: Option<usize>,
+    /// Whether a function name was found (else `frames` holds one frame named by the address).
+    pub symbolized: bool,
+    /// The innermost inlined call first, the function the code is in last; never empty.
+    pub frames: Vec<SymFrame>,
+}
+
+/// The resolved addresses of a profile's stacks (none by default).
+#[derive(Default)]
+pub struct Symbols {
+    locations: HashMap<RawFrame, Location>,
+    /// Each module's file name, for `module+0xOFFSET`.
+    module_names: Vec<String>,
+}
+
+impl Symbols {
+    /// Resolves every frame of every stack, opening each module's files once.
+    pub fn resolve(profile: &Profile, progress: &mut Progress) -> Symbols {
+        let module_names: Vec<String> = profile.modules.iter().map(|m| file_name(&m.path).to_owned()).collect();
+        let mut frames: Vec<RawFrame> = profile.stacks.iter().flat_map(|s| s.frames.iter().copied()).collect();
+        // Grouped by module: each module's debug information is opened, used and dropped in turn.
+        frames.sort_unstable_by_key(|f| (f.module, f.address));
+        frames.dedup();
+        progress.stage("symbolizing", frames.len() as u64);
+        let mut locations = HashMap::with_capacity(frames.len());
+        let mut open: Option<(usize, DebugInfo)> = None;
+        for (done, frame) in frames.into_iter().enumerate() {
+            if done % 256 == 0 {
+                progress.set(done as u64);
+            }
+            let Some(m) = frame.module else {
+                let name = format!("{:#x}", frame.address);
+                locations.insert(frame, Location::unknown(frame, name));
+                continue;
+            };
+            let module = &profile.modules[m];
+            if open.as_ref().is_none_or(|(i, _)| *i != m) {
+                open = Some((m, DebugInfo::open(module)));
+            }
+            let debug = &open.as_ref().expect("opened above").1;
+            // A return address follows the call: the call's line is one byte earlier.
+            let probe = frame.address.wrapping_sub(1).wrapping_sub(module.base);
+            let fallback = format!("{}+{:#x}", module_names[m], frame.address.wrapping_sub(module.base));
+            let found = debug.frames(probe);
+            let location = if found.is_empty() {
+                Location::unknown(frame, fallback)
+            } else {
+                let frames = found
+                    .into_iter()
+                    .map(|(function, file, line)| SymFrame {
+                        function: function.unwrap_or_else(|| fallback.clone()),
+                        file,
+                        line,
+                    })
+                    .collect();
+                Location { address: frame.address, module: Some(m), symbolized: true, frames }
+            };
+            locations.insert(frame, location);
+        }
+        Symbols { locations, module_names }
+    }
+
+    /// The resolution of a frame of one of the profile's stacks.
+    pub fn location(&self, frame: RawFrame) -> &Location {
+        // `resolve` went through every frame of every stack.
+        &self.locations[&frame]
+    }
+
+    /// A module's file name.
+    pub fn module_name(&self, module: usize) -> &str {
+        &self.module_names[module]
+    }
+}
+
+impl Location {
+    fn unknown(frame: RawFrame, name: String) -> Location {
+        Location {
+            address: frame.address,
+            module: frame.module,
+            symbolized: false,
+            frames: vec![SymFrame { function: name, file: None, line: None }],
+        }
+    }
+}
+
+/// The last component of a path.
+fn file_name(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+/// One module's debug information.
+struct DebugInfo {
+    /// Its DWARF (and symbol table): the module's own or its debug file's.
+    dwarf: Option<Loader>,
+    /// The module file's symbol table, when the DWARF came from a separate file.
+    symbols: Option<Loader>,
+}
+
+/// What the ELF file says about where its debug information is.
+struct ElfFacts {
+    build_id: Option<Vec<u8>>,
+    debuglink: Option<Vec<u8>>,
+    altlink: Option<(Vec<u8>, Vec<u8>)>,
+    has_dwarf: bool,
+}
+
+impl ElfFacts {
+    /// Reads only the headers and notes it needs (a library may be hundreds of megabytes).
+    fn read(path: &Path) -> Option<ElfFacts> {
+        let cache = object::ReadCache::new(File::open(path).ok()?);
+        let file = object::File::parse(&cache).ok()?;
+        // A separate debug file keeps the sections' headers with no contents (NOBITS): DWARF
+        // is there only when the section has bytes in the file.
+        let has_dwarf = file.section_by_name(".debug_info").is_some_and(|s| s.file_range().is_some_and(|r| r.1 > 0));
+        Some(ElfFacts {
+            build_id: file.build_id().ok().flatten().map(<[u8]>::to_vec),
+            debuglink: file.gnu_debuglink().ok().flatten().map(|(name, _crc)| name.to_vec()),
+            altlink: file.gnu_debugaltlink().ok().flatten().map(|(name, id)| (name.to_vec(), id.to_vec())),
+            has_dwarf,
+        })
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `/usr/lib/debug/.build-id/ab/cdef....debug`.
+fn by_build_id(id: &[u8]) -> Option<PathBuf> {
+    let hex = hex(id);
+    (hex.len() > 2).then(|| Path::new(DEBUG_ROOT).join(format!(".build-id/{}/{}.debug", &hex[..2], &hex[2..])))
+}
+
+fn os_path(bytes: &[u8]) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    PathBuf::from(std::ffi::OsStr::from_bytes(bytes))
+}
+
+impl DebugInfo {
+    fn open(module: &Module) -> DebugInfo {
+        let path = Path::new(&module.path);
+        let facts = ElfFacts::read(path);
+        // The file on disk is the one that ran, unless its build id says otherwise.
+        let current = facts
+            .as_ref()
+            .is_some_and(|f| module.build_id.is_empty() || f.build_id.as_deref() == Some(module.build_id.as_slice()));
+        if current
+            && facts.as_ref().is_some_and(|f| f.has_dwarf)
+            && let Ok(loader) = Loader::new(path)
+        {
+            return DebugInfo { dwarf: Some(loader), symbols: None };
+        }
+        let build_id = match &facts {
+            _ if !module.build_id.is_empty() => Some(module.build_id.clone()),
+            Some(f) => f.build_id.clone(),
+            None => None,
+        };
+        let debuglink = facts.and_then(|f| f.debuglink).filter(|_| current);
+        let dwarf = find_debug_file(path, build_id.as_deref(), debuglink.as_deref()).and_then(|d| open_debug_file(&d));
+        let symbols = if current { Loader::new(path).ok() } else { None };
+        DebugInfo { dwarf, symbols }
+    }
+
+    /// `(function, file, line)` of the functions at file address `probe`, innermost inlined
+    /// call first; the function is `None` where neither DWARF nor a symbol table names it.
+    fn frames(&self, probe: u64) -> Vec<(Option<String>, Option<String>, Option<u32>)> {
+        let mut out = Vec::new();
+        if let Some(dwarf) = &self.dwarf
+            && let Ok(mut frames) = dwarf.find_frames(probe)
+        {
+            while let Ok(Some(frame)) = frames.next() {
+                let function = frame.function.as_ref().and_then(|f| f.demangle().ok()).map(|f| f.into_owned());
+                let (file, line) = frame.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
+                out.push((function, file, line));
+            }
+        }
+        // The outermost frame is the function the code is in: the symbol table names it when
+        // DWARF does not cover the address (stripped libraries, assembly).
+        let symbol = || {
+            let name = self.dwarf.iter().chain(&self.symbols).find_map(|l| l.find_symbol(probe))?;
+            Some(addr2line::demangle_auto(name.into(), None).into_owned())
+        };
+        match out.last_mut() {
+            Some(last) if last.0.is_none() => last.0 = symbol(),
+            Some(_) => {}
+            None => {
+                if let Some(name) = symbol() {
+                    out.push((Some(name), None, None));
+                }
+            }
+        }
+        if out.iter().all(|f| f.0.is_none()) {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// The separate debug file of the module at `path`: by build id, then by debuglink next to
+/// the module, in its `.debug` folder, and under the debug root (gdb's order). A debuglink
+/// candidate must carry the module's build id when there is one (standing in for the link's
+/// CRC, which would mean reading the whole file).
+fn find_debug_file(path: &Path, build_id: Option<&[u8]>, debuglink: Option<&[u8]>) -> Option<PathBuf> {
+    if let Some(candidate) = build_id.and_then(by_build_id)
+        && candidate.is_file()
+    {
+        return Some(candidate);
+    }
+    let name = os_path(debuglink?);
+    let dir = path.parent()?;
+    let under_root = Path::new(DEBUG_ROOT).join(dir.strip_prefix("/").unwrap_or(dir)).join(&name);
+    [dir.join(&name), dir.join(".debug").join(&name), under_root].into_iter().find(|candidate| {
+        candidate != path
+            && candidate.is_file()
+            && build_id.is_none_or(|id| ElfFacts::read(candidate).and_then(|f| f.build_id).as_deref() == Some(id))
+    })
+}
+
+/// A loader for a debug file, with the supplementary file `dwz` moved shared DWARF into.
+fn open_debug_file(debug: &Path) -> Option<Loader> {
+    let sup = ElfFacts::read(debug).and_then(|f| f.altlink).and_then(|(name, id)| {
+        let named = debug.parent().map_or_else(|| os_path(&name), |dir| dir.join(os_path(&name)));
+        [Some(named), by_build_id(&id)].into_iter().flatten().find(|p| p.is_file())
+    });
+    match sup {
+        Some(sup) => Loader::new_with_sup(debug, Some(&sup)).or_else(|_| Loader::new(debug)).ok(),
+        None => Loader::new(debug).ok(),
+    }
+}

@@ -1,0 +1,250 @@
+//! Every format of the report of one synthetic trace over this binary's own code
+//! ([`super::testing`]), checked against the figures worked out there by hand.
+
+use std::any::type_name_of_val;
+use std::io::Read;
+use std::path::Path;
+
+use mallocspy::trace::{Event, Module, write_event, write_header};
+use prost::Message;
+
+use super::profile::{self, Profile};
+use super::progress::Progress;
+use super::symbolize::Symbols;
+use super::testing::{self, SITE_ONE_LINE, outer_caller, return_address_in, site_one, site_two};
+use super::{Format, Report, pprof};
+
+fn load(file: &[u8]) -> (Profile, Symbols) {
+    let mut progress = Progress::hidden();
+    let profile = profile::read(file, &mut progress).expect("a valid trace");
+    let symbols = Symbols::resolve(&profile, &mut progress);
+    (profile, symbols)
+}
+
+fn render(file: &[u8], format: Format) -> Vec<u8> {
+    let (profile, symbols) = load(file);
+    Report::new(Path::new("sites.trace"), &profile, &symbols, 20).render(format).expect("renders")
+}
+
+fn text(file: &[u8], format: Format) -> String {
+    String::from_utf8(render(file, format)).expect("UTF-8")
+}
+
+/// The two table rows (after the header row) of the table under `title`.
+fn table_rows<'a>(report: &'a str, title: &str) -> Vec<&'a str> {
+    let start = report.find(title).unwrap_or_else(|| panic!("no {title:?} in\n{report}"));
+    report[start..].lines().skip(2).take_while(|l| !l.is_empty()).collect()
+}
+
+#[test]
+fn frames_resolve_to_this_binarys_functions_and_lines() {
+    let (profile, symbols) = load(&testing::trace());
+    let location = symbols.location(profile.stacks[0].frames[0]);
+    assert!(location.symbolized);
+    let frame = location.frames.last().unwrap();
+    assert_eq!(frame.function, type_name_of_val(&site_one));
+    assert!(frame.file.as_deref().is_some_and(|f| f.ends_with("report/testing.rs")), "{frame:?}");
+    let line = frame.line.expect("a line");
+    assert!((SITE_ONE_LINE..=SITE_ONE_LINE + 1).contains(&line), "line {line}, fn at {SITE_ONE_LINE}");
+    let caller = symbols.location(profile.stacks[0].frames[1]);
+    assert_eq!(caller.frames.last().unwrap().function, type_name_of_val(&outer_caller));
+}
+
+#[test]
+fn the_text_report_ranks_sites_by_bytes_allocated_and_by_live_bytes_at_peak() {
+    let report = text(&testing::trace(), Format::Text);
+    assert!(report.contains("  program      ./sites --fast\n"), "{report}");
+    assert!(report.contains("  pid          4242\n"), "{report}");
+    assert!(report.contains("  duration     2.00 s\n"), "{report}");
+    assert!(report.contains("poisson, one sample per 1.00 KiB allocated on average"), "{report}");
+    assert!(report.contains("  allocated    4.88 KiB in 34 objects (estimated)\n"), "{report}");
+    assert!(report.contains("  peak live    2.93 KiB at 20 ns"), "{report}");
+    let one = type_name_of_val(&site_one);
+    let two = type_name_of_val(&site_two);
+
+    let allocated = table_rows(&report, "Top allocation sites by estimated bytes allocated");
+    assert_eq!(allocated.len(), 2, "{report}");
+    let row: Vec<&str> = allocated[0].split_whitespace().collect();
+    assert_eq!(row[..6], ["1", "2.93", "KiB", "60.0%", "30", "3"], "{report}");
+    assert_eq!(row[6], one);
+    assert!(row[7].starts_with('(') && row[7].contains("report/testing.rs:"), "{report}");
+    let row: Vec<&str> = allocated[1].split_whitespace().collect();
+    assert_eq!(row[..7], ["2", "1.95", "KiB", "40.0%", "4", "1", two], "{report}");
+
+    let live = table_rows(&report, "Top allocation sites by live bytes at peak (2.93 KiB at 20 ns)");
+    assert_eq!(live.len(), 2, "{report}");
+    let row: Vec<&str> = live[0].split_whitespace().collect();
+    assert_eq!(row[..7], ["1", "1.95", "KiB", "66.7%", "4", "1", two], "{report}");
+    let row: Vec<&str> = live[1].split_whitespace().collect();
+    assert_eq!(row[..7], ["2", "1000", "B", "33.3%", "10", "1", one], "{report}");
+}
+
+#[test]
+fn json_carries_the_figures_and_full_stacks() {
+    let json: serde_json::Value = serde_json::from_slice(&render(&testing::trace(), Format::Json)).unwrap();
+    assert_eq!(json["pid"], 4242);
+    assert_eq!(json["complete"], true);
+    assert_eq!(json["ticks"], 4);
+    assert_eq!(json["allocated"]["bytes"], 5000);
+    assert_eq!(json["peak"], serde_json::json!({"live_bytes": 3000, "time_ns": 20}));
+    assert_eq!(json["live_at_end"]["bytes"], 2000);
+    let first = &json["top_by_bytes_allocated"][0];
+    assert_eq!(first["function"], type_name_of_val(&site_one));
+    assert_eq!(first["allocated"], serde_json::json!({"bytes": 3000, "objects": 30.0, "samples": 3}));
+    assert_eq!(first["live_at_peak"], serde_json::json!({"bytes": 1000, "objects": 10.0, "samples": 1}));
+    assert_eq!(first["live_at_end"]["bytes"], 2000);
+    let frames = first["stacks"][0]["frames"].as_array().unwrap();
+    let names: Vec<&str> =
+        frames.iter().filter(|f| f["inlined"] == false).map(|f| f["function"].as_str().unwrap()).collect();
+    assert_eq!(names, [type_name_of_val(&site_one), type_name_of_val(&outer_caller)]);
+    assert_eq!(frames[0]["address"], format!("{:#x}", return_address_in(site_one)));
+    let live = &json["top_by_live_at_peak"][0];
+    assert_eq!(live["function"], type_name_of_val(&site_two));
+    assert_eq!(live["live_at_peak"], serde_json::json!({"bytes": 2000, "objects": 4.0, "samples": 1}));
+    assert_eq!(live["live_at_end"]["bytes"], 0);
+}
+
+#[test]
+fn folded_lines_go_root_first_with_bytes_allocated() {
+    let folded = text(&testing::trace(), Format::Folded);
+    let outer = type_name_of_val(&outer_caller);
+    let expected =
+        format!("{outer};{} 3000\n{outer};{} 2000\n", type_name_of_val(&site_one), type_name_of_val(&site_two));
+    assert_eq!(folded, expected);
+}
+
+#[test]
+fn pprof_decodes_back_with_the_four_sample_types_and_the_estimates() {
+    let gz = render(&testing::trace(), Format::Pprof);
+    assert_eq!(gz[..2], [0x1f, 0x8b], "gzip");
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut raw).unwrap();
+    let p = pprof::Profile::decode(&raw[..]).expect("a profile message");
+    let s = |i: i64| p.string_table[i as usize].as_str();
+    assert_eq!(s(0), "");
+    let types: Vec<(&str, &str)> = p.sample_type.iter().map(|t| (s(t.r#type), s(t.unit))).collect();
+    assert_eq!(types, pprof::SAMPLE_TYPES);
+    let period_type = p.period_type.as_ref().unwrap();
+    assert_eq!((s(period_type.r#type), s(period_type.unit)), ("space", "bytes"));
+    assert_eq!(p.period, 1024);
+    assert_eq!(p.time_nanos, 1_764_000_000_000_000_000);
+    assert_eq!(p.duration_nanos, 2_000_000_000);
+    assert_eq!(s(p.default_sample_type), "alloc_space");
+
+    let exe = testing::this_executable();
+    assert_eq!(p.mapping.len(), 1);
+    assert_eq!(s(p.mapping[0].filename), exe.path);
+    assert!(p.mapping[0].has_functions && p.mapping[0].has_line_numbers);
+    assert_eq!(p.mapping[0].memory_start, exe.ranges.iter().map(|r| r.0).min().unwrap());
+
+    // Each sample's leaf function, and its values.
+    let leaf = |sample: &pprof::Sample| {
+        let location = p.location.iter().find(|l| l.id == sample.location_id[0]).unwrap();
+        assert_eq!(location.mapping_id, p.mapping[0].id);
+        let line = location.line.last().unwrap();
+        let function = p.function.iter().find(|f| f.id == line.function_id).unwrap();
+        assert!(s(function.filename).ends_with("report/testing.rs"));
+        s(function.name).to_owned()
+    };
+    let mut samples: Vec<(String, Vec<i64>)> = p.sample.iter().map(|x| (leaf(x), x.value.clone())).collect();
+    samples.sort();
+    let mut expected = vec![
+        (type_name_of_val(&site_one).to_owned(), vec![30, 3000, 20, 2000]),
+        (type_name_of_val(&site_two).to_owned(), vec![4, 2000, 0, 0]),
+    ];
+    expected.sort();
+    assert_eq!(samples, expected);
+    assert!(p.sample.iter().all(|x| x.location_id.len() == 2));
+}
+
+#[test]
+fn the_flame_graph_is_an_svg_of_bytes_allocated() {
+    let svg = text(&testing::trace(), Format::Flamegraph);
+    assert!(svg.starts_with("<?xml"), "{}", &svg[..100]);
+    assert!(svg.contains("<svg"));
+    assert!(svg.contains("./sites --fast: estimated bytes allocated"));
+    assert!(svg.contains(&format!("{} (3,000 bytes, 60.00%)", type_name_of_val(&site_one))));
+    assert!(svg.trim_end().ends_with("</svg>"));
+}
+
+#[test]
+fn the_timeline_charts_the_live_heap_and_marks_its_peak() {
+    let svg = text(&testing::trace(), Format::Timeline);
+    assert!(svg.starts_with("<?xml"), "{svg}");
+    assert!(svg.contains("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+    // The heap statistics say 3000 live bytes at 25 ms, then 2000 at 1.5 s.
+    assert!(svg.contains(">peak 2.93 KiB at 25.0 ms</text>"), "{svg}");
+    assert!(svg.contains(">time (s)</text>") && svg.contains(">2 KiB</text>"), "{svg}");
+    assert_eq!(svg.matches("<path ").count(), 3, "one area per kind");
+    assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
+    assert!(svg.trim_end().ends_with("</svg>"));
+}
+
+fn trace_of(events: &[Event]) -> Vec<u8> {
+    let mut file = Vec::new();
+    write_header(&mut file, &testing::header());
+    for e in events {
+        write_event(&mut file, e);
+    }
+    file
+}
+
+#[test]
+fn formats_without_their_data_fail_with_one_line() {
+    let events: Vec<Event> = testing::events(&testing::this_executable())
+        .into_iter()
+        .filter(|e| !matches!(e, Event::HeapStats(_)))
+        .collect();
+    let (profile, symbols) = load(&trace_of(&events));
+    let report = Report::new(Path::new("t"), &profile, &symbols, 20);
+    assert_eq!(
+        report.render(Format::Timeline).unwrap_err(),
+        "the trace has no heap statistics events to draw a timeline from"
+    );
+    let (profile, symbols) = load(&trace_of(&[]));
+    let report = Report::new(Path::new("t"), &profile, &symbols, 20);
+    assert!(report.render(Format::Flamegraph).unwrap_err().contains("no sampled allocations"));
+    let text = String::from_utf8(report.render(Format::Text).unwrap()).unwrap();
+    assert!(text.contains("Top allocation sites by estimated bytes allocated\n  (none)\n"), "{text}");
+}
+
+#[test]
+fn sites_skip_the_c_runtime_and_missing_or_changed_files_give_module_offsets() {
+    let libc = Module {
+        id: 1,
+        path: "/nonexistent/libc.so.6".into(),
+        base: 0x7f00_0000_0000,
+        ranges: vec![(0x7f00_0000_1000, 0x7f00_0000_9000)],
+        build_id: vec![1, 2, 3],
+    };
+    let mut rebuilt = testing::this_executable();
+    rebuilt.id = 2;
+    rebuilt.build_id = vec![0xde, 0xad, 0xbe, 0xef];
+    let exe_name = rebuilt.path.rsplit('/').next().unwrap().to_owned();
+    let events = [
+        Event::ModuleLoad { time_ns: 0, module: testing::this_executable() },
+        Event::ModuleLoad { time_ns: 0, module: libc },
+        // A libc frame first: the site is the program's frame under it.
+        Event::Stack {
+            id: 1,
+            frames: vec![0x7f00_0000_1235, return_address_in(site_one), return_address_in(outer_caller)],
+        },
+        testing::tick(1, 0xa0, 10, 500, 1),
+        // Only libc: the allocator's caller names the site, by module and offset.
+        Event::Stack { id: 2, frames: vec![0x7f00_0000_2001] },
+        testing::tick(2, 0xb0, 10, 400, 2),
+        Event::ModuleUnload { time_ns: 3, id: 0 },
+        // The executable as another build: its file is not the one that ran.
+        Event::ModuleLoad { time_ns: 3, module: rebuilt.clone() },
+        Event::Stack { id: 3, frames: vec![return_address_in(site_two)] },
+        testing::tick(4, 0xc0, 10, 300, 3),
+    ];
+    let (profile, symbols) = load(&trace_of(&events));
+    let report = Report::new(Path::new("t"), &profile, &symbols, 20);
+    let labels: Vec<String> = report.sites().into_iter().map(|s| s.label).collect();
+    assert_eq!(labels.len(), 3, "{labels:?}");
+    assert!(labels[0].starts_with(&format!("{} (", type_name_of_val(&site_one))), "{labels:?}");
+    assert_eq!(labels[1], "libc.so.6+0x2001");
+    let offset = return_address_in(site_two) - rebuilt.base;
+    assert_eq!(labels[2], format!("{exe_name}+{offset:#x}"));
+}

@@ -1,0 +1,163 @@
+//! The text report: what ran, the estimates, and two tables of allocation sites.
+
+use std::io::{self, Write};
+
+use mallocspy::trace::Sampling;
+
+use super::Report;
+use super::sites::{Site, top_live_at_peak};
+use super::units;
+
+/// A command line as a shell would take it back, on one line: arguments with spaces or quotes
+/// in single quotes, with control characters (a `python3 -c` script's newlines) in `$'...'`.
+pub fn command_line(args: &[String]) -> String {
+    if args.is_empty() {
+        return "(unknown)".into();
+    }
+    let quote = |a: &String| {
+        if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+            return a.clone();
+        }
+        if !a.chars().any(char::is_control) {
+            return format!("'{}'", a.replace('\'', r"'\''"));
+        }
+        let mut q = String::from("$'");
+        for c in a.chars() {
+            match c {
+                '\\' => q.push_str(r"\\"),
+                '\'' => q.push_str(r"\'"),
+                '\n' => q.push_str(r"\n"),
+                '\t' => q.push_str(r"\t"),
+                c if c.is_control() => q.push_str(&format!("\\u{:04x}", c as u32)),
+                c => q.push(c),
+            }
+        }
+        q.push('\'');
+        q
+    };
+    args.iter().map(quote).collect::<Vec<_>>().join(" ")
+}
+
+/// The command line for a chart's title: at most `max` characters.
+pub fn title(args: &[String], max: usize) -> String {
+    let full = command_line(args);
+    if full.chars().count() <= max {
+        return full;
+    }
+    let mut short: String = full.chars().take(max.saturating_sub(1)).collect();
+    short.push('…');
+    short
+}
+
+/// How the trace sampled, in words.
+pub fn sampling(report: &Report<'_>) -> String {
+    let h = &report.profile.header;
+    match h.sampling {
+        Sampling::Poisson => format!("poisson, one sample per {} allocated on average", units::bytes(h.interval)),
+        Sampling::Tick => format!("tick, one sample per {} allocated per thread and kind", units::bytes(h.interval)),
+    }
+}
+
+/// Writes the text report.
+pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
+    let p = report.profile;
+    let h = &p.header;
+    writeln!(out, "mallocspy allocation report: {}", report.trace.display())?;
+    writeln!(out)?;
+    writeln!(out, "  program      {}", command_line(&h.command))?;
+    writeln!(out, "  pid          {}", h.pid)?;
+    writeln!(out, "  duration     {}", units::duration(p.duration_ns()))?;
+    writeln!(out, "  sampling     {}", sampling(report))?;
+    writeln!(
+        out,
+        "  ticks        {} samples, {} of them freed",
+        units::count(p.allocated.samples),
+        units::count(p.frees)
+    )?;
+    writeln!(
+        out,
+        "  allocated    {} in {} objects (estimated)",
+        units::bytes(p.allocated.bytes),
+        units::objects(p.allocated.objects)
+    )?;
+    if p.allocated.samples > 0 {
+        writeln!(
+            out,
+            "  peak live    {} at {} (estimated)",
+            units::bytes(p.peak.live_bytes),
+            units::duration(p.peak.time_ns)
+        )?;
+        writeln!(out, "  live at end  {} (estimated)", units::bytes(p.live_at_end.bytes))?;
+    }
+    if p.lost_events > 0 {
+        writeln!(
+            out,
+            "  lost         {} events dropped by the writer: the estimates are low",
+            units::count(p.lost_events)
+        )?;
+    }
+    writeln!(out)?;
+
+    let sites = report.sites();
+    let total = p.allocated.bytes;
+    let top: Vec<&Site<'_>> = sites.iter().take(report.top).collect();
+    writeln!(out, "Top allocation sites by estimated bytes allocated")?;
+    table(out, &top, total, |s| s.allocated.bytes, |s| (s.allocated.objects, s.allocated.samples))?;
+    writeln!(out)?;
+
+    let live = top_live_at_peak(&sites, report.top);
+    if p.allocated.samples == 0 {
+        writeln!(out, "Top allocation sites by live bytes at peak")?;
+    } else {
+        writeln!(
+            out,
+            "Top allocation sites by live bytes at peak ({} at {})",
+            units::bytes(p.peak.live_bytes),
+            units::duration(p.peak.time_ns)
+        )?;
+    }
+    table(out, &live, p.peak.live_bytes, |s| s.live_at_peak.bytes, |s| (s.live_at_peak.objects, s.live_at_peak.samples))
+}
+
+fn table(
+    out: &mut dyn Write,
+    sites: &[&Site<'_>],
+    total: u64,
+    bytes: impl Fn(&Site<'_>) -> u64,
+    objects_samples: impl Fn(&Site<'_>) -> (f64, u64),
+) -> io::Result<()> {
+    if sites.is_empty() {
+        return writeln!(out, "  (none)");
+    }
+    writeln!(out, "  {:>4}  {:>10}  {:>6}  {:>14}  {:>9}  site", "rank", "bytes", "%", "est. objects", "samples")?;
+    for (rank, site) in sites.iter().enumerate() {
+        let (objects, samples) = objects_samples(site);
+        writeln!(
+            out,
+            "  {:>4}  {:>10}  {:>6}  {:>14}  {:>9}  {}",
+            rank + 1,
+            units::bytes(bytes(site)),
+            units::percent(bytes(site), total),
+            units::objects(objects),
+            units::count(samples),
+            site.label
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_lines_quote_what_a_shell_would_split() {
+        let args = ["python3", "-c", "print('hi')", ""].map(String::from);
+        assert_eq!(command_line(&args), r"python3 -c 'print('\''hi'\'')' ''");
+        assert_eq!(command_line(&[]), "(unknown)");
+        let script = ["python3", "-c", "import os\n\tprint('\\')\u{7}"].map(String::from);
+        assert_eq!(command_line(&script), r"python3 -c $'import os\n\tprint(\'\\\')\u0007'");
+        assert_eq!(title(&script, 13), "python3 -c $…");
+        assert_eq!(title(&script[..1], 12), "python3");
+    }
+}

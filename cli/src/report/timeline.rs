@@ -1,0 +1,307 @@
+//! The timeline: a self-contained SVG chart of the live heap over time.
+//!
+//! The heap statistics events give, at each moment, the estimated live bytes per kind (small,
+//! large, aligned: stacked areas, whose top is the estimated live heap) and the allocator's own
+//! view (`mallinfo2`'s in-use arena bytes plus its mmapped blocks: a dashed line), so that the
+//! sampled estimate can be read against what the allocator holds. The top of the stack is marked
+//! at its peak.
+
+use std::fmt::Write as _;
+use std::io::{self, Write};
+
+use mallocspy::trace::{HeapStats, Kind};
+
+use super::Report;
+use super::text;
+use super::units;
+
+const WIDTH: f64 = 960.0;
+const HEIGHT: f64 = 540.0;
+/// The plot area.
+const LEFT: f64 = 90.0;
+const RIGHT: f64 = WIDTH - 30.0;
+const TOP: f64 = 96.0;
+const BOTTOM: f64 = HEIGHT - 50.0;
+
+/// Area colors of small, large and aligned.
+const KIND_COLORS: [&str; 3] = ["#4e79a7", "#f28e2b", "#59a14f"];
+const ALLOCATOR_COLOR: &str = "#b6403a";
+
+/// Text for SVG: the program's name may hold anything.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&apos;"),
+            c if c.is_control() => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The smallest of 1, 2 and 5 times a power of ten that is at least `raw`.
+fn nice_step(raw: f64) -> f64 {
+    if raw <= 0.0 || !raw.is_finite() {
+        return 1.0;
+    }
+    let power = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 5.0, 10.0].into_iter().map(|m| m * power).find(|&s| s >= raw * (1.0 - 1e-9)).unwrap_or(10.0 * power)
+}
+
+/// Decimals that show a multiple of `step` exactly.
+fn decimals(step: f64) -> usize {
+    if step >= 1.0 { 0 } else { (-step.log10().floor()) as usize }
+}
+
+/// An axis: `ticks` steps of `step` from zero to `max`, in a unit.
+struct Axis {
+    step: f64,
+    max: f64,
+    /// Bytes (or seconds) per axis unit.
+    unit: f64,
+    unit_name: &'static str,
+}
+
+impl Axis {
+    /// About `ticks` gridlines over `0..=data_max` (in the unit's measure).
+    fn new(data_max: f64, ticks: f64, unit: f64, unit_name: &'static str) -> Axis {
+        let in_units = data_max / unit;
+        let step = nice_step(in_units / ticks);
+        let max = ((in_units / step).ceil() * step).max(step);
+        Axis { step, max, unit, unit_name }
+    }
+
+    /// For byte values: the largest binary unit the maximum reaches.
+    fn bytes(max_bytes: u64) -> Axis {
+        const UNITS: [(&str, f64); 5] =
+            [("B", 1.0), ("KiB", 1024.0), ("MiB", 1048576.0), ("GiB", 1073741824.0), ("TiB", 1099511627776.0)];
+        let max = max_bytes.max(1024) as f64;
+        let (name, unit) = UNITS.into_iter().rev().find(|&(_, u)| max >= u).unwrap_or(UNITS[0]);
+        Axis::new(max, 5.0, unit, name)
+    }
+
+    fn values(&self) -> impl Iterator<Item = f64> + '_ {
+        let n = (self.max / self.step).round() as usize;
+        (0..=n).map(move |i| i as f64 * self.step)
+    }
+
+    fn label(&self, v: f64) -> String {
+        let d = decimals(self.step);
+        if self.unit_name.is_empty() { format!("{v:.d$}") } else { format!("{v:.d$} {}", self.unit_name) }
+    }
+
+    /// Where `measure` (bytes or seconds) falls between 0 and 1.
+    fn fraction(&self, measure: f64) -> f64 {
+        measure / self.unit / self.max
+    }
+}
+
+/// One moment of the chart.
+struct Point {
+    time_ns: u64,
+    seconds: f64,
+    kinds: [u64; 3],
+    allocator: u64,
+}
+
+impl Point {
+    fn total(&self) -> u64 {
+        self.kinds.iter().sum()
+    }
+}
+
+fn points(stats: &[HeapStats]) -> Vec<Point> {
+    let mut points: Vec<Point> = stats
+        .iter()
+        .map(|s| Point {
+            time_ns: s.time_ns,
+            seconds: s.time_ns as f64 / 1e9,
+            kinds: Kind::ALL.map(|k| s.kinds[k as usize].live_bytes),
+            allocator: s.in_use_bytes.saturating_add(s.mmapped_bytes),
+        })
+        .collect();
+    // Events from several threads may arrive slightly out of order.
+    points.sort_by_key(|p| p.time_ns);
+    points
+}
+
+/// Writes the chart.
+///
+/// # Errors
+/// Those of `out`, and `InvalidData` when the trace has no heap statistics (the caller checks first).
+pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
+    let p = report.profile;
+    let points = points(&p.heap_stats);
+    let Some(peak) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events"));
+    };
+    let last_seconds = points.last().map_or(0.0, |p| p.seconds);
+    let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
+    let bytes_max = points.iter().map(|p| p.total().max(p.allocator)).max().unwrap_or(0);
+    let space = Axis::bytes(bytes_max);
+    let x = |seconds: f64| LEFT + time.fraction(seconds) * (RIGHT - LEFT);
+    let y = |bytes: u64| BOTTOM - space.fraction(bytes as f64) * (BOTTOM - TOP);
+
+    let mut svg = String::new();
+    let title = format!("{}: live heap over time", text::title(&p.header.command, 80));
+    // Writing to a String cannot fail.
+    let _ = writeln!(svg, r#"<?xml version="1.0" encoding="UTF-8"?>"#);
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="Verdana, sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(svg, "<title>{}</title>", escape(&title));
+    let _ = writeln!(svg, r##"<rect width="100%" height="100%" fill="#ffffff"/>"##);
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="28" font-size="17" text-anchor="middle">{}</text>"#,
+        WIDTH / 2.0,
+        escape(&title)
+    );
+    let _ = writeln!(
+        svg,
+        r##"<text x="{}" y="48" fill="#555555" text-anchor="middle">estimated from sampled allocations by mallocspy (pid {}); dashed: the allocator's in-use and mmapped bytes</text>"##,
+        WIDTH / 2.0,
+        p.header.pid
+    );
+
+    // Gridlines and their labels.
+    let _ = writeln!(svg, r##"<g stroke="#dddddd" stroke-width="1">"##);
+    for v in space.values() {
+        let gy = BOTTOM - v / space.max * (BOTTOM - TOP);
+        let _ = writeln!(svg, r#"<line x1="{LEFT}" y1="{gy:.1}" x2="{RIGHT}" y2="{gy:.1}"/>"#);
+    }
+    for v in time.values() {
+        let gx = LEFT + v / time.max * (RIGHT - LEFT);
+        let _ = writeln!(svg, r#"<line x1="{gx:.1}" y1="{TOP}" x2="{gx:.1}" y2="{BOTTOM}"/>"#);
+    }
+    let _ = writeln!(svg, "</g>");
+    for v in space.values() {
+        let gy = BOTTOM - v / space.max * (BOTTOM - TOP);
+        let _ = writeln!(
+            svg,
+            r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
+            LEFT - 8.0,
+            gy + 4.0,
+            space.label(v)
+        );
+    }
+    for v in time.values() {
+        let gx = LEFT + v / time.max * (RIGHT - LEFT);
+        let _ =
+            writeln!(svg, r#"<text x="{gx:.1}" y="{}" text-anchor="middle">{}</text>"#, BOTTOM + 18.0, time.label(v));
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="{}" y="{}" text-anchor="middle">time (s)</text>"#,
+        (LEFT + RIGHT) / 2.0,
+        BOTTOM + 40.0
+    );
+
+    // The kinds, stacked: each area between the running sums below and with it.
+    for (k, color) in KIND_COLORS.iter().enumerate() {
+        let below = |p: &Point| p.kinds[..k].iter().sum::<u64>();
+        let mut d = String::new();
+        for (i, p) in points.iter().enumerate() {
+            let _ = write!(d, "{}{:.1},{:.1} ", if i == 0 { "M" } else { "L" }, x(p.seconds), y(below(p) + p.kinds[k]));
+        }
+        for p in points.iter().rev() {
+            let _ = write!(d, "L{:.1},{:.1} ", x(p.seconds), y(below(p)));
+        }
+        let _ = writeln!(
+            svg,
+            r#"<path d="{}Z" fill="{}" fill-opacity="0.75" stroke="{}" stroke-width="1"><title>{}</title></path>"#,
+            d,
+            color,
+            color,
+            Kind::ALL[k].name()
+        );
+    }
+    let line: Vec<String> = points.iter().map(|p| format!("{:.1},{:.1}", x(p.seconds), y(p.allocator))).collect();
+    let _ = writeln!(
+        svg,
+        r#"<polyline points="{}" fill="none" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"#,
+        line.join(" ")
+    );
+    let _ = writeln!(
+        svg,
+        r##"<rect x="{LEFT}" y="{TOP}" width="{}" height="{}" fill="none" stroke="#888888"/>"##,
+        RIGHT - LEFT,
+        BOTTOM - TOP
+    );
+
+    // The legend, in one row above the plot; each entry as wide as its text (about 7 pixels a
+    // character at this size).
+    let mut lx = LEFT;
+    let ly = TOP - 18.0;
+    for (kind, color) in Kind::ALL.iter().zip(KIND_COLORS) {
+        let text = format!("{} (estimated)", kind.name());
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{lx}" y="{}" width="14" height="10" fill="{}" fill-opacity="0.75"/><text x="{}" y="{ly}">{text}</text>"#,
+            ly - 9.0,
+            color,
+            lx + 19.0,
+        );
+        lx += 19.0 + 7.0 * text.len() as f64 + 24.0;
+    }
+    let _ = writeln!(
+        svg,
+        r#"<line x1="{lx}" y1="{}" x2="{}" y2="{}" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/><text x="{}" y="{ly}">allocator: in use + mmapped</text>"#,
+        ly - 4.0,
+        lx + 14.0,
+        ly - 4.0,
+        lx + 19.0
+    );
+
+    // The peak: a dot on the top of the stack, and its label beside it, kept inside the plot.
+    let (px, py) = (x(peak.seconds), y(peak.total()));
+    let label = format!("peak {} at {}", units::bytes(peak.total()), units::duration(peak.time_ns));
+    let (tx, anchor) = if px > RIGHT - 240.0 { (px - 8.0, "end") } else { (px + 8.0, "start") };
+    let ty = if py < TOP + 20.0 { py + 18.0 } else { py - 8.0 };
+    let _ = writeln!(
+        svg,
+        r##"<circle cx="{px:.1}" cy="{py:.1}" r="4.5" fill="#d62728" stroke="#ffffff" stroke-width="1.5"/>"##
+    );
+    let _ = writeln!(svg, r#"<text x="{tx:.1}" y="{ty:.1}" text-anchor="{anchor}" font-weight="bold">{label}</text>"#);
+    let _ = writeln!(svg, "</svg>");
+    out.write_all(svg.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_are_one_two_or_five_times_a_power_of_ten() {
+        assert_eq!(nice_step(0.13), 0.2);
+        assert_eq!(nice_step(3.0), 5.0);
+        assert_eq!(nice_step(5.0), 5.0);
+        assert_eq!(nice_step(7.0), 10.0);
+        assert_eq!(nice_step(0.0), 1.0);
+        assert_eq!(decimals(0.2), 1);
+        assert_eq!(decimals(0.05), 2);
+        assert_eq!(decimals(5.0), 0);
+    }
+
+    #[test]
+    fn byte_axes_take_the_unit_of_their_maximum() {
+        let a = Axis::bytes(12 * 1024 * 1024 + 5);
+        assert_eq!(a.unit_name, "MiB");
+        assert_eq!((a.step, a.max), (5.0, 15.0));
+        assert_eq!(a.values().map(|v| a.label(v)).collect::<Vec<_>>(), ["0 MiB", "5 MiB", "10 MiB", "15 MiB"]);
+        let small = Axis::bytes(100);
+        assert_eq!((small.unit_name, small.max), ("KiB", 1.0));
+        assert_eq!(small.label(0.2), "0.2 KiB");
+    }
+
+    #[test]
+    fn svg_text_is_escaped() {
+        assert_eq!(escape("a<b & 'c'\n"), "a&lt;b &amp; &apos;c&apos; ");
+    }
+}

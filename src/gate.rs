@@ -1,0 +1,163 @@
+//! The sampling gate: lets the calls a sampling spy would only count bypass the spy.
+//!
+//! A spy that samples (`spy=ticks`) looks at one allocation in thousands; the rest it only
+//! counts. Sending every call through the registry, the hook scope and the spy's methods
+//! costs more than the sampling itself, so when the sampling spy is the process's only spy
+//! the entry points ask the gate first: an allocation that does not use up the thread's
+//! countdown, and a free of an address the spy never sampled, are counted here — a few loads
+//! and stores on this thread's own lines — and go straight to the real allocator, as
+//! tcmalloc's sampler sits on its fast path. The rest take the spied path, where the spy
+//! decides, samples and resets the countdown.
+//!
+//! The spy publishes which addresses may be sampled blocks in a bitmap (a bit per address
+//! hash, set while any sampled block of that hash lives); a free whose bit is clear cannot
+//! be of a sampled block. The countdowns live in the thread's initial-exec TLS
+//! ([`crate::tls::ThreadState::tick_until`]); the counters in the spy's per-thread record,
+//! which the thread's TLS points to once the spy has seen the thread.
+
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+
+use crate::tls;
+
+/// Bits of the address bitmap (a power of two).
+pub(crate) const BITS: usize = 1 << 16;
+
+/// A thread's exact totals, as the gate and the spy count them (single writer: the thread).
+#[repr(C)]
+pub(crate) struct TickCounters {
+    pub allocs: [AtomicU64; 3],
+    pub bytes: [AtomicU64; 3],
+    pub frees: AtomicU64,
+}
+
+/// Allocation kinds, as indexes (see [`crate::trace::Kind`]).
+pub(crate) const SMALL: usize = 0;
+pub(crate) const LARGE: usize = 1;
+pub(crate) const ALIGNED: usize = 2;
+/// Requests at or above this are `large` (glibc's default mmap threshold).
+pub(crate) const LARGE_BYTES: usize = 128 << 10;
+
+/// The kind of an unaligned request of `size` bytes.
+#[inline(always)]
+pub(crate) fn kind_of(size: usize) -> usize {
+    if size >= LARGE_BYTES { LARGE } else { SMALL }
+}
+
+/// The bit of `ptr` in the bitmap: its 64-byte line, modulo the bitmap's 4 MiB of reach. Not
+/// a scrambling hash, on purpose: frees of neighbouring blocks read the same bitmap word, so
+/// the bitmap stays in cache while the program walks its heap; a sampled block costs a slow
+/// free only to the few blocks sharing its line (and those 4 MiB away).
+#[inline(always)]
+pub(crate) fn bit_of(ptr: usize) -> usize {
+    (ptr >> 6) & (BITS - 1)
+}
+
+#[inline(always)]
+fn bump(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+/// The gate of one interposer.
+pub(crate) struct Gate {
+    on: AtomicBool,
+    /// One countdown per kind (tick sampling) rather than one for all (poisson).
+    per_kind: AtomicBool,
+    /// `[AtomicU64; BITS / 64]`, set by the spy.
+    bitmap: AtomicPtr<AtomicU64>,
+}
+
+impl Gate {
+    pub(crate) const fn new() -> Self {
+        Self {
+            on: AtomicBool::new(false),
+            per_kind: AtomicBool::new(false),
+            bitmap: AtomicPtr::new(core::ptr::null_mut()),
+        }
+    }
+
+    /// Opens the gate for the spy that maintains `bitmap` (`BITS` bits) and the threads'
+    /// countdowns and counters.
+    pub(crate) fn open(&self, bitmap: *mut AtomicU64, per_kind: bool) {
+        self.per_kind.store(per_kind, Ordering::Relaxed);
+        self.bitmap.store(bitmap, Ordering::Release);
+        self.on.store(true, Ordering::Release);
+    }
+
+    /// The calling thread's counters, if the gate is open and the thread is outside any hook
+    /// and known to the spy.
+    #[inline(always)]
+    fn counters(&self) -> Option<(&'static tls::ThreadState, &'static TickCounters)> {
+        if !self.on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let ts = tls::state();
+        let record = ts.tick_record.get();
+        if record == 0 || ts.depth.get() != 0 {
+            return None;
+        }
+        // SAFETY: the spy stores only pointers to its per-thread records, which live as long as
+        // the process (mallocspy's pool never unmaps them).
+        Some((ts, unsafe { &*(record as *const TickCounters) }))
+    }
+
+    /// Whether a sampled block may live at `ptr`.
+    #[inline(always)]
+    pub(crate) fn maybe_sampled(&self, ptr: usize) -> bool {
+        let bit = bit_of(ptr);
+        // SAFETY: set with the gate opened: BITS / 64 words, never freed.
+        let word = unsafe { &*self.bitmap.load(Ordering::Relaxed).add(bit / 64) };
+        word.load(Ordering::Relaxed) & (1 << (bit % 64)) != 0
+    }
+
+    /// An allocation of `size` bytes of `kind`: `true` when it is only counted (the caller
+    /// goes straight to the real allocator).
+    #[inline(always)]
+    pub(crate) fn pass_alloc(&self, size: usize, kind: usize) -> bool {
+        let Some((ts, c)) = self.counters() else { return false };
+        let until = &ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }];
+        let left = until.get() - size as i64;
+        if left <= 0 {
+            return false;
+        }
+        until.set(left);
+        bump(&c.allocs[kind], 1);
+        bump(&c.bytes[kind], size as u64);
+        true
+    }
+
+    /// A free of `ptr`: `true` when it is only counted (NULL: not even counted).
+    #[inline(always)]
+    pub(crate) fn pass_free(&self, ptr: usize) -> bool {
+        let Some((_, c)) = self.counters() else { return false };
+        if ptr == 0 {
+            return true;
+        }
+        if self.maybe_sampled(ptr) {
+            return false;
+        }
+        bump(&c.frees, 1);
+        true
+    }
+
+    /// A `realloc` of `ptr` (maybe NULL) to `size` (not 0): `true` when it is only counted.
+    #[inline(always)]
+    pub(crate) fn pass_realloc(&self, ptr: usize, size: usize) -> bool {
+        let Some((ts, c)) = self.counters() else { return false };
+        if ptr != 0 && self.maybe_sampled(ptr) {
+            return false;
+        }
+        let kind = kind_of(size);
+        let until = &ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }];
+        let left = until.get() - size as i64;
+        if left <= 0 {
+            return false;
+        }
+        until.set(left);
+        bump(&c.allocs[kind], 1);
+        bump(&c.bytes[kind], size as u64);
+        if ptr != 0 {
+            bump(&c.frees, 1);
+        }
+        true
+    }
+}

@@ -1,0 +1,571 @@
+//! `spy=ticks`: allocation ticks, the malloc analogue of .NET's GCAllocationTick event.
+//!
+//! Every allocation counts its bytes (per thread and per kind: exact totals); now and then one
+//! is *sampled*: its stack is captured and interned, it is remembered until its free, and a
+//! tick goes to the trace writer's queue. Two ways to choose:
+//!
+//! * `poisson` (default): each byte is sampled with probability 1/interval. A thread draws
+//!   exponential gaps (memoryless, so a gap may restart at the end of each sampled block); an
+//!   allocation of `size` bytes is sampled with probability `p = 1 - e^(-size/interval)` and
+//!   stands for `size / p` bytes, so sums of weights are unbiased estimates of true totals
+//!   whatever the allocation pattern (the scheme of tcmalloc, jemalloc's prof and heapprofd).
+//! * `tick`: .NET's rule: a tick when a thread's bytes of one kind since its last tick reach
+//!   the interval; the tick stands for those bytes. Totals are exact, but a periodic pattern
+//!   whose period divides the interval ticks the same site every time.
+//!
+//! Frees look up the sampled blocks only when a bitmap says the address may be one. When this
+//! spy is the only one, [`crate::gate`] does the counting of unsampled calls on the entry
+//! points themselves, and only the calls that sample, or free a maybe-sampled block, come here.
+
+use core::cell::UnsafeCell;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+
+use crate::gate::{self, TickCounters};
+use crate::live_table::LiveTable;
+use crate::spies::leaks::MAX_DEPTH;
+use crate::spy::{Call, Entry, MallocSpy, Role};
+use crate::stacks::{self, Stacks};
+use crate::sync::SpinLock;
+use crate::threads::{self, MAX_THREADS};
+use crate::trace::ring::{Raw, RawTag, Ring};
+use crate::trace::{self, Kind, Sampling};
+use crate::unwind::{self, WalkCache};
+use crate::{pool, tls};
+
+/// Entries of a thread's cache of stack ids (a power of two).
+const KNOWN_STACKS: usize = 64;
+/// Events the queue to the writer holds.
+const QUEUE: usize = 1 << 14;
+
+/// How the spy samples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Config {
+    pub sampling: Sampling,
+    /// Mean bytes between samples (poisson) or the tick stride.
+    pub interval: u64,
+    pub depth: usize,
+    /// Seeds the threads' random gaps (poisson).
+    pub seed: u64,
+}
+
+/// What is kept of a sampled block until its free.
+#[derive(Clone, Copy)]
+struct Sample {
+    weight: u64,
+    /// Size in the high 62 bits, kind in the low 2.
+    size_kind: u64,
+}
+
+/// Per-thread counters (read by the statistics; the gate counts into them too) and the
+/// owner's sampling state. The countdowns are in the thread's TLS, where the gate reads them.
+#[repr(C)]
+struct PerThread {
+    counters: TickCounters,
+    own: UnsafeCell<Own>,
+}
+
+struct Own {
+    rng: u64,
+    /// The kernel thread id a `ThreadStart` was sent for (slots are reused by new threads).
+    started: u32,
+    frames: [u64; MAX_DEPTH],
+    known_stacks: [(u64, u32); KNOWN_STACKS],
+    walk: WalkCache,
+}
+
+impl PerThread {
+    /// # Safety
+    /// Only the owning thread, inside its hook, and not while an earlier result is in use.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn own(&self) -> &mut Own {
+        // SAFETY: the caller's guarantee makes this the only reference.
+        unsafe { &mut *self.own.get() }
+    }
+}
+
+#[inline(always)]
+fn bump(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+/// A sampled allocation, as [`crate::on_allocation_tick`] callbacks see it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AllocationTick {
+    /// Nanoseconds since the spy started.
+    pub time_ns: u64,
+    /// The allocating thread's index (GCAllocationTick's heap index).
+    pub thread: u32,
+    /// 0 small, 1 large, 2 aligned ([`trace::Kind`]).
+    pub kind: u8,
+    /// The entry point ([`Entry`] index).
+    pub entry: u8,
+    /// Bytes asked for.
+    pub size: u64,
+    /// The block.
+    pub address: u64,
+    /// Bytes this sample stands for.
+    pub weight: u64,
+    /// Return addresses, innermost first (`frame_count` of them), valid during the call.
+    pub frames: *const u64,
+    /// Number of frames.
+    pub frame_count: usize,
+}
+
+/// A function called for every tick, inside the allocator (see [`crate::on_allocation_tick`]).
+pub type TickCallback = extern "C" fn(&AllocationTick);
+
+/// The ticks spy.
+pub(crate) struct TickSpy {
+    pub(crate) config: Config,
+    per_thread: NonNull<AtomicPtr<PerThread>>,
+    sampled: LiveTable<Sample>,
+    /// `[AtomicU64; gate::BITS / 64]`: a bit per address hash, set while sampled blocks of
+    /// that hash live.
+    bitmap: NonNull<AtomicU64>,
+    /// `[u16; gate::BITS]`: how many, under `bits_lock`.
+    bit_counts: NonNull<u16>,
+    bits_lock: SpinLock,
+    pub(crate) stacks: Stacks,
+    /// Estimated live bytes per kind (sums of live samples' weights).
+    live_bytes: [AtomicU64; 3],
+    /// Estimated live blocks per kind, in 1/1024ths.
+    live_blocks_k: [AtomicU64; 3],
+    /// Frees of threads without a record (none inside the shim's hooks).
+    frees_elsewhere: AtomicU64,
+    /// To the trace writer; `None` without one.
+    pub(crate) ring: Option<Ring>,
+    callback: AtomicUsize,
+    start_ns: u64,
+}
+
+// SAFETY: per-thread records are written by their owners only (counters are atomics read
+// by anyone); tables and queue are Sync.
+unsafe impl Send for TickSpy {}
+// SAFETY: as above.
+unsafe impl Sync for TickSpy {}
+
+/// Monotonic nanoseconds.
+pub(crate) fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// xorshift64*: a thread's private generator (no state shared, nothing to lock).
+fn next_random(state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// An exponential gap of mean `interval` bytes.
+fn gap(state: &mut u64, interval: u64) -> i64 {
+    // 53 random bits in (0, 1].
+    let u = ((next_random(state) >> 11) + 1) as f64 / (1u64 << 53) as f64;
+    (-u.ln() * interval as f64).min(i64::MAX as f64 / 2.0) as i64 + 1
+}
+
+/// The bytes a poisson sample of `size` stands for: `size / P(sampled)`.
+pub(crate) fn poisson_weight(size: u64, interval: u64) -> u64 {
+    let p = -(-(size as f64) / interval as f64).exp_m1();
+    if p <= 0.0 { interval } else { (size as f64 / p).round() as u64 }
+}
+
+fn kind_of(call: &Call) -> Kind {
+    if call.align != 0 || matches!(call.entry, Entry::Valloc | Entry::Pvalloc) {
+        Kind::Aligned
+    } else if gate::kind_of(call.size) == gate::LARGE {
+        Kind::Large
+    } else {
+        Kind::Small
+    }
+}
+
+impl TickSpy {
+    /// A spy sampling as `config` says, queueing for a writer if `queue`; `None` if its memory
+    /// cannot be mapped.
+    pub(crate) fn new(config: Config, queue: bool) -> Option<Self> {
+        let ring = if queue { Some(Ring::new(QUEUE)?) } else { None };
+        Some(Self {
+            config: Config { depth: config.depth.clamp(1, MAX_DEPTH), interval: config.interval.max(1), ..config },
+            per_thread: threads::map_per_thread::<AtomicPtr<PerThread>>()?,
+            sampled: LiveTable::new(),
+            bitmap: pool::lease(gate::BITS / 8)?.cast(),
+            bit_counts: pool::lease(gate::BITS * 2)?.cast(),
+            bits_lock: SpinLock::new(),
+            stacks: Stacks::new(),
+            live_bytes: Default::default(),
+            live_blocks_k: Default::default(),
+            frees_elsewhere: AtomicU64::new(0),
+            ring,
+            callback: AtomicUsize::new(0),
+            start_ns: now_ns(),
+        })
+    }
+
+    /// Nanoseconds since the spy started.
+    pub(crate) fn elapsed_ns(&self) -> u64 {
+        now_ns().saturating_sub(self.start_ns)
+    }
+
+    /// Calls `f` for every tick from now on (inside the allocator).
+    pub(crate) fn set_callback(&self, f: Option<TickCallback>) {
+        self.callback.store(f.map_or(0, |f| f as usize), Ordering::Release);
+    }
+
+    fn slot(&self, index: usize) -> &AtomicPtr<PerThread> {
+        debug_assert!(index < MAX_THREADS);
+        // SAFETY: index < MAX_THREADS, the array's length; zeroed memory is null pointers.
+        unsafe { &*self.per_thread.as_ptr().add(index) }
+    }
+
+    /// Lets `gate` count the calls this spy would only count (when it is the only spy).
+    pub(crate) fn open_gate(&self, gate: &gate::Gate) {
+        gate.open(self.bitmap.as_ptr(), self.config.sampling == Sampling::Tick);
+    }
+
+    fn word(&self, bit: usize) -> &AtomicU64 {
+        // SAFETY: bit < gate::BITS; the leased array has gate::BITS / 64 words (zeroed: valid).
+        unsafe { &*self.bitmap.as_ptr().add(bit / 64) }
+    }
+
+    /// Counts a sampled block at `ptr` in (`+1`) or out (`-1`) of the bitmap.
+    fn mark(&self, ptr: usize, delta: i32) {
+        let bit = gate::bit_of(ptr);
+        let _guard = self.bits_lock.lock();
+        // SAFETY: bit < gate::BITS, the array's length; the lock is held.
+        let count = unsafe { &mut *self.bit_counts.as_ptr().add(bit) };
+        *count = (*count as i32 + delta).clamp(0, u16::MAX as i32) as u16;
+        let mask = 1u64 << (bit % 64);
+        if *count > 0 {
+            self.word(bit).fetch_or(mask, Ordering::Release);
+        } else {
+            self.word(bit).fetch_and(!mask, Ordering::Release);
+        }
+    }
+
+    /// The calling thread's record, leased the first time its slot is used; and, the first
+    /// time this thread is seen, its countdowns started and its TLS pointed at the record.
+    fn mine(&self) -> Option<(u32, &PerThread)> {
+        let index = threads::current_index()?;
+        let slot = self.slot(index as usize);
+        let mut record = slot.load(Ordering::Acquire);
+        if record.is_null() {
+            record = pool::lease(core::mem::size_of::<PerThread>())?.as_ptr().cast();
+            slot.store(record, Ordering::Release);
+        }
+        // SAFETY: published records live as long as the spy; zeroed memory is a valid
+        // PerThread and leases are zeroed.
+        let t: &PerThread = unsafe { &*record };
+        let ts = tls::state();
+        if ts.tick_record.get() != &t.counters as *const TickCounters as usize {
+            // SAFETY: the calling thread owns the record (its slot), inside its hook.
+            let own = unsafe { t.own() };
+            own.rng = self.config.seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            for until in &ts.tick_until {
+                until.set(match self.config.sampling {
+                    Sampling::Poisson => gap(&mut own.rng, self.config.interval),
+                    Sampling::Tick => self.config.interval as i64,
+                });
+            }
+            ts.tick_record.set(&t.counters as *const TickCounters as usize);
+        }
+        Some((index, t))
+    }
+
+    fn all_threads(&self) -> impl Iterator<Item = &PerThread> {
+        // SAFETY: published records live as long as the spy; only their atomics are read.
+        (0..threads::high_water()).filter_map(|i| unsafe { self.slot(i).load(Ordering::Acquire).as_ref() })
+    }
+
+    fn stack_id(&self, own: &mut Own) -> u32 {
+        let n = unwind::capture(&mut own.frames[..self.config.depth], &mut own.walk);
+        let frames = &own.frames[..n];
+        let h = stacks::hash(frames);
+        let known = &mut own.known_stacks[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
+        if known.0 == h && known.1 != 0 {
+            return known.1;
+        }
+        let id = self.stacks.intern(h, frames);
+        *known = (h, id);
+        id
+    }
+
+    /// The weight of this allocation if it is to be sampled (the same countdown rule as the
+    /// gate's, which let every earlier call of this thread through).
+    #[inline(always)]
+    fn decide(&self, own: &mut Own, size: u64, kind: Kind) -> Option<u64> {
+        let interval = self.config.interval;
+        let ts = tls::state();
+        let until = &ts.tick_until[if self.config.sampling == Sampling::Tick { kind as usize } else { 0 }];
+        let left = until.get() - size as i64;
+        if left > 0 {
+            until.set(left);
+            return None;
+        }
+        Some(match self.config.sampling {
+            Sampling::Poisson => {
+                until.set(gap(&mut own.rng, interval));
+                poisson_weight(size, interval)
+            }
+            Sampling::Tick => {
+                // The bytes since the last tick, this allocation's included.
+                until.set(interval as i64);
+                (interval as i64 - left) as u64
+            }
+        })
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn sample(&self, index: u32, own: &mut Own, call: &Call, kind: Kind, weight: u64) {
+        let stack = self.stack_id(own);
+        let ptr = call.result as usize;
+        let size = call.size as u64;
+        let mut replaced = false;
+        self.sampled.insert_with(ptr, Sample { weight, size_kind: size << 2 | kind as u64 }, |old| {
+            // A block freed before we noticed (cannot happen while frees are seen): drop it.
+            self.forget(old, None);
+            replaced = true;
+        });
+        if !replaced {
+            self.mark(ptr, 1);
+        }
+        self.live_bytes[kind as usize].fetch_add(weight, Ordering::Relaxed);
+        self.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
+        let time_ns = self.elapsed_ns();
+        if let Some(ring) = &self.ring {
+            let ts = tls::state();
+            let mut tid = ts.tid.get();
+            if tid == 0 {
+                tid = crate::os::gettid();
+                ts.tid.set(tid);
+            }
+            if own.started != tid {
+                own.started = tid;
+                ring.push(Raw { tag: RawTag::ThreadStart, thread: index, size: tid as u64, time_ns, ..Raw::default() });
+            }
+            let tick = Raw {
+                tag: RawTag::Tick,
+                kind: kind as u8,
+                entry: call.entry as u8,
+                thread: index,
+                stack,
+                time_ns,
+                size,
+                address: ptr as u64,
+                weight,
+            };
+            ring.push(tick);
+            crate::trace::writer::wake();
+        }
+        let callback = self.callback.load(Ordering::Acquire);
+        if callback != 0 {
+            // SAFETY: only `set_callback` stores here, always a TickCallback.
+            let f: TickCallback = unsafe { core::mem::transmute::<usize, TickCallback>(callback) };
+            let frames = self.stacks.frames(stack);
+            let tick = AllocationTick {
+                time_ns,
+                thread: index,
+                kind: kind as u8,
+                entry: call.entry as u8,
+                size,
+                address: ptr as u64,
+                weight,
+                frames: frames.as_ptr(),
+                frame_count: frames.len(),
+            };
+            f(&tick);
+        }
+    }
+
+    /// Takes a sampled block's weight out of the live estimates.
+    fn forget(&self, s: Sample, freed_by: Option<(u32, usize)>) {
+        let (size, kind) = (s.size_kind >> 2, (s.size_kind & 3) as usize);
+        self.live_bytes[kind].fetch_sub(s.weight, Ordering::Relaxed);
+        self.live_blocks_k[kind].fetch_sub(blocks_k(s.weight, size), Ordering::Relaxed);
+        if let (Some((thread, ptr)), Some(ring)) = (freed_by, &self.ring) {
+            let time_ns = self.elapsed_ns();
+            ring.push(Raw { tag: RawTag::Free, thread, time_ns, address: ptr as u64, ..Raw::default() });
+        }
+    }
+
+    /// A block goes back: if it was sampled, it is no longer live.
+    #[inline(always)]
+    fn released(&self, ptr: usize, thread: u32) {
+        let bit = gate::bit_of(ptr);
+        if self.word(bit).load(Ordering::Relaxed) & (1 << (bit % 64)) != 0 {
+            self.released_maybe_sampled(ptr, thread);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn released_maybe_sampled(&self, ptr: usize, thread: u32) {
+        if let Some(s) = self.sampled.remove(ptr) {
+            self.mark(ptr, -1);
+            self.forget(s, Some((thread, ptr)));
+        }
+    }
+
+    /// The heap's state now (estimates and exact totals; `time_ns` and the peak are the
+    /// caller's to fill).
+    pub(crate) fn stats(&self) -> trace::HeapStats {
+        let mut s = trace::HeapStats::default();
+        for t in self.all_threads() {
+            let c = &t.counters;
+            for (k, stats) in s.kinds.iter_mut().enumerate() {
+                stats.allocs += c.allocs[k].load(Ordering::Relaxed);
+                stats.bytes += c.bytes[k].load(Ordering::Relaxed);
+            }
+            s.frees += c.frees.load(Ordering::Relaxed);
+        }
+        s.frees += self.frees_elsewhere.load(Ordering::Relaxed);
+        for (k, stats) in s.kinds.iter_mut().enumerate() {
+            stats.live_bytes = self.live_bytes[k].load(Ordering::Relaxed);
+            stats.live_blocks = self.live_blocks_k[k].load(Ordering::Relaxed) >> 10;
+        }
+        // SAFETY: mallinfo2 only reads the allocator's state (under its own locks).
+        let m = unsafe { libc::mallinfo2() };
+        s.arena_bytes = m.arena as u64;
+        s.mmapped_bytes = m.hblkhd as u64;
+        s.free_bytes = m.fordblks as u64;
+        s.in_use_bytes = m.uordblks as u64;
+        s.own_bytes = pool::usage().0 as u64;
+        s
+    }
+
+    /// Allocating calls so far, all threads (the writer's test for activity).
+    pub(crate) fn calls(&self) -> u64 {
+        self.all_threads()
+            .map(|t| {
+                let c = &t.counters;
+                c.allocs.iter().map(|a| a.load(Ordering::Relaxed)).sum::<u64>() + c.frees.load(Ordering::Relaxed)
+            })
+            .sum()
+    }
+
+    /// Child side of `fork`: threads other than the caller are gone, and so are their walks.
+    pub(crate) fn after_fork_child(&self) {
+        self.sampled.force_unlock();
+        self.stacks.force_unlock();
+        self.bits_lock.force_unlock();
+        tls::state().tid.set(0);
+        if let Some(ring) = &self.ring {
+            ring.reset();
+        }
+    }
+
+    /// A thread gave its slot back: the next owner sends its own start.
+    pub(crate) fn thread_exit(&self, index: u32) {
+        // SAFETY: records live as long as the spy; the exiting thread owns it.
+        let Some(t) = (unsafe { self.slot(index as usize).load(Ordering::Acquire).as_ref() }) else { return };
+        // SAFETY: called by the exiting owner, outside any hook.
+        let own = unsafe { t.own() };
+        if own.started != 0 {
+            own.started = 0;
+            if let Some(ring) = &self.ring {
+                ring.push(Raw { tag: RawTag::ThreadExit, thread: index, time_ns: self.elapsed_ns(), ..Raw::default() });
+            }
+        }
+    }
+}
+
+/// Estimated blocks of a sample, in 1/1024ths.
+fn blocks_k(weight: u64, size: u64) -> u64 {
+    (weight << 10) / size.max(1)
+}
+
+impl MallocSpy for TickSpy {
+    fn role(&self) -> Role {
+        Role::Observe
+    }
+
+    #[inline]
+    fn before_release(&self, _entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
+        // Before the real free: once it runs, another thread may get this address and sample it.
+        // (A realloc that then fails keeps a block no longer sampled: it is only unweighted.)
+        if ptr.is_null() {
+            return;
+        }
+        match threads::current_index() {
+            Some(index) => {
+                if let Some((_, t)) = self.mine() {
+                    bump(&t.counters.frees, 1);
+                }
+                self.released(ptr as usize, index)
+            }
+            None => {
+                self.frees_elsewhere.fetch_add(1, Ordering::Relaxed);
+                self.released(ptr as usize, u32::MAX)
+            }
+        }
+    }
+
+    #[inline]
+    fn after_call(&self, call: &Call) {
+        if call.failed || call.result.is_null() || matches!(call.entry, Entry::MallocUsableSize | Entry::MallocTrim) {
+            return;
+        }
+        let Some((index, t)) = self.mine() else { return };
+        let kind = kind_of(call);
+        let size = call.size as u64;
+        bump(&t.counters.allocs[kind as usize], 1);
+        bump(&t.counters.bytes[kind as usize], size);
+        // SAFETY: `t` is the calling thread's record, inside its hook.
+        let own = unsafe { t.own() };
+        if let Some(weight) = self.decide(own, size, kind) {
+            self.sample(index, own, call, kind, weight);
+        }
+    }
+}
+
+static SPY: std::sync::OnceLock<&'static TickSpy> = std::sync::OnceLock::new();
+
+/// Makes `spy` the process's ticks spy (for the API and the thread-exit hook).
+pub(crate) fn set_spy(spy: &'static TickSpy) {
+    if SPY.set(spy).is_ok() {
+        threads::set_exit_hook(|index| {
+            if let Some(spy) = SPY.get() {
+                spy.thread_exit(index);
+            }
+        });
+    }
+}
+
+/// The process's ticks spy, if one was started in this module.
+pub(crate) fn spy() -> Option<&'static TickSpy> {
+    SPY.get().copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_weights_make_unbiased_estimates() {
+        // Small blocks stand for about the interval, blocks far above it for themselves.
+        assert!((poisson_weight(16, 102_400) as f64 / 102_400.0 - 1.0).abs() < 0.001);
+        assert_eq!(poisson_weight(10 << 20, 102_400), 10 << 20);
+        // Expected weight = P(sampled) * weight = size, for every size.
+        for size in [1u64, 100, 50_000, 102_400, 300_000] {
+            let p = 1.0 - (-(size as f64) / 102_400.0).exp();
+            let expected = p * poisson_weight(size, 102_400) as f64;
+            assert!((expected / size as f64 - 1.0).abs() < 0.01, "size {size}: {expected}");
+        }
+    }
+
+    #[test]
+    fn gaps_average_the_interval() {
+        let mut rng = 0x1234_5678_9abc_def1;
+        let n = 100_000;
+        let mean = (0..n).map(|_| gap(&mut rng, 102_400) as f64).sum::<f64>() / n as f64;
+        assert!((mean / 102_400.0 - 1.0).abs() < 0.02, "mean gap {mean}");
+    }
+}

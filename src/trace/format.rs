@@ -1,0 +1,808 @@
+//! The trace file: a versioned stream of length-prefixed records.
+//!
+//! ```text
+//! file   := MAGIC version:u32le record*
+//! record := tag:u8 length:varint payload[length]
+//! ```
+//!
+//! Every integer in a payload is an unsigned LEB128 varint (frames are zigzag deltas), every
+//! string and byte string a varint length and its bytes. A record is whole or absent: a file
+//! cut anywhere reads up to its last whole record. A reader skips tags it does not know, so
+//! later versions may add records; a changed meaning of an existing record bumps
+//! [`VERSION`]. The first record is always [`Header`].
+
+use std::fmt;
+
+/// The first bytes of every trace.
+pub const MAGIC: &[u8; 16] = b"mallocspy-trace\0";
+/// The format version written by this build.
+pub const VERSION: u32 = 1;
+
+const TAG_HEADER: u8 = 1;
+const TAG_MODULE_LOAD: u8 = 2;
+const TAG_MODULE_UNLOAD: u8 = 3;
+const TAG_STACK: u8 = 4;
+const TAG_TICK: u8 = 5;
+const TAG_FREE: u8 = 6;
+const TAG_HEAP_STATS: u8 = 7;
+const TAG_THREAD_START: u8 = 8;
+const TAG_THREAD_EXIT: u8 = 9;
+const TAG_LOST: u8 = 10;
+const TAG_END: u8 = 11;
+
+/// How allocations are chosen for a tick.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Sampling {
+    /// Each byte with probability 1/interval (exponential gaps per thread): unbiased.
+    #[default]
+    Poisson,
+    /// A tick each time a thread's bytes of one kind cross the interval (.NET's
+    /// GCAllocationTick): biased towards whatever allocation completes the interval.
+    Tick,
+}
+
+impl Sampling {
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sampling::Poisson => "poisson",
+            Sampling::Tick => "tick",
+        }
+    }
+}
+
+/// The allocation kinds of a tick, after GCAllocationTick's small, large and pinned heaps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    /// Served from the allocator's arenas.
+    Small = 0,
+    /// At or above the allocator's mmap threshold.
+    Large = 1,
+    /// From the memalign family (`posix_memalign`, `aligned_alloc`, `memalign`, `valloc`,
+    /// `pvalloc`): the analogue of the pinned heap.
+    Aligned = 2,
+}
+
+impl Kind {
+    /// Every kind, in index order.
+    pub const ALL: [Kind; 3] = [Kind::Small, Kind::Large, Kind::Aligned];
+
+    /// Its name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Small => "small",
+            Kind::Large => "large",
+            Kind::Aligned => "aligned",
+        }
+    }
+
+    fn from_index(i: u64) -> Option<Kind> {
+        Kind::ALL.get(i as usize).copied()
+    }
+}
+
+/// What the trace is of.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Header {
+    /// The traced process.
+    pub pid: u32,
+    /// Its command line.
+    pub command: Vec<String>,
+    /// `MALLOCSPY_OPTIONS` as given.
+    pub options: String,
+    /// The sampling mode.
+    pub sampling: Sampling,
+    /// Mean bytes between samples (poisson) or the tick stride (tick).
+    pub interval: u64,
+    /// Period of the heap statistics events.
+    pub stats_interval_ms: u64,
+    /// Wall-clock start, nanoseconds since the Unix epoch; event times count from it.
+    pub start_unix_ns: u64,
+}
+
+/// A module (the executable or a shared library) mapped into the process.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Module {
+    /// Its number in this trace (unloads name it).
+    pub id: u64,
+    /// Its path, as the loader knows it (the executable's from `/proc/self/exe`).
+    pub path: String,
+    /// The load bias: a run-time address minus this is the address in the file.
+    pub base: u64,
+    /// Its executable address ranges `[start, end)`, run-time addresses.
+    pub ranges: Vec<(u64, u64)>,
+    /// Its GNU build id (empty if it has none), to find its debug file.
+    pub build_id: Vec<u8>,
+}
+
+/// One sampled allocation (GCAllocationTick_V3, mapped to malloc).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tick {
+    /// Nanoseconds since the start.
+    pub time_ns: u64,
+    /// The allocating thread's index (GCAllocationTick's heap index).
+    pub thread: u32,
+    /// small, large or aligned.
+    pub kind: u8,
+    /// The entry point ([`crate::Entry`] index).
+    pub entry: u8,
+    /// Bytes asked for by the allocation that ticked (`amount`).
+    pub size: u64,
+    /// The block's address.
+    pub address: u64,
+    /// Bytes this sample stands for: sums of weights estimate true totals.
+    pub weight: u64,
+    /// Its call stack ([`Event::Stack`] id).
+    pub stack: u64,
+}
+
+impl Tick {
+    /// The kind, if the trace's byte is one.
+    pub fn kind(&self) -> Option<Kind> {
+        Kind::from_index(self.kind as u64)
+    }
+}
+
+/// Per-kind figures of a [`HeapStats`] event.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KindStats {
+    /// Live bytes, estimated from the live samples' weights.
+    pub live_bytes: u64,
+    /// Live blocks, estimated likewise.
+    pub live_blocks: u64,
+    /// Allocating calls so far (exact).
+    pub allocs: u64,
+    /// Bytes they asked for (exact).
+    pub bytes: u64,
+}
+
+/// The heap's state at one moment (GCHeapStats_V2, mapped to malloc).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HeapStats {
+    /// Nanoseconds since the start.
+    pub time_ns: u64,
+    /// small, large, aligned.
+    pub kinds: [KindStats; 3],
+    /// Blocks freed so far (exact).
+    pub frees: u64,
+    /// Largest estimated live bytes seen at a stats event so far.
+    pub peak_live_bytes: u64,
+    /// The real allocator's view (`mallinfo2`): bytes of its arenas (`arena`).
+    pub arena_bytes: u64,
+    /// Bytes in blocks it mapped on their own (`hblkhd`).
+    pub mmapped_bytes: u64,
+    /// Bytes free in its arenas (`fordblks`).
+    pub free_bytes: u64,
+    /// Bytes in use from its arenas (`uordblks`).
+    pub in_use_bytes: u64,
+    /// mallocspy's own memory (its pool, never the watched heap).
+    pub own_bytes: u64,
+}
+
+impl HeapStats {
+    /// Estimated live bytes over all kinds.
+    pub fn live_bytes(&self) -> u64 {
+        self.kinds.iter().map(|k| k.live_bytes).sum()
+    }
+}
+
+/// One record of a trace (after the header).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A module was mapped (at start, or by `dlopen`).
+    ModuleLoad {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+        /// The module.
+        module: Module,
+    },
+    /// A module was unmapped (`dlclose`).
+    ModuleUnload {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+        /// Its id.
+        id: u64,
+    },
+    /// A call stack, before the first tick that names it.
+    Stack {
+        /// Its id.
+        id: u64,
+        /// Return addresses, innermost first (the allocator's caller first).
+        frames: Vec<u64>,
+    },
+    /// A sampled allocation.
+    Tick(Tick),
+    /// A sampled block was freed (or moved by `realloc`).
+    Free {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+        /// The freeing thread.
+        thread: u32,
+        /// The block.
+        address: u64,
+    },
+    /// Heap statistics.
+    HeapStats(HeapStats),
+    /// A thread made its first allocator call.
+    ThreadStart {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+        /// Its index (ticks name it).
+        thread: u32,
+        /// Its kernel thread id.
+        tid: u32,
+    },
+    /// A thread ended.
+    ThreadExit {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+        /// Its index.
+        thread: u32,
+    },
+    /// Events dropped because the writer fell behind (the buffer was full).
+    Lost {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+        /// How many.
+        events: u64,
+    },
+    /// The process ended and the trace is complete.
+    End {
+        /// Nanoseconds since the start.
+        time_ns: u64,
+    },
+}
+
+// ---------------------------------------------------------------------------------------
+// Writing
+
+fn put(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+fn zigzag(v: i64) -> u64 {
+    ((v << 1) ^ (v >> 63)) as u64
+}
+
+fn unzigzag(v: u64) -> i64 {
+    (v >> 1) as i64 ^ -((v & 1) as i64)
+}
+
+/// Appends one record: its tag, its payload's length, its payload (written by `payload`).
+fn record(out: &mut Vec<u8>, tag: u8, payload: impl FnOnce(&mut Vec<u8>)) {
+    out.push(tag);
+    let len_at = out.len();
+    // Payloads are short: reserve one length byte, widen it if needed.
+    out.push(0);
+    let start = out.len();
+    payload(out);
+    let len = out.len() - start;
+    if len < 0x80 {
+        out[len_at] = len as u8;
+    } else {
+        let mut prefix = Vec::with_capacity(10);
+        put(&mut prefix, len as u64);
+        out.splice(len_at..start, prefix);
+    }
+}
+
+/// Appends the file's beginning: magic, version and the header record.
+pub fn write_header(out: &mut Vec<u8>, h: &Header) {
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    record(out, TAG_HEADER, |o| {
+        put(o, h.pid as u64);
+        put(o, h.command.len() as u64);
+        for arg in &h.command {
+            put_bytes(o, arg.as_bytes());
+        }
+        put_bytes(o, h.options.as_bytes());
+        put(o, h.sampling as u64);
+        put(o, h.interval);
+        put(o, h.stats_interval_ms);
+        put(o, h.start_unix_ns);
+    });
+}
+
+/// Appends one event record.
+pub fn write_event(out: &mut Vec<u8>, e: &Event) {
+    match e {
+        Event::ModuleLoad { time_ns, module: m } => record(out, TAG_MODULE_LOAD, |o| {
+            put(o, *time_ns);
+            put(o, m.id);
+            put_bytes(o, m.path.as_bytes());
+            put(o, m.base);
+            put(o, m.ranges.len() as u64);
+            for &(s, e) in &m.ranges {
+                put(o, s);
+                put(o, e - s);
+            }
+            put_bytes(o, &m.build_id);
+        }),
+        Event::ModuleUnload { time_ns, id } => record(out, TAG_MODULE_UNLOAD, |o| {
+            put(o, *time_ns);
+            put(o, *id);
+        }),
+        Event::Stack { id, frames } => record(out, TAG_STACK, |o| {
+            put(o, *id);
+            put(o, frames.len() as u64);
+            let mut prev = 0u64;
+            for &f in frames {
+                put(o, zigzag(f.wrapping_sub(prev) as i64));
+                prev = f;
+            }
+        }),
+        Event::Tick(t) => record(out, TAG_TICK, |o| {
+            for v in [t.time_ns, t.thread as u64, t.kind as u64, t.entry as u64, t.size, t.address, t.weight, t.stack] {
+                put(o, v);
+            }
+        }),
+        Event::Free { time_ns, thread, address } => record(out, TAG_FREE, |o| {
+            for v in [*time_ns, *thread as u64, *address] {
+                put(o, v);
+            }
+        }),
+        Event::HeapStats(s) => record(out, TAG_HEAP_STATS, |o| {
+            put(o, s.time_ns);
+            for k in &s.kinds {
+                for v in [k.live_bytes, k.live_blocks, k.allocs, k.bytes] {
+                    put(o, v);
+                }
+            }
+            for v in
+                [s.frees, s.peak_live_bytes, s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes, s.own_bytes]
+            {
+                put(o, v);
+            }
+        }),
+        Event::ThreadStart { time_ns, thread, tid } => record(out, TAG_THREAD_START, |o| {
+            for v in [*time_ns, *thread as u64, *tid as u64] {
+                put(o, v);
+            }
+        }),
+        Event::ThreadExit { time_ns, thread } => record(out, TAG_THREAD_EXIT, |o| {
+            put(o, *time_ns);
+            put(o, *thread as u64);
+        }),
+        Event::Lost { time_ns, events } => record(out, TAG_LOST, |o| {
+            put(o, *time_ns);
+            put(o, *events);
+        }),
+        Event::End { time_ns } => record(out, TAG_END, |o| put(o, *time_ns)),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading
+
+/// Why a trace cannot be read; displays as one line naming the offset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceError {
+    /// Byte offset in the file where reading failed.
+    pub offset: u64,
+    /// What was wrong there.
+    pub what: String,
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "not a readable mallocspy trace: {} at offset {}", self.what, self.offset)
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+/// A cursor over one record's payload.
+struct Fields<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    /// File offset of `bytes[0]`, for errors.
+    base: u64,
+}
+
+impl<'a> Fields<'a> {
+    fn error(&self, what: impl Into<String>) -> TraceError {
+        TraceError { offset: self.base + self.at as u64, what: what.into() }
+    }
+
+    fn int(&mut self) -> Result<u64, TraceError> {
+        let mut v = 0u64;
+        for shift in (0..64).step_by(7) {
+            let Some(&b) = self.bytes.get(self.at) else {
+                return Err(self.error("a number runs past the end of its record"));
+            };
+            self.at += 1;
+            v |= ((b & 0x7f) as u64) << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(self.error("a number longer than 64 bits"))
+    }
+
+    fn int_u32(&mut self) -> Result<u32, TraceError> {
+        let at = self.at;
+        let v = self.int()?;
+        u32::try_from(v).map_err(|_| TraceError { offset: self.base + at as u64, what: format!("{v} is not a u32") })
+    }
+
+    fn bytes(&mut self) -> Result<&'a [u8], TraceError> {
+        let len = self.int()? as usize;
+        let end = self.at.checked_add(len).filter(|&e| e <= self.bytes.len());
+        let Some(end) = end else { return Err(self.error("a string runs past the end of its record")) };
+        let b = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(b)
+    }
+
+    fn string(&mut self) -> Result<String, TraceError> {
+        let at = self.at;
+        let b = self.bytes()?;
+        String::from_utf8(b.to_vec())
+            .map_err(|_| TraceError { offset: self.base + at as u64, what: "a string that is not UTF-8".into() })
+    }
+
+    /// A count of items that each take at least `min_bytes`, checked against what is left.
+    fn count(&mut self, min_bytes: usize) -> Result<usize, TraceError> {
+        let n = self.int()?;
+        if n.saturating_mul(min_bytes as u64) > (self.bytes.len() - self.at) as u64 {
+            return Err(self.error(format!("a count of {n} items that do not fit in the record")));
+        }
+        Ok(n as usize)
+    }
+}
+
+fn read_header(f: &mut Fields<'_>) -> Result<Header, TraceError> {
+    let pid = f.int_u32()?;
+    let n = f.count(1)?;
+    let command = (0..n).map(|_| f.string()).collect::<Result<_, _>>()?;
+    let options = f.string()?;
+    let sampling = match f.int()? {
+        0 => Sampling::Poisson,
+        1 => Sampling::Tick,
+        other => return Err(f.error(format!("unknown sampling mode {other}"))),
+    };
+    Ok(Header {
+        pid,
+        command,
+        options,
+        sampling,
+        interval: f.int()?,
+        stats_interval_ms: f.int()?,
+        start_unix_ns: f.int()?,
+    })
+}
+
+fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> {
+    Ok(Some(match tag {
+        TAG_MODULE_LOAD => {
+            let time_ns = f.int()?;
+            let id = f.int()?;
+            let path = f.string()?;
+            let base = f.int()?;
+            let n = f.count(2)?;
+            let mut ranges = Vec::with_capacity(n);
+            for _ in 0..n {
+                let start = f.int()?;
+                let len = f.int()?;
+                ranges.push((start, start.saturating_add(len)));
+            }
+            let build_id = f.bytes()?.to_vec();
+            Event::ModuleLoad { time_ns, module: Module { id, path, base, ranges, build_id } }
+        }
+        TAG_MODULE_UNLOAD => Event::ModuleUnload { time_ns: f.int()?, id: f.int()? },
+        TAG_STACK => {
+            let id = f.int()?;
+            let n = f.count(1)?;
+            let mut frames = Vec::with_capacity(n);
+            let mut prev = 0u64;
+            for _ in 0..n {
+                prev = prev.wrapping_add(unzigzag(f.int()?) as u64);
+                frames.push(prev);
+            }
+            Event::Stack { id, frames }
+        }
+        TAG_TICK => {
+            let time_ns = f.int()?;
+            let thread = f.int_u32()?;
+            let kind = f.int()?;
+            if Kind::from_index(kind).is_none() {
+                return Err(f.error(format!("unknown allocation kind {kind}")));
+            }
+            let entry = f.int()?;
+            if entry as usize >= crate::Entry::ALL.len() {
+                return Err(f.error(format!("unknown entry point {entry}")));
+            }
+            Event::Tick(Tick {
+                time_ns,
+                thread,
+                kind: kind as u8,
+                entry: entry as u8,
+                size: f.int()?,
+                address: f.int()?,
+                weight: f.int()?,
+                stack: f.int()?,
+            })
+        }
+        TAG_FREE => Event::Free { time_ns: f.int()?, thread: f.int_u32()?, address: f.int()? },
+        TAG_HEAP_STATS => {
+            let mut s = HeapStats { time_ns: f.int()?, ..HeapStats::default() };
+            for k in &mut s.kinds {
+                *k = KindStats { live_bytes: f.int()?, live_blocks: f.int()?, allocs: f.int()?, bytes: f.int()? };
+            }
+            s.frees = f.int()?;
+            s.peak_live_bytes = f.int()?;
+            s.arena_bytes = f.int()?;
+            s.mmapped_bytes = f.int()?;
+            s.free_bytes = f.int()?;
+            s.in_use_bytes = f.int()?;
+            s.own_bytes = f.int()?;
+            Event::HeapStats(s)
+        }
+        TAG_THREAD_START => Event::ThreadStart { time_ns: f.int()?, thread: f.int_u32()?, tid: f.int_u32()? },
+        TAG_THREAD_EXIT => Event::ThreadExit { time_ns: f.int()?, thread: f.int_u32()? },
+        TAG_LOST => Event::Lost { time_ns: f.int()?, events: f.int()? },
+        TAG_END => Event::End { time_ns: f.int()? },
+        TAG_HEADER => return Err(f.error("a second header")),
+        _ => return Ok(None),
+    }))
+}
+
+/// Reads a trace record by record.
+///
+/// ```
+/// use mallocspy::trace::{Reader, Header, Event, write_header, write_event};
+/// let mut file = Vec::new();
+/// write_header(&mut file, &Header { pid: 7, interval: 102400, ..Header::default() });
+/// write_event(&mut file, &Event::End { time_ns: 5 });
+/// let mut reader = Reader::new(&file)?;
+/// assert_eq!(reader.header().pid, 7);
+/// assert_eq!(reader.next().unwrap()?, Event::End { time_ns: 5 });
+/// assert!(reader.next().is_none() && reader.truncated().is_none());
+/// # Ok::<(), mallocspy::trace::TraceError>(())
+/// ```
+pub struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    header: Header,
+    /// Where the file stops in the middle of a record.
+    truncated: Option<u64>,
+    failed: bool,
+}
+
+impl<'a> Reader<'a> {
+    /// Checks the magic and version and reads the header.
+    ///
+    /// # Errors
+    /// A file that is not a mallocspy trace, of another version, or whose header is damaged.
+    pub fn new(bytes: &'a [u8]) -> Result<Self, TraceError> {
+        let err = |offset: usize, what: &str| TraceError { offset: offset as u64, what: what.into() };
+        if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
+            return Err(err(0, "no mallocspy-trace signature"));
+        }
+        let Some(v) = bytes.get(16..20) else { return Err(err(16, "the file ends inside its version")) };
+        let version = u32::from_le_bytes(v.try_into().expect("4 bytes"));
+        if version != VERSION {
+            return Err(err(16, &format!("version {version}, this mallocspy reads version {VERSION}")));
+        }
+        let mut reader = Reader { bytes, at: 20, header: Header::default(), truncated: None, failed: false };
+        match reader.raw() {
+            Some(Ok((TAG_HEADER, mut f))) => reader.header = read_header(&mut f)?,
+            Some(Ok((_, f))) => return Err(TraceError { offset: f.base - 1, what: "no header record".into() }),
+            Some(Err(e)) => return Err(e),
+            None => return Err(err(20, "the file ends before its header is whole")),
+        }
+        Ok(reader)
+    }
+
+    /// The trace's header.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// Bytes read so far (for progress).
+    pub fn offset(&self) -> u64 {
+        self.at as u64
+    }
+
+    /// If the file ends inside a record: the offset where that record starts (the last
+    /// whole event ends there). Known once [`Reader::next`] has returned `None`.
+    pub fn truncated(&self) -> Option<u64> {
+        self.truncated
+    }
+
+    /// The next record's tag and payload; `None` at the end (or where a record is cut).
+    fn raw(&mut self) -> Option<Result<(u8, Fields<'a>), TraceError>> {
+        let start = self.at;
+        let &tag = self.bytes.get(start)?;
+        let mut len_field = Fields { bytes: &self.bytes[start + 1..], at: 0, base: start as u64 + 1 };
+        let len = match len_field.int() {
+            Ok(len) => len,
+            Err(_) if len_field.bytes.len() < 10 => {
+                self.truncated = Some(start as u64);
+                return None;
+            }
+            Err(e) => return Some(Err(e)),
+        };
+        let payload = start + 1 + len_field.at;
+        let end = (payload as u64).checked_add(len).filter(|&e| e <= self.bytes.len() as u64);
+        let Some(end) = end else {
+            self.truncated = Some(start as u64);
+            return None;
+        };
+        self.at = end as usize;
+        Some(Ok((tag, Fields { bytes: &self.bytes[payload..end as usize], at: 0, base: payload as u64 })))
+    }
+}
+
+impl Iterator for Reader<'_> {
+    type Item = Result<Event, TraceError>;
+
+    /// The next event; records of unknown tags are skipped. After an error, `None`.
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        loop {
+            let result = match self.raw()? {
+                Ok((tag, mut f)) => read_event(tag, &mut f).and_then(|e| {
+                    if e.is_some() && f.at != f.bytes.len() {
+                        Err(f.error("a record longer than its fields"))
+                    } else {
+                        Ok(e)
+                    }
+                }),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(Some(event)) => return Some(Ok(event)),
+                Ok(None) => continue,
+                Err(e) => {
+                    self.failed = true;
+                    return Some(Err(e));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_file() -> (Vec<u8>, Vec<Event>) {
+        let header = Header {
+            pid: 4242,
+            command: vec!["sqlite3".into(), ":memory:".into()],
+            options: "spy=ticks:trace=x".into(),
+            sampling: Sampling::Tick,
+            interval: 102_400,
+            stats_interval_ms: 100,
+            start_unix_ns: 1_764_000_000_000_000_000,
+        };
+        let events = vec![
+            Event::ModuleLoad {
+                time_ns: 1,
+                module: Module {
+                    id: 0,
+                    path: "/usr/bin/sqlite3".into(),
+                    base: 0x5555_0000_0000,
+                    ranges: vec![(0x5555_0000_1000, 0x5555_0002_0000)],
+                    build_id: vec![0xab, 0xcd],
+                },
+            },
+            Event::ThreadStart { time_ns: 2, thread: 0, tid: 4242 },
+            Event::Stack { id: 1, frames: vec![0x5555_0000_1234, 0x7fff_0000_0010, 0x5555_0000_1000] },
+            Event::Tick(Tick {
+                time_ns: 3,
+                thread: 0,
+                kind: Kind::Large as u8,
+                entry: 0,
+                size: 200_000,
+                address: 0x7f00_0000_0010,
+                weight: 200_000,
+                stack: 1,
+            }),
+            Event::Free { time_ns: 4, thread: 0, address: 0x7f00_0000_0010 },
+            Event::HeapStats(HeapStats {
+                time_ns: 5,
+                kinds: [KindStats { live_bytes: 1, live_blocks: 2, allocs: 3, bytes: 4 }; 3],
+                frees: 6,
+                peak_live_bytes: 7,
+                arena_bytes: 8,
+                mmapped_bytes: 9,
+                free_bytes: 10,
+                in_use_bytes: 11,
+                own_bytes: 12,
+            }),
+            Event::Lost { time_ns: 6, events: 3 },
+            Event::ModuleUnload { time_ns: 7, id: 0 },
+            Event::ThreadExit { time_ns: 8, thread: 0 },
+            Event::End { time_ns: 9 },
+        ];
+        let mut file = Vec::new();
+        write_header(&mut file, &header);
+        for e in &events {
+            write_event(&mut file, e);
+        }
+        (file, events)
+    }
+
+    #[test]
+    fn every_event_reads_back_as_written() {
+        let (file, events) = sample_file();
+        let mut reader = Reader::new(&file).unwrap();
+        assert_eq!(reader.header().command, ["sqlite3", ":memory:"]);
+        assert_eq!(reader.header().sampling, Sampling::Tick);
+        let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        assert_eq!(read, events);
+        assert_eq!(reader.truncated(), None);
+    }
+
+    #[test]
+    fn a_file_cut_anywhere_reads_up_to_its_last_whole_record() {
+        let (file, events) = sample_file();
+        let header_end = Reader::new(&file).unwrap().at;
+        let mut boundaries = vec![header_end];
+        for e in &events {
+            let mut record = Vec::new();
+            write_event(&mut record, e);
+            boundaries.push(boundaries.last().unwrap() + record.len());
+        }
+        for cut in header_end..file.len() {
+            let mut reader = Reader::new(&file[..cut]).unwrap();
+            let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+            let whole = boundaries.iter().filter(|&&b| b <= cut).count() - 1;
+            assert_eq!(read[..], events[..whole], "cut at {cut}");
+            let at_boundary = boundaries.contains(&cut);
+            assert_eq!(reader.truncated(), (!at_boundary).then_some(boundaries[whole] as u64), "cut at {cut}");
+        }
+        for cut in 0..header_end {
+            assert!(Reader::new(&file[..cut]).is_err(), "header cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn random_bytes_are_one_line_errors_never_panics() {
+        let e = Reader::new(b"PK\x03\x04 a zip file, not a trace").err().unwrap();
+        assert_eq!(e.to_string(), "not a readable mallocspy trace: no mallocspy-trace signature at offset 0");
+        // Damage inside records: every byte flipped in turn errs or reads, never panics.
+        let (file, _) = sample_file();
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for i in 0..file.len() {
+            let mut damaged = file.clone();
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            damaged[i] ^= (x as u8) | 1;
+            if let Ok(reader) = Reader::new(&damaged) {
+                for e in reader {
+                    if let Err(e) = e {
+                        assert!(!e.to_string().contains('\n'));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn long_payloads_get_wide_length_prefixes() {
+        let frames: Vec<u64> = (0..100).map(|i| 0x7f00_0000_0000 + i * 0x1_0000).collect();
+        let mut file = Vec::new();
+        write_header(&mut file, &Header::default());
+        write_event(&mut file, &Event::Stack { id: 9, frames: frames.clone() });
+        let read: Vec<Event> = Reader::new(&file).unwrap().map(Result::unwrap).collect();
+        assert_eq!(read, [Event::Stack { id: 9, frames }]);
+    }
+}
