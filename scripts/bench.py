@@ -105,6 +105,17 @@ def interposer_suite(a, base, shim):
         compare(name, cmd, base, count_calls(cmd, base, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
 
 
+def real_workloads(a, base):
+    """churn with 1 and 2 threads, sqlite3 on insert.sql, python3 with PYTHONMALLOC=malloc."""
+    py_env = dict(base, PYTHONMALLOC="malloc")
+    return [
+        ("churn 1 thread", ["./churn", "1", str(a.iters)], base),
+        ("churn 2 threads", ["./churn", "2", str(a.iters)], base),
+        ("sqlite3 insert.sql", ["sqlite3", ":memory:", ".read insert.sql"], base),
+        ("python3 workload.py", [python3(), os.path.join(SCRIPTS, "workload.py")], py_env),
+    ]
+
+
 def leaks_suite(a, base, shim, mallocspy):
     if not shutil.which("heaptrack"):
         sys.exit("bench: heaptrack is not installed (scripts/install-deps.sh installs it)")
@@ -114,13 +125,7 @@ def leaks_suite(a, base, shim, mallocspy):
         ("heaptrack", lambda cmd, env: (["heaptrack", "-o", os.path.join(scratch, "heaptrack"), *cmd], env)),
         ("mallocspy run", lambda cmd, env: ([mallocspy, "run", "--log", os.path.join(scratch, "report"), "--", *cmd], env)),
     ]
-    py_env = dict(base, PYTHONMALLOC="malloc")
-    workloads = [
-        ("churn 1 thread", ["./churn", "1", str(a.iters)], base),
-        ("churn 2 threads", ["./churn", "2", str(a.iters)], base),
-        ("sqlite3 insert.sql", ["sqlite3", ":memory:", ".read insert.sql"], base),
-        ("python3 workload.py", [python3(), os.path.join(SCRIPTS, "workload.py")], py_env),
-    ]
+    workloads = real_workloads(a, base)
     print("\n== leaks: heaptrack and mallocspy run (full stacks, report at exit) ==")
     print("target: mallocspy's extra ns/call at most 1/3 of heaptrack's")
     for name, cmd, env in workloads:
@@ -141,13 +146,7 @@ def ticks_suite(a, base, shim, mallocspy):
         ("native", lambda cmd, env: (cmd, env)),
         ("mallocspy record", lambda cmd, env: ([mallocspy, "record", "--output", trace, "--", *cmd], env)),
     ]
-    py_env = dict(base, PYTHONMALLOC="malloc")
-    workloads = [
-        ("churn 1 thread", ["./churn", "1", str(a.iters)], base),
-        ("churn 2 threads", ["./churn", "2", str(a.iters)], base),
-        ("sqlite3 insert.sql", ["sqlite3", ":memory:", ".read insert.sql"], base),
-        ("python3 workload.py", [python3(), os.path.join(SCRIPTS, "workload.py")], py_env),
-    ]
+    workloads = real_workloads(a, base)
     print("\n== ticks: mallocspy record (spy=ticks, poisson, 100 KiB interval, trace file) ==")
     print("target: at most 1.05x native wall clock")
     for name, cmd, env in workloads:

@@ -114,6 +114,13 @@ impl Gate {
     #[inline(always)]
     pub(crate) fn pass_alloc(&self, size: usize, kind: usize) -> bool {
         let Some((ts, c)) = self.counters() else { return false };
+        self.count_down(ts, c, size, kind)
+    }
+
+    /// Takes `size` bytes off the thread's countdown and counts the allocation, unless that
+    /// would end the countdown (the allocation is then the spy's to sample).
+    #[inline(always)]
+    fn count_down(&self, ts: &tls::ThreadState, c: &TickCounters, size: usize, kind: usize) -> bool {
         let until = &ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }];
         let left = until.get() - size as i64;
         if left <= 0 {
@@ -143,18 +150,9 @@ impl Gate {
     #[inline(always)]
     pub(crate) fn pass_realloc(&self, ptr: usize, size: usize) -> bool {
         let Some((ts, c)) = self.counters() else { return false };
-        if ptr != 0 && self.maybe_sampled(ptr) {
+        if (ptr != 0 && self.maybe_sampled(ptr)) || !self.count_down(ts, c, size, kind_of(size)) {
             return false;
         }
-        let kind = kind_of(size);
-        let until = &ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }];
-        let left = until.get() - size as i64;
-        if left <= 0 {
-            return false;
-        }
-        until.set(left);
-        bump(&c.allocs[kind], 1);
-        bump(&c.bytes[kind], size as u64);
         if ptr != 0 {
             bump(&c.frees, 1);
         }

@@ -16,15 +16,15 @@
 //! within `threads x LIVE_FLUSH` bytes otherwise.
 
 use core::cell::UnsafeCell;
-use core::ptr::NonNull;
-use core::sync::atomic::{AtomicI64, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{self, Stacks};
-use crate::threads::{self, MAX_THREADS};
+use crate::thread_records::{ThreadRecords, Zeroed};
+use crate::threads;
+use crate::tls;
 use crate::unwind::{self, WalkCache};
-use crate::{pool, tls};
 
 /// Deepest stack the option `stack_depth` may ask for.
 pub(crate) const MAX_DEPTH: usize = 128;
@@ -88,6 +88,9 @@ struct Own {
     walk: WalkCache,
 }
 
+// SAFETY: atomics, integers, arrays of them and an `UnsafeCell` of such: zero is valid.
+unsafe impl Zeroed for PerThread {}
+
 impl PerThread {
     /// The owning thread's part.
     ///
@@ -141,7 +144,7 @@ pub(crate) struct LeakTracker {
     pub(crate) stacks: Stacks,
     depth: usize,
     /// `[*mut PerThread; MAX_THREADS]`, each leased by its thread on first use.
-    per_thread: NonNull<AtomicPtr<PerThread>>,
+    per_thread: ThreadRecords<PerThread>,
     /// Live bytes, but for each thread's `unflushed` part.
     live_bytes: AtomicI64,
     peak_bytes: AtomicU64,
@@ -186,7 +189,7 @@ impl LeakTracker {
             live: LiveTable::new(),
             stacks: Stacks::new(),
             depth: depth.clamp(1, MAX_DEPTH),
-            per_thread: threads::map_per_thread::<AtomicPtr<PerThread>>()?,
+            per_thread: ThreadRecords::new()?,
             live_bytes: AtomicI64::new(0),
             peak_bytes: AtomicU64::new(0),
             applied_frees: AtomicU64::new(0),
@@ -194,30 +197,14 @@ impl LeakTracker {
         })
     }
 
-    fn slot(&self, index: usize) -> &AtomicPtr<PerThread> {
-        debug_assert!(index < MAX_THREADS);
-        // SAFETY: index < MAX_THREADS, the array's length; zeroed memory is null pointers.
-        unsafe { &*self.per_thread.as_ptr().add(index) }
-    }
-
     /// The calling thread's record (inside a hook every thread has a slot), leased from the
     /// pool the first time.
     fn mine(&self) -> Option<&PerThread> {
-        let slot = self.slot(threads::current_index()? as usize);
-        let mut record = slot.load(Ordering::Acquire);
-        if record.is_null() {
-            record = pool::lease(core::mem::size_of::<PerThread>())?.as_ptr().cast();
-            slot.store(record, Ordering::Release);
-        }
-        // SAFETY: published records live as long as the tracker; zeroed memory is a valid
-        // PerThread (atomics, integers, arrays) and leases are zeroed.
-        Some(unsafe { &*record })
+        self.per_thread.get_or_lease(threads::current_index()?)
     }
 
     fn all_threads(&self) -> impl Iterator<Item = &PerThread> {
-        // SAFETY: published records live as long as the tracker; only the counters (atomics)
-        // are read.
-        (0..threads::high_water()).filter_map(|i| unsafe { self.slot(i).load(Ordering::Acquire).as_ref() })
+        self.per_thread.iter()
     }
 
     /// The id of the calling thread's current stack.

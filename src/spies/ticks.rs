@@ -19,7 +19,7 @@
 
 use core::cell::UnsafeCell;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::gate::{self, TickCounters};
 use crate::live_table::LiveTable;
@@ -27,7 +27,8 @@ use crate::spies::leaks::MAX_DEPTH;
 use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{self, Stacks};
 use crate::sync::SpinLock;
-use crate::threads::{self, MAX_THREADS};
+use crate::thread_records::{ThreadRecords, Zeroed};
+use crate::threads;
 use crate::trace::ring::{Raw, RawTag, Ring};
 use crate::trace::{self, Kind, Sampling};
 use crate::unwind::{self, WalkCache};
@@ -74,6 +75,9 @@ struct Own {
     walk: WalkCache,
 }
 
+// SAFETY: atomics, integers, arrays of them and an `UnsafeCell` of such: zero is valid.
+unsafe impl Zeroed for PerThread {}
+
 impl PerThread {
     /// # Safety
     /// Only the owning thread, inside its hook, and not while an earlier result is in use.
@@ -119,7 +123,7 @@ pub type TickCallback = extern "C" fn(&AllocationTick);
 /// The ticks spy.
 pub(crate) struct TickSpy {
     pub(crate) config: Config,
-    per_thread: NonNull<AtomicPtr<PerThread>>,
+    per_thread: ThreadRecords<PerThread>,
     sampled: LiveTable<Sample>,
     /// `[AtomicU64; gate::BITS / 64]`: a bit per address hash, set while sampled blocks of
     /// that hash live.
@@ -194,7 +198,7 @@ impl TickSpy {
         let ring = if queue { Some(Ring::new(QUEUE)?) } else { None };
         Some(Self {
             config: Config { depth: config.depth.clamp(1, MAX_DEPTH), interval: config.interval.max(1), ..config },
-            per_thread: threads::map_per_thread::<AtomicPtr<PerThread>>()?,
+            per_thread: ThreadRecords::new()?,
             sampled: LiveTable::new(),
             bitmap: pool::lease(gate::BITS / 8)?.cast(),
             bit_counts: pool::lease(gate::BITS * 2)?.cast(),
@@ -217,12 +221,6 @@ impl TickSpy {
     /// Calls `f` for every tick from now on (inside the allocator).
     pub(crate) fn set_callback(&self, f: Option<TickCallback>) {
         self.callback.store(f.map_or(0, |f| f as usize), Ordering::Release);
-    }
-
-    fn slot(&self, index: usize) -> &AtomicPtr<PerThread> {
-        debug_assert!(index < MAX_THREADS);
-        // SAFETY: index < MAX_THREADS, the array's length; zeroed memory is null pointers.
-        unsafe { &*self.per_thread.as_ptr().add(index) }
     }
 
     /// Lets `gate` count the calls this spy would only count (when it is the only spy).
@@ -254,15 +252,7 @@ impl TickSpy {
     /// time this thread is seen, its countdowns started and its TLS pointed at the record.
     fn mine(&self) -> Option<(u32, &PerThread)> {
         let index = threads::current_index()?;
-        let slot = self.slot(index as usize);
-        let mut record = slot.load(Ordering::Acquire);
-        if record.is_null() {
-            record = pool::lease(core::mem::size_of::<PerThread>())?.as_ptr().cast();
-            slot.store(record, Ordering::Release);
-        }
-        // SAFETY: published records live as long as the spy; zeroed memory is a valid
-        // PerThread and leases are zeroed.
-        let t: &PerThread = unsafe { &*record };
+        let t = self.per_thread.get_or_lease(index)?;
         let ts = tls::state();
         if ts.tick_record.get() != &t.counters as *const TickCounters as usize {
             // SAFETY: the calling thread owns the record (its slot), inside its hook.
@@ -280,8 +270,7 @@ impl TickSpy {
     }
 
     fn all_threads(&self) -> impl Iterator<Item = &PerThread> {
-        // SAFETY: published records live as long as the spy; only their atomics are read.
-        (0..threads::high_water()).filter_map(|i| unsafe { self.slot(i).load(Ordering::Acquire).as_ref() })
+        self.per_thread.iter()
     }
 
     fn stack_id(&self, own: &mut Own) -> u32 {
@@ -464,8 +453,7 @@ impl TickSpy {
 
     /// A thread gave its slot back: the next owner sends its own start.
     pub(crate) fn thread_exit(&self, index: u32) {
-        // SAFETY: records live as long as the spy; the exiting thread owns it.
-        let Some(t) = (unsafe { self.slot(index as usize).load(Ordering::Acquire).as_ref() }) else { return };
+        let Some(t) = self.per_thread.get(index) else { return };
         // SAFETY: called by the exiting owner, outside any hook.
         let own = unsafe { t.own() };
         if own.started != 0 {

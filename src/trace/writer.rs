@@ -274,8 +274,21 @@ impl Writer {
         }
     }
 
+    /// Starts the writer thread with every signal blocked: the program's signals (a timer's
+    /// SIGALRM, a SIGCHLD) must reach the program's own threads, whose handlers may expect to
+    /// interrupt only code of theirs, never ours in the middle of an allocation.
     fn spawn(&'static self) -> bool {
-        std::thread::Builder::new().name("mallocspy-trace".into()).spawn(move || self.run()).is_ok()
+        // SAFETY: sigset_t is plain data; sigfillset initialises it; pthread_sigmask swaps the
+        // calling thread's mask, restored right after the new thread has inherited it.
+        unsafe {
+            let mut all: libc::sigset_t = core::mem::zeroed();
+            let mut old: libc::sigset_t = core::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+            let spawned = std::thread::Builder::new().name("mallocspy-trace".into()).spawn(move || self.run()).is_ok();
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
+            spawned
+        }
     }
 
     /// At exit: the last events, the final statistics and the end record. Returns the number
