@@ -8,7 +8,7 @@ pub(crate) mod scan;
 pub(crate) mod suppress;
 pub(crate) mod symbols;
 
-pub use report::{LeakRecord, LeakReport, Summary, Tally};
+pub use report::{LeakRecord, LeakReport, Summary, Tally, grouped};
 pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
 pub use symbols::Frame;

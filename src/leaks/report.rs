@@ -250,8 +250,8 @@ impl LeakReport {
     }
 }
 
-/// 1234567 -> "1,234,567".
-fn grouped(n: u64) -> String {
+/// `1234567` as `1,234,567`, as every report of mallocspy prints counts.
+pub fn grouped(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {

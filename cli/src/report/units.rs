@@ -39,17 +39,9 @@ fn three_digits(value: f64) -> String {
     }
 }
 
-/// `1234567` as `1,234,567`.
+/// `1234567` as `1,234,567`, as the leak report prints counts.
 pub fn count(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    mallocspy::leaks::grouped(n)
 }
 
 /// An estimated number of objects, rounded; sums of `weight / size` carry rounding residue
