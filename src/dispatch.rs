@@ -392,6 +392,8 @@ impl<H: Heap> Interposer<H> {
     }
 
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
+        // The gate counts for the sampling spy only: the next spy sees every call.
+        self.gate.close();
         // Revoking from inside a spy method: do not wait for ourselves.
         let me = if tls::state().depth.get() != 0 { threads::current_index() } else { None };
         self.registry.revoke(|| self.spied.len(), me)

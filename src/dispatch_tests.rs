@@ -374,3 +374,42 @@ fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_go
     assert_eq!(s.peak_bytes, (1000..1010).sum::<u64>(), "the ten blocks at once; queued frees do not count");
     assert_eq!(ip.revoke(), Ok(()));
 }
+
+/// An observer counting the allocations it is shown.
+struct Seen(AtomicUsize);
+
+impl MallocSpy for Seen {
+    fn role(&self) -> crate::spy::Role {
+        crate::spy::Role::Observe
+    }
+    fn after_call(&self, call: &Call) {
+        if call.entry == Entry::Malloc {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
+    use crate::spies::ticks::{Config, TickSpy};
+    let ip = fresh();
+    let config = Config { sampling: crate::trace::Sampling::Poisson, interval: 1 << 40, depth: 8, seed: 1 };
+    let ticks: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config, false).unwrap()));
+    ip.register_static(ticks).unwrap();
+    ticks.open_gate(&ip.gate);
+    // The first call of the thread goes to the spy (which starts the countdown); the rest are
+    // counted by the gate alone, and the totals agree.
+    for _ in 0..100 {
+        // SAFETY: a block just allocated.
+        unsafe { ip.free(ip.malloc(64)) };
+    }
+    let stats = ticks.stats();
+    assert_eq!((stats.kinds[0].allocs, stats.kinds[0].bytes, stats.frees), (100, 6400, 100));
+    assert_eq!(ip.revoke(), Ok(()));
+    let seen: &'static Seen = Box::leak(Box::new(Seen(AtomicUsize::new(0))));
+    ip.register_static(seen).unwrap();
+    // SAFETY: a block just allocated.
+    unsafe { ip.free(ip.malloc(64)) };
+    assert_eq!(seen.0.load(Ordering::Relaxed), 1, "the next spy sees every call");
+    assert_eq!(ip.revoke(), Ok(()));
+}

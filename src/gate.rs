@@ -83,6 +83,11 @@ impl Gate {
         self.on.store(true, Ordering::Release);
     }
 
+    /// Closes the gate (the sampling spy is revoked): every call goes to the registry again.
+    pub(crate) fn close(&self) {
+        self.on.store(false, Ordering::Release);
+    }
+
     /// The calling thread's counters, if the gate is open and the thread is outside any hook
     /// and known to the spy.
     #[inline(always)]
