@@ -12,6 +12,41 @@ use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use crate::live_table::LiveTable;
 use crate::pool;
 use crate::sync::SpinLock;
+use crate::unwind::{self, WalkCache};
+
+/// Deepest stack the option `stack_depth` may ask for.
+pub(crate) const MAX_DEPTH: usize = 128;
+/// Default `stack_depth`.
+pub(crate) const DEFAULT_DEPTH: usize = 32;
+/// Entries of a thread's cache of stack ids (a power of two).
+const KNOWN_STACKS: usize = 256;
+
+/// A thread's stack capture: the walk buffer, the unwinder's cache, and the stacks this thread
+/// interned lately, by hash (a thread mostly allocates from the same few stacks, and the
+/// shared table is a lock and a cache miss away). Lives in a spy's per-thread record, not on
+/// the stack, to spare a 1 KiB frame per call; zero is its initial state.
+pub(crate) struct Capture {
+    frames: [u64; MAX_DEPTH],
+    known: [(u64, u32); KNOWN_STACKS],
+    walk: WalkCache,
+}
+
+impl Capture {
+    /// The id in `stacks` of the calling thread's current stack, `depth` frames deep at most.
+    #[inline]
+    pub(crate) fn stack_id(&mut self, depth: usize, stacks: &Stacks) -> u32 {
+        let n = unwind::capture(&mut self.frames[..depth], &mut self.walk);
+        let frames = &self.frames[..n];
+        let h = hash(frames);
+        let known = &mut self.known[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
+        if known.0 == h && known.1 != 0 {
+            return known.1;
+        }
+        let id = stacks.intern(h, frames);
+        *known = (h, id);
+        id
+    }
+}
 
 /// Words per chunk of the store.
 const CHUNK_WORDS: usize = 1 << 16;

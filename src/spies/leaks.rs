@@ -20,22 +20,16 @@ use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
-use crate::stacks::{self, Stacks};
+use crate::stacks::{Capture, Stacks};
 use crate::thread_records::{ThreadRecords, Zeroed};
 use crate::threads;
 use crate::tls;
-use crate::unwind::{self, WalkCache};
 
-/// Deepest stack the option `stack_depth` may ask for.
-pub(crate) const MAX_DEPTH: usize = 128;
-/// Default `stack_depth`.
-pub(crate) const DEFAULT_DEPTH: usize = 32;
+pub(crate) use crate::stacks::{DEFAULT_DEPTH, MAX_DEPTH};
 /// Live bytes a thread keeps to itself before adding them to the process-wide figure.
 const LIVE_FLUSH: i64 = 256 << 10;
 /// Frees a thread keeps queued before removing their records.
 const PENDING: usize = 4;
-/// Entries of a thread's cache of stack ids (a power of two).
-const KNOWN_STACKS: usize = 256;
 
 // Scratch words (4..7; the guard spy uses 0..3): the record a realloc removed, kept until
 // the call's outcome is known.
@@ -80,12 +74,7 @@ struct PerThread {
 struct Own {
     /// The oldest entry of the `pending` ring, where the next free goes.
     pending_next: usize,
-    /// The walk being made (kept here, not on the stack, to spare a 1 KiB frame per call).
-    frames: [u64; MAX_DEPTH],
-    /// Stacks this thread recorded lately, by hash: `(hash, id)` (a thread mostly allocates
-    /// from the same few stacks, and the shared table is a lock and a cache miss away).
-    known_stacks: [(u64, u32); KNOWN_STACKS],
-    walk: WalkCache,
+    capture: Capture,
 }
 
 // SAFETY: atomics, integers, arrays of them and an `UnsafeCell` of such: zero is valid.
@@ -211,17 +200,7 @@ impl LeakTracker {
     #[inline]
     fn stack_id(&self, t: &PerThread) -> u32 {
         // SAFETY: `t` is the calling thread's record (from `mine`), inside its hook.
-        let t = unsafe { t.own() };
-        let n = unwind::capture(&mut t.frames[..self.depth], &mut t.walk);
-        let frames = &t.frames[..n];
-        let h = stacks::hash(frames);
-        let known = &mut t.known_stacks[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
-        if known.0 == h && known.1 != 0 {
-            return known.1;
-        }
-        let id = self.stacks.intern(h, frames);
-        *known = (h, id);
-        id
+        unsafe { t.own() }.capture.stack_id(self.depth, &self.stacks)
     }
 
     fn record(&self, ptr: usize, size: u64, entry: Entry, t: &PerThread) {

@@ -25,17 +25,14 @@ use crate::gate::{self, TickCounters};
 use crate::live_table::LiveTable;
 use crate::spies::leaks::MAX_DEPTH;
 use crate::spy::{Call, Entry, MallocSpy, Role};
-use crate::stacks::{self, Stacks};
+use crate::stacks::{Capture, Stacks};
 use crate::sync::SpinLock;
 use crate::thread_records::{ThreadRecords, Zeroed};
 use crate::threads;
 use crate::trace::ring::{Raw, RawTag, Ring};
 use crate::trace::{self, Kind, Sampling};
-use crate::unwind::{self, WalkCache};
 use crate::{pool, tls};
 
-/// Entries of a thread's cache of stack ids (a power of two).
-const KNOWN_STACKS: usize = 64;
 /// Events the queue to the writer holds.
 const QUEUE: usize = 1 << 14;
 
@@ -70,9 +67,7 @@ struct Own {
     rng: u64,
     /// The kernel thread id a `ThreadStart` was sent for (slots are reused by new threads).
     started: u32,
-    frames: [u64; MAX_DEPTH],
-    known_stacks: [(u64, u32); KNOWN_STACKS],
-    walk: WalkCache,
+    capture: Capture,
 }
 
 // SAFETY: atomics, integers, arrays of them and an `UnsafeCell` of such: zero is valid.
@@ -274,16 +269,7 @@ impl TickSpy {
     }
 
     fn stack_id(&self, own: &mut Own) -> u32 {
-        let n = unwind::capture(&mut own.frames[..self.config.depth], &mut own.walk);
-        let frames = &own.frames[..n];
-        let h = stacks::hash(frames);
-        let known = &mut own.known_stacks[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
-        if known.0 == h && known.1 != 0 {
-            return known.1;
-        }
-        let id = self.stacks.intern(h, frames);
-        *known = (h, id);
-        id
+        own.capture.stack_id(self.config.depth, &self.stacks)
     }
 
     /// The weight of this allocation if it is to be sampled (the same countdown rule as the
