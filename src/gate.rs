@@ -17,6 +17,7 @@
 
 use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 
+use crate::thread_records::bump;
 use crate::tls;
 
 /// Bits of the address bitmap (a power of two).
@@ -50,11 +51,6 @@ pub(crate) fn kind_of(size: usize) -> usize {
 #[inline(always)]
 pub(crate) fn bit_of(ptr: usize) -> usize {
     (ptr >> 6) & (BITS - 1)
-}
-
-#[inline(always)]
-fn bump(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
 /// The gate of one interposer.

@@ -2,8 +2,9 @@
 //! first time a slot is used, never freed (a later thread of the slot takes it over), readable
 //! by any thread for the totals.
 
+use core::cell::UnsafeCell;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicPtr, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 use crate::pool;
 use crate::threads::{self, MAX_THREADS};
@@ -62,4 +63,27 @@ impl<T: Zeroed> ThreadRecords<T> {
     pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
         (0..threads::high_water() as u32).filter_map(|i| self.get(i))
     }
+}
+
+/// The part of a thread's record that only the owning thread touches, inside its hooks.
+pub(crate) struct Owned<T>(UnsafeCell<T>);
+
+impl<T> Owned<T> {
+    /// The owner's view.
+    ///
+    /// # Safety
+    /// Only the thread owning the record may call this, from inside a hook, and not while an
+    /// earlier result is in use (hooks do not nest into the spy).
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn get(&self) -> &mut T {
+        // SAFETY: the caller's guarantee makes this the only reference.
+        unsafe { &mut *self.0.get() }
+    }
+}
+
+/// Adds `n` to a counter only the calling thread writes: a load and a store, no atomic
+/// read-modify-write (readers sum the threads' counters).
+#[inline(always)]
+pub(crate) fn bump(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }

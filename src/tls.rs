@@ -102,3 +102,16 @@ pub(crate) fn state() -> &'static ThreadState {
 pub(crate) fn thread_key() -> usize {
     state() as *const ThreadState as usize
 }
+
+/// The calling thread's kernel id, cached in its state (reset in the child of a fork).
+#[inline]
+pub(crate) fn tid() -> u32 {
+    let ts = state();
+    let cached = ts.tid.get();
+    if cached != 0 {
+        return cached;
+    }
+    let tid = crate::os::gettid();
+    ts.tid.set(tid);
+    tid
+}

@@ -10,6 +10,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 
 use crate::line::Line;
 use crate::spy::{Call, Entry, MallocSpy, Role};
+use crate::thread_records::bump;
 use crate::threads::{self, MAX_THREADS};
 
 #[repr(C, align(64))]
@@ -98,12 +99,6 @@ impl CountSpy {
         let _ = writeln!(line, "}},\"bytes_requested\":{},\"failed\":{}}}", t.bytes_requested, t.failed);
         line
     }
-}
-
-/// Adds `n` to a counter only the calling thread writes.
-#[inline(always)]
-fn bump(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
 }
 
 impl MallocSpy for CountSpy {

@@ -15,13 +15,12 @@
 //! the calling thread's unfolded part, which makes it exact in a single-threaded program and
 //! within `threads x LIVE_FLUSH` bytes otherwise.
 
-use core::cell::UnsafeCell;
 use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
-use crate::thread_records::{ThreadRecords, Zeroed};
+use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
 use crate::threads;
 use crate::tls;
 
@@ -67,7 +66,7 @@ struct PerThread {
     /// Addresses freed (or about to be) whose records are still in the table; 0 when empty.
     /// Whoever swaps one to 0, under the lock of its shard, removes the record.
     pending: [AtomicUsize; PENDING],
-    own: UnsafeCell<Own>,
+    own: Owned<Own>,
 }
 
 /// The owning thread's part of [`PerThread`].
@@ -77,21 +76,9 @@ struct Own {
     capture: Capture,
 }
 
-// SAFETY: atomics, integers, arrays of them and an `UnsafeCell` of such: zero is valid.
+// SAFETY: atomics, integers, arrays of them and an `Owned` (an `UnsafeCell`) of such: zero
+// is valid.
 unsafe impl Zeroed for PerThread {}
-
-impl PerThread {
-    /// The owning thread's part.
-    ///
-    /// # Safety
-    /// Only the thread owning this record may call this, from inside a hook, and not while
-    /// an earlier result is in use (hooks do not nest into the spy).
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn own(&self) -> &mut Own {
-        // SAFETY: the caller's guarantee makes this the only reference to `own`.
-        unsafe { &mut *self.own.get() }
-    }
-}
 
 /// Totals since the tracker started.
 #[repr(C)]
@@ -153,24 +140,6 @@ fn is_allocation(entry: Entry) -> bool {
     !matches!(entry, Entry::Free | Entry::MallocUsableSize | Entry::MallocTrim)
 }
 
-/// The calling thread's kernel id (cached in its thread state).
-fn tid() -> u32 {
-    let ts = tls::state();
-    let cached = ts.tid.get();
-    if cached != 0 {
-        return cached;
-    }
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as u32;
-    ts.tid.set(tid);
-    tid
-}
-
-#[inline(always)]
-fn bump(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
-}
-
 impl LeakTracker {
     /// A tracker capturing `depth` frames per block; `None` if its memory cannot be mapped.
     pub(crate) fn new(depth: usize) -> Option<Self> {
@@ -200,14 +169,14 @@ impl LeakTracker {
     #[inline]
     fn stack_id(&self, t: &PerThread) -> u32 {
         // SAFETY: `t` is the calling thread's record (from `mine`), inside its hook.
-        unsafe { t.own() }.capture.stack_id(self.depth, &self.stacks)
+        unsafe { t.own.get() }.capture.stack_id(self.depth, &self.stacks)
     }
 
     fn record(&self, ptr: usize, size: u64, entry: Entry, t: &PerThread) {
         // The table's line for `ptr` is likely out of cache: fetch it while the stack is walked.
         self.live.prefetch(ptr);
         let stack = self.stack_id(t);
-        let record = Record { size_entry: size << 8 | entry as u64, stack, tid: tid() };
+        let record = Record { size_entry: size << 8 | entry as u64, stack, tid: tls::tid() };
         // The address is still recorded when its free is queued (or went unseen): that block
         // is gone, and its queued free must not remove this one.
         let mut replaced = None;
@@ -263,7 +232,7 @@ impl LeakTracker {
     fn free_later(&self, ptr: usize, t: &PerThread) {
         self.live.prefetch(ptr);
         // SAFETY: `t` is the calling thread's record (from `mine`), inside its hook.
-        let own = unsafe { t.own() };
+        let own = unsafe { t.own.get() };
         let i = own.pending_next;
         own.pending_next = (i + 1) % PENDING;
         let oldest = t.pending[i].load(Ordering::Relaxed);

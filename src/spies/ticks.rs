@@ -17,7 +17,6 @@
 //! spy is the only one, [`crate::gate`] does the counting of unsampled calls on the entry
 //! points themselves, and only the calls that sample, or free a maybe-sampled block, come here.
 
-use core::cell::UnsafeCell;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -27,7 +26,7 @@ use crate::spies::leaks::MAX_DEPTH;
 use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::sync::SpinLock;
-use crate::thread_records::{ThreadRecords, Zeroed};
+use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
 use crate::threads;
 use crate::trace::ring::{Raw, RawTag, Ring};
 use crate::trace::{self, Kind, Sampling};
@@ -60,7 +59,7 @@ struct Sample {
 #[repr(C)]
 struct PerThread {
     counters: TickCounters,
-    own: UnsafeCell<Own>,
+    own: Owned<Own>,
 }
 
 struct Own {
@@ -70,23 +69,9 @@ struct Own {
     capture: Capture,
 }
 
-// SAFETY: atomics, integers, arrays of them and an `UnsafeCell` of such: zero is valid.
+// SAFETY: atomics, integers, arrays of them and an `Owned` (an `UnsafeCell`) of such: zero
+// is valid.
 unsafe impl Zeroed for PerThread {}
-
-impl PerThread {
-    /// # Safety
-    /// Only the owning thread, inside its hook, and not while an earlier result is in use.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn own(&self) -> &mut Own {
-        // SAFETY: the caller's guarantee makes this the only reference.
-        unsafe { &mut *self.own.get() }
-    }
-}
-
-#[inline(always)]
-fn bump(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
-}
 
 /// A sampled allocation, as [`crate::on_allocation_tick`] callbacks see it.
 #[repr(C)]
@@ -251,7 +236,7 @@ impl TickSpy {
         let ts = tls::state();
         if ts.tick_record.get() != &t.counters as *const TickCounters as usize {
             // SAFETY: the calling thread owns the record (its slot), inside its hook.
-            let own = unsafe { t.own() };
+            let own = unsafe { t.own.get() };
             own.rng = self.config.seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
             for until in &ts.tick_until {
                 until.set(match self.config.sampling {
@@ -316,12 +301,7 @@ impl TickSpy {
         self.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
         let time_ns = self.elapsed_ns();
         if let Some(ring) = &self.ring {
-            let ts = tls::state();
-            let mut tid = ts.tid.get();
-            if tid == 0 {
-                tid = crate::os::gettid();
-                ts.tid.set(tid);
-            }
+            let tid = tls::tid();
             if own.started != tid {
                 own.started = tid;
                 ring.push(Raw { tag: RawTag::ThreadStart, thread: index, size: tid as u64, time_ns, ..Raw::default() });
@@ -441,7 +421,7 @@ impl TickSpy {
     pub(crate) fn thread_exit(&self, index: u32) {
         let Some(t) = self.per_thread.get(index) else { return };
         // SAFETY: called by the exiting owner, outside any hook.
-        let own = unsafe { t.own() };
+        let own = unsafe { t.own.get() };
         if own.started != 0 {
             own.started = 0;
             if let Some(ring) = &self.ring {
@@ -493,7 +473,7 @@ impl MallocSpy for TickSpy {
         bump(&t.counters.allocs[kind as usize], 1);
         bump(&t.counters.bytes[kind as usize], size);
         // SAFETY: `t` is the calling thread's record, inside its hook.
-        let own = unsafe { t.own() };
+        let own = unsafe { t.own.get() };
         if let Some(weight) = self.decide(own, size, kind) {
             self.sample(index, own, call, kind, weight);
         }
