@@ -175,3 +175,23 @@ fn ls_closes_stderr_early_and_the_report_still_arrives() {
         c
     });
 }
+
+/// The shim's own start-up allocations stay out of the program's heap, so without a spy,
+/// with the counting spy, and with a malformed option the program's blocks land where they
+/// land natively (glibc's trimming follows the layout: one stray block once cost churn 13%
+/// more page faults).
+#[test]
+fn the_program_heap_layout_is_untouched_by_the_shim_and_the_counting_spy() {
+    let program = c_program("heap_layout.c");
+    let native = run(Mode::Native, &mut Command::new(&program));
+    assert!(native.status.success() && text(&native.stdout).contains("first block at page offset"));
+    for mode in [PASS_THROUGH, Mode::Shim("spy=count"), Mode::Shim("spy=count:no_such_option=1")] {
+        let out = run(mode, &mut Command::new(&program));
+        assert_eq!(
+            text(&out.stdout),
+            text(&native.stdout),
+            "{mode:?}: the heap layout differs from the native run\nstderr: {}",
+            text(&out.stderr)
+        );
+    }
+}
