@@ -4,13 +4,12 @@
 //! arrives at our own `malloc` before we know where the real one is. heaptrack solves this with
 //! a static "dummy pool"; so do we. Blocks from here are never freed (`free` ignores them) and
 //! `realloc` moves them out; `malloc_usable_size` reads the size kept in front of each.
-//! The shim's own start-up allocations come from here too (see `global_alloc::starting_up`).
 
 use core::cell::UnsafeCell;
 use core::ffi::c_void;
 use core::sync::atomic::{AtomicUsize, Ordering};
 
-const SIZE: usize = 256 * 1024;
+const SIZE: usize = 64 * 1024;
 const HEADER: usize = 16;
 
 #[repr(C, align(4096))]

@@ -57,13 +57,16 @@ pub(crate) fn set_fork_child_hook(hook: fn()) {
 
 extern "C" fn fork_prepare() {
     threads::fork_prepare();
+    crate::own_heap::fork_prepare();
 }
 
 extern "C" fn fork_parent() {
+    crate::own_heap::fork_release();
     threads::fork_parent();
 }
 
 extern "C" fn fork_child() {
+    crate::own_heap::fork_release();
     crate::pool::force_unlock();
     GLOBAL.after_fork_child();
     threads::fork_child();

@@ -61,7 +61,6 @@ mod dispatch;
 pub mod ffi;
 mod gate;
 mod global;
-mod global_alloc;
 mod heap;
 #[doc(hidden)]
 pub mod interpose;
@@ -70,6 +69,7 @@ mod line;
 mod live_table;
 pub mod options;
 mod os;
+mod own_heap;
 mod pool;
 #[doc(hidden)]
 pub mod preload;
@@ -89,7 +89,7 @@ pub use api::{
     did_alloc, heap_stats, leak_check, on_allocation_tick, on_heap_stats, register_malloc_spy, revoke_malloc_spy,
     spied_blocks, start_allocation_ticks, start_leak_tracking, tracker_memory,
 };
-pub use global_alloc::RealAllocator;
+pub use own_heap::OwnHeap;
 pub use spies::leaks::{HeapStats, TrackerMemory};
 pub use spies::ticks::{AllocationTick, TickCallback};
 pub use spy::{Call, CallScratch, DidAlloc, Entry, MallocSpy, Role, SpyError};

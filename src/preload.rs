@@ -49,12 +49,7 @@ fn leak<T>(value: T) -> &'static T {
 
 /// Reads `MALLOCSPY_OPTIONS` and registers the spies it names. Called once by the shim's
 /// constructor. A malformed value is reported in one line and the program runs unspied.
-/// Nothing of this comes from the program's heap (see `global_alloc::starting_up`).
 pub fn init() {
-    crate::global_alloc::starting_up(register_builtins);
-}
-
-fn register_builtins() {
     GLOBAL.heap.warm_up();
     let options = match std::env::var("MALLOCSPY_OPTIONS") {
         Ok(text) => match Options::parse(&text) {

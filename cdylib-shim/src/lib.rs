@@ -6,9 +6,10 @@
 
 mallocspy::export_interposer!();
 
-/// The shim's own Rust allocations go straight to the real allocator, never through the hooks.
+/// The shim's own Rust allocations come from mallocspy's own heap: never through the hooks,
+/// never from the program's heap.
 #[global_allocator]
-static REAL: mallocspy::RealAllocator = mallocspy::RealAllocator;
+static OWN: mallocspy::OwnHeap = mallocspy::OwnHeap;
 
 #[ctor::ctor(unsafe)]
 fn init() {

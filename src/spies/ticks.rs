@@ -392,7 +392,7 @@ impl TickSpy {
         s.mmapped_bytes = m.hblkhd as u64;
         s.free_bytes = m.fordblks as u64;
         s.in_use_bytes = m.uordblks as u64;
-        s.own_bytes = pool::usage().0 as u64;
+        s.own_bytes = (pool::usage().0 + crate::own_heap::mapped_bytes()) as u64;
         s
     }
 
