@@ -190,7 +190,8 @@ struct mallocspy_api {
      * allocator (its allocations go straight to the real allocator; it must not block).
      * NULL clears it. S_OK, or E_OBJNOTREG when no ticks spy runs. */
     int32_t (*on_allocation_tick)(void (*callback)(const struct mallocspy_allocation_tick *tick));
-    /* Calls `callback` with every heap statistics event, on mallocspy's writer thread. */
+    /* Calls `callback` with every heap statistics event (at the first sampled allocation once
+     * stats_interval_ms has passed, and at exit), inside the allocator like the tick callback. */
     int32_t (*on_heap_stats)(void (*callback)(const struct mallocspy_heap_stats_event *stats));
 };
 

@@ -159,9 +159,10 @@ pub fn on_allocation_tick(callback: Option<TickCallback>) -> Result<(), SpyError
     SpyError::from_status((api_table()?.on_allocation_tick)(callback))
 }
 
-/// Calls `callback` with every heap statistics event (every `stats_interval_ms` while the
-/// program allocates, and at exit), on mallocspy's writer thread — outside the allocator,
-/// but its allocations are mallocspy's own (unsampled). `None` stops the calls.
+/// Calls `callback` with every heap statistics event: at the first sampled allocation once
+/// `stats_interval_ms` has passed since the last event, and at exit. Like the tick callback
+/// it runs **inside the allocator**, on the allocating thread (its own allocations go
+/// straight to the real allocator, unsampled); it must not block. `None` stops the calls.
 ///
 /// # Errors
 /// As [`on_allocation_tick`].
@@ -171,7 +172,7 @@ pub fn on_heap_stats(callback: Option<StatsCallback>) -> Result<(), SpyError> {
 
 /// Starts allocation ticks in a program that is its own interposer (the `interpose`
 /// feature): registers the ticks spy, sampling as `sampling` says every `interval` bytes on
-/// average, and its writer (statistics every `stats_interval_ms`, no trace file).
+/// average, with heap statistics every `stats_interval_ms` (no trace file).
 ///
 /// # Errors
 /// [`SpyError::NotInterposed`] when this module is not the interposer (a preloaded shim
@@ -188,13 +189,15 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
     if let Some(spy) = ticks::spy() {
         return global::register_static_here(spy);
     }
-    let config =
-        ticks::Config { sampling, interval, depth: crate::spies::leaks::DEFAULT_DEPTH, seed: ticks::now_ns() | 1 };
-    let spy: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config, true).ok_or(SpyError::InvalidArgument)?));
+    let config = ticks::Config {
+        sampling,
+        interval,
+        depth: crate::spies::leaks::DEFAULT_DEPTH,
+        seed: ticks::now_ns() | 1,
+        stats_interval_ns: stats_interval_ms.saturating_mul(1_000_000),
+    };
+    let spy: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).ok_or(SpyError::InvalidArgument)?));
     ticks::set_spy(spy);
-    if crate::trace::writer::start(spy, None, "", stats_interval_ms).0.is_none() {
-        return Err(SpyError::InvalidArgument);
-    }
     global::register_static_here(spy)?;
     spy.open_gate(&GLOBAL.gate);
     Ok(())

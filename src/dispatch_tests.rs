@@ -393,8 +393,14 @@ impl MallocSpy for Seen {
 fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
     use crate::spies::ticks::{Config, TickSpy};
     let ip = fresh();
-    let config = Config { sampling: crate::trace::Sampling::Poisson, interval: 1 << 40, depth: 8, seed: 1 };
-    let ticks: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config, false).unwrap()));
+    let config = Config {
+        sampling: crate::trace::Sampling::Poisson,
+        interval: 1 << 40,
+        depth: 8,
+        seed: 1,
+        stats_interval_ns: u64::MAX,
+    };
+    let ticks: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).unwrap()));
     ip.register_static(ticks).unwrap();
     ticks.open_gate(&ip.gate);
     // The first call of the thread goes to the spy (which starts the countdown); the rest are
@@ -403,7 +409,7 @@ fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
         // SAFETY: a block just allocated.
         unsafe { ip.free(ip.malloc(64)) };
     }
-    let stats = ticks.stats();
+    let stats = ticks.stats_now();
     assert_eq!((stats.kinds[0].allocs, stats.kinds[0].bytes, stats.frees), (100, 6400, 100));
     assert_eq!(ip.revoke(), Ok(()));
     let seen: &'static Seen = Box::leak(Box::new(Seen(AtomicUsize::new(0))));

@@ -176,9 +176,9 @@ extern "C" fn api_on_allocation_tick(callback: Option<crate::TickCallback>) -> i
 }
 
 extern "C" fn api_on_heap_stats(callback: Option<crate::trace::StatsCallback>) -> i32 {
-    match crate::trace::writer::writer() {
-        Some(w) => {
-            w.set_stats_callback(callback);
+    match crate::spies::ticks::spy() {
+        Some(spy) => {
+            spy.set_stats_callback(callback);
             ffi::S_OK
         }
         None => ffi::CO_E_OBJNOTREG,

@@ -14,7 +14,7 @@
 //! | `sample_interval` | bytes, `k`/`m`/`g` suffixes | `102400` | mean bytes between ticks |
 //! | `sample_seed` | a number | from the clock | seeds the poisson gaps (for reproducible runs) |
 //! | `trace` | a path; `%p` is the process id | none | the trace file of `ticks` |
-//! | `stats_interval_ms` | 1-60000 | 100 | period of the heap statistics events |
+//! | `stats_interval_ms` | 1-60000 | 100 | least time between heap statistics events (taken at a sample) |
 //!
 //! With `MALLOCSPY_OPTIONS` unset the shim tracks leaks, as a preloaded LeakSanitizer does.
 //! Any unknown key or bad value is reported in one line and the program runs unspied.

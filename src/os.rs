@@ -39,6 +39,23 @@ pub(crate) fn map(len: usize) -> Option<NonNull<u8>> {
     if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
 }
 
+/// Maps `len` bytes of zeroed anonymous memory shared with the processes forked from now on
+/// (the trace writer); `None` when the kernel refuses.
+pub(crate) fn map_shared(len: usize) -> Option<NonNull<u8>> {
+    // SAFETY: an anonymous mapping at an address of the kernel's choosing aliases nothing.
+    let p = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
+}
+
 static PAGE_SIZE: AtomicUsize = AtomicUsize::new(0);
 
 /// The system page size (cached; `getauxval` works before libc is initialised).

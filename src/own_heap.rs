@@ -2,8 +2,9 @@
 //!
 //! Every allocation mallocspy makes for itself (the options, the spies' start-up state, the
 //! unwinder's scratch, the trace writer's buffers, the reports) comes from dlmalloc running
-//! on anonymous mappings of its own: never from the exported (hooked) functions, and never
-//! from the heap it watches either. glibc's heap layout, and with it when glibc trims and
+//! on regions of mallocspy's pool ([`crate::pool`]: counted, and known to the leak scan as
+//! not the program's): never from the exported (hooked) functions, and never from the heap
+//! it watches either. glibc's heap layout, and with it when glibc trims and
 //! regrows the heap, is chaotic in the blocks handed out: one transient 8-byte block of ours
 //! moved a churn run from 170,000 page faults to 192,000, a few unwinder buffers to 214,000.
 //! A spy must not change what the program does, so the program's heap holds the program's
@@ -17,66 +18,44 @@
 
 use core::alloc::{GlobalAlloc, Layout};
 use core::cell::UnsafeCell;
-use core::sync::atomic::{AtomicUsize, Ordering};
 
 use dlmalloc::Dlmalloc;
 
-use crate::os;
 use crate::sync::SpinLock;
+use crate::{os, pool};
 
-/// dlmalloc's source of memory: anonymous private mappings, counted.
-struct Mappings;
+/// dlmalloc's source of memory: regions of mallocspy's pool, so that its memory is counted
+/// with the rest of mallocspy's and the leak scan leaves it out of the roots.
+struct Regions;
 
-/// Bytes mapped for the own heap now.
-static MAPPED: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every region handed out is a fresh anonymous mapping of `size` bytes (zeroed, as
-// `allocates_zeros` says), and `remap`/`free_part`/`free` act only on regions it handed out.
-unsafe impl dlmalloc::Allocator for Mappings {
+// SAFETY: every region handed out is a zeroed pool region of the size returned (as
+// `allocates_zeros` says), given back whole with that size; none is remapped or cut.
+unsafe impl dlmalloc::Allocator for Regions {
     fn alloc(&self, size: usize) -> (*mut u8, usize, u32) {
-        match os::map(size) {
-            Some(p) => {
-                MAPPED.fetch_add(size, Ordering::Relaxed);
-                (p.as_ptr(), size, 0)
-            }
+        match pool::lease_unbounded(size) {
+            Some((region, size)) => (region.as_ptr(), size, 0),
             None => (core::ptr::null_mut(), 0, 0),
         }
     }
 
-    fn remap(&self, ptr: *mut u8, oldsize: usize, newsize: usize, can_move: bool) -> *mut u8 {
-        let flags = if can_move { libc::MREMAP_MAYMOVE } else { 0 };
-        // SAFETY: [ptr, ptr + oldsize) is a mapping of ours (dlmalloc's contract).
-        let p = unsafe { libc::mremap(ptr.cast(), oldsize, newsize, flags) };
-        if p == libc::MAP_FAILED {
-            return core::ptr::null_mut();
-        }
-        MAPPED.fetch_add(newsize, Ordering::Relaxed);
-        MAPPED.fetch_sub(oldsize, Ordering::Relaxed);
-        p.cast()
+    fn remap(&self, _ptr: *mut u8, _oldsize: usize, _newsize: usize, _can_move: bool) -> *mut u8 {
+        core::ptr::null_mut()
     }
 
-    fn free_part(&self, ptr: *mut u8, oldsize: usize, newsize: usize) -> bool {
-        // SAFETY: [ptr, ptr + oldsize) is a mapping of ours; its tail is given back.
-        let released = unsafe { libc::mremap(ptr.cast(), oldsize, newsize, 0) } != libc::MAP_FAILED
-            // SAFETY: as above.
-            || unsafe { libc::munmap(ptr.add(newsize).cast(), oldsize - newsize) } == 0;
-        if released {
-            MAPPED.fetch_sub(oldsize - newsize, Ordering::Relaxed);
-        }
-        released
+    fn free_part(&self, _ptr: *mut u8, _oldsize: usize, _newsize: usize) -> bool {
+        false
     }
 
     fn free(&self, ptr: *mut u8, size: usize) -> bool {
-        // SAFETY: [ptr, ptr + size) is a whole mapping of ours.
-        let released = unsafe { libc::munmap(ptr.cast(), size) } == 0;
-        if released {
-            MAPPED.fetch_sub(size, Ordering::Relaxed);
+        if let Some(region) = core::ptr::NonNull::new(ptr) {
+            // SAFETY: dlmalloc gives back a whole region it was handed, with its size, unused.
+            unsafe { pool::give_back(region, size) };
         }
-        released
+        true
     }
 
     fn can_release_part(&self, _flags: u32) -> bool {
-        true
+        false
     }
 
     fn allocates_zeros(&self) -> bool {
@@ -90,16 +69,16 @@ unsafe impl dlmalloc::Allocator for Mappings {
 
 struct Heap {
     lock: SpinLock,
-    dlmalloc: UnsafeCell<Dlmalloc<Mappings>>,
+    dlmalloc: UnsafeCell<Dlmalloc<Regions>>,
 }
 
 // SAFETY: `dlmalloc` is touched only by the holder of `lock`.
 unsafe impl Sync for Heap {}
 
-static HEAP: Heap = Heap { lock: SpinLock::new(), dlmalloc: UnsafeCell::new(Dlmalloc::new_with_allocator(Mappings)) };
+static HEAP: Heap = Heap { lock: SpinLock::new(), dlmalloc: UnsafeCell::new(Dlmalloc::new_with_allocator(Regions)) };
 
 /// Runs `f` on the heap under its lock.
-fn with_heap<R>(f: impl FnOnce(&mut Dlmalloc<Mappings>) -> R) -> R {
+fn with_heap<R>(f: impl FnOnce(&mut Dlmalloc<Regions>) -> R) -> R {
     let _guard = HEAP.lock.lock();
     // SAFETY: the lock makes this the only reference.
     f(unsafe { &mut *HEAP.dlmalloc.get() })
@@ -132,11 +111,6 @@ unsafe impl GlobalAlloc for OwnHeap {
     }
 }
 
-/// Bytes the own heap has mapped.
-pub(crate) fn mapped_bytes() -> usize {
-    MAPPED.load(Ordering::Relaxed)
-}
-
 /// Before `fork`: hold the lock, so that no thread is inside dlmalloc while memory is copied.
 pub(crate) fn fork_prepare() {
     core::mem::forget(HEAP.lock.lock());
@@ -154,7 +128,7 @@ mod tests {
     #[test]
     fn blocks_are_aligned_zeroed_when_asked_and_keep_their_contents_through_realloc() {
         let heap = OwnHeap;
-        let before = mapped_bytes();
+        let before = pool::usage().1;
         let layout = Layout::from_size_align(100, 64).unwrap();
         // SAFETY: a valid layout; every block is freed with the layout it has.
         unsafe {
@@ -165,7 +139,8 @@ mod tests {
             let q = heap.realloc(p, layout, 1 << 20);
             assert!(!q.is_null() && (q as usize).is_multiple_of(64));
             assert!((0..100).all(|i| *q.add(i) == 7));
-            assert!(mapped_bytes() > before, "the heap maps its own memory");
+            assert!(pool::usage().1 > before, "the heap's memory is leased from the pool");
+            assert!(pool::owns(q as u64, q as u64 + 1), "the leak scan knows it as mallocspy's");
             heap.dealloc(q, Layout::from_size_align(1 << 20, 64).unwrap());
         }
     }

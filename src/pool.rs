@@ -57,6 +57,16 @@ fn class_of(bytes: usize) -> Option<(usize, usize)> {
 /// Leases a zeroed region of at least `bytes`; `None` past the limit or when the kernel
 /// refuses. Return it with [`give_back`] and the same `bytes`.
 pub(crate) fn lease(bytes: usize) -> Option<NonNull<u8>> {
+    lease_region(bytes, true).map(|(region, _)| region)
+}
+
+/// Leases a zeroed region of at least `bytes`, past the limit too (for mallocspy's own heap,
+/// whose reports must not fail); also returns its size. `None` when the kernel refuses.
+pub(crate) fn lease_unbounded(bytes: usize) -> Option<(NonNull<u8>, usize)> {
+    lease_region(bytes, false)
+}
+
+fn lease_region(bytes: usize, bounded: bool) -> Option<(NonNull<u8>, usize)> {
     let (size, class) = class_of(bytes)?;
     let c = &FREE[class];
     {
@@ -70,16 +80,16 @@ pub(crate) fn lease(bytes: usize) -> Option<NonNull<u8>> {
             // pages were released on return, so only the first is touched).
             unsafe { *(head as *mut usize) = 0 };
             LEASED.fetch_add(size, Ordering::Relaxed);
-            return Some(region);
+            return Some((region, size));
         }
     }
-    if MAPPED.load(Ordering::Relaxed).saturating_add(size) > LIMIT.load(Ordering::Relaxed) {
+    if bounded && MAPPED.load(Ordering::Relaxed).saturating_add(size) > LIMIT.load(Ordering::Relaxed) {
         return None;
     }
     let region = carve(size)?;
     MAPPED.fetch_add(size, Ordering::Relaxed);
     LEASED.fetch_add(size, Ordering::Relaxed);
-    Some(region)
+    Some((region, size))
 }
 
 /// Cuts a fresh page-aligned region of `size` bytes from the current arena, reserving a new

@@ -88,7 +88,7 @@ pub fn init() {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),
         guard: options.spies.guard.then(GuardSpy::new).flatten().map(leak),
         leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
-        ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options), true)).flatten().map(leak),
+        ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options))).flatten().map(leak),
         suppressions,
         options,
     };
@@ -119,10 +119,11 @@ pub fn init() {
     }
     if let Some(spy) = builtins.ticks {
         ticks::set_spy(spy);
-        let text = std::env::var("MALLOCSPY_OPTIONS").unwrap_or_default();
-        let trace = builtins.options.trace.as_deref();
-        if let (_, Some(e)) = writer::start(spy, trace, &text, builtins.options.stats_interval_ms) {
-            say(&format!("{e}; sampling without a trace"));
+        if let Some(trace) = builtins.options.trace.as_deref() {
+            let text = std::env::var("MALLOCSPY_OPTIONS").unwrap_or_default();
+            if let Err(e) = writer::start(spy, trace, &text, builtins.options.stats_interval_ms) {
+                say(&format!("{e}; sampling without a trace"));
+            }
         }
     }
     if BUILTINS.set(builtins).is_err() {
@@ -161,7 +162,13 @@ fn after_fork_child() {
 
 fn tick_config(options: &Options) -> ticks::Config {
     let seed = options.sample_seed.unwrap_or_else(|| ticks::now_ns() ^ (os::getpid() as u64) << 32);
-    ticks::Config { sampling: options.sampling, interval: options.sample_interval, depth: options.stack_depth, seed }
+    ticks::Config {
+        sampling: options.sampling,
+        interval: options.sample_interval,
+        depth: options.stack_depth,
+        seed,
+        stats_interval_ns: options.stats_interval_ms.saturating_mul(1_000_000),
+    }
 }
 
 /// Called by the shim's `.fini_array` entry: defer the reports past every other destructor.
@@ -201,10 +208,11 @@ pub extern "C" fn report_at_exit() {
     if let Some(mut summary) = b.guard.and_then(|g| g.report_summary()) {
         sink::write(summary.as_bytes());
     }
-    if let (Some(spy), Some(w)) = (b.ticks, writer::writer())
-        && let Some((ticks, stats)) = w.finish()
-        && !w.has_file()
+    if let Some(spy) = b.ticks
+        && let stats = spy.emit_stats()
+        && !writer::writer().is_some_and(|w| w.finish())
     {
+        let ticks = spy.ticks();
         let (calls, bytes) = stats.kinds.iter().fold((0, 0), |(c, b), k| (c + k.allocs, b + k.bytes));
         let c = &spy.config;
         sink::write(

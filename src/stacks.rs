@@ -7,7 +7,7 @@
 //! (plus one: 0 means "no stack").
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::pool;
@@ -47,6 +47,9 @@ impl Capture {
         id
     }
 }
+
+/// The bit of a run's length word that says the stack was sent to the trace writer.
+const SENT: u64 = 1 << 63;
 
 /// Words per chunk of the store.
 const CHUNK_WORDS: usize = 1 << 16;
@@ -166,14 +169,52 @@ impl Stacks {
 
     /// The frames of stack `id` (empty for 0). `id` must come from [`Stacks::intern`].
     pub(crate) fn frames(&self, id: u32) -> &[u64] {
-        let Some(at) = (id as usize).checked_sub(1) else { return &[] };
-        let Some(base) = self.chunk_base(at / CHUNK_WORDS) else { return &[] };
-        let offset = at % CHUNK_WORDS;
+        let Some(len_word) = self.len_word(id) else { return &[] };
+        let len = (len_word.load(Ordering::Relaxed) & !SENT) as usize;
+        let offset = (id as usize - 1) % CHUNK_WORDS;
         // SAFETY: an interned id names a `[len, frames...]` run inside its chunk, written
-        // before the id was published and never changed.
+        // before the id was published; only the length word's SENT bit changes after.
         unsafe {
-            let len = *base.as_ptr().add(offset) as usize;
-            core::slice::from_raw_parts(base.as_ptr().add(offset + 1), len.min(CHUNK_WORDS - offset - 1))
+            core::slice::from_raw_parts(len_word.as_ptr().add(1) as *const u64, len.min(CHUNK_WORDS - offset - 1))
+        }
+    }
+
+    /// The length word of stack `id`'s run.
+    fn len_word(&self, id: u32) -> Option<&AtomicU64> {
+        let at = (id as usize).checked_sub(1)?;
+        let base = self.chunk_base(at / CHUNK_WORDS)?;
+        // SAFETY: an interned id names a run inside its chunk; its length word, written before
+        // the id was published, is only touched atomically afterwards.
+        Some(unsafe { AtomicU64::from_ptr(base.as_ptr().add(at % CHUNK_WORDS)) })
+    }
+
+    /// Whether stack `id` was sent to the trace writer (see [`Stacks::mark_sent`]).
+    pub(crate) fn is_sent(&self, id: u32) -> bool {
+        self.len_word(id).is_some_and(|w| w.load(Ordering::Acquire) & SENT != 0)
+    }
+
+    /// Notes that the trace writer has stack `id`'s frames.
+    pub(crate) fn mark_sent(&self, id: u32) {
+        if let Some(w) = self.len_word(id) {
+            w.fetch_or(SENT, Ordering::Release);
+        }
+    }
+
+    /// Forgets what was sent (a new writer, in a child after `fork`, has none). Only while
+    /// no other thread interns (the child after `fork` has one thread).
+    pub(crate) fn forget_sent(&self) {
+        let chunks = self.chunk_count.load(Ordering::Acquire);
+        for chunk in 0..chunks {
+            let Some(base) = self.chunk_base(chunk) else { return };
+            let end = if chunk + 1 == chunks { self.used.load(Ordering::Relaxed) } else { CHUNK_WORDS };
+            let mut at = 0;
+            while at < end {
+                // SAFETY: at < end <= CHUNK_WORDS: a run's length word, or a zero word of the
+                // unused tail of a chunk.
+                let word = unsafe { AtomicU64::from_ptr(base.as_ptr().add(at)) };
+                let len = word.fetch_and(!SENT, Ordering::Relaxed) & !SENT;
+                at += 1 + len as usize;
+            }
         }
     }
 
@@ -213,6 +254,23 @@ mod tests {
         assert!(many.iter().all(|&id| id != 0));
         assert_eq!(s.count(), 2 + 100_000);
         assert_eq!(s.frames(many[77_777]), &[77_777, 233_331, 7]);
+    }
+
+    #[test]
+    fn sent_marks_keep_the_frames_and_are_forgotten_in_every_chunk() {
+        let s = Stacks::new();
+        let ids: Vec<u32> = (0..60_000u64).map(|i| s.intern(hash(&[i, 9]), &[i, 9])).collect();
+        assert!(s.chunk_count.load(Ordering::Relaxed) > 1, "the stacks span chunks");
+        for &id in &ids {
+            assert!(!s.is_sent(id));
+            s.mark_sent(id);
+        }
+        assert!(ids.iter().all(|&id| s.is_sent(id)));
+        assert_eq!(s.frames(ids[59_999]), &[59_999, 9]);
+        s.forget_sent();
+        assert!(ids.iter().all(|&id| !s.is_sent(id)));
+        assert_eq!(s.frames(ids[12_345]), &[12_345, 9]);
+        assert!(!s.is_sent(0));
     }
 
     #[test]

@@ -53,7 +53,7 @@ fn poisson_estimates_every_large_site_within_ten_percent_over_five_seeds() {
             }
         }
         assert_eq!(checked, 5, "five sites hold at least 10% of the bytes");
-        // The stats callback ran on the writer thread and saw the allocations counted.
+        // The stats callback ran (inside the allocator) and saw the allocations counted.
         let allocs: u64 = stats.rsplit("allocs=").next().unwrap().parse().unwrap();
         assert!(stats.starts_with("stats events=") && !stats.starts_with("stats events=0 "), "{stats}");
         assert!(allocs > 0, "{stats}");
@@ -257,4 +257,54 @@ fn record_reports_bad_arguments_and_missing_programs() {
     let stderr = text(&out.stderr);
     assert!(stderr.contains("cannot open trace '/no/such/dir/t.trace'"), "{stderr}");
     assert!(text(&out.stdout).contains("site_small"), "the program ran, sampled");
+}
+
+/// The writer is a process of its own: the traced program has exactly its own threads (a
+/// second one would turn glibc's malloc to locking), and the writer is not its child (a
+/// program that waits for all its children finds none of ours).
+#[test]
+fn the_traced_program_keeps_one_thread_and_no_extra_child() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "import os, threading, subprocess\n\
+                  print(len(os.listdir('/proc/self/task')), threading.active_count())\n\
+                  subprocess.run(['true'])\n\
+                  try:\n    os.wait()\n    print('a stray child')\n\
+                  except ChildProcessError:\n    print('no child left')\n";
+    let native = Command::new(python()).args(["-c", script]).output().unwrap();
+    assert_eq!(text(&native.stdout), "1 1\nno child left\n");
+    let out = record(dir.path(), &[], &[python().to_str().unwrap(), "-c", script]);
+    assert_eq!(text(&out.stdout), text(&native.stdout), "{}", text(&out.stderr));
+    assert_eq!(traces(dir.path()).len(), 2, "python and its child `true` each wrote a trace");
+}
+
+/// A program killed mid-run leaves a readable trace: the writer drains the shared queue after
+/// the program's end closes. It has no end record, and everything queued before the kill.
+#[test]
+fn a_killed_program_leaves_a_trace_of_what_it_did() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("killed.trace");
+    let script = "import os\nkeep = [bytearray(1 << 20) for _ in range(200)]\nos.kill(os.getpid(), 9)";
+    let out = Command::new(python())
+        .args(["-c", script])
+        .env("PYTHONMALLOC", "malloc")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", trace.display()))
+        .output()
+        .unwrap();
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&out.status), Some(9));
+    // The writer finishes on its own time: give it a few seconds.
+    let mut ticks = 0;
+    for _ in 0..50 {
+        let bytes = std::fs::read(&trace).unwrap_or_default();
+        if let Ok(reader) = Reader::new(&bytes) {
+            let events: Vec<Event> = reader.map_while(Result::ok).collect();
+            assert!(!events.iter().any(|e| matches!(e, Event::End { .. })), "no end record");
+            ticks = events.iter().filter(|e| matches!(e, Event::Tick(_))).count();
+            if ticks >= 190 {
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(ticks >= 190, "the 200 blocks of 1 MiB before the kill were sampled: {ticks} ticks");
 }

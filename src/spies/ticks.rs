@@ -16,9 +16,15 @@
 //! Frees look up the sampled blocks only when a bitmap says the address may be one. When this
 //! spy is the only one, [`crate::gate`] does the counting of unsampled calls on the entry
 //! points themselves, and only the calls that sample, or free a maybe-sampled block, come here.
+//!
+//! Heap statistics are taken here too, at the first sample once `stats_interval_ms` has passed
+//! since the last (and at exit): no thread of ours wakes the program, nor even exists in it
+//! (a second thread would turn glibc's malloc from its single-thread fast path to locking).
+//! Ticks, frees of sampled blocks and statistics go to the trace writer, a process of its
+//! own, through a queue in shared memory.
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 
 use crate::gate::{self, TickCounters};
 use crate::live_table::LiveTable;
@@ -28,12 +34,9 @@ use crate::stacks::{Capture, Stacks};
 use crate::sync::SpinLock;
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
 use crate::threads;
-use crate::trace::ring::{Raw, RawTag, Ring};
-use crate::trace::{self, Kind, Sampling};
+use crate::trace::ring::Ring;
+use crate::trace::{self, Kind, Sampling, message, writer};
 use crate::{pool, tls};
-
-/// Events the queue to the writer holds.
-const QUEUE: usize = 1 << 14;
 
 /// How the spy samples.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +47,8 @@ pub(crate) struct Config {
     pub depth: usize,
     /// Seeds the threads' random gaps (poisson).
     pub seed: u64,
+    /// Least time between two heap statistics events.
+    pub stats_interval_ns: u64,
 }
 
 /// What is kept of a sampled block until its free.
@@ -100,6 +105,10 @@ pub struct AllocationTick {
 /// A function called for every tick, inside the allocator (see [`crate::on_allocation_tick`]).
 pub type TickCallback = extern "C" fn(&AllocationTick);
 
+/// A function called with every heap statistics event, inside the allocator (see
+/// [`crate::on_heap_stats`]).
+pub type StatsCallback = extern "C" fn(&trace::HeapStats);
+
 /// The ticks spy.
 pub(crate) struct TickSpy {
     pub(crate) config: Config,
@@ -118,9 +127,16 @@ pub(crate) struct TickSpy {
     live_blocks_k: [AtomicU64; 3],
     /// Frees of threads without a record (none inside the shim's hooks).
     frees_elsewhere: AtomicU64,
-    /// To the trace writer; `None` without one.
-    pub(crate) ring: Option<Ring>,
+    /// The queue to the trace writer (a leaked `Ring`); null without one.
+    ring: AtomicPtr<Ring>,
     callback: AtomicUsize,
+    stats_callback: AtomicUsize,
+    /// When the last statistics were taken, since the start.
+    last_stats_ns: AtomicU64,
+    /// Largest estimated live bytes at a statistics event.
+    peak_live: AtomicU64,
+    /// Samples taken.
+    ticks: AtomicU64,
     start_ns: u64,
 }
 
@@ -172,10 +188,8 @@ fn kind_of(call: &Call) -> Kind {
 }
 
 impl TickSpy {
-    /// A spy sampling as `config` says, queueing for a writer if `queue`; `None` if its memory
-    /// cannot be mapped.
-    pub(crate) fn new(config: Config, queue: bool) -> Option<Self> {
-        let ring = if queue { Some(Ring::new(QUEUE)?) } else { None };
+    /// A spy sampling as `config` says; `None` if its memory cannot be mapped.
+    pub(crate) fn new(config: Config) -> Option<Self> {
         Some(Self {
             config: Config { depth: config.depth.clamp(1, MAX_DEPTH), interval: config.interval.max(1), ..config },
             per_thread: ThreadRecords::new()?,
@@ -187,10 +201,40 @@ impl TickSpy {
             live_bytes: Default::default(),
             live_blocks_k: Default::default(),
             frees_elsewhere: AtomicU64::new(0),
-            ring,
+            ring: AtomicPtr::new(core::ptr::null_mut()),
             callback: AtomicUsize::new(0),
+            stats_callback: AtomicUsize::new(0),
+            last_stats_ns: AtomicU64::new(0),
+            peak_live: AtomicU64::new(0),
+            ticks: AtomicU64::new(0),
             start_ns: now_ns(),
         })
+    }
+
+    /// The queue to the trace writer, if one runs.
+    #[inline]
+    pub(crate) fn ring(&self) -> Option<&'static Ring> {
+        // SAFETY: only `set_ring` stores here: null or a leaked ring, never freed.
+        unsafe { self.ring.load(Ordering::Acquire).as_ref() }
+    }
+
+    /// Sends the ticks to `ring` from now on (`None`: to no writer).
+    pub(crate) fn set_ring(&self, ring: Option<&'static Ring>) {
+        self.ring.store(ring.map_or(core::ptr::null_mut(), |r| r as *const Ring as *mut Ring), Ordering::Release);
+    }
+
+    /// Queues `words` for the writer, waking it if it sleeps.
+    fn send(&self, ring: &Ring, words: &[u64]) -> bool {
+        let sent = ring.push(words);
+        if ring.take_idle() {
+            writer::wake();
+        }
+        sent
+    }
+
+    /// Samples taken so far.
+    pub(crate) fn ticks(&self) -> u64 {
+        self.ticks.load(Ordering::Relaxed)
     }
 
     /// Nanoseconds since the spy started.
@@ -300,26 +344,31 @@ impl TickSpy {
         self.live_bytes[kind as usize].fetch_add(weight, Ordering::Relaxed);
         self.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
         let time_ns = self.elapsed_ns();
-        if let Some(ring) = &self.ring {
+        self.ticks.fetch_add(1, Ordering::Relaxed);
+        if let Some(ring) = self.ring() {
             let tid = tls::tid();
             if own.started != tid {
                 own.started = tid;
-                ring.push(Raw { tag: RawTag::ThreadStart, thread: index, size: tid as u64, time_ns, ..Raw::default() });
+                self.send(ring, message::thread_start(time_ns, index, tid).words());
             }
-            let tick = Raw {
-                tag: RawTag::Tick,
+            let tick = trace::Tick {
+                time_ns,
+                thread: index,
                 kind: kind as u8,
                 entry: call.entry as u8,
-                thread: index,
-                stack,
-                time_ns,
                 size,
                 address: ptr as u64,
                 weight,
+                stack: stack as u64,
             };
-            ring.push(tick);
-            crate::trace::writer::wake();
+            // The frames go with a stack's first tick only; a tick of another thread that
+            // sees the mark queues behind the one that carried them.
+            let frames = if self.stacks.is_sent(stack) { &[][..] } else { self.stacks.frames(stack) };
+            if self.send(ring, message::tick(&tick, frames).words()) && !frames.is_empty() {
+                self.stacks.mark_sent(stack);
+            }
         }
+        self.stats_if_due(time_ns);
         let callback = self.callback.load(Ordering::Acquire);
         if callback != 0 {
             // SAFETY: only `set_callback` stores here, always a TickCallback.
@@ -345,9 +394,8 @@ impl TickSpy {
         let (size, kind) = (s.size_kind >> 2, (s.size_kind & 3) as usize);
         self.live_bytes[kind].fetch_sub(s.weight, Ordering::Relaxed);
         self.live_blocks_k[kind].fetch_sub(blocks_k(s.weight, size), Ordering::Relaxed);
-        if let (Some((thread, ptr)), Some(ring)) = (freed_by, &self.ring) {
-            let time_ns = self.elapsed_ns();
-            ring.push(Raw { tag: RawTag::Free, thread, time_ns, address: ptr as u64, ..Raw::default() });
+        if let (Some((thread, ptr)), Some(ring)) = (freed_by, self.ring()) {
+            self.send(ring, message::free(self.elapsed_ns(), thread, ptr as u64).words());
         }
     }
 
@@ -369,9 +417,50 @@ impl TickSpy {
         }
     }
 
+    /// Takes the heap statistics if `stats_interval_ms` has passed since the last: to the
+    /// writer and to the callback.
+    fn stats_if_due(&self, time_ns: u64) {
+        let last = self.last_stats_ns.load(Ordering::Relaxed);
+        if time_ns < last.saturating_add(self.config.stats_interval_ns)
+            || self.last_stats_ns.compare_exchange(last, time_ns, Ordering::Relaxed, Ordering::Relaxed).is_err()
+        {
+            return;
+        }
+        self.emit_stats();
+    }
+
+    /// Takes the heap statistics now: to the writer and to the callback (also at exit).
+    pub(crate) fn emit_stats(&self) -> trace::HeapStats {
+        let stats = self.stats_now();
+        if let Some(ring) = self.ring() {
+            self.send(ring, message::stats(&stats).words());
+        }
+        let callback = self.stats_callback.load(Ordering::Acquire);
+        if callback != 0 {
+            // SAFETY: only `set_stats_callback` stores here, always a StatsCallback.
+            let f: StatsCallback = unsafe { core::mem::transmute::<usize, StatsCallback>(callback) };
+            f(&stats);
+        }
+        stats
+    }
+
+    /// Calls `f` with every statistics event from now on.
+    pub(crate) fn set_stats_callback(&self, f: Option<StatsCallback>) {
+        self.stats_callback.store(f.map_or(0, |f| f as usize), Ordering::Release);
+    }
+
+    /// The heap's state now, with its time and the peak so far.
+    pub(crate) fn stats_now(&self) -> trace::HeapStats {
+        let mut stats = self.stats();
+        stats.time_ns = self.elapsed_ns();
+        let live = stats.live_bytes();
+        stats.peak_live_bytes = self.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
+        stats
+    }
+
     /// The heap's state now (estimates and exact totals; `time_ns` and the peak are the
     /// caller's to fill).
-    pub(crate) fn stats(&self) -> trace::HeapStats {
+    fn stats(&self) -> trace::HeapStats {
         let mut s = trace::HeapStats::default();
         for t in self.all_threads() {
             let c = &t.counters;
@@ -392,18 +481,8 @@ impl TickSpy {
         s.mmapped_bytes = m.hblkhd as u64;
         s.free_bytes = m.fordblks as u64;
         s.in_use_bytes = m.uordblks as u64;
-        s.own_bytes = (pool::usage().0 + crate::own_heap::mapped_bytes()) as u64;
+        s.own_bytes = pool::usage().0 as u64;
         s
-    }
-
-    /// Allocating calls so far, all threads (the writer's test for activity).
-    pub(crate) fn calls(&self) -> u64 {
-        self.all_threads()
-            .map(|t| {
-                let c = &t.counters;
-                c.allocs.iter().map(|a| a.load(Ordering::Relaxed)).sum::<u64>() + c.frees.load(Ordering::Relaxed)
-            })
-            .sum()
     }
 
     /// Child side of `fork`: threads other than the caller are gone, and so are their walks.
@@ -412,9 +491,9 @@ impl TickSpy {
         self.stacks.force_unlock();
         self.bits_lock.force_unlock();
         tls::state().tid.set(0);
-        if let Some(ring) = &self.ring {
-            ring.reset();
-        }
+        // The queue is the parent's: the child gets a writer of its own, or none.
+        self.set_ring(None);
+        self.stacks.forget_sent();
     }
 
     /// A thread gave its slot back: the next owner sends its own start.
@@ -424,8 +503,8 @@ impl TickSpy {
         let own = unsafe { t.own.get() };
         if own.started != 0 {
             own.started = 0;
-            if let Some(ring) = &self.ring {
-                ring.push(Raw { tag: RawTag::ThreadExit, thread: index, time_ns: self.elapsed_ns(), ..Raw::default() });
+            if let Some(ring) = self.ring() {
+                self.send(ring, message::thread_exit(self.elapsed_ns(), index).words());
             }
         }
     }

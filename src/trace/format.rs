@@ -177,7 +177,7 @@ pub struct HeapStats {
     pub free_bytes: u64,
     /// Bytes in use from its arenas (`uordblks`).
     pub in_use_bytes: u64,
-    /// mallocspy's own memory (its pool and its own heap, never the watched heap).
+    /// mallocspy's own memory (its pool, its own heap included; never the watched heap).
     pub own_bytes: u64,
 }
 

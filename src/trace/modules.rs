@@ -1,7 +1,5 @@
 //! The modules mapped into the process, as the trace records them for offline symbolization.
 
-use core::ffi::{c_int, c_void};
-
 use super::Module;
 
 /// `NT_GNU_BUILD_ID`.
@@ -24,66 +22,106 @@ fn build_id(notes: &[u8]) -> Option<Vec<u8>> {
     None
 }
 
-unsafe extern "C" fn collect(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
-    // SAFETY: dl_iterate_phdr passes a valid info for the duration of the callback; `data` is
-    // the Vec passed by `loaded`.
-    let (info, list) = unsafe { (&*info, &mut *(data as *mut Vec<Module>)) };
-    if info.dlpi_phdr.is_null() {
-        return 0;
+/// What the trace needs of an ELF file: the virtual address of its first loadable segment
+/// (page-rounded), that segment's file offset (page-rounded), and its build id.
+fn elf_facts(path: &str) -> Option<(u64, u64, Vec<u8>)> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path).ok()?;
+    let mut ehdr = [0u8; 64];
+    file.read_exact_at(&mut ehdr, 0).ok()?;
+    // 64-bit little-endian ELF only (the platforms the interposer is built for).
+    if &ehdr[..4] != b"\x7fELF" || ehdr[4] != 2 || ehdr[5] != 1 {
+        return None;
     }
-    // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
-    let phdrs = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-    let base = info.dlpi_addr;
-    let mut module = Module { base, ..Module::default() };
-    for ph in phdrs {
-        let start = base + ph.p_vaddr;
-        if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_X != 0 {
-            module.ranges.push((start, start + ph.p_memsz));
-        } else if ph.p_type == libc::PT_NOTE && module.build_id.is_empty() {
-            // SAFETY: a PT_NOTE segment is mapped (it lies in a loaded segment).
-            let notes = unsafe { core::slice::from_raw_parts(start as *const u8, ph.p_memsz as usize) };
-            module.build_id = build_id(notes).unwrap_or_default();
+    let u16_at = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]) as u64;
+    let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+    let u64_at = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    let (phoff, phentsize, phnum) = (u64_at(&ehdr, 0x20), u16_at(&ehdr, 0x36) as usize, u16_at(&ehdr, 0x38) as usize);
+    if phentsize < 56 || phnum == 0 || phnum > 256 {
+        return None;
+    }
+    let mut phdrs = vec![0u8; phentsize * phnum];
+    file.read_exact_at(&mut phdrs, phoff).ok()?;
+    let page = crate::os::page_size() as u64;
+    let mut first_load = None;
+    let mut build = Vec::new();
+    for ph in phdrs.chunks_exact(phentsize) {
+        let (kind, offset, vaddr, filesz) = (u32_at(ph, 0), u64_at(ph, 8), u64_at(ph, 16), u64_at(ph, 32));
+        if kind == libc::PT_LOAD && first_load.is_none() {
+            first_load = Some((vaddr & !(page - 1), offset & !(page - 1)));
+        } else if kind == libc::PT_NOTE && build.is_empty() && filesz <= 1 << 20 {
+            let mut notes = vec![0u8; filesz as usize];
+            if file.read_exact_at(&mut notes, offset).is_ok() {
+                build = build_id(&notes).unwrap_or_default();
+            }
         }
     }
-    if module.ranges.is_empty() {
-        return 0;
-    }
-    module.path = if info.dlpi_name.is_null() {
-        String::new()
-    } else {
-        // SAFETY: the loader's names are NUL-terminated and live while the module is loaded.
-        unsafe { core::ffi::CStr::from_ptr(info.dlpi_name) }.to_string_lossy().into_owned()
-    };
-    if module.path.is_empty() && list.is_empty() {
-        // The first entry is the executable, which the loader leaves unnamed.
-        module.path = std::fs::read_link("/proc/self/exe").map(|p| p.display().to_string()).unwrap_or_default();
-    }
-    if !module.path.is_empty() {
-        list.push(module);
-    }
-    0
+    let (vaddr, offset) = first_load?;
+    Some((vaddr, offset, build))
 }
 
-/// The modules loaded now (ids left 0, for the caller to number).
-pub(crate) fn loaded() -> Vec<Module> {
-    let mut list: Vec<Module> = Vec::with_capacity(64);
-    // SAFETY: the callback matches dl_iterate_phdr's contract and only touches `list`.
-    unsafe { libc::dl_iterate_phdr(Some(collect), &mut list as *mut Vec<Module> as *mut c_void) };
+/// One line of `/proc/PID/maps`: start, end, executable, file offset, path.
+fn mapping(line: &str) -> Option<(u64, u64, bool, u64, &str)> {
+    let mut fields = line.splitn(6, ' ');
+    let (range, perms, offset) = (fields.next()?, fields.next()?, fields.next()?);
+    let path = fields.nth(2)?.trim_start();
+    let (start, end) = range.split_once('-')?;
+    let parse = |h: &str| u64::from_str_radix(h, 16).ok();
+    Some((parse(start)?, parse(end)?, perms.as_bytes().get(2) == Some(&b'x'), parse(offset)?, path))
+}
+
+/// The modules mapped into process `pid` now, from its `/proc/PID/maps` and their files
+/// (ids left 0, for the caller to number). The writer process reads another process's
+/// map this way; a module whose file is gone or is not ELF is left out.
+pub(crate) fn of_process(pid: u32) -> Vec<Module> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mut list: Vec<Module> = Vec::new();
+    let mut seen: Vec<&str> = Vec::new();
+    let lines: Vec<_> = maps.lines().filter_map(mapping).filter(|m| m.4.starts_with('/')).collect();
+    for &(_, _, _, _, path) in &lines {
+        if seen.contains(&path) {
+            continue;
+        }
+        seen.push(path);
+        let Some((vaddr, offset, build_id)) = elf_facts(path) else { continue };
+        let mine = || lines.iter().filter(move |m| m.4 == path);
+        let Some(first) = mine().find(|m| m.3 == offset) else { continue };
+        let ranges: Vec<(u64, u64)> = mine().filter(|m| m.2).map(|m| (m.0, m.1)).collect();
+        if ranges.is_empty() {
+            continue;
+        }
+        list.push(Module { id: 0, path: path.to_string(), base: first.0.wrapping_sub(vaddr), ranges, build_id });
+    }
     list
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use core::ffi::{c_int, c_void};
+
+    /// The executable's load bias, as the loader knows it.
+    fn exe_bias() -> u64 {
+        unsafe extern "C" fn first(info: *mut libc::dl_phdr_info, _: usize, data: *mut c_void) -> c_int {
+            // SAFETY: dl_iterate_phdr passes a valid info; data is the u64 below.
+            unsafe { *(data as *mut u64) = (*info).dlpi_addr };
+            1
+        }
+        let mut bias = 0u64;
+        // SAFETY: the callback writes only the u64 it is given.
+        unsafe { libc::dl_iterate_phdr(Some(first), &mut bias as *mut u64 as *mut c_void) };
+        bias
+    }
 
     #[test]
-    fn this_test_program_and_libc_are_listed_with_their_code() {
-        let here = loaded as *const () as u64;
-        let list = loaded();
+    fn this_test_program_and_libc_are_listed_with_their_code_bias_and_build_id() {
+        let here = of_process as *const () as u64;
+        let list = of_process(std::process::id());
         let exe = list.iter().find(|m| m.ranges.iter().any(|&(s, e)| s <= here && here < e)).expect("own module");
         assert_eq!(std::path::Path::new(&exe.path), std::fs::read_link("/proc/self/exe").unwrap());
-        assert!(list.iter().any(|m| m.path.contains("libc.so")), "libc in {list:?}");
-        let libc = list.iter().find(|m| m.path.contains("libc.so")).unwrap();
+        assert_eq!(exe.base, exe_bias(), "the loader's bias");
+        let libc = list.iter().find(|m| m.path.contains("libc.so")).expect("libc listed");
         assert_eq!(libc.build_id.len(), 20, "Debian's libc has a SHA-1 build id");
+        assert!(of_process(u32::MAX).is_empty(), "no such process: nothing");
     }
 }

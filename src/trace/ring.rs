@@ -1,144 +1,178 @@
-//! The bounded queue between the hook path and the trace writer.
+//! The bounded queue between the hook path and the trace writer process.
 //!
-//! Dmitry Vyukov's bounded MPMC queue, used with one consumer: each slot carries a sequence
-//! number telling producers and the consumer whose turn it is. A push is one CAS on the head
-//! and two stores; it never waits, never allocates and never locks, so it is safe inside
-//! any hook, a signal handler included (a push interrupted by a handler's push only delays
-//! the consumer until the interrupted one publishes). A full queue drops the event and
-//! counts it: the program never waits for the writer.
+//! Dmitry Vyukov's bounded MPMC queue, used with one consumer, in a shared anonymous mapping
+//! that the writer process inherits: each 64-byte slot carries a sequence number telling
+//! producers and the consumer whose turn it is, and seven words of message. A message takes
+//! one slot, or a run of consecutive slots claimed with one CAS on the head (a tick with its
+//! stack, a statistics event). A push never waits, never allocates and never locks, so it is
+//! safe inside any hook, a signal handler included (a push interrupted by a handler's push
+//! only delays the consumer until the interrupted one publishes). A full queue drops the
+//! message and counts it: the program never waits for the writer.
 
 use core::cell::UnsafeCell;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering, fence};
 
-use crate::pool;
+use crate::os;
 
-/// What the hook path hands to the writer (the writer adds stacks, modules, statistics).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Raw {
-    pub tag: RawTag,
-    pub kind: u8,
-    pub entry: u8,
-    pub thread: u32,
-    pub stack: u32,
-    pub time_ns: u64,
-    pub size: u64,
-    pub address: u64,
-    pub weight: u64,
-}
-
-/// The events the hook path makes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum RawTag {
-    #[default]
-    Tick,
-    Free,
-    /// `size` holds the kernel thread id.
-    ThreadStart,
-    ThreadExit,
-}
+/// Words of message per slot.
+pub(crate) const WORDS: usize = 7;
+/// Most slots one message may take.
+pub(crate) const MAX_SLOTS: usize = 32;
 
 #[repr(C, align(64))]
 struct Slot {
     sequence: AtomicUsize,
-    event: UnsafeCell<Raw>,
+    words: UnsafeCell<[u64; WORDS]>,
 }
 
-/// The queue; its slots live in mallocspy's pool.
-pub(crate) struct Ring {
-    slots: NonNull<Slot>,
-    mask: usize,
+/// The queue's shared state, at the start of the mapping; the slots follow.
+#[repr(C)]
+struct Control {
     head: AtomicUsize,
+    _head_line: [u8; 56],
     /// Only the consumer moves it.
     tail: AtomicUsize,
+    _tail_line: [u8; 56],
     dropped: AtomicU64,
+    /// 1 while the consumer sleeps for want of messages.
+    idle: AtomicU32,
 }
 
-// SAFETY: a slot's event is written only by the producer that claimed it (by CAS on `head`)
+/// A queue in memory shared with the writer process.
+pub(crate) struct Ring {
+    control: NonNull<Control>,
+    slots: NonNull<Slot>,
+    mask: usize,
+}
+
+// SAFETY: a slot's words are written only by the producer that claimed it (by CAS on `head`)
 // and read only by the consumer after the producer published it through `sequence`.
 unsafe impl Send for Ring {}
 // SAFETY: as above.
 unsafe impl Sync for Ring {}
 
+/// Slots a message of `words` words takes.
+pub(crate) fn slots_for(words: usize) -> usize {
+    words.div_ceil(WORDS).max(1)
+}
+
 impl Ring {
-    /// A queue of `capacity` (a power of two) events; `None` if its memory cannot be had.
-    pub(crate) fn new(capacity: usize) -> Option<Self> {
-        assert!(capacity.is_power_of_two());
-        let slots: NonNull<Slot> = pool::lease(capacity * core::mem::size_of::<Slot>())?.cast();
-        let ring = Ring {
-            slots,
-            mask: capacity - 1,
-            head: AtomicUsize::new(0),
-            tail: AtomicUsize::new(0),
-            dropped: AtomicU64::new(0),
-        };
-        ring.reset();
+    /// A queue of `capacity` slots (a power of two) in a new shared mapping; `None` if the
+    /// kernel refuses it.
+    pub(crate) fn new_shared(capacity: usize) -> Option<Self> {
+        assert!(capacity.is_power_of_two() && capacity >= MAX_SLOTS);
+        let control_bytes = core::mem::size_of::<Control>().next_multiple_of(64);
+        let base = os::map_shared(control_bytes + capacity * core::mem::size_of::<Slot>())?;
+        // SAFETY: the mapping holds the control block and then `capacity` slots; zeroed
+        // memory is a valid value of both (atomics and plain words).
+        let slots = unsafe { NonNull::new_unchecked(base.as_ptr().add(control_bytes)) }.cast();
+        let ring = Ring { control: base.cast(), slots, mask: capacity - 1 };
+        for i in 0..capacity {
+            ring.slot(i).sequence.store(i, Ordering::Relaxed);
+        }
         Some(ring)
     }
 
+    fn control(&self) -> &Control {
+        // SAFETY: the mapping lives as long as the ring (it is never unmapped).
+        unsafe { self.control.as_ref() }
+    }
+
     fn slot(&self, position: usize) -> &Slot {
-        // SAFETY: masked into the leased array of mask + 1 slots, zeroed (valid) at lease.
+        // SAFETY: masked into the mapping's mask + 1 slots.
         unsafe { &*self.slots.as_ptr().add(position & self.mask) }
     }
 
-    /// Empties the queue. Only when no one else uses it (start-up, the child after `fork`,
-    /// where a slot claimed by a thread that no longer exists would block the consumer).
-    pub(crate) fn reset(&self) {
-        for i in 0..=self.mask {
-            self.slot(i).sequence.store(i, Ordering::Relaxed);
-        }
-        self.head.store(0, Ordering::Relaxed);
-        self.tail.store(0, Ordering::Relaxed);
-        self.dropped.store(0, Ordering::Release);
-    }
-
-    /// Queues `event`; `false` (and counted) when the queue is full.
-    #[inline]
-    pub(crate) fn push(&self, event: Raw) -> bool {
-        let mut position = self.head.load(Ordering::Relaxed);
+    /// Queues the message `words` (at most `MAX_SLOTS * WORDS` of them); `false` (and
+    /// counted) when the queue has no room for it.
+    pub(crate) fn push(&self, words: &[u64]) -> bool {
+        let n = slots_for(words.len());
+        debug_assert!(n <= MAX_SLOTS);
+        let head = &self.control().head;
+        let mut position = head.load(Ordering::Relaxed);
         loop {
-            let slot = self.slot(position);
-            let sequence = slot.sequence.load(Ordering::Acquire);
-            match (sequence as isize).wrapping_sub(position as isize) {
-                0 => {
-                    match self.head.compare_exchange_weak(position, position + 1, Ordering::Relaxed, Ordering::Relaxed)
-                    {
-                        Ok(_) => {
-                            // SAFETY: the CAS made this slot ours until we publish it.
-                            unsafe { *slot.event.get() = event };
-                            slot.sequence.store(position + 1, Ordering::Release);
-                            return true;
-                        }
-                        Err(now) => position = now,
-                    }
-                }
+            // The consumer frees slots in order: when the last of the run is free, all are.
+            let last = position + n - 1;
+            let sequence = self.slot(last).sequence.load(Ordering::Acquire);
+            match (sequence as isize).wrapping_sub(last as isize) {
+                0 => match head.compare_exchange_weak(position, position + n, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => break,
+                    Err(now) => position = now,
+                },
                 d if d < 0 => {
-                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    self.control().dropped.fetch_add(1, Ordering::Relaxed);
                     return false;
                 }
-                _ => position = self.head.load(Ordering::Relaxed),
+                _ => position = head.load(Ordering::Relaxed),
             }
         }
-    }
-
-    /// The oldest published event. Only the consumer (one thread at a time) may call it.
-    pub(crate) fn pop(&self) -> Option<Raw> {
-        let position = self.tail.load(Ordering::Relaxed);
-        let slot = self.slot(position);
-        if slot.sequence.load(Ordering::Acquire) != position + 1 {
-            return None;
+        for (i, chunk) in words.chunks(WORDS).enumerate() {
+            let mut slot_words = [0u64; WORDS];
+            slot_words[..chunk.len()].copy_from_slice(chunk);
+            // SAFETY: the CAS made these slots ours until we publish them.
+            unsafe { *self.slot(position + i).words.get() = slot_words };
         }
-        // SAFETY: published by its producer (sequence = position + 1); no producer touches
-        // it until we hand it back below.
-        let event = unsafe { *slot.event.get() };
-        slot.sequence.store(position + self.mask + 1, Ordering::Release);
-        self.tail.store(position + 1, Ordering::Relaxed);
-        Some(event)
+        // The first slot last: once the consumer sees it, it finds the rest published.
+        for i in (0..n).rev() {
+            self.slot(position + i).sequence.store(position + i + 1, Ordering::Release);
+        }
+        true
     }
 
-    /// Events dropped since the last call (the queue was full).
+    /// The oldest published message, appended to `out` (whole slots, so padded to a multiple
+    /// of `WORDS`), given the number of words it has from its first slot. Only the consumer
+    /// (one thread of one process) may call it.
+    pub(crate) fn pop(&self, out: &mut Vec<u64>, words_of: impl Fn(&[u64; WORDS]) -> usize) -> bool {
+        let tail = &self.control().tail;
+        let position = tail.load(Ordering::Relaxed);
+        let first = self.slot(position);
+        if first.sequence.load(Ordering::Acquire) != position + 1 {
+            return false;
+        }
+        // SAFETY: published by its producer (sequence = position + 1).
+        let head_words = unsafe { *first.words.get() };
+        let n = slots_for(words_of(&head_words)).min(MAX_SLOTS);
+        for i in 0..n {
+            let slot = self.slot(position + i);
+            // SAFETY: the producer published the rest of its run before the first slot.
+            out.extend_from_slice(unsafe { &*slot.words.get() });
+            slot.sequence.store(position + i + self.mask + 1, Ordering::Release);
+        }
+        tail.store(position + n, Ordering::Relaxed);
+        true
+    }
+
+    /// Whether a message waits for the consumer.
+    pub(crate) fn has_message(&self) -> bool {
+        let position = self.control().tail.load(Ordering::Relaxed);
+        self.slot(position).sequence.load(Ordering::Acquire) == position + 1
+    }
+
+    /// Messages dropped since the last call (the queue was full).
     pub(crate) fn take_dropped(&self) -> u64 {
-        self.dropped.swap(0, Ordering::Relaxed)
+        self.control().dropped.swap(0, Ordering::Relaxed)
+    }
+
+    /// Consumer: announce a sleep. Returns `false` (and stays awake) when a message arrived
+    /// meanwhile. Pairs with [`Ring::take_idle`]: either the producer sees the flag, or the
+    /// consumer sees the message.
+    pub(crate) fn go_idle(&self) -> bool {
+        self.control().idle.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if self.has_message() {
+            self.control().idle.store(0, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Producer, after a push: whether the consumer sleeps and is now to be woken (once).
+    #[inline]
+    pub(crate) fn take_idle(&self) -> bool {
+        fence(Ordering::SeqCst);
+        let idle = &self.control().idle;
+        idle.load(Ordering::Relaxed) != 0 && idle.swap(0, Ordering::AcqRel) != 0
     }
 }
 
@@ -146,35 +180,85 @@ impl Ring {
 mod tests {
     use super::*;
 
+    fn first_word_count(w: &[u64; WORDS]) -> usize {
+        w[0] as usize
+    }
+
     #[test]
-    fn events_come_out_in_order_and_a_full_queue_drops_and_counts() {
-        let ring = Ring::new(8).unwrap();
-        for i in 0..10 {
-            assert_eq!(ring.push(Raw { size: i, ..Raw::default() }), i < 8);
+    fn messages_of_any_length_come_out_in_order_and_a_full_queue_drops_and_counts() {
+        let ring = Ring::new_shared(32).unwrap();
+        let message = |len: usize, tag: u64| -> Vec<u64> {
+            let mut m = vec![len as u64];
+            m.extend((1..len as u64).map(|i| tag << 32 | i));
+            m
+        };
+        let mut pushed = Vec::new();
+        for (i, len) in [1usize, 7, 8, 20, 3].into_iter().cycle().take(30).enumerate() {
+            if ring.push(&message(len, i as u64)) {
+                pushed.push(message(len, i as u64));
+            }
         }
-        assert_eq!(ring.take_dropped(), 2);
-        let sizes: Vec<u64> = std::iter::from_fn(|| ring.pop()).map(|e| e.size).collect();
-        assert_eq!(sizes, (0..8).collect::<Vec<_>>());
-        assert!(ring.push(Raw::default()), "room again");
+        assert!(pushed.len() < 30 && ring.take_dropped() == 30 - pushed.len() as u64);
+        let mut popped = Vec::new();
+        loop {
+            let mut out = Vec::new();
+            if !ring.pop(&mut out, first_word_count) {
+                break;
+            }
+            out.truncate(out[0] as usize);
+            popped.push(out);
+        }
+        assert_eq!(popped, pushed);
+        assert!(ring.push(&message(20, 99)), "room again");
     }
 
     #[test]
     fn producers_on_many_threads_lose_nothing_that_fits() {
-        let ring = Ring::new(1 << 12).unwrap();
+        let ring = Ring::new_shared(1 << 14).unwrap();
         std::thread::scope(|s| {
             for t in 0..4u64 {
                 let ring = &ring;
                 s.spawn(move || {
-                    for i in 0..1000 {
-                        assert!(ring.push(Raw { size: t << 32 | i, ..Raw::default() }));
+                    for i in 0..1000u64 {
+                        let len = 1 + (i % 3) as usize * 7;
+                        let mut m = vec![len as u64, t << 32 | i];
+                        m.resize(len, t);
+                        assert!(ring.push(&m[..len]));
                     }
                 });
             }
         });
-        let mut seen: Vec<u64> = std::iter::from_fn(|| ring.pop()).map(|e| e.size).collect();
-        seen.sort_unstable();
-        let mut want: Vec<u64> = (0..4u64).flat_map(|t| (0..1000).map(move |i| t << 32 | i)).collect();
-        want.sort_unstable();
-        assert_eq!(seen, want);
+        let mut seen = Vec::new();
+        let mut out = Vec::new();
+        while ring.pop(&mut out, first_word_count) {
+            let len = out[0] as usize;
+            seen.push(if len > 1 { out[1] } else { u64::MAX });
+            out.clear();
+        }
+        assert_eq!(seen.len(), 4000);
+    }
+
+    #[test]
+    fn a_forked_consumer_sees_what_the_parent_pushes_later() {
+        let ring = Ring::new_shared(64).unwrap();
+        // SAFETY: the child only spins on the shared ring and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let mut out = Vec::new();
+            for _ in 0..5_000_000 {
+                if ring.pop(&mut out, first_word_count) {
+                    // SAFETY: leaves the child at once.
+                    unsafe { libc::_exit(if out[..3] == [3, 42, 43] { 0 } else { 1 }) };
+                }
+                std::thread::yield_now();
+            }
+            // SAFETY: as above.
+            unsafe { libc::_exit(2) };
+        }
+        assert!(ring.push(&[3, 42, 43]));
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(libc::WEXITSTATUS(status), 0, "the child saw the message");
     }
 }

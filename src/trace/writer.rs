@@ -1,88 +1,94 @@
-//! The trace writer: a thread of mallocspy's own that turns the hook path's queue into trace
-//! records, adds heap statistics, stacks and modules, and writes them out.
+//! The trace writer: a process of mallocspy's own that turns the hook path's queue into trace
+//! records, adds the stacks' frames and the modules, and writes them out.
 //!
-//! The hook path never writes, formats or waits: it queues fixed-size events
-//! ([`super::ring`]). The writer wakes every `stats_interval_ms` while the program allocates,
-//! drains the queue, emits a statistics event and writes what it has with one `write(2)`, so a
-//! crash loses at most the last interval. When a whole interval passes without an allocator
-//! call it sleeps on a futex until the next tick wakes it: an idle program is not woken for
-//! us. The writer's own allocations go straight to the real allocator (its hook depth is
-//! raised for good). At exit the exiting thread takes the writer's lock and writes the last
-//! events, the final statistics and the end record itself.
+//! Not a thread: a second thread in the program, even one asleep, turns glibc's malloc from
+//! its single-thread fast path to locking every call (a quarter more time on a one-thread
+//! allocation loop). The writer is forked twice at start-up (so that the program never sees
+//! it as its child: no `SIGCHLD`, nothing for its `wait`), in a session of its own (a `^C` at
+//! the terminal does not cut the trace short), with every descriptor but the trace file and
+//! its end of a socket pair closed (a program's reader waiting for end of file on a pipe is
+//! not kept waiting). The queue lives in shared memory ([`super::ring`]).
+//!
+//! The hook path never writes, formats or waits: it queues messages. The writer drains the
+//! queue every `stats_interval_ms` while messages come and writes them with one `write(2)`;
+//! when the queue stays empty it sleeps until the next message wakes it (one byte on the
+//! socket): an idle program is not woken for us. At exit the program queues the last
+//! statistics and the end and waits, a few seconds at most, for the writer to close its end.
+//! If the program dies instead, the writer sees its end close, drains what was queued
+//! (shared memory outlives the program) and leaves: a crash loses nothing already queued.
 
-use core::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
 use std::collections::HashSet;
 use std::sync::OnceLock;
 
-use super::ring::{Raw, RawTag};
-use super::{Event, Header, HeapStats, Module, Tick, modules, write_event, write_header};
+use super::message::{self, Message};
+use super::ring::Ring;
+use super::{Event, Header, Module, modules, write_event, write_header};
 use crate::spies::ticks::TickSpy;
 use crate::{os, sink, tls};
 
-/// 1 while the writer sleeps until woken.
-static IDLE: AtomicU32 = AtomicU32::new(0);
+/// Slots of the queue (64 bytes each).
+const QUEUE_SLOTS: usize = 1 << 15;
+/// Longest the program waits at exit for the writer to finish the trace.
+const FINISH_WAIT_MS: i32 = 10_000;
 
-/// A function called with every heap statistics event (see [`crate::on_heap_stats`]).
-pub type StatsCallback = extern "C" fn(&HeapStats);
+/// The program's end of the socket pair to the writer (-1 without a writer), and its inode,
+/// to be sure the descriptor is still ours before writing to it (a program may close
+/// descriptors it did not open, and a new file of its own may get the number).
+static WAKE_FD: AtomicI32 = AtomicI32::new(-1);
+static WAKE_INODE: AtomicU64 = AtomicU64::new(0);
 
-/// Wakes the writer if it sleeps for want of events. One load when it does not.
-#[inline]
+/// Whether `fd` is still the socket we made.
+fn is_our_socket(fd: i32) -> bool {
+    // SAFETY: fstat writes the stat buffer; an invalid descriptor only fails.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: as above.
+    fd >= 0
+        && unsafe { libc::fstat(fd, &mut st) } == 0
+        && st.st_mode & libc::S_IFMT == libc::S_IFSOCK
+        && st.st_ino == WAKE_INODE.load(Ordering::Relaxed)
+}
+
+/// Wakes the writer, which sleeps for want of messages. Called by a producer that saw the
+/// ring's idle flag (once per sleep): a `send` that never blocks and never raises `SIGPIPE`.
 pub(crate) fn wake() {
-    if IDLE.load(Ordering::Relaxed) != 0 && IDLE.swap(0, Ordering::AcqRel) != 0 {
-        // SAFETY: FUTEX_WAKE on a static word.
-        unsafe { libc::syscall(libc::SYS_futex, IDLE.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, 1) };
+    let fd = WAKE_FD.load(Ordering::Relaxed);
+    if is_our_socket(fd) {
+        // SAFETY: one byte from a static buffer to our own socket.
+        unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
     }
 }
 
-/// What only the lock holder touches.
+/// What only the writer process touches.
 struct State {
+    /// The traced process.
+    pid: u32,
     fd: i32,
     buf: Vec<u8>,
-    emitted_stacks: HashSet<u32>,
+    /// Stacks whose frames are written.
+    stacks: HashSet<u64>,
     modules: Vec<Module>,
     next_module: u64,
-    peak: u64,
-    /// Ticks seen, and the last statistics (for the summary of a run without a file).
-    ticks: u64,
-    last_stats: HeapStats,
-    last_calls: u64,
-    last_stats_ns: u64,
     ended: bool,
 }
 
-/// The process's writer.
+/// The process's trace writer.
 pub(crate) struct Writer {
     spy: &'static TickSpy,
-    /// `trace=` as given (`%p` for the pid); `None`: statistics for the callbacks only.
-    template: Option<String>,
+    /// `trace=` as given (`%p` for the pid).
+    template: String,
+    /// The header, but for the pid and the start time of each process.
     header: Header,
-    interval_ns: u64,
-    lock: AtomicBool,
-    state: core::cell::UnsafeCell<State>,
-    stats_callback: AtomicUsize,
+    interval_ms: u64,
+    /// The queue of the current writer process (a leaked `Ring`).
+    ring: AtomicPtr<Ring>,
 }
-
-// SAFETY: `state` is touched only by the holder of `lock`; the rest is read-only or atomic.
-unsafe impl Sync for Writer {}
-// SAFETY: as above.
-unsafe impl Send for Writer {}
 
 static WRITER: OnceLock<&'static Writer> = OnceLock::new();
 
-/// The process's writer, if one runs.
+/// The process's writer, if one was started.
 pub(crate) fn writer() -> Option<&'static Writer> {
     WRITER.get().copied()
-}
-
-/// Raises the calling thread's hook depth while `f` runs: its allocations are mallocspy's
-/// own, not the program's.
-fn unspied<R>(f: impl FnOnce() -> R) -> R {
-    let ts = tls::state();
-    let depth = ts.depth.get();
-    ts.depth.set(depth + 1);
-    let r = f();
-    ts.depth.set(depth);
-    r
 }
 
 fn command_line() -> Vec<String> {
@@ -100,54 +106,47 @@ fn open(template: &str) -> Result<i32, String> {
     sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))
 }
 
-fn fresh_state(fd: i32) -> State {
-    State {
-        fd,
-        buf: Vec::with_capacity(1 << 16),
-        emitted_stacks: HashSet::new(),
-        modules: Vec::new(),
-        next_module: 0,
-        peak: 0,
-        ticks: 0,
-        last_stats: HeapStats::default(),
-        last_calls: u64::MAX,
-        last_stats_ns: 0,
-        ended: false,
+/// `fork` without the program's `pthread_atfork` handlers (ours included): the writer
+/// process is not a copy of the program for the program's purposes.
+fn raw_fork() -> i32 {
+    // SAFETY: clone with SIGCHLD and no other flag is fork; the child continues with a copy
+    // of the calling thread only, which is all the writer uses.
+    unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_long, 0, 0, 0, 0) as i32 }
+}
+
+fn close(fd: i32) {
+    // SAFETY: closing a descriptor of ours.
+    unsafe { libc::close(fd) };
+}
+
+/// Leaves the writer process without running anything of the program's (no atexit
+/// handlers, no stdio flush of the program's copied buffers).
+fn leave() -> ! {
+    loop {
+        // SAFETY: exit_group ends the process.
+        unsafe { libc::syscall(libc::SYS_exit_group, 0) };
     }
 }
 
 impl Writer {
-    /// Takes the lock (spinning: holders only drain and write).
-    fn locked<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
-        while self.lock.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            os::yield_now();
-        }
-        // SAFETY: the lock makes this the only reference.
-        let r = f(unsafe { &mut *self.state.get() });
-        self.lock.store(false, Ordering::Release);
-        r
-    }
-
     /// Writes the header and the modules loaded now.
-    fn begin(&self, st: &mut State) {
-        let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
-        write_header(&mut st.buf, &header);
+    fn begin(&self, st: &mut State, header: &Header) {
+        write_header(&mut st.buf, header);
         self.rescan_modules(st);
         self.flush(st);
     }
 
     fn flush(&self, st: &mut State) {
         if st.fd >= 0 && !st.buf.is_empty() && !os::write_all(st.fd, &st.buf) {
-            // A full disk or a closed descriptor: stop writing, keep the program going.
-            // SAFETY: our descriptor.
-            unsafe { libc::close(st.fd) };
+            // A full disk: stop writing, the program goes on.
+            close(st.fd);
             st.fd = -1;
         }
         st.buf.clear();
     }
 
     fn rescan_modules(&self, st: &mut State) {
-        let now = modules::loaded();
+        let now = modules::of_process(st.pid);
         let time_ns = self.spy.elapsed_ns();
         let same = |a: &Module, b: &Module| a.path == b.path && a.base == b.base;
         let (kept, gone): (Vec<Module>, Vec<Module>) =
@@ -170,197 +169,261 @@ impl Writer {
         st.modules.iter().any(|m| m.ranges.iter().any(|&(s, e)| s <= pc && pc < e))
     }
 
-    fn event(&self, st: &mut State, raw: Raw) {
-        let event = match raw.tag {
-            RawTag::Tick => {
-                if st.emitted_stacks.insert(raw.stack) {
-                    let frames = self.spy.stacks.frames(raw.stack).to_vec();
+    fn event(&self, st: &mut State, message: Message) {
+        let event = match message {
+            Message::Tick(tick, frames) => {
+                if !frames.is_empty() && st.stacks.insert(tick.stack) {
                     // Code of a library loaded since the last look: record it before its stack.
                     if frames.iter().any(|&pc| !self.known(st, pc)) {
                         self.rescan_modules(st);
                     }
-                    write_event(&mut st.buf, &Event::Stack { id: raw.stack as u64, frames });
+                    write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
                 }
-                Event::Tick(Tick {
-                    time_ns: raw.time_ns,
-                    thread: raw.thread,
-                    kind: raw.kind,
-                    entry: raw.entry,
-                    size: raw.size,
-                    address: raw.address,
-                    weight: raw.weight,
-                    stack: raw.stack as u64,
-                })
+                Event::Tick(tick)
             }
-            RawTag::Free => Event::Free { time_ns: raw.time_ns, thread: raw.thread, address: raw.address },
-            RawTag::ThreadStart => {
-                Event::ThreadStart { time_ns: raw.time_ns, thread: raw.thread, tid: raw.size as u32 }
+            Message::Free { time_ns, thread, address } => Event::Free { time_ns, thread, address },
+            Message::ThreadStart { time_ns, thread, tid } => Event::ThreadStart { time_ns, thread, tid },
+            Message::ThreadExit { time_ns, thread } => Event::ThreadExit { time_ns, thread },
+            Message::Stats(stats) => Event::HeapStats(stats),
+            Message::End { time_ns } => {
+                st.ended = true;
+                Event::End { time_ns }
             }
-            RawTag::ThreadExit => Event::ThreadExit { time_ns: raw.time_ns, thread: raw.thread },
         };
         write_event(&mut st.buf, &event);
     }
 
-    /// Drains the queue, adds statistics when due (or `force`), writes. Returns whether the
-    /// program did anything since the last statistics.
-    fn cycle(&self, st: &mut State, force: bool) -> bool {
-        let Some(ring) = &self.spy.ring else { return false };
+    /// Writes what the queue holds (up to the end). Returns the number of messages.
+    fn drain(&self, st: &mut State, ring: &Ring) -> usize {
+        let mut words = Vec::with_capacity(message::MAX_WORDS);
         let mut drained = 0;
-        while let Some(raw) = ring.pop() {
+        while !st.ended && ring.pop(&mut words, message::words_of) {
             drained += 1;
-            st.ticks += (raw.tag == RawTag::Tick) as u64;
-            if st.fd >= 0 {
-                self.event(st, raw);
+            if let Some(m) = message::decode(&words) {
+                self.event(st, m);
             }
+            words.clear();
         }
         let lost = ring.take_dropped();
-        if lost > 0 && st.fd >= 0 {
+        if lost > 0 {
             write_event(&mut st.buf, &Event::Lost { time_ns: self.spy.elapsed_ns(), events: lost });
         }
-        let now = self.spy.elapsed_ns();
-        let calls = self.spy.calls();
-        let active = calls != st.last_calls || drained > 0;
-        if force || (active && now.saturating_sub(st.last_stats_ns) >= self.interval_ns) {
-            let mut stats = self.spy.stats();
-            stats.time_ns = now;
-            st.peak = st.peak.max(stats.live_bytes());
-            stats.peak_live_bytes = st.peak;
-            st.last_stats_ns = now;
-            st.last_calls = calls;
-            st.last_stats = stats;
-            if st.fd >= 0 {
-                write_event(&mut st.buf, &Event::HeapStats(stats));
-            }
-            let callback = self.stats_callback.load(Ordering::Acquire);
-            if callback != 0 {
-                // SAFETY: only `set_stats_callback` stores here, always a StatsCallback.
-                let f: StatsCallback = unsafe { core::mem::transmute::<usize, StatsCallback>(callback) };
-                f(&stats);
-            }
-        }
         self.flush(st);
-        active
+        drained
     }
 
-    fn run(&'static self) {
+    /// The writer process's life: write until the program's end message, or until its end
+    /// of the socket closes (it died or exec'd), then leave.
+    fn serve(&self, header: &Header, trace_fd: i32, socket: i32, ring: &Ring) -> ! {
         tls::state().depth.set(1);
-        let sleep = libc::timespec {
-            tv_sec: (self.interval_ns / 1_000_000_000) as i64,
-            tv_nsec: (self.interval_ns % 1_000_000_000) as i64,
-        };
-        loop {
-            let (active, ended) = self.locked(|st| (st.ended || self.cycle(st, false), st.ended));
-            if ended {
-                return;
-            }
-            if active {
-                // SAFETY: nanosleep with a valid request and no remainder wanted.
-                unsafe { libc::nanosleep(&sleep, core::ptr::null_mut()) };
-            } else {
-                IDLE.store(1, Ordering::Release);
-                // Nothing for a whole interval: sleep until a tick wakes us (a wake between the
-                // store and the wait makes the wait return at once).
-                // SAFETY: FUTEX_WAIT on a static word, no timeout.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_futex,
-                        IDLE.as_ptr(),
-                        libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
-                        1,
-                        core::ptr::null::<libc::timespec>(),
-                    )
-                };
-            }
-        }
-    }
-
-    /// Starts the writer thread with every signal blocked: the program's signals (a timer's
-    /// SIGALRM, a SIGCHLD) must reach the program's own threads, whose handlers may expect to
-    /// interrupt only code of theirs, never ours in the middle of an allocation.
-    fn spawn(&'static self) -> bool {
-        // SAFETY: sigset_t is plain data; sigfillset initialises it; pthread_sigmask swaps the
-        // calling thread's mask, restored right after the new thread has inherited it.
+        // SAFETY: plain system calls on this process: a session of its own, every signal
+        // blocked (it leaves when the program's end closes), a name for `ps`.
         unsafe {
+            libc::setsid();
             let mut all: libc::sigset_t = core::mem::zeroed();
-            let mut old: libc::sigset_t = core::mem::zeroed();
             libc::sigfillset(&mut all);
-            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-            let spawned = std::thread::Builder::new().name("mallocspy-trace".into()).spawn(move || self.run()).is_ok();
-            libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
-            spawned
+            libc::sigprocmask(libc::SIG_BLOCK, &all, core::ptr::null_mut());
+            libc::prctl(libc::PR_SET_NAME, c"mallocspy-trace".as_ptr());
+        }
+        keep_only(&[trace_fd, socket]);
+        let mut st = State {
+            pid: header.pid,
+            fd: trace_fd,
+            buf: Vec::with_capacity(1 << 16),
+            stacks: HashSet::new(),
+            modules: Vec::new(),
+            next_module: 0,
+            ended: false,
+        };
+        self.begin(&mut st, header);
+        let mut gone = false;
+        loop {
+            let drained = self.drain(&mut st, ring);
+            if st.ended || gone {
+                leave();
+            }
+            let timeout = if drained > 0 {
+                self.interval_ms.min(i32::MAX as u64) as i32
+            } else if ring.go_idle() {
+                -1
+            } else {
+                0
+            };
+            if timeout != 0 {
+                let mut pfd = libc::pollfd { fd: socket, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                unsafe { libc::poll(&mut pfd, 1, timeout) };
+            }
+            gone = program_gone(socket);
         }
     }
 
-    /// At exit: the last events, the final statistics and the end record. Returns the number
-    /// of ticks and the final statistics (once; `None` after).
-    pub(crate) fn finish(&self) -> Option<(u64, HeapStats)> {
-        let done = unspied(|| {
-            self.locked(|st| {
-                if st.ended {
-                    return None;
-                }
-                self.cycle(st, true);
-                st.ended = true;
-                if st.fd >= 0 {
-                    write_event(&mut st.buf, &Event::End { time_ns: self.spy.elapsed_ns() });
-                    self.flush(st);
-                    // SAFETY: our descriptor.
-                    unsafe { libc::close(st.fd) };
-                    st.fd = -1;
-                }
-                Some((st.ticks, st.last_stats))
-            })
-        });
-        wake();
-        done
+    /// Opens the trace, makes a queue and forks the writer process for this process.
+    fn launch(&self) -> Result<&'static Ring, String> {
+        let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
+        let trace_fd = open(&self.template)?;
+        let ring: &'static Ring = match Ring::new_shared(QUEUE_SLOTS) {
+            Some(r) => Box::leak(Box::new(r)),
+            None => {
+                close(trace_fd);
+                return Err("cannot map the trace queue".into());
+            }
+        };
+        self.ring.store(ring as *const Ring as *mut Ring, Ordering::Release);
+        let mut fds = [-1; 2];
+        // SAFETY: socketpair writes two descriptors into the array.
+        if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } != 0
+        {
+            close(trace_fd);
+            return Err(format!("cannot make the writer's socket: {}", std::io::Error::last_os_error()));
+        }
+        let (ours, its) = (fds[0], fds[1]);
+        let child = raw_fork();
+        if child == 0 {
+            if raw_fork() == 0 {
+                self.serve(&header, trace_fd, its, ring);
+            }
+            leave();
+        }
+        close(its);
+        close(trace_fd);
+        if child < 0 {
+            close(ours);
+            return Err(format!("cannot start the trace writer: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: reaps the short-lived middle process, our child (it may already have been
+        // reaped if the program ignores SIGCHLD: then this fails, harmlessly).
+        unsafe { while libc::waitpid(child, core::ptr::null_mut(), 0) < 0 && os::errno() == libc::EINTR {} }
+        // Out of the way of the descriptors the program numbers from the bottom up.
+        // SAFETY: fcntl/fstat on our own descriptor.
+        let ours = match unsafe { libc::fcntl(ours, libc::F_DUPFD_CLOEXEC, 512) } {
+            fd if fd >= 0 => {
+                close(ours);
+                fd
+            }
+            _ => ours,
+        };
+        // SAFETY: as above.
+        unsafe {
+            libc::fcntl(ours, libc::F_SETFL, libc::O_NONBLOCK);
+            let mut st: libc::stat = core::mem::zeroed();
+            libc::fstat(ours, &mut st);
+            WAKE_INODE.store(st.st_ino, Ordering::Relaxed);
+        }
+        WAKE_FD.store(ours, Ordering::Release);
+        Ok(ring)
     }
 
-    /// Whether a trace file was asked for.
-    pub(crate) fn has_file(&self) -> bool {
-        self.template.is_some()
+    /// At exit: the end message, then wait (bounded) for the writer to close its end. The
+    /// last statistics are the caller's to queue first. Returns whether this process had a
+    /// trace to finish.
+    pub(crate) fn finish(&self) -> bool {
+        self.spy.set_ring(None);
+        let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
+        // SAFETY: only `launch` stores here: null or a leaked ring.
+        let Some(ring) = (unsafe { self.ring.swap(core::ptr::null_mut(), Ordering::AcqRel).as_ref() }) else {
+            return false;
+        };
+        let end = message::end(self.spy.elapsed_ns());
+        let mut tries = 0;
+        while !ring.push(end.words()) && tries < 1000 {
+            // A full queue: the writer is draining it.
+            tries += 1;
+            let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+            // SAFETY: nanosleep with a valid request.
+            unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+        }
+        if !is_our_socket(fd) {
+            return true;
+        }
+        ring.take_idle();
+        // SAFETY: one byte to our own socket.
+        unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        let mut waited = 0;
+        while waited < FINISH_WAIT_MS {
+            let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            let ready = unsafe { libc::poll(&mut pfd, 1, 100) };
+            if ready > 0 && program_gone(fd) {
+                break;
+            }
+            waited += 100;
+        }
+        close(fd);
+        true
     }
 
-    /// Child side of `fork`: the writer thread did not come along. With `%p` in the path the
-    /// child traces into a file of its own; without, it stops tracing (the file is the
-    /// parent's).
+    /// Child side of `fork`: the parent's writer is the parent's. With `%p` in the path the
+    /// child gets a writer and a trace of its own; without, it stops tracing (the file is
+    /// the parent's).
     pub(crate) fn after_fork_child(&'static self) {
-        unspied(|| {
-            self.lock.store(false, Ordering::Release);
-            IDLE.store(0, Ordering::Relaxed);
-            let fd = match &self.template {
-                Some(t) if t.contains("%p") => open(t).unwrap_or(-1),
-                _ => -1,
-            };
-            // The parent's state may have been mid-change in its writer thread: start afresh
-            // (the old one is left behind, a few KiB).
-            let fresh = fresh_state(fd);
-            // SAFETY: no other thread exists in the child yet.
-            unsafe { core::ptr::write(self.state.get(), fresh) };
-            self.locked(|st| self.begin(st));
-            self.spawn();
-        });
-    }
-
-    /// Calls `f` with every statistics event from now on.
-    pub(crate) fn set_stats_callback(&self, f: Option<StatsCallback>) {
-        self.stats_callback.store(f.map_or(0, |f| f as usize), Ordering::Release);
+        let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
+        if is_our_socket(fd) {
+            // The parent's writer waits for the parent's end alone to close.
+            close(fd);
+        }
+        self.ring.store(core::ptr::null_mut(), Ordering::Release);
+        if !self.template.contains("%p") {
+            return;
+        }
+        match self.launch() {
+            Ok(ring) => self.spy.set_ring(Some(ring)),
+            Err(e) => {
+                os::write_all(2, format!("mallocspy: {e}; the child runs without a trace\n").as_bytes());
+            }
+        }
     }
 }
 
-/// Starts the process's writer for `spy`: into `template` (`%p` = pid) if given, else for
-/// the statistics callbacks only. When the file cannot be opened the writer still runs (for
-/// the callbacks and the exit summary) and the one-line error is returned beside it.
+/// Whether the other end of `socket` closed (reading the wake-up bytes that came).
+fn program_gone(socket: i32) -> bool {
+    let mut buf = [0u8; 64];
+    loop {
+        // SAFETY: reads into a local buffer of its length.
+        let n = unsafe { libc::recv(socket, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n == 0 {
+            return true;
+        }
+        if n < 0 {
+            return os::errno() != libc::EAGAIN && os::errno() != libc::EINTR;
+        }
+    }
+}
+
+/// Closes every descriptor but `keep`, and points 0, 1 and 2 at /dev/null.
+fn keep_only(keep: &[i32]) {
+    let open: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    for fd in open {
+        if !keep.contains(&fd) {
+            close(fd);
+        }
+    }
+    // SAFETY: opening /dev/null and duplicating it onto the standard descriptors.
+    unsafe {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        if null >= 0 {
+            for std_fd in 0..3 {
+                if !keep.contains(&std_fd) {
+                    libc::dup2(null, std_fd);
+                }
+            }
+            if null > 2 {
+                libc::close(null);
+            }
+        }
+    }
+}
+
+/// Starts the process's writer for `spy` into `template` (`%p` = pid). On success the spy
+/// queues its messages for it.
 pub(crate) fn start(
     spy: &'static TickSpy,
-    template: Option<&str>,
+    template: &str,
     options: &str,
     stats_interval_ms: u64,
-) -> (Option<&'static Writer>, Option<String>) {
-    let (fd, error) = match template.map(open) {
-        Some(Ok(fd)) => (fd, None),
-        Some(Err(e)) => (-1, Some(e)),
-        None => (-1, None),
-    };
+) -> Result<&'static Writer, String> {
     let header = Header {
         pid: os::getpid(),
         command: command_line(),
@@ -372,20 +435,16 @@ pub(crate) fn start(
     };
     let writer = Writer {
         spy,
-        template: template.filter(|_| fd >= 0).map(str::to_string),
+        template: template.to_string(),
         header,
-        interval_ns: stats_interval_ms.max(1) * 1_000_000,
-        lock: AtomicBool::new(false),
-        state: core::cell::UnsafeCell::new(fresh_state(fd)),
-        stats_callback: AtomicUsize::new(0),
+        interval_ms: stats_interval_ms.max(1),
+        ring: AtomicPtr::new(core::ptr::null_mut()),
     };
     let writer: &'static Writer = Box::leak(Box::new(writer));
     if WRITER.set(writer).is_err() {
-        return (None, Some("a trace writer already runs".into()));
+        return Err("a trace writer already runs".into());
     }
-    writer.locked(|st| writer.begin(st));
-    if !writer.spawn() {
-        return (Some(writer), Some("cannot start the trace writer thread; statistics only at exit".into()));
-    }
-    (Some(writer), error)
+    let ring = writer.launch()?;
+    spy.set_ring(Some(ring));
+    Ok(writer)
 }

@@ -1,0 +1,201 @@
+//! What the hook path tells the writer process, as the words of a [`super::ring`] message.
+//!
+//! The first word holds the message's tag, its length in words and, for a tick, the kind and
+//! the entry point; the writer needs the length before it has the rest. A tick carries its
+//! stack's frames the first time the stack is sent; the writer keeps them from then on.
+//! Encoding fills a fixed buffer (the hook path never allocates); decoding is the writer's.
+
+use super::ring::{MAX_SLOTS, WORDS};
+use super::{HeapStats, Tick};
+
+const TICK: u64 = 1;
+const FREE: u64 = 2;
+const THREAD_START: u64 = 3;
+const THREAD_EXIT: u64 = 4;
+const STATS: u64 = 5;
+const END: u64 = 6;
+
+/// Words of a tick before its frames.
+const TICK_WORDS: usize = 7;
+/// Words of a statistics message.
+const STATS_WORDS: usize = 21;
+
+/// Most words of a message.
+pub(crate) const MAX_WORDS: usize = MAX_SLOTS * WORDS;
+
+/// A message, encoded: `words[..len]`.
+pub(crate) struct Encoded {
+    words: [u64; MAX_WORDS],
+    len: usize,
+}
+
+impl Encoded {
+    fn new(tag: u64, fields: &[u64]) -> Self {
+        let mut e = Encoded { words: [0; MAX_WORDS], len: 1 + fields.len() };
+        e.words[0] = tag | (e.len as u64) << 8;
+        e.words[1..e.len].copy_from_slice(fields);
+        e
+    }
+
+    pub(crate) fn words(&self) -> &[u64] {
+        &self.words[..self.len]
+    }
+}
+
+/// A decoded message.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Message {
+    /// A sampled allocation, with its stack's frames if this is the stack's first tick.
+    Tick(Tick, Vec<u64>),
+    Free {
+        time_ns: u64,
+        thread: u32,
+        address: u64,
+    },
+    ThreadStart {
+        time_ns: u64,
+        thread: u32,
+        tid: u32,
+    },
+    ThreadExit {
+        time_ns: u64,
+        thread: u32,
+    },
+    Stats(HeapStats),
+    /// The program has written its last message.
+    End {
+        time_ns: u64,
+    },
+}
+
+/// The length in words of the message whose first slot is `first`.
+pub(crate) fn words_of(first: &[u64; WORDS]) -> usize {
+    ((first[0] >> 8) & 0xFFFF) as usize
+}
+
+/// A tick, with `frames` (at most `MAX_WORDS - 7`; none when the writer has its stack).
+pub(crate) fn tick(t: &Tick, frames: &[u64]) -> Encoded {
+    let frames = &frames[..frames.len().min(MAX_WORDS - TICK_WORDS)];
+    let mut e = Encoded::new(
+        TICK,
+        &[t.thread as u64 | t.stack << 32, t.time_ns, t.size, t.address, t.weight, frames.len() as u64],
+    );
+    e.words[0] |= (t.kind as u64) << 24 | (t.entry as u64) << 32;
+    e.words[TICK_WORDS..TICK_WORDS + frames.len()].copy_from_slice(frames);
+    e.len = TICK_WORDS + frames.len();
+    e.words[0] = (e.words[0] & !(0xFFFF << 8)) | (e.len as u64) << 8;
+    e
+}
+
+pub(crate) fn free(time_ns: u64, thread: u32, address: u64) -> Encoded {
+    Encoded::new(FREE, &[thread as u64, time_ns, address])
+}
+
+pub(crate) fn thread_start(time_ns: u64, thread: u32, tid: u32) -> Encoded {
+    Encoded::new(THREAD_START, &[thread as u64, time_ns, tid as u64])
+}
+
+pub(crate) fn thread_exit(time_ns: u64, thread: u32) -> Encoded {
+    Encoded::new(THREAD_EXIT, &[thread as u64, time_ns])
+}
+
+pub(crate) fn stats(s: &HeapStats) -> Encoded {
+    let mut fields = [0u64; STATS_WORDS - 1];
+    fields[0] = s.time_ns;
+    for (k, kind) in s.kinds.iter().enumerate() {
+        fields[1 + 4 * k..5 + 4 * k].copy_from_slice(&[kind.live_bytes, kind.live_blocks, kind.allocs, kind.bytes]);
+    }
+    fields[13..].copy_from_slice(&[
+        s.frees,
+        s.peak_live_bytes,
+        s.arena_bytes,
+        s.mmapped_bytes,
+        s.free_bytes,
+        s.in_use_bytes,
+        s.own_bytes,
+    ]);
+    Encoded::new(STATS, &fields)
+}
+
+pub(crate) fn end(time_ns: u64) -> Encoded {
+    Encoded::new(END, &[time_ns])
+}
+
+/// Decodes a message popped from the ring (`words` may carry padding); `None` if it is not
+/// one the hook path makes.
+pub(crate) fn decode(words: &[u64]) -> Option<Message> {
+    let len = words_of(words.first_chunk::<WORDS>()?);
+    let w = words.get(..len)?;
+    let thread = |i: usize| w[i] as u32;
+    Some(match w[0] & 0xFF {
+        TICK if len >= TICK_WORDS => {
+            let frames = w[6] as usize;
+            let tick = Tick {
+                time_ns: w[2],
+                thread: thread(1),
+                kind: (w[0] >> 24) as u8,
+                entry: (w[0] >> 32) as u8,
+                size: w[3],
+                address: w[4],
+                weight: w[5],
+                stack: w[1] >> 32,
+            };
+            Message::Tick(tick, w.get(TICK_WORDS..TICK_WORDS + frames)?.to_vec())
+        }
+        FREE if len == 4 => Message::Free { thread: thread(1), time_ns: w[2], address: w[3] },
+        THREAD_START if len == 4 => Message::ThreadStart { thread: thread(1), time_ns: w[2], tid: w[3] as u32 },
+        THREAD_EXIT if len == 3 => Message::ThreadExit { thread: thread(1), time_ns: w[2] },
+        STATS if len == STATS_WORDS => {
+            let mut s = HeapStats { time_ns: w[1], ..HeapStats::default() };
+            for (k, kind) in s.kinds.iter_mut().enumerate() {
+                let f = &w[2 + 4 * k..6 + 4 * k];
+                (kind.live_bytes, kind.live_blocks, kind.allocs, kind.bytes) = (f[0], f[1], f[2], f[3]);
+            }
+            [s.frees, s.peak_live_bytes, s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes, s.own_bytes] =
+                w[14..21].try_into().ok()?;
+            Message::Stats(s)
+        }
+        END if len == 2 => Message::End { time_ns: w[1] },
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::KindStats;
+
+    fn through_words(e: &Encoded) -> Option<Message> {
+        // As popped: whole slots.
+        let mut words = e.words().to_vec();
+        words.resize(words.len().next_multiple_of(WORDS), 0);
+        assert_eq!(words_of(words.first_chunk().unwrap()), e.words().len());
+        decode(&words)
+    }
+
+    #[test]
+    fn every_message_comes_back_as_it_went() {
+        let t = Tick { time_ns: 5, thread: 3, kind: 2, entry: 7, size: 100, address: 0x1000, weight: 99, stack: 42 };
+        let frames: Vec<u64> = (1..=30).map(|i| i * 0x10).collect();
+        assert_eq!(through_words(&tick(&t, &frames)), Some(Message::Tick(t.clone(), frames)));
+        assert_eq!(through_words(&tick(&t, &[])), Some(Message::Tick(t, vec![])));
+        assert_eq!(through_words(&free(1, 2, 3)), Some(Message::Free { time_ns: 1, thread: 2, address: 3 }));
+        assert_eq!(through_words(&thread_start(1, 2, 3)), Some(Message::ThreadStart { time_ns: 1, thread: 2, tid: 3 }));
+        assert_eq!(through_words(&thread_exit(1, 2)), Some(Message::ThreadExit { time_ns: 1, thread: 2 }));
+        let k = |b| KindStats { live_bytes: b, live_blocks: b + 1, allocs: b + 2, bytes: b + 3 };
+        let s = HeapStats {
+            time_ns: 9,
+            kinds: [k(10), k(20), k(30)],
+            frees: 1,
+            peak_live_bytes: 2,
+            arena_bytes: 3,
+            mmapped_bytes: 4,
+            free_bytes: 5,
+            in_use_bytes: 6,
+            own_bytes: 7,
+        };
+        assert_eq!(through_words(&stats(&s)), Some(Message::Stats(s)));
+        assert_eq!(through_words(&end(8)), Some(Message::End { time_ns: 8 }));
+        assert_eq!(decode(&[0xFF | 2 << 8, 0, 0, 0, 0, 0, 0]), None);
+    }
+}
