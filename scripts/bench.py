@@ -5,8 +5,9 @@ Each workload runs under every variant in turn, round after round, so that the m
 touches all variants alike; the figures are medians over the rounds. Ratios are to the native
 median of the same run, and "extra ns/call" divides the difference by the number of allocator
 calls the workload makes (counted once under spy=count). Wall clock is what users see; CPU time
-(user + sys of the process and its children) is less disturbed by other tenants of the machine,
-but misses work done on other cores (heaptrack interprets its trace in a second process).
+(user + sys of the process and every process below it, on any core: heaptrack's interpreter,
+mallocspy's trace writer, which this script adopts as a subreaper) is less disturbed by other
+tenants of the machine.
 
 Suites:
   interposer  the shim alone, and with spy=count (issue 2): churn 1 and 2 threads
@@ -35,12 +36,30 @@ import time
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def become_subreaper():
+    """Makes processes orphaned below us (mallocspy's trace writer, forked twice so that the
+    program never sees it as its child) our children, so that their CPU time is counted."""
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_orphans():
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def run(cmd, env, cwd):
-    """Runs cmd; returns (wall s, cpu s, stdout, stderr)."""
+    """Runs cmd; returns (wall s, cpu s of it and every process below it, stdout, stderr)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     elapsed = time.perf_counter() - t0
+    reap_orphans()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         sys.exit(f"bench: {' '.join(cmd)} failed with {p.returncode}: {p.stderr.strip()[-500:]}")
@@ -78,14 +97,20 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
     native_wall = statistics.median(wall["native"])
     native_cpu = statistics.median(cpu["native"])
     print(f"\n{name}  ({calls:,} allocator calls)")
-    print(f"  {'variant':<18} {'wall s':>7} {'ratio':>7} {'extra ns/call':>14}   {'cpu s':>7} {'ratio':>7} {'extra ns/call':>14}")
+    print(
+        f"  {'variant':<18} {'wall s':>7} {'ratio':>7} {'extra ns/call':>14}   {'cpu s':>7} {'ratio':>7} {'extra ns/call':>14}"
+        f"   {'paired':>7}"
+    )
     extra = {}
     for v, _ in variants:
         w, c = statistics.median(wall[v]), statistics.median(cpu[v])
         extra[v] = (w - native_wall) / calls * 1e9
+        # The median of each round's ratio to the native run just before it: a machine whose
+        # speed drifts between rounds moves both runs of a round alike.
+        paired = statistics.median(x / n for x, n in zip(wall[v], wall["native"]))
         print(
             f"  {v:<18} {w:7.3f} {w / native_wall:6.3f}x {extra[v]:14.1f}"
-            f"   {c:7.3f} {c / native_cpu:6.3f}x {(c - native_cpu) / calls * 1e9:14.1f}"
+            f"   {c:7.3f} {c / native_cpu:6.3f}x {(c - native_cpu) / calls * 1e9:14.1f}   {paired:6.3f}x"
         )
     return extra
 
@@ -186,6 +211,7 @@ def main():
     ap.add_argument("release_dir", help="where cargo put libmallocspy_preload.so and mallocspy")
     ap.add_argument("bench_dir", help="the built workloads of ../shared/bench, and million")
     a = ap.parse_args()
+    become_subreaper()
 
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOCSPY_OPTIONS", "PYTHONMALLOC")}
     shim = os.path.abspath(os.path.join(a.release_dir, "libmallocspy_preload.so"))

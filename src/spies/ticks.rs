@@ -223,9 +223,9 @@ impl TickSpy {
         self.ring.store(ring.map_or(core::ptr::null_mut(), |r| r as *const Ring as *mut Ring), Ordering::Release);
     }
 
-    /// Queues `words` for the writer, waking it if it sleeps.
-    fn send(&self, ring: &Ring, words: &[u64]) -> bool {
-        let sent = ring.push(words);
+    /// Queues the message `head` + `tail` for the writer, waking it if it sleeps.
+    fn send(&self, ring: &Ring, head: &[u64], tail: &[u64]) -> bool {
+        let sent = ring.push(head, tail);
         if ring.take_idle() {
             writer::wake();
         }
@@ -349,7 +349,7 @@ impl TickSpy {
             let tid = tls::tid();
             if own.started != tid {
                 own.started = tid;
-                self.send(ring, message::thread_start(time_ns, index, tid).words());
+                self.send(ring, &message::thread_start(time_ns, index, tid), &[]);
             }
             let tick = trace::Tick {
                 time_ns,
@@ -364,7 +364,8 @@ impl TickSpy {
             // The frames go with a stack's first tick only; a tick of another thread that
             // sees the mark queues behind the one that carried them.
             let frames = if self.stacks.is_sent(stack) { &[][..] } else { self.stacks.frames(stack) };
-            if self.send(ring, message::tick(&tick, frames).words()) && !frames.is_empty() {
+            let frames = &frames[..frames.len().min(message::MAX_FRAMES)];
+            if self.send(ring, &message::tick(&tick, frames.len()), frames) && !frames.is_empty() {
                 self.stacks.mark_sent(stack);
             }
         }
@@ -395,7 +396,7 @@ impl TickSpy {
         self.live_bytes[kind].fetch_sub(s.weight, Ordering::Relaxed);
         self.live_blocks_k[kind].fetch_sub(blocks_k(s.weight, size), Ordering::Relaxed);
         if let (Some((thread, ptr)), Some(ring)) = (freed_by, self.ring()) {
-            self.send(ring, message::free(self.elapsed_ns(), thread, ptr as u64).words());
+            self.send(ring, &message::free(self.elapsed_ns(), thread, ptr as u64), &[]);
         }
     }
 
@@ -433,7 +434,7 @@ impl TickSpy {
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
         let stats = self.stats_now();
         if let Some(ring) = self.ring() {
-            self.send(ring, message::stats(&stats).words());
+            self.send(ring, &message::stats(&stats), &[]);
         }
         let callback = self.stats_callback.load(Ordering::Acquire);
         if callback != 0 {
@@ -504,7 +505,7 @@ impl TickSpy {
         if own.started != 0 {
             own.started = 0;
             if let Some(ring) = self.ring() {
-                self.send(ring, message::thread_exit(self.elapsed_ns(), index).words());
+                self.send(ring, &message::thread_exit(self.elapsed_ns(), index), &[]);
             }
         }
     }

@@ -3,7 +3,8 @@
 //! The first word holds the message's tag, its length in words and, for a tick, the kind and
 //! the entry point; the writer needs the length before it has the rest. A tick carries its
 //! stack's frames the first time the stack is sent; the writer keeps them from then on.
-//! Encoding fills a fixed buffer (the hook path never allocates); decoding is the writer's.
+//! Encoding makes small arrays on the stack (the hook path never allocates, and a tick's
+//! frames are queued straight from the stack table); decoding is the writer's.
 
 use super::ring::{MAX_SLOTS, WORDS};
 use super::{HeapStats, Tick};
@@ -22,24 +23,14 @@ const STATS_WORDS: usize = 21;
 
 /// Most words of a message.
 pub(crate) const MAX_WORDS: usize = MAX_SLOTS * WORDS;
+/// Most frames a tick carries.
+pub(crate) const MAX_FRAMES: usize = MAX_WORDS - TICK_WORDS;
 
-/// A message, encoded: `words[..len]`.
-pub(crate) struct Encoded {
-    words: [u64; MAX_WORDS],
-    len: usize,
-}
-
-impl Encoded {
-    fn new(tag: u64, fields: &[u64]) -> Self {
-        let mut e = Encoded { words: [0; MAX_WORDS], len: 1 + fields.len() };
-        e.words[0] = tag | (e.len as u64) << 8;
-        e.words[1..e.len].copy_from_slice(fields);
-        e
-    }
-
-    pub(crate) fn words(&self) -> &[u64] {
-        &self.words[..self.len]
-    }
+/// A message of `N` words: `fields`, whose first word (left 0) becomes the tag and length.
+fn encode<const N: usize>(tag: u64, fields: [u64; N]) -> [u64; N] {
+    let mut words = fields;
+    words[0] = tag | (N as u64) << 8;
+    words
 }
 
 /// A decoded message.
@@ -73,39 +64,44 @@ pub(crate) fn words_of(first: &[u64; WORDS]) -> usize {
     ((first[0] >> 8) & 0xFFFF) as usize
 }
 
-/// A tick, with `frames` (at most `MAX_WORDS - 7`; none when the writer has its stack).
-pub(crate) fn tick(t: &Tick, frames: &[u64]) -> Encoded {
-    let frames = &frames[..frames.len().min(MAX_WORDS - TICK_WORDS)];
-    let mut e = Encoded::new(
-        TICK,
-        &[t.thread as u64 | t.stack << 32, t.time_ns, t.size, t.address, t.weight, frames.len() as u64],
-    );
-    e.words[0] |= (t.kind as u64) << 24 | (t.entry as u64) << 32;
-    e.words[TICK_WORDS..TICK_WORDS + frames.len()].copy_from_slice(frames);
-    e.len = TICK_WORDS + frames.len();
-    e.words[0] = (e.words[0] & !(0xFFFF << 8)) | (e.len as u64) << 8;
-    e
+/// A tick's first words; its `frame_count` frames (at most [`MAX_FRAMES`]; none when the
+/// writer has its stack) follow them in the same message.
+pub(crate) fn tick(t: &Tick, frame_count: usize) -> [u64; TICK_WORDS] {
+    let mut words = [
+        0,
+        t.thread as u64 | t.stack << 32,
+        t.time_ns,
+        t.size,
+        t.address,
+        t.weight,
+        frame_count.min(MAX_FRAMES) as u64,
+    ];
+    words[0] = TICK
+        | ((TICK_WORDS + frame_count.min(MAX_FRAMES)) as u64) << 8
+        | (t.kind as u64) << 24
+        | (t.entry as u64) << 32;
+    words
 }
 
-pub(crate) fn free(time_ns: u64, thread: u32, address: u64) -> Encoded {
-    Encoded::new(FREE, &[thread as u64, time_ns, address])
+pub(crate) fn free(time_ns: u64, thread: u32, address: u64) -> [u64; 4] {
+    encode(FREE, [0, thread as u64, time_ns, address])
 }
 
-pub(crate) fn thread_start(time_ns: u64, thread: u32, tid: u32) -> Encoded {
-    Encoded::new(THREAD_START, &[thread as u64, time_ns, tid as u64])
+pub(crate) fn thread_start(time_ns: u64, thread: u32, tid: u32) -> [u64; 4] {
+    encode(THREAD_START, [0, thread as u64, time_ns, tid as u64])
 }
 
-pub(crate) fn thread_exit(time_ns: u64, thread: u32) -> Encoded {
-    Encoded::new(THREAD_EXIT, &[thread as u64, time_ns])
+pub(crate) fn thread_exit(time_ns: u64, thread: u32) -> [u64; 3] {
+    encode(THREAD_EXIT, [0, thread as u64, time_ns])
 }
 
-pub(crate) fn stats(s: &HeapStats) -> Encoded {
-    let mut fields = [0u64; STATS_WORDS - 1];
-    fields[0] = s.time_ns;
+pub(crate) fn stats(s: &HeapStats) -> [u64; STATS_WORDS] {
+    let mut fields = [0u64; STATS_WORDS];
+    fields[1] = s.time_ns;
     for (k, kind) in s.kinds.iter().enumerate() {
-        fields[1 + 4 * k..5 + 4 * k].copy_from_slice(&[kind.live_bytes, kind.live_blocks, kind.allocs, kind.bytes]);
+        fields[2 + 4 * k..6 + 4 * k].copy_from_slice(&[kind.live_bytes, kind.live_blocks, kind.allocs, kind.bytes]);
     }
-    fields[13..].copy_from_slice(&[
+    fields[14..].copy_from_slice(&[
         s.frees,
         s.peak_live_bytes,
         s.arena_bytes,
@@ -114,11 +110,11 @@ pub(crate) fn stats(s: &HeapStats) -> Encoded {
         s.in_use_bytes,
         s.own_bytes,
     ]);
-    Encoded::new(STATS, &fields)
+    encode(STATS, fields)
 }
 
-pub(crate) fn end(time_ns: u64) -> Encoded {
-    Encoded::new(END, &[time_ns])
+pub(crate) fn end(time_ns: u64) -> [u64; 2] {
+    encode(END, [0, time_ns])
 }
 
 /// Decodes a message popped from the ring (`words` may carry padding); `None` if it is not
@@ -165,11 +161,12 @@ mod tests {
     use super::*;
     use crate::trace::KindStats;
 
-    fn through_words(e: &Encoded) -> Option<Message> {
+    fn through_words(head: &[u64], tail: &[u64]) -> Option<Message> {
         // As popped: whole slots.
-        let mut words = e.words().to_vec();
-        words.resize(words.len().next_multiple_of(WORDS), 0);
-        assert_eq!(words_of(words.first_chunk().unwrap()), e.words().len());
+        let mut words = [head, tail].concat();
+        let len = words.len();
+        words.resize(len.next_multiple_of(WORDS), 0);
+        assert_eq!(words_of(words.first_chunk().unwrap()), len);
         decode(&words)
     }
 
@@ -177,11 +174,14 @@ mod tests {
     fn every_message_comes_back_as_it_went() {
         let t = Tick { time_ns: 5, thread: 3, kind: 2, entry: 7, size: 100, address: 0x1000, weight: 99, stack: 42 };
         let frames: Vec<u64> = (1..=30).map(|i| i * 0x10).collect();
-        assert_eq!(through_words(&tick(&t, &frames)), Some(Message::Tick(t.clone(), frames)));
-        assert_eq!(through_words(&tick(&t, &[])), Some(Message::Tick(t, vec![])));
-        assert_eq!(through_words(&free(1, 2, 3)), Some(Message::Free { time_ns: 1, thread: 2, address: 3 }));
-        assert_eq!(through_words(&thread_start(1, 2, 3)), Some(Message::ThreadStart { time_ns: 1, thread: 2, tid: 3 }));
-        assert_eq!(through_words(&thread_exit(1, 2)), Some(Message::ThreadExit { time_ns: 1, thread: 2 }));
+        assert_eq!(through_words(&tick(&t, frames.len()), &frames), Some(Message::Tick(t.clone(), frames)));
+        assert_eq!(through_words(&tick(&t, 0), &[]), Some(Message::Tick(t, vec![])));
+        assert_eq!(through_words(&free(1, 2, 3), &[]), Some(Message::Free { time_ns: 1, thread: 2, address: 3 }));
+        assert_eq!(
+            through_words(&thread_start(1, 2, 3), &[]),
+            Some(Message::ThreadStart { time_ns: 1, thread: 2, tid: 3 })
+        );
+        assert_eq!(through_words(&thread_exit(1, 2), &[]), Some(Message::ThreadExit { time_ns: 1, thread: 2 }));
         let k = |b| KindStats { live_bytes: b, live_blocks: b + 1, allocs: b + 2, bytes: b + 3 };
         let s = HeapStats {
             time_ns: 9,
@@ -194,8 +194,8 @@ mod tests {
             in_use_bytes: 6,
             own_bytes: 7,
         };
-        assert_eq!(through_words(&stats(&s)), Some(Message::Stats(s)));
-        assert_eq!(through_words(&end(8)), Some(Message::End { time_ns: 8 }));
+        assert_eq!(through_words(&stats(&s), &[]), Some(Message::Stats(s)));
+        assert_eq!(through_words(&end(8), &[]), Some(Message::End { time_ns: 8 }));
         assert_eq!(decode(&[0xFF | 2 << 8, 0, 0, 0, 0, 0, 0]), None);
     }
 }

@@ -84,19 +84,19 @@ impl Ring {
         unsafe { &*self.slots.as_ptr().add(position & self.mask) }
     }
 
-    /// Queues the message `words` (at most `MAX_SLOTS * WORDS` of them); `false` (and
-    /// counted) when the queue has no room for it.
-    pub(crate) fn push(&self, words: &[u64]) -> bool {
-        let n = slots_for(words.len());
+    /// Queues the message `head` followed by `tail` (at most `MAX_SLOTS * WORDS` words in
+    /// all); `false` (and counted) when the queue has no room for it.
+    pub(crate) fn push(&self, head: &[u64], tail: &[u64]) -> bool {
+        let n = slots_for(head.len() + tail.len());
         debug_assert!(n <= MAX_SLOTS);
-        let head = &self.control().head;
-        let mut position = head.load(Ordering::Relaxed);
+        let next = &self.control().head;
+        let mut position = next.load(Ordering::Relaxed);
         loop {
             // The consumer frees slots in order: when the last of the run is free, all are.
             let last = position + n - 1;
             let sequence = self.slot(last).sequence.load(Ordering::Acquire);
             match (sequence as isize).wrapping_sub(last as isize) {
-                0 => match head.compare_exchange_weak(position, position + n, Ordering::Relaxed, Ordering::Relaxed) {
+                0 => match next.compare_exchange_weak(position, position + n, Ordering::Relaxed, Ordering::Relaxed) {
                     Ok(_) => break,
                     Err(now) => position = now,
                 },
@@ -104,12 +104,15 @@ impl Ring {
                     self.control().dropped.fetch_add(1, Ordering::Relaxed);
                     return false;
                 }
-                _ => position = head.load(Ordering::Relaxed),
+                _ => position = next.load(Ordering::Relaxed),
             }
         }
-        for (i, chunk) in words.chunks(WORDS).enumerate() {
+        let mut words = head.iter().chain(tail);
+        for i in 0..n {
             let mut slot_words = [0u64; WORDS];
-            slot_words[..chunk.len()].copy_from_slice(chunk);
+            for (w, &v) in slot_words.iter_mut().zip(&mut words) {
+                *w = v;
+            }
             // SAFETY: the CAS made these slots ours until we publish them.
             unsafe { *self.slot(position + i).words.get() = slot_words };
         }
@@ -194,7 +197,7 @@ mod tests {
         };
         let mut pushed = Vec::new();
         for (i, len) in [1usize, 7, 8, 20, 3].into_iter().cycle().take(30).enumerate() {
-            if ring.push(&message(len, i as u64)) {
+            if ring.push(&message(len, i as u64), &[]) {
                 pushed.push(message(len, i as u64));
             }
         }
@@ -209,7 +212,9 @@ mod tests {
             popped.push(out);
         }
         assert_eq!(popped, pushed);
-        assert!(ring.push(&message(20, 99)), "room again");
+        let last = message(20, 99);
+        let (head, tail) = last.split_at(3);
+        assert!(ring.push(head, tail), "room again, and a message in two parts");
     }
 
     #[test]
@@ -223,7 +228,7 @@ mod tests {
                         let len = 1 + (i % 3) as usize * 7;
                         let mut m = vec![len as u64, t << 32 | i];
                         m.resize(len, t);
-                        assert!(ring.push(&m[..len]));
+                        assert!(ring.push(&m[..len], &[]));
                     }
                 });
             }
@@ -255,7 +260,7 @@ mod tests {
             // SAFETY: as above.
             unsafe { libc::_exit(2) };
         }
-        assert!(ring.push(&[3, 42, 43]));
+        assert!(ring.push(&[3, 42, 43], &[]));
         let mut status = 0;
         // SAFETY: waits for our own child.
         unsafe { libc::waitpid(pid, &mut status, 0) };
