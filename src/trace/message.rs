@@ -7,7 +7,7 @@
 //! frames are queued straight from the stack table); decoding is the writer's.
 
 use super::ring::{MAX_SLOTS, WORDS};
-use super::{HeapStats, Tick};
+use super::{Event, HeapStats, Tick};
 
 const TICK: u64 = 1;
 const FREE: u64 = 2;
@@ -31,32 +31,6 @@ fn encode<const N: usize>(tag: u64, fields: [u64; N]) -> [u64; N] {
     let mut words = fields;
     words[0] = tag | (N as u64) << 8;
     words
-}
-
-/// A decoded message.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) enum Message {
-    /// A sampled allocation, with its stack's frames if this is the stack's first tick.
-    Tick(Tick, Vec<u64>),
-    Free {
-        time_ns: u64,
-        thread: u32,
-        address: u64,
-    },
-    ThreadStart {
-        time_ns: u64,
-        thread: u32,
-        tid: u32,
-    },
-    ThreadExit {
-        time_ns: u64,
-        thread: u32,
-    },
-    Stats(HeapStats),
-    /// The program has written its last message.
-    End {
-        time_ns: u64,
-    },
 }
 
 /// The length in words of the message whose first slot is `first`.
@@ -117,13 +91,14 @@ pub(crate) fn end(time_ns: u64) -> [u64; 2] {
     encode(END, [0, time_ns])
 }
 
-/// Decodes a message popped from the ring (`words` may carry padding); `None` if it is not
-/// one the hook path makes.
-pub(crate) fn decode(words: &[u64]) -> Option<Message> {
+/// Decodes a message popped from the ring (`words` may carry padding): the event it makes in
+/// the trace, and the frames a tick carried (none for other events); `None` if it is not one
+/// the hook path makes.
+pub(crate) fn decode(words: &[u64]) -> Option<(Event, Vec<u64>)> {
     let len = words_of(words.first_chunk::<WORDS>()?);
     let w = words.get(..len)?;
     let thread = |i: usize| w[i] as u32;
-    Some(match w[0] & 0xFF {
+    let event = match w[0] & 0xFF {
         TICK if len >= TICK_WORDS => {
             let frames = w[6] as usize;
             let tick = Tick {
@@ -136,11 +111,11 @@ pub(crate) fn decode(words: &[u64]) -> Option<Message> {
                 weight: w[5],
                 stack: w[1] >> 32,
             };
-            Message::Tick(tick, w.get(TICK_WORDS..TICK_WORDS + frames)?.to_vec())
+            return Some((Event::Tick(tick), w.get(TICK_WORDS..TICK_WORDS + frames)?.to_vec()));
         }
-        FREE if len == 4 => Message::Free { thread: thread(1), time_ns: w[2], address: w[3] },
-        THREAD_START if len == 4 => Message::ThreadStart { thread: thread(1), time_ns: w[2], tid: w[3] as u32 },
-        THREAD_EXIT if len == 3 => Message::ThreadExit { thread: thread(1), time_ns: w[2] },
+        FREE if len == 4 => Event::Free { thread: thread(1), time_ns: w[2], address: w[3] },
+        THREAD_START if len == 4 => Event::ThreadStart { thread: thread(1), time_ns: w[2], tid: w[3] as u32 },
+        THREAD_EXIT if len == 3 => Event::ThreadExit { thread: thread(1), time_ns: w[2] },
         STATS if len == STATS_WORDS => {
             let mut s = HeapStats { time_ns: w[1], ..HeapStats::default() };
             for (k, kind) in s.kinds.iter_mut().enumerate() {
@@ -149,11 +124,12 @@ pub(crate) fn decode(words: &[u64]) -> Option<Message> {
             }
             [s.frees, s.peak_live_bytes, s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes, s.own_bytes] =
                 w[14..21].try_into().ok()?;
-            Message::Stats(s)
+            Event::HeapStats(s)
         }
-        END if len == 2 => Message::End { time_ns: w[1] },
+        END if len == 2 => Event::End { time_ns: w[1] },
         _ => return None,
-    })
+    };
+    Some((event, Vec::new()))
 }
 
 #[cfg(test)]
@@ -161,7 +137,7 @@ mod tests {
     use super::*;
     use crate::trace::KindStats;
 
-    fn through_words(head: &[u64], tail: &[u64]) -> Option<Message> {
+    fn through_words(head: &[u64], tail: &[u64]) -> Option<(Event, Vec<u64>)> {
         // As popped: whole slots.
         let mut words = [head, tail].concat();
         let len = words.len();
@@ -174,14 +150,17 @@ mod tests {
     fn every_message_comes_back_as_it_went() {
         let t = Tick { time_ns: 5, thread: 3, kind: 2, entry: 7, size: 100, address: 0x1000, weight: 99, stack: 42 };
         let frames: Vec<u64> = (1..=30).map(|i| i * 0x10).collect();
-        assert_eq!(through_words(&tick(&t, frames.len()), &frames), Some(Message::Tick(t.clone(), frames)));
-        assert_eq!(through_words(&tick(&t, 0), &[]), Some(Message::Tick(t, vec![])));
-        assert_eq!(through_words(&free(1, 2, 3), &[]), Some(Message::Free { time_ns: 1, thread: 2, address: 3 }));
+        assert_eq!(through_words(&tick(&t, frames.len()), &frames), Some((Event::Tick(t.clone()), frames)));
+        assert_eq!(through_words(&tick(&t, 0), &[]), Some((Event::Tick(t), vec![])));
+        assert_eq!(
+            through_words(&free(1, 2, 3), &[]),
+            Some((Event::Free { time_ns: 1, thread: 2, address: 3 }, vec![]))
+        );
         assert_eq!(
             through_words(&thread_start(1, 2, 3), &[]),
-            Some(Message::ThreadStart { time_ns: 1, thread: 2, tid: 3 })
+            Some((Event::ThreadStart { time_ns: 1, thread: 2, tid: 3 }, vec![]))
         );
-        assert_eq!(through_words(&thread_exit(1, 2), &[]), Some(Message::ThreadExit { time_ns: 1, thread: 2 }));
+        assert_eq!(through_words(&thread_exit(1, 2), &[]), Some((Event::ThreadExit { time_ns: 1, thread: 2 }, vec![])));
         let k = |b| KindStats { live_bytes: b, live_blocks: b + 1, allocs: b + 2, bytes: b + 3 };
         let s = HeapStats {
             time_ns: 9,
@@ -194,8 +173,8 @@ mod tests {
             in_use_bytes: 6,
             own_bytes: 7,
         };
-        assert_eq!(through_words(&stats(&s), &[]), Some(Message::Stats(s)));
-        assert_eq!(through_words(&end(8), &[]), Some(Message::End { time_ns: 8 }));
+        assert_eq!(through_words(&stats(&s), &[]), Some((Event::HeapStats(s), vec![])));
+        assert_eq!(through_words(&end(8), &[]), Some((Event::End { time_ns: 8 }, vec![])));
         assert_eq!(decode(&[0xFF | 2 << 8, 0, 0, 0, 0, 0, 0]), None);
     }
 }

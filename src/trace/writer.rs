@@ -21,7 +21,7 @@ use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
 use std::collections::HashSet;
 use std::sync::OnceLock;
 
-use super::message::{self, Message};
+use super::message;
 use super::ring::Ring;
 use super::{Event, Header, Module, modules, write_event, write_header};
 use crate::spies::ticks::TickSpy;
@@ -169,27 +169,19 @@ impl Writer {
         st.modules.iter().any(|m| m.ranges.iter().any(|&(s, e)| s <= pc && pc < e))
     }
 
-    fn event(&self, st: &mut State, message: Message) {
-        let event = match message {
-            Message::Tick(tick, frames) => {
-                if !frames.is_empty() && st.stacks.insert(tick.stack) {
-                    // Code of a library loaded since the last look: record it before its stack.
-                    if frames.iter().any(|&pc| !self.known(st, pc)) {
-                        self.rescan_modules(st);
-                    }
-                    write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
-                }
-                Event::Tick(tick)
+    /// Writes `event`, after the stack a tick names if its `frames` are new here.
+    fn event(&self, st: &mut State, event: Event, frames: Vec<u64>) {
+        if let Event::Tick(tick) = &event
+            && !frames.is_empty()
+            && st.stacks.insert(tick.stack)
+        {
+            // Code of a library loaded since the last look: record it before its stack.
+            if frames.iter().any(|&pc| !self.known(st, pc)) {
+                self.rescan_modules(st);
             }
-            Message::Free { time_ns, thread, address } => Event::Free { time_ns, thread, address },
-            Message::ThreadStart { time_ns, thread, tid } => Event::ThreadStart { time_ns, thread, tid },
-            Message::ThreadExit { time_ns, thread } => Event::ThreadExit { time_ns, thread },
-            Message::Stats(stats) => Event::HeapStats(stats),
-            Message::End { time_ns } => {
-                st.ended = true;
-                Event::End { time_ns }
-            }
-        };
+            write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
+        }
+        st.ended |= matches!(event, Event::End { .. });
         write_event(&mut st.buf, &event);
     }
 
@@ -199,8 +191,8 @@ impl Writer {
         let mut drained = 0;
         while !st.ended && ring.pop(&mut words, message::words_of) {
             drained += 1;
-            if let Some(m) = message::decode(&words) {
-                self.event(st, m);
+            if let Some((event, frames)) = message::decode(&words) {
+                self.event(st, event, frames);
             }
             words.clear();
         }
