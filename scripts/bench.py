@@ -18,6 +18,10 @@ Suites:
   ticks       spy=ticks at the default interval (allocation ticks and heap statistics into a
               trace file, issue 4) on the same four workloads; target 1.05x native; and the
               trace's size per second of run
+  cost        the same four workloads, shortened, under valgrind's cachegrind: instructions and
+              simulated cache misses per allocator call that the shim and each spy add. Counts,
+              not times: the same on every run and every machine, where the wall-clock suites
+              swing by 10% or more on a shared machine. Not part of `all`.
 
 usage: bench.py [--suite NAME] [--rounds N] [--iters N] [--only TEXT] RELEASE_DIR BENCH_DIR
 """
@@ -184,6 +188,61 @@ def ticks_suite(a, base, shim, mallocspy):
     shutil.rmtree(scratch, ignore_errors=True)
 
 
+def cachegrind(cmd, env, cwd):
+    """Instructions, D1 misses and LL misses of one run under cachegrind."""
+    with tempfile.NamedTemporaryFile(prefix="mallocspy-cg-") as out:
+        argv = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out.name}", *cmd]
+        p = subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if p.returncode != 0:
+            sys.exit(f"bench: cachegrind of {' '.join(cmd)} failed with {p.returncode}: {p.stderr.strip()[-500:]}")
+        for line in open(out.name):
+            if line.startswith("summary:"):
+                # Ir I1mr ILmr Dr D1mr DLmr Dw D1mw DLmw
+                n = [int(x) for x in line.split()[1:]]
+                return n[0], n[4] + n[7], n[5] + n[8]
+    sys.exit(f"bench: no cachegrind summary for {' '.join(cmd)}")
+
+
+def cost_suite(a, base, shim):
+    if not shutil.which("valgrind"):
+        sys.exit("bench: valgrind is not installed (scripts/install-deps.sh installs it)")
+    small_sql = os.path.join(a.bench_dir, "insert-small.sql")
+    if not os.path.exists(small_sql):
+        shared = os.environ.get("MALLOCSPY_SHARED", os.path.join(SCRIPTS, "..", "..", "shared"))
+        subprocess.run(["python3", os.path.join(shared, "bench", "gen_sql.py"), "12000", small_sql], check=True)
+    py_env = dict(base, PYTHONMALLOC="malloc")
+    workloads = [
+        ("churn 1 thread", ["./churn", "1", "100000"], base),
+        ("sqlite3 insert-small.sql", ["sqlite3", ":memory:", ".read insert-small.sql"], base),
+        ("python3 workload.py 4", [python3(), os.path.join(SCRIPTS, "workload.py"), "4"], py_env),
+    ]
+
+    def spied(options):
+        return lambda env: dict(env, LD_PRELOAD=shim, MALLOCSPY_OPTIONS=options)
+
+    variants = [
+        ("native", lambda env: env),
+        ("shim, no spy", spied("spy=none")),
+        ("spy=ticks", spied("spy=ticks:sample_seed=1")),
+        ("spy=leaks", spied("spy=leaks:log_path=/dev/null")),
+    ]
+    print("\n== cost: instructions and cache misses per allocator call (cachegrind; counts, not times) ==")
+    for name, cmd, env in workloads:
+        if a.only and a.only not in name:
+            continue
+        calls = count_calls(cmd, env, a.bench_dir, shim)
+        print(f"\n{name}  ({calls:,} allocator calls)")
+        print(f"  {'variant':<14} {'instructions':>14} {'ratio':>7} {'extra/call':>11}   {'D1 misses':>11} {'extra/call':>11}   {'LL misses':>10}")
+        native = None
+        for v, wrap in variants:
+            ir, d1, ll = cachegrind(cmd, wrap(env), a.bench_dir)
+            native = native or (ir, d1, ll)
+            print(
+                f"  {v:<14} {ir:14,} {ir / native[0]:6.3f}x {(ir - native[0]) / calls:11.1f}"
+                f"   {d1:11,} {(d1 - native[1]) / calls:11.2f}   {ll:10,}"
+            )
+
+
 def exit_report(a, base, shim, mallocspy):
     """Time from main's return to process exit, with and without the leak report."""
     print("\nmillion: 1,000,000 live blocks at exit (1,000 stacks, half lost)")
@@ -204,7 +263,7 @@ def exit_report(a, base, shim, mallocspy):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["all", "interposer", "leaks", "ticks"], default="all")
+    ap.add_argument("--suite", choices=["all", "interposer", "leaks", "ticks", "cost"], default="all")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=1500000, help="churn iterations per thread")
     ap.add_argument("--only", help="run only workloads whose name contains this")
@@ -223,6 +282,8 @@ def main():
         leaks_suite(a, base, shim, mallocspy)
     if a.suite in ("all", "ticks"):
         ticks_suite(a, base, shim, mallocspy)
+    if a.suite == "cost":
+        cost_suite(a, base, shim)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 # Benchmarks mallocspy against the native run (and heaptrack): builds mallocspy, the shared
 # workloads and the million-block fixture, then prints median wall-clock ratios and extra ns
 # per allocator call (see scripts/bench.py).
-#   scripts/bench.sh [--suite interposer|leaks|ticks] [--rounds N] [--iters N] [--only TEXT]
+#   scripts/bench.sh [--suite interposer|leaks|ticks|cost] [--rounds N] [--iters N] [--only TEXT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 cargo build --release -q
-shared=${MALLOCSPY_SHARED:-../shared}
+export MALLOCSPY_SHARED=${MALLOCSPY_SHARED:-../shared}
+shared=$MALLOCSPY_SHARED
 mkdir -p target/bench
 make -s -C "$shared/bench" OUT="$PWD/target/bench"
 gcc -O2 -g -Iinclude -o target/bench/million tests/fixtures/million.c

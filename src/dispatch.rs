@@ -114,14 +114,18 @@ impl Scope {
 }
 
 /// The malloc family over a real heap `H`, with an optional registered spy.
+///
+/// `repr(C)`, fields in this order: what every call reads (the registry's pointer, the gate,
+/// the real allocator's functions) shares the first cache lines.
+#[repr(C)]
 pub(crate) struct Interposer<H: Heap> {
-    pub(crate) heap: H,
     pub(crate) registry: Registry,
+    /// Lets the calls a sampling spy would only count bypass it.
+    pub(crate) gate: Gate,
+    pub(crate) heap: H,
     /// Caller pointer of every block allocated under the spy -> the size the caller may use.
     spied: LiveTable<usize>,
     deferred: DeferredFrees,
-    /// Lets the calls a sampling spy would only count bypass it.
-    pub(crate) gate: Gate,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -140,11 +144,11 @@ fn keeps_alignment(p: *mut c_void, real: *mut c_void, align: usize) -> bool {
 impl<H: Heap> Interposer<H> {
     pub(crate) const fn new(heap: H) -> Self {
         Self {
-            heap,
             registry: Registry::new(),
+            gate: Gate::new(),
+            heap,
             spied: LiveTable::new(),
             deferred: DeferredFrees::new(),
-            gate: Gate::new(),
         }
     }
 
@@ -155,6 +159,13 @@ impl<H: Heap> Interposer<H> {
         if self.registry.is_empty() || self.gate.pass_alloc(size, gate::kind_of(size)) {
             return self.heap.malloc(size);
         }
+        self.malloc_slow(size)
+    }
+
+    /// `malloc` through the spy, out of line: the fast path above then needs no stack frame
+    /// and ends in a tail call to the real allocator.
+    #[inline(never)]
+    fn malloc_slow(&self, size: usize) -> *mut c_void {
         self.alloc(AllocRequest { entry: Entry::Malloc, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr
     }
 
@@ -168,8 +179,7 @@ impl<H: Heap> Interposer<H> {
                 if self.gate.pass_alloc(size, gate::kind_of(size)) {
                     return self.heap.calloc(nmemb, elem);
                 }
-                let kind = Kind::Calloc { nmemb, elem };
-                self.alloc(AllocRequest { entry: Entry::Calloc, kind, size, asked: size, align: 0 }).ptr
+                self.calloc_slow(nmemb, elem, size)
             }
             None => {
                 // The real allocator has the last word on an impossible request (and its errno).
@@ -177,6 +187,13 @@ impl<H: Heap> Interposer<H> {
                 if p.is_null() { self.reject(Entry::Calloc, usize::MAX, 0, os::errno()) } else { p }
             }
         }
+    }
+
+    /// `calloc` through the spy, out of line (see [`Self::malloc_slow`]).
+    #[inline(never)]
+    fn calloc_slow(&self, nmemb: usize, elem: usize, size: usize) -> *mut c_void {
+        let kind = Kind::Calloc { nmemb, elem };
+        self.alloc(AllocRequest { entry: Entry::Calloc, kind, size, asked: size, align: 0 }).ptr
     }
 
     /// # Safety

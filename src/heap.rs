@@ -58,11 +58,13 @@ type PosixMemalignFn = unsafe extern "C" fn(*mut *mut c_void, usize, usize) -> c
 type UsableSizeFn = unsafe extern "C" fn(*mut c_void) -> usize;
 type TrimFn = unsafe extern "C" fn(usize) -> c_int;
 
+#[repr(C)]
 struct Fns {
-    malloc: MallocFn,
-    calloc: CallocFn,
-    realloc: ReallocFn,
+    // The most called first (they share the interposer's first cache line).
     free: FreeFn,
+    malloc: MallocFn,
+    realloc: ReallocFn,
+    calloc: CallocFn,
     memalign: Option<AlignFn>,
     aligned_alloc: Option<AlignFn>,
     posix_memalign: Option<PosixMemalignFn>,
@@ -78,6 +80,10 @@ const READY: u8 = 2;
 const FAILED: u8 = 3;
 
 /// The allocator that comes after the interposer in the lookup order.
+///
+/// `repr(C)`: the state every call checks sits just before the functions it then calls,
+/// on the interposer's first cache line.
+#[repr(C)]
 pub(crate) struct NextHeap {
     state: AtomicU8,
     fns: UnsafeCell<Option<Fns>>,

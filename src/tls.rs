@@ -18,18 +18,12 @@ pub(crate) const SCRATCH_WORDS: usize = 8;
 /// The per-thread state. Zero is the initial state of every field.
 #[repr(C, align(64))]
 pub(crate) struct ThreadState {
+    // The first cache line holds everything an allocation that the gate lets through reads
+    // and writes (depth, entry trampoline's words, the ticks countdowns): one line per call.
     /// Depth of hook nesting: 0 outside the hooks. A call that finds it non-zero was made by
     /// the hook itself (or by a signal handler that interrupted it) and goes straight to the
     /// real allocator.
     pub depth: Cell<u32>,
-    /// This thread's slot in [`crate::threads`] plus one; 0 while it has none yet and
-    /// [`crate::threads::NO_SLOT`] when none was available.
-    pub slot: Cell<u32>,
-    /// Scratch words for the spy, private to the call in progress.
-    pub scratch: [Cell<u64>; SCRATCH_WORDS],
-    /// Bounds of this thread's stack, for the unwinder (0 until first needed).
-    pub stack_top: Cell<u64>,
-    pub stack_low: Cell<u64>,
     /// The thread's kernel id, for the leak tracker's records (0 until first needed; reset
     /// in the child of a fork).
     pub tid: Cell<u32>,
@@ -38,16 +32,25 @@ pub(crate) struct ThreadState {
     /// caller's return address is at `entry_sp`.
     pub entry_sp: Cell<u64>,
     pub entry_bp: Cell<u64>,
-    /// The same for the top-level hook in progress (copied when it starts, so that the
-    /// spy's own allocations do not overwrite it): where its call stack starts.
-    pub hook_sp: Cell<u64>,
-    pub hook_bp: Cell<u64>,
     /// The ticks spy's counters for this thread (a `TickCounters` in mallocspy's pool), once
     /// the spy has seen the thread; 0 before. The sampling gate counts through it.
     pub tick_record: Cell<usize>,
     /// Bytes left before the next sample: one countdown (poisson), or one per allocation
     /// kind (tick). Only meaningful once `tick_record` is set.
     pub tick_until: [Cell<i64>; 3],
+    /// This thread's slot in [`crate::threads`] plus one; 0 while it has none yet and
+    /// [`crate::threads::NO_SLOT`] when none was available.
+    pub slot: Cell<u32>,
+    /// The same as `entry_sp`/`entry_bp` for the top-level hook in progress (copied when it
+    /// starts, so that the spy's own allocations do not overwrite it): where its call stack
+    /// starts.
+    pub hook_sp: Cell<u64>,
+    pub hook_bp: Cell<u64>,
+    /// Bounds of this thread's stack, for the unwinder (0 until first needed).
+    pub stack_top: Cell<u64>,
+    pub stack_low: Cell<u64>,
+    /// Scratch words for the spy, private to the call in progress.
+    pub scratch: [Cell<u64>; SCRATCH_WORDS],
 }
 
 /// Offset of `ThreadState::entry_sp` in the block (for the trampolines' assembly).
@@ -57,6 +60,7 @@ pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 
 const BLOCK_SIZE: usize = 192;
 const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);
+const _: () = assert!(core::mem::offset_of!(ThreadState, tick_until) + 24 <= 64);
 
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("mallocspy's initial-exec TLS block is written for x86_64 only");
