@@ -13,7 +13,7 @@
 
 use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
-use core::sync::atomic::{AtomicU8, Ordering};
+use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use crate::{bootstrap, os};
 
@@ -85,6 +85,10 @@ const FAILED: u8 = 3;
 /// on the interposer's first cache line.
 #[repr(C)]
 pub(crate) struct NextHeap {
+    /// The real `free` and `malloc` once resolved, 0 before: the two most frequent calls
+    /// load one word and jump, with no state to check first.
+    free_fn: AtomicUsize,
+    malloc_fn: AtomicUsize,
     state: AtomicU8,
     fns: UnsafeCell<Option<Fns>>,
     /// What `realloc(p, 0)` does, asked on first need (asking allocates, and a pass-through
@@ -168,7 +172,13 @@ fn probe_realloc_zero(fns: &Fns) -> bool {
 
 impl NextHeap {
     pub(crate) const fn new() -> Self {
-        Self { state: AtomicU8::new(UNRESOLVED), fns: UnsafeCell::new(None), realloc_zero: AtomicU8::new(0) }
+        Self {
+            free_fn: AtomicUsize::new(0),
+            malloc_fn: AtomicUsize::new(0),
+            state: AtomicU8::new(UNRESOLVED),
+            fns: UnsafeCell::new(None),
+            realloc_zero: AtomicU8::new(0),
+        }
     }
 
     /// The resolved functions; `None` while another call on this or another thread is still
@@ -194,7 +204,13 @@ impl NextHeap {
                 if ok {
                     self.state.store(READY, Ordering::Release);
                     // SAFETY: just written and published.
-                    unsafe { (*self.fns.get()).as_ref() }
+                    let fns = unsafe { (*self.fns.get()).as_ref() };
+                    if let Some(f) = fns {
+                        // A function's address is all its caller needs: no ordering to keep.
+                        self.free_fn.store(f.free as usize, Ordering::Relaxed);
+                        self.malloc_fn.store(f.malloc as usize, Ordering::Relaxed);
+                    }
+                    fns
                 } else {
                     self.state.store(FAILED, Ordering::Release);
                     let msg = b"mallocspy: cannot find the real allocator (dlsym RTLD_NEXT malloc failed); serving from a static arena\n";
@@ -207,6 +223,30 @@ impl NextHeap {
                 unsafe { (*self.fns.get()).as_ref() }
             }
             Err(_) => None,
+        }
+    }
+
+    /// `malloc` before the real functions are known (or while they are being looked up).
+    #[cold]
+    #[inline(never)]
+    fn malloc_unresolved(&self, size: usize) -> *mut c_void {
+        match self.fns() {
+            // SAFETY: the real malloc has no preconditions.
+            Some(f) => unsafe { (f.malloc)(size) },
+            None => bootstrap::alloc(size, 16),
+        }
+    }
+
+    /// `free` before the real functions are known.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    #[cold]
+    #[inline(never)]
+    unsafe fn free_unresolved(&self, ptr: *mut c_void) {
+        if let Some(f) = self.fns() {
+            // SAFETY: the caller's guarantee.
+            unsafe { (f.free)(ptr) }
         }
     }
 
@@ -227,11 +267,12 @@ fn page_round_up(size: usize) -> Option<usize> {
 unsafe impl Heap for NextHeap {
     #[inline(always)]
     fn malloc(&self, size: usize) -> *mut c_void {
-        match self.fns() {
-            // SAFETY: the real malloc has no preconditions.
-            Some(f) => unsafe { (f.malloc)(size) },
-            None => bootstrap::alloc(size, 16),
+        let f = self.malloc_fn.load(Ordering::Relaxed);
+        if f == 0 {
+            return self.malloc_unresolved(size);
         }
+        // SAFETY: only `resolve_slow` stores here: the real malloc, which has no preconditions.
+        unsafe { core::mem::transmute::<usize, MallocFn>(f)(size) }
     }
 
     #[inline(always)]
@@ -267,10 +308,14 @@ unsafe impl Heap for NextHeap {
         if bootstrap::contains(ptr) {
             return;
         }
-        if let Some(f) = self.fns() {
-            // SAFETY: the caller guarantees ptr is NULL or a live block of this allocator.
-            unsafe { (f.free)(ptr) }
+        let f = self.free_fn.load(Ordering::Relaxed);
+        if f == 0 {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.free_unresolved(ptr) };
         }
+        // SAFETY: only `resolve_slow` stores here: the real free; the caller guarantees ptr
+        // is NULL or a live block of this allocator.
+        unsafe { core::mem::transmute::<usize, FreeFn>(f)(ptr) }
     }
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
