@@ -85,12 +85,26 @@ impl WalkCache {
 /// same value, the rest of the walk would repeat the previous one: it is copied instead.
 /// Checking those words is a row of independent loads, where walking them is a chain of
 /// dependent ones (about 7 ns a frame).
+///
+/// Two arrays take turns: the new walk writes one while the previous walk stays whole in
+/// the other, so a walk that is deeper than the previous one (more frames before the part
+/// they share) can still take its tail.
 struct PrevWalk {
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
     generation: u32,
-    frames: [Frame; MAX_WALK],
+    /// Which of `frames` holds the previous walk.
+    side: usize,
+    frames: [[Frame; MAX_WALK]; 2],
+}
+
+impl PrevWalk {
+    /// The previous walk's frames, and the array the next walk writes.
+    fn split(&mut self) -> (&[Frame], &mut [Frame; MAX_WALK]) {
+        let [a, b] = &mut self.frames;
+        if self.side == 0 { (&a[..self.len], b) } else { (&b[..self.len], a) }
+    }
 }
 
 /// One frame of a walk: what was read, and where.
@@ -145,13 +159,13 @@ pub(crate) fn capture(out: &mut [u64], cache: &mut WalkCache) -> usize {
     walk(out, Start { pc: ra, sp: entry + 8, bp: ts.hook_bp.get(), is_return: true }, cache)
 }
 
-/// Whether every stack word the previous walk read at frames `from..` still holds its value.
+/// Whether every stack word a previous walk read at `frames` still holds its value.
 ///
 /// The words lie above the frame the new walk has reached (CFAs grow along a walk) and below
 /// the stack top (they were bounds-checked when read), so inside the mapped stack.
 #[inline(always)]
-fn unchanged(prev: &PrevWalk, from: usize) -> bool {
-    prev.frames[from..prev.len].iter().all(|f| {
+fn unchanged(frames: &[Frame]) -> bool {
+    frames.iter().all(|f| {
         // SAFETY: see above: both addresses are 8-aligned words of the live stack.
         unsafe { *((f.cfa - 8) as *const u64) == f.ra && (f.bp_slot == 0 || *(f.bp_slot as *const u64) == f.bp) }
     })
@@ -176,6 +190,8 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     };
     let rules = rules::Rules::new();
     let reusable = prev.generation == rules.generation();
+    let prev_truncated = prev.truncated;
+    let (old, new) = prev.split();
     let (mut n, mut walked, mut j) = (0, 0, 0);
     if is_return {
         out[0] = pc;
@@ -218,40 +234,38 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
         }
         sp = cfa;
         pc = ra;
-        // The previous walk's record is rewritten as we go: frame `walked` replaces frame
-        // `walked` only after the search position `j` has passed it (CFAs only grow).
-        while reusable && j < prev.len && prev.frames[j].cfa < cfa {
+        // The previous walk's frame at the same height, if any (CFAs only grow).
+        while reusable && j < old.len() && old[j].cfa < cfa {
             j += 1;
         }
-        let splice = reusable && j < prev.len && j >= walked && {
-            let f = &prev.frames[j];
-            f.cfa == cfa && f.ra == ra && f.bp == bp && unchanged(prev, j + 1)
+        let splice = reusable && j < old.len() && {
+            let f = &old[j];
+            f.cfa == cfa && f.ra == ra && f.bp == bp && unchanged(&old[j + 1..])
         };
-        prev.frames[walked] = Frame { cfa, ra, bp, bp_slot };
+        new[walked] = Frame { cfa, ra, bp, bp_slot };
         walked += 1;
         out[n] = ra;
         n += 1;
         if splice {
-            // Frames j+1.. of the previous walk follow: move them up behind this one.
-            let tail = prev.len - (j + 1);
-            let take = tail.min(out.len() - n).min(MAX_WALK - walked);
-            if j + 1 != walked {
-                prev.frames.copy_within(j + 1..j + 1 + take, walked);
-            }
-            for (o, f) in out[n..n + take].iter_mut().zip(&prev.frames[walked..walked + take]) {
+            // Frames j+1.. of the previous walk follow.
+            let tail = &old[j + 1..];
+            let take = tail.len().min(out.len() - n).min(MAX_WALK - walked);
+            new[walked..walked + take].copy_from_slice(&tail[..take]);
+            for (o, f) in out[n..n + take].iter_mut().zip(&tail[..take]) {
                 *o = f.ra;
             }
             (walked, n) = (walked + take, n + take);
-            if take == tail && !prev.truncated {
+            if take == tail.len() && !prev_truncated {
                 truncated = false;
                 break;
             }
             // The previous walk was cut short: go on walking from its last frame.
-            let last = prev.frames[walked - 1];
+            let last = new[walked - 1];
             (sp, pc, bp) = (last.cfa, last.ra, last.bp);
-            j = prev.len;
+            j = old.len();
         }
     }
+    prev.side ^= 1;
     prev.len = walked;
     prev.truncated = truncated;
     prev.generation = rules.generation();
@@ -267,7 +281,8 @@ impl PrevWalk {
             len: 0,
             truncated: false,
             generation: u32::MAX,
-            frames: [Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0 }; MAX_WALK],
+            side: 0,
+            frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0 }; MAX_WALK]; 2],
         }
     }
 }
