@@ -169,7 +169,8 @@ pub struct HeapStats {
     pub frees: u64,
     /// Largest estimated live bytes seen at a stats event so far.
     pub peak_live_bytes: u64,
-    /// The real allocator's view (`mallinfo2`): bytes of its arenas (`arena`).
+    /// The real allocator's view (`mallinfo2`, as last taken: see the README): bytes of its
+    /// arenas (`arena`).
     pub arena_bytes: u64,
     /// Bytes in blocks it mapped on their own (`hblkhd`).
     pub mmapped_bytes: u64,
