@@ -81,8 +81,8 @@ const FAILED: u8 = 3;
 
 /// The allocator that comes after the interposer in the lookup order.
 ///
-/// `repr(C)`: the state every call checks sits just before the functions it then calls,
-/// on the interposer's first cache line.
+/// `repr(C)`: the real `free` and `malloc`, and the state the other calls check before
+/// theirs, come first, on the interposer's first cache line.
 #[repr(C)]
 pub(crate) struct NextHeap {
     /// The real `free` and `malloc` once resolved, 0 before: the two most frequent calls
