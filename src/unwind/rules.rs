@@ -117,21 +117,23 @@ fn slot(key: u64) -> usize {
     (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - ENTRIES.trailing_zeros())) as usize
 }
 
-/// Entries of a thread's own cache of recent rules.
-const RECENT: usize = 512;
+/// Sets of a thread's own cache of recent rules (two entries each).
+const RECENT_SETS: usize = 256;
 
-/// A thread's own direct-mapped cache of the rules it used last, in front of the shared
-/// table: the shared table is too large to stay in cache while the program works, and a
-/// walk consults it once a frame. Zeroed memory is an empty cache (keys are never 0: the
+/// A thread's own two-way set-associative cache of the rules it used last, in front of the
+/// shared table: the shared table is too large to stay in cache while the program works, and
+/// a walk consults it once a frame. Two ways instead of one, in the same 8 KiB: sqlite3's
+/// walks missed on 11% of their lookups with 512 direct-mapped entries. Each set keeps its
+/// most recently used entry first. Zeroed memory is an empty cache (keys are never 0: the
 /// module generation starts at 1).
 pub(crate) struct Recent {
-    entries: [(u64, u64); RECENT],
+    sets: [[(u64, u64); 2]; RECENT_SETS],
 }
 
 impl Recent {
     #[cfg(test)]
     pub(crate) const fn new() -> Self {
-        Self { entries: [(0, 0); RECENT] }
+        Self { sets: [[(0, 0); 2]; RECENT_SETS] }
     }
 }
 
@@ -156,13 +158,18 @@ impl Rules {
     #[inline(always)]
     pub(crate) fn get(&self, recent: &mut Recent, pc: u64) -> Rule {
         let key = pc | (self.modules.generation as u64) << 48;
-        let mine =
-            &mut recent.entries[(key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT.trailing_zeros())) as usize];
-        if mine.0 == key {
-            return Rule::unpack(mine.1);
+        let set =
+            &mut recent.sets[(key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - RECENT_SETS.trailing_zeros())) as usize];
+        if set[0].0 == key {
+            return Rule::unpack(set[0].1);
+        }
+        if set[1].0 == key {
+            set.swap(0, 1);
+            return Rule::unpack(set[0].1);
         }
         let rule = self.shared(key, pc);
-        *mine = (key, rule.pack());
+        set[1] = set[0];
+        set[0] = (key, rule.pack());
         rule
     }
 
