@@ -25,33 +25,19 @@ pub(crate) fn set_errno(value: c_int) {
 ///
 /// `MAP_NORESERVE`: pages cost memory only once touched, so tables may reserve generously.
 pub(crate) fn map(len: usize) -> Option<NonNull<u8>> {
-    // SAFETY: an anonymous private mapping at an address of the kernel's choosing aliases nothing.
-    let p = unsafe {
-        libc::mmap(
-            core::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
+    map_anonymous(len, libc::MAP_PRIVATE | libc::MAP_NORESERVE)
 }
 
 /// Maps `len` bytes of zeroed anonymous memory shared with the processes forked from now on
 /// (the trace writer); `None` when the kernel refuses.
 pub(crate) fn map_shared(len: usize) -> Option<NonNull<u8>> {
+    map_anonymous(len, libc::MAP_SHARED)
+}
+
+fn map_anonymous(len: usize, flags: c_int) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous mapping at an address of the kernel's choosing aliases nothing.
     let p = unsafe {
-        libc::mmap(
-            core::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
+        libc::mmap(core::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags | libc::MAP_ANONYMOUS, -1, 0)
     };
     if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
 }
