@@ -41,20 +41,9 @@ pub(crate) fn words_of(first: &[u64; WORDS]) -> usize {
 /// A tick's first words; its `frame_count` frames (at most [`MAX_FRAMES`]; none when the
 /// writer has its stack) follow them in the same message.
 pub(crate) fn tick(t: &Tick, frame_count: usize) -> [u64; TICK_WORDS] {
-    let mut words = [
-        0,
-        t.thread as u64 | t.stack << 32,
-        t.time_ns,
-        t.size,
-        t.address,
-        t.weight,
-        frame_count.min(MAX_FRAMES) as u64,
-    ];
-    words[0] = TICK
-        | ((TICK_WORDS + frame_count.min(MAX_FRAMES)) as u64) << 8
-        | (t.kind as u64) << 24
-        | (t.entry as u64) << 32;
-    words
+    let frames = frame_count.min(MAX_FRAMES);
+    let head = TICK | ((TICK_WORDS + frames) as u64) << 8 | (t.kind as u64) << 24 | (t.entry as u64) << 32;
+    [head, t.thread as u64 | t.stack << 32, t.time_ns, t.size, t.address, t.weight, frames as u64]
 }
 
 pub(crate) fn free(time_ns: u64, thread: u32, address: u64) -> [u64; 4] {
