@@ -100,9 +100,25 @@ fn unix_now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// Opens the trace file of this process (truncating it).
+/// Opens a new, empty trace file for this process.
+///
+/// An existing regular file is unlinked first rather than truncated. A process that `exec`s
+/// keeps its pid, so the new image opens the same `%p` path while the old image's writer may
+/// still be flushing its last events: into a truncated file they would land over the new
+/// trace; into an unlinked one they go nowhere. Anything else at the path (a pipe, a device,
+/// a symbolic link) is opened as it is.
 fn open(template: &str) -> Result<i32, String> {
     let path = sink::expand(template, os::getpid());
+    if let Ok(c) = std::ffi::CString::new(path.as_str()) {
+        // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
+        let mut st: libc::stat = unsafe { core::mem::zeroed() };
+        // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
+        // directory) leaves the truncating open below to do what it can.
+        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
+            // SAFETY: as above.
+            unsafe { libc::unlink(c.as_ptr()) };
+        }
+    }
     sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))
 }
 
@@ -439,4 +455,27 @@ pub(crate) fn start(
     let ring = writer.launch()?;
     spy.set_ring(Some(ring));
     Ok(writer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reopened_trace_is_not_overwritten_by_the_previous_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let template = dir.path().join("t.%p.trace");
+        let template = template.to_str().unwrap();
+        let before_exec = open(template).unwrap();
+        assert!(os::write_all(before_exec, b"old image's header and events"));
+        // The image after exec opens the same path (same pid) and writes its trace ...
+        let after_exec = open(template).unwrap();
+        assert!(os::write_all(after_exec, b"new"));
+        // ... while the old image's writer flushes its last events.
+        assert!(os::write_all(before_exec, b" and the last ones"));
+        close(before_exec);
+        close(after_exec);
+        let path = sink::expand(template, os::getpid());
+        assert_eq!(std::fs::read(path).unwrap(), b"new");
+    }
 }
