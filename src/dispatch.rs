@@ -156,7 +156,7 @@ impl<H: Heap> Interposer<H> {
 
     #[inline]
     pub(crate) fn malloc(&self, size: usize) -> *mut c_void {
-        if self.registry.is_empty() || self.gate.pass_alloc(size, gate::kind_of(size)) {
+        if self.registry.is_empty() || self.gate.pass_small(size) {
             return self.heap.malloc(size);
         }
         self.malloc_slow(size)
@@ -176,7 +176,7 @@ impl<H: Heap> Interposer<H> {
         }
         match nmemb.checked_mul(elem) {
             Some(size) => {
-                if self.gate.pass_alloc(size, gate::kind_of(size)) {
+                if self.gate.pass_small(size) {
                     return self.heap.calloc(nmemb, elem);
                 }
                 self.calloc_slow(nmemb, elem, size)

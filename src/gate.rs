@@ -110,6 +110,29 @@ impl Gate {
         word.load(Ordering::Relaxed) & (1 << (bit % 64)) != 0
     }
 
+    /// A `malloc` or `calloc` of `size` bytes: `true` when it is only counted (the caller goes
+    /// straight to the real allocator). Only `small` requests pass here: their countdown is
+    /// the first in both sampling modes and their counters come first, so the commonest
+    /// call reads no mode and computes no index; a `large` one (an `mmap` of its own in the
+    /// real allocator, far dearer than the spy) takes the spied path.
+    #[inline(always)]
+    pub(crate) fn pass_small(&self, size: usize) -> bool {
+        const { assert!(SMALL == 0) };
+        let Some((ts, c)) = self.counters() else { return false };
+        if size >= LARGE_BYTES {
+            return false;
+        }
+        let until = &ts.tick_until[SMALL];
+        let left = until.get() - size as i64;
+        if left <= 0 {
+            return false;
+        }
+        until.set(left);
+        bump(&c.allocs[SMALL], 1);
+        bump(&c.bytes[SMALL], size as u64);
+        true
+    }
+
     /// An allocation of `size` bytes of `kind`: `true` when it is only counted (the caller
     /// goes straight to the real allocator).
     #[inline(always)]
