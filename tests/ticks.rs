@@ -240,6 +240,38 @@ fn each_process_of_a_pipeline_writes_its_own_trace() {
 }
 
 #[test]
+fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("shared.trace");
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--output", shared.to_str().unwrap(), "--"])
+        .args(["bash", "-c", "seq 1 20000 | sort -r | tail -1"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "1\n");
+    let mut programs = HashMap::new();
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        let mut reader = Reader::new(&bytes).unwrap();
+        let events: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        assert!(matches!(events.last(), Some(Event::End { .. })), "{} ends whole", path.display());
+        let header = reader.header();
+        let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+        programs.insert(name, header.command.first().cloned().unwrap_or_default());
+        assert!(matches!(events.first(), Some(Event::ModuleLoad { .. })), "{}", path.display());
+    }
+    assert!(programs["shared.trace"].ends_with("bash"), "{programs:?}");
+    for p in ["seq", "sort", "tail"] {
+        assert!(
+            programs.iter().any(|(file, command)| file.starts_with("shared.trace.") && command.ends_with(p)),
+            "{p} writes shared.trace.PID: {programs:?}"
+        );
+    }
+}
+
+#[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();
     let out = record(dir.path(), &["--interval", "lots"], &["true"]);

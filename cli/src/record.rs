@@ -14,7 +14,8 @@ pub const EXAMPLES: &str = "Examples:
   mallocspy record --interval 1m --output app.trace -- ./app
   mallocspy report --format flamegraph --output app.svg app.trace
 
-Each process (children too) writes its own trace; %p in --output is its pid.";
+Each process (children too) writes its own trace; %p in --output is its pid.
+Without %p the first process writes TRACE and the others TRACE.PID.";
 
 #[derive(Clone, Copy, ValueEnum)]
 enum SamplingArg {

@@ -100,16 +100,39 @@ fn unix_now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// Opens a new, empty trace file for this process.
+/// Opens a new, empty trace file for this process, locked for as long as its writer runs.
 ///
-/// An existing regular file is unlinked first rather than truncated. A process that `exec`s
-/// keeps its pid, so the new image opens the same `%p` path while the old image's writer may
-/// still be flushing its last events: into a truncated file they would land over the new
-/// trace; into an unlinked one they go nowhere. Anything else at the path (a pipe, a device,
-/// a symbolic link) is opened as it is.
+/// With `%p` the path is this process's own: an existing regular file there is unlinked
+/// rather than truncated. A process that `exec`s keeps its pid, so the new image opens the
+/// same path while the old image's writer may still be flushing its last events: into a
+/// truncated file they would land over the new trace; into an unlinked one they go nowhere.
+///
+/// Without `%p` the path is shared by every process of the run: the first one takes it, and
+/// a process that finds it locked by another's writer (a child that `exec`s a program, and
+/// that program's children) writes `PATH.PID` instead of clobbering it.
 fn open(template: &str) -> Result<i32, String> {
-    let path = sink::expand(template, os::getpid());
-    if let Ok(c) = std::ffi::CString::new(path.as_str()) {
+    let pid = os::getpid();
+    let path = sink::expand(template, pid);
+    if template.contains("%p") {
+        return replace(&path);
+    }
+    let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
+    match try_lock(fd) {
+        Lock::Taken => {
+            close(fd);
+            replace(&format!("{path}.{pid}"))
+        }
+        Lock::Ours | Lock::Unsupported => {
+            // SAFETY: truncating a file we opened for writing.
+            unsafe { libc::ftruncate(fd, 0) };
+            Ok(fd)
+        }
+    }
+}
+
+/// A new, empty, locked file at `path`, replacing a regular file there (see [`open`]).
+fn replace(path: &str) -> Result<i32, String> {
+    if let Ok(c) = std::ffi::CString::new(path) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
@@ -119,7 +142,30 @@ fn open(template: &str) -> Result<i32, String> {
             unsafe { libc::unlink(c.as_ptr()) };
         }
     }
-    sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))
+    let fd = sink::open_path(path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
+    try_lock(fd);
+    Ok(fd)
+}
+
+enum Lock {
+    Ours,
+    /// Another open file (another process's writer) holds it.
+    Taken,
+    /// Not a file system that locks (or not a file): no one can tell, go ahead.
+    Unsupported,
+}
+
+/// Takes `fd`'s file lock without waiting. The lock belongs to the open file, so it passes
+/// to the writer process with the descriptor and ends when the writer closes it.
+fn try_lock(fd: i32) -> Lock {
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Lock::Ours
+    } else if os::errno() == libc::EWOULDBLOCK {
+        Lock::Taken
+    } else {
+        Lock::Unsupported
+    }
 }
 
 /// `fork` without the program's `pthread_atfork` handlers (ours included): the writer
@@ -477,5 +523,27 @@ mod tests {
         close(after_exec);
         let path = sink::expand(template, os::getpid());
         assert_eq!(std::fs::read(path).unwrap(), b"new");
+    }
+
+    #[test]
+    fn a_shared_trace_path_taken_by_a_live_writer_is_left_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let template = dir.path().join("shared.trace");
+        let template = template.to_str().unwrap();
+        let first = open(template).unwrap();
+        assert!(os::write_all(first, b"first"));
+        // A second process (an exec'd child) finds the path locked: it takes PATH.PID.
+        let second = open(template).unwrap();
+        assert!(os::write_all(second, b"second"));
+        let own = format!("{template}.{}", os::getpid());
+        assert_eq!(std::fs::read(template).unwrap(), b"first");
+        assert_eq!(std::fs::read(&own).unwrap(), b"second");
+        // Once the first writer is done, the path is free for the next run, and truncated.
+        close(first);
+        close(second);
+        let third = open(template).unwrap();
+        assert!(os::write_all(third, b"3"));
+        close(third);
+        assert_eq!(std::fs::read(template).unwrap(), b"3");
     }
 }

@@ -34,11 +34,14 @@ fn cargo(args: &[&str], dir: &Path, target: Option<&Path>) {
     assert!(out.status.success(), "cargo {args:?} in {}:\n{}", dir.display(), String::from_utf8_lossy(&out.stderr));
 }
 
-/// `libmallocspy_preload.so`, built once per test process from the current sources.
+/// `libmallocspy_preload.so`, built once per test process from the current sources, with the
+/// `mallocspy` command next to it. The whole workspace is built, as `cargo build` builds it:
+/// the shim's package alone would get other features of the dependencies it shares with the
+/// command, and each build would then undo the other's (half a minute each time).
 pub fn shim() -> PathBuf {
     static SHIM: OnceLock<PathBuf> = OnceLock::new();
     SHIM.get_or_init(|| {
-        cargo(&["build", "-q", "-p", "mallocspy-preload"], &root(), None);
+        cargo(&["build", "-q"], &root(), None);
         let shim = target_dir().join("libmallocspy_preload.so");
         assert!(shim.exists(), "{} was not built", shim.display());
         shim
