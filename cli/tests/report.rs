@@ -3,7 +3,6 @@
 //! from the test binary on disk), and on damaged, cut and foreign files.
 
 use std::any::type_name_of_val;
-use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -27,26 +26,9 @@ fn in_fn(f: fn(u64) -> u64) -> u64 {
     f as usize as u64 + 1
 }
 
-/// This executable as a trace module, from the loader.
+/// This executable as a trace module.
 fn this_executable() -> Module {
-    unsafe extern "C" fn first(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> libc::c_int {
-        // SAFETY: the loader's record is valid during the call; `data` is the `Module` below.
-        let (info, module) = unsafe { (&*info, &mut *(data as *mut Module)) };
-        module.base = info.dlpi_addr;
-        for i in 0..info.dlpi_phnum as usize {
-            // SAFETY: `dlpi_phdr` holds `dlpi_phnum` headers.
-            let ph = unsafe { &*info.dlpi_phdr.add(i) };
-            if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_X != 0 {
-                let start = info.dlpi_addr + ph.p_vaddr;
-                module.ranges.push((start, start + ph.p_memsz));
-            }
-        }
-        1 // the first object is the main program
-    }
-    let mut module = Module { path: std::env::current_exe().unwrap().display().to_string(), ..Module::default() };
-    // SAFETY: the callback matches the prototype and only writes to `module`.
-    unsafe { libc::dl_iterate_phdr(Some(first), &mut module as *mut Module as *mut c_void) };
-    module
+    mallocspy::trace::this_executable().expect("the test binary is in its own map")
 }
 
 /// A program that allocated 3000 bytes at `parse_row` (3 samples), freed one block, and kept

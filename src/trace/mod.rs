@@ -10,3 +10,4 @@ pub(crate) mod writer;
 
 pub use crate::spies::ticks::StatsCallback;
 pub use format::*;
+pub use modules::this_executable;

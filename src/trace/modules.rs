@@ -95,6 +95,13 @@ pub(crate) fn of_process(pid: u32) -> Vec<Module> {
     list
 }
 
+/// The running program's own module, as a trace records it (id 0): for writing a trace by
+/// hand whose frames are the program's own functions, as the report's tests do.
+pub fn this_executable() -> Option<Module> {
+    let exe = std::fs::read_link("/proc/self/exe").ok()?;
+    of_process(std::process::id()).into_iter().find(|m| std::path::Path::new(&m.path) == exe)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +130,6 @@ mod tests {
         let libc = list.iter().find(|m| m.path.contains("libc.so")).expect("libc listed");
         assert_eq!(libc.build_id.len(), 20, "Debian's libc has a SHA-1 build id");
         assert!(of_process(u32::MAX).is_empty(), "no such process: nothing");
+        assert_eq!(this_executable().as_ref(), Some(exe));
     }
 }

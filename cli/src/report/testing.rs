@@ -1,8 +1,6 @@
 //! Synthetic traces for the report's tests, over real code: the frames are addresses of
-//! functions in this test binary, and its module record comes from the loader
-//! (`dl_iterate_phdr`), so symbolization runs against real DWARF.
-
-use std::ffi::c_void;
+//! functions in this test binary, and its module record comes from the process's own map
+//! (`/proc/self/maps`), so symbolization runs against real DWARF.
 
 use mallocspy::trace::{Event, Header, HeapStats, Kind, KindStats, Module, Sampling, Tick, write_event, write_header};
 
@@ -36,31 +34,7 @@ pub fn return_address_in(f: fn(u64) -> u64) -> u64 {
 
 /// This executable as the trace's module 0: path, load bias, executable ranges.
 pub fn this_executable() -> Module {
-    unsafe extern "C" fn first(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> libc::c_int {
-        // SAFETY: the loader passes a valid record for the duration of the call, and `data` is
-        // the `Module` below, borrowed for the whole iteration.
-        let (info, module) = unsafe { (&*info, &mut *(data as *mut Module)) };
-        module.base = info.dlpi_addr;
-        for i in 0..info.dlpi_phnum as usize {
-            // SAFETY: `dlpi_phdr` holds `dlpi_phnum` headers.
-            let ph = unsafe { &*info.dlpi_phdr.add(i) };
-            if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_X != 0 {
-                let start = info.dlpi_addr + ph.p_vaddr;
-                module.ranges.push((start, start + ph.p_memsz));
-            }
-        }
-        // The first object is the main program: stop there.
-        1
-    }
-    let mut module = Module {
-        id: 0,
-        path: std::env::current_exe().expect("the test's path").display().to_string(),
-        ..Module::default()
-    };
-    // SAFETY: the callback matches the prototype and only writes to `module`.
-    unsafe { libc::dl_iterate_phdr(Some(first), &mut module as *mut Module as *mut c_void) };
-    assert!(!module.ranges.is_empty(), "the executable has code");
-    module
+    mallocspy::trace::this_executable().expect("the test binary is in its own map")
 }
 
 pub fn header() -> Header {
