@@ -82,7 +82,12 @@ pub fn record(args: RecordArgs) -> ExitCode {
         Ok(done) => done,
         Err(code) => return code,
     };
-    let trace = output.replace("%p", &pid.to_string());
+    let mut trace = output.replace("%p", &pid.to_string());
+    // Without %p, the program writes TRACE.PID when another run's writer holds TRACE.
+    let own = format!("{trace}.{pid}");
+    if !output.contains("%p") && std::path::Path::new(&own).exists() {
+        trace = own;
+    }
     match std::fs::metadata(&trace) {
         Ok(m) => eprintln!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
         Err(e) => eprintln!("mallocspy: no trace at {trace}: {e}"),
