@@ -15,6 +15,7 @@
 //! ([`crate::tls::ThreadState::tick_until`]); the counters in the spy's per-thread record,
 //! which the thread's TLS points to once the spy has seen the thread.
 
+use core::cell::Cell;
 use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 
 use crate::thread_records::bump;
@@ -51,6 +52,20 @@ pub(crate) fn kind_of(size: usize) -> usize {
 #[inline(always)]
 pub(crate) fn bit_of(ptr: usize) -> usize {
     (ptr >> 6) & (BITS - 1)
+}
+
+/// Takes `size` bytes off the countdown `until` and counts an allocation of `kind`, unless
+/// that would end the countdown (the allocation is then the spy's to sample).
+#[inline(always)]
+fn take(until: &Cell<i64>, c: &TickCounters, size: usize, kind: usize) -> bool {
+    let left = until.get() - size as i64;
+    if left <= 0 {
+        return false;
+    }
+    until.set(left);
+    bump(&c.allocs[kind], 1);
+    bump(&c.bytes[kind], size as u64);
+    true
 }
 
 /// The gate of one interposer.
@@ -119,18 +134,7 @@ impl Gate {
     pub(crate) fn pass_small(&self, size: usize) -> bool {
         const { assert!(SMALL == 0) };
         let Some((ts, c)) = self.counters() else { return false };
-        if size >= LARGE_BYTES {
-            return false;
-        }
-        let until = &ts.tick_until[SMALL];
-        let left = until.get() - size as i64;
-        if left <= 0 {
-            return false;
-        }
-        until.set(left);
-        bump(&c.allocs[SMALL], 1);
-        bump(&c.bytes[SMALL], size as u64);
-        true
+        size < LARGE_BYTES && take(&ts.tick_until[SMALL], c, size, SMALL)
     }
 
     /// An allocation of `size` bytes of `kind`: `true` when it is only counted (the caller
@@ -141,19 +145,10 @@ impl Gate {
         self.count_down(ts, c, size, kind)
     }
 
-    /// Takes `size` bytes off the thread's countdown and counts the allocation, unless that
-    /// would end the countdown (the allocation is then the spy's to sample).
+    /// [`take`] from the countdown of `kind` (tick sampling) or the only one (poisson).
     #[inline(always)]
     fn count_down(&self, ts: &tls::ThreadState, c: &TickCounters, size: usize, kind: usize) -> bool {
-        let until = &ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }];
-        let left = until.get() - size as i64;
-        if left <= 0 {
-            return false;
-        }
-        until.set(left);
-        bump(&c.allocs[kind], 1);
-        bump(&c.bytes[kind], size as u64);
-        true
+        take(&ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }], c, size, kind)
     }
 
     /// A free of `ptr`: `true` when it is only counted (NULL: not even counted).
