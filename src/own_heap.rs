@@ -128,7 +128,6 @@ mod tests {
     #[test]
     fn blocks_are_aligned_zeroed_when_asked_and_keep_their_contents_through_realloc() {
         let heap = OwnHeap;
-        let before = pool::usage().1;
         let layout = Layout::from_size_align(100, 64).unwrap();
         // SAFETY: a valid layout; every block is freed with the layout it has.
         unsafe {
@@ -139,7 +138,8 @@ mod tests {
             let q = heap.realloc(p, layout, 1 << 20);
             assert!(!q.is_null() && (q as usize).is_multiple_of(64));
             assert!((0..100).all(|i| *q.add(i) == 7));
-            assert!(pool::usage().1 > before, "the heap's memory is leased from the pool");
+            // Other tests lease and return pool memory meanwhile: only a lower bound holds.
+            assert!(pool::usage().1 >= 1 << 20, "the heap's memory is leased from the pool");
             assert!(pool::owns(q as u64, q as u64 + 1), "the leak scan knows it as mallocspy's");
             heap.dealloc(q, Layout::from_size_align(1 << 20, 64).unwrap());
         }
