@@ -117,17 +117,13 @@ fn open(template: &str) -> Result<i32, String> {
         return replace(&path);
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
-    match try_lock(fd) {
-        Lock::Taken => {
-            close(fd);
-            replace(&format!("{path}.{pid}"))
-        }
-        Lock::Ours | Lock::Unsupported => {
-            // SAFETY: truncating a file we opened for writing.
-            unsafe { libc::ftruncate(fd, 0) };
-            Ok(fd)
-        }
+    if locked_by_another(fd) {
+        close(fd);
+        return replace(&format!("{path}.{pid}"));
     }
+    // SAFETY: truncating a file we opened for writing.
+    unsafe { libc::ftruncate(fd, 0) };
+    Ok(fd)
 }
 
 /// A new, empty, locked file at `path`, replacing a regular file there (see [`open`]).
@@ -143,29 +139,19 @@ fn replace(path: &str) -> Result<i32, String> {
         }
     }
     let fd = sink::open_path(path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
-    try_lock(fd);
+    // A new file: the lock is ours, for the next process to find.
+    locked_by_another(fd);
     Ok(fd)
 }
 
-enum Lock {
-    Ours,
-    /// Another open file (another process's writer) holds it.
-    Taken,
-    /// Not a file system that locks (or not a file): no one can tell, go ahead.
-    Unsupported,
-}
-
-/// Takes `fd`'s file lock without waiting. The lock belongs to the open file, so it passes
-/// to the writer process with the descriptor and ends when the writer closes it.
-fn try_lock(fd: i32) -> Lock {
+/// Takes `fd`'s file lock without waiting; `true` when another open file (another process's
+/// writer) holds it. Where nothing locks (a file system without `flock`, a pipe) no one can
+/// tell, and the file is ours. The lock belongs to the open file, so it passes to the writer
+/// process with the descriptor and ends when the writer closes it.
+fn locked_by_another(fd: i32) -> bool {
     // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        Lock::Ours
-    } else if os::errno() == libc::EWOULDBLOCK {
-        Lock::Taken
-    } else {
-        Lock::Unsupported
-    }
+    let failed = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0;
+    failed && os::errno() == libc::EWOULDBLOCK
 }
 
 /// `fork` without the program's `pthread_atfork` handlers (ours included): the writer
