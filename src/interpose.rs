@@ -11,8 +11,9 @@ use core::ffi::{c_int, c_void};
 use crate::global::GLOBAL;
 
 /// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` (so that exit
-/// reports are written) and the `mallocspy_api_v1` table in the invoking crate, forwarding to
-/// this crate's process-wide interposer.
+/// reports are written), `pthread_create` (so that a new thread notes its stack before its
+/// routine runs, see `thread_create.rs`) and the `mallocspy_api_v1` table in the invoking
+/// crate, forwarding to this crate's process-wide interposer.
 ///
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
 /// the caller left (the caller's return address is on top) in thread-local storage and jump
@@ -55,6 +56,20 @@ macro_rules! export_interposer {
         #[unsafe(no_mangle)]
         pub extern "C" fn malloc_trim(pad: usize) -> ::core::ffi::c_int {
             $crate::interpose::malloc_trim(pad)
+        }
+        /// C `pthread_create`: the new thread notes its stack before the routine runs.
+        ///
+        /// # Safety
+        /// As `pthread_create`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn pthread_create(
+            thread: *mut ::core::ffi::c_void,
+            attr: *const ::core::ffi::c_void,
+            routine: ::core::option::Option<$crate::interpose::Routine>,
+            arg: *mut ::core::ffi::c_void,
+        ) -> ::core::ffi::c_int {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::pthread_create(thread, attr, routine, arg) }
         }
         /// C `_exit`: writes the exit reports first (nothing else would).
         #[unsafe(no_mangle)]
@@ -133,6 +148,22 @@ pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usiz
 pub unsafe fn free(ptr: *mut c_void) {
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.free(ptr) }
+}
+
+#[doc(hidden)]
+pub use crate::thread_create::Routine;
+
+/// # Safety
+/// As `pthread_create`.
+#[doc(hidden)]
+pub unsafe fn pthread_create(
+    thread: *mut c_void,
+    attr: *const c_void,
+    routine: Option<Routine>,
+    arg: *mut c_void,
+) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::thread_create::create(thread, attr, routine, arg) }
 }
 
 /// # Safety

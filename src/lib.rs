@@ -79,6 +79,7 @@ mod spies;
 mod spy;
 mod stacks;
 mod sync;
+mod thread_create;
 mod thread_records;
 mod threads;
 mod tls;

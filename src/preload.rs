@@ -51,6 +51,7 @@ fn leak<T>(value: T) -> &'static T {
 /// constructor. A malformed value is reported in one line and the program runs unspied.
 pub fn init() {
     GLOBAL.heap.warm_up();
+    crate::thread_create::warm_up();
     let options = match std::env::var("MALLOCSPY_OPTIONS") {
         Ok(text) => match Options::parse(&text) {
             Ok(o) => o,

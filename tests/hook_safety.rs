@@ -42,6 +42,24 @@ fn malloc_and_free_in_signal_handlers() {
 }
 
 #[test]
+fn threads_that_ask_for_their_stack_first_or_leave_by_pthread_exit_or_cancellation() {
+    // The JVM's and Rust's threads ask pthread_getattr_np for their stack before anything else;
+    // it allocates while holding the thread's lock, which a hook asking the same deadlocked on
+    // (java hung at start under spy=leaks). The fixture dies by alarm() if it hangs.
+    let program = c_program("thread_stacks.c");
+    let outputs = same_in_every_mode("thread_stacks", || Command::new(&program));
+    let expected = "stack first: 8 of 8\nown stack: 1\npthread_exit: 7\ncancelled: yes\n";
+    assert_eq!(text(&outputs[0].1.stdout), expected);
+    // main ends by pthread_exit: the report still names the program and finds stdout's buffer
+    // reachable from libc's data (it once read an empty /proc/self/maps and called it lost).
+    let (_, leaks) = outputs.iter().find(|(m, _)| *m == Mode::Shim("")).unwrap();
+    let report = text(&leaks.stderr);
+    assert!(report.contains(&format!("leak report for {}", program.display())), "{report}");
+    assert!(report.contains("definitely lost: 0 bytes in 0 blocks"), "{report}");
+    assert!(report.contains("possibly lost: 0 bytes in 0 blocks"), "{report}");
+}
+
+#[test]
 fn blocks_allocated_by_constructors_before_ours_stay_usable() {
     // libearly's constructor runs before the shim's (the loader initialises it first) and keeps
     // its blocks; the program then frees and reallocates them under the spy.

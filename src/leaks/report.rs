@@ -168,7 +168,7 @@ pub(crate) fn build(
         }
     }
     leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
-    let program = std::fs::read_link("/proc/self/exe").map(|p| p.display().to_string()).unwrap_or_default();
+    let program = std::fs::read_link("/proc/thread-self/exe").map(|p| p.display().to_string()).unwrap_or_default();
     LeakReport { pid, program, summary, leaks, notes }
 }
 

@@ -26,7 +26,8 @@ pub(crate) struct Mapping {
     pub anonymous_data: bool,
 }
 
-/// `/proc/self/maps`, read without allocating into buffers reserved beforehand.
+/// `/proc/thread-self/maps`, read without allocating into buffers reserved beforehand.
+/// (`/proc/self/maps` reads empty once the main thread has called `pthread_exit`.)
 pub(crate) struct Maps {
     text: Vec<u8>,
     pub list: Vec<Mapping>,
@@ -44,7 +45,7 @@ fn parse_hex(s: &[u8]) -> Option<u64> {
 impl Maps {
     /// Buffers sized for the current map, with room to grow.
     pub(crate) fn reserve() -> Self {
-        let len = std::fs::read("/proc/self/maps").map_or(64 << 10, |t| t.len());
+        let len = std::fs::read("/proc/thread-self/maps").map_or(64 << 10, |t| t.len());
         Self { text: Vec::with_capacity(len * 2 + 4096), list: Vec::with_capacity(len / 40 * 2 + 256) }
     }
 
@@ -54,7 +55,7 @@ impl Maps {
         self.text.clear();
         self.list.clear();
         // SAFETY: a NUL-terminated path; the descriptor is closed below.
-        let fd = unsafe { libc::open(c"/proc/self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        let fd = unsafe { libc::open(c"/proc/thread-self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
         if fd < 0 {
             return;
         }

@@ -67,7 +67,7 @@ fn module_of(addr: u64) -> Option<String> {
     // SAFETY: dladdr returns a NUL-terminated path owned by the loader.
     let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
     if name.is_empty() {
-        std::fs::read_link("/proc/self/exe").ok().map(|p| p.display().to_string())
+        std::fs::read_link("/proc/thread-self/exe").ok().map(|p| p.display().to_string())
     } else {
         Some(name)
     }

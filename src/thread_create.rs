@@ -1,0 +1,84 @@
+//! `pthread_create`, wrapped so that a new thread learns its stack's extent before any code
+//! of the program runs in it.
+//!
+//! The unwinder checks every stack read against the thread's stack, which glibc tells only
+//! through `pthread_getattr_np`. That function holds the thread's own lock while it allocates
+//! (its CPU set, the attribute's extension), so asking it from a hook on one of those
+//! allocations waits forever for the lock the caller holds. The JVM and Rust's `std` ask for a
+//! new thread's stack before anything else, so that was the first hook of each of their
+//! threads: `java` hung at start under `spy=leaks`. (ddprof met the same deadlock and wraps
+//! `pthread_create` the same way, DataDog/ddprof#124.) Threads made otherwise (glibc's own
+//! helpers, a raw `clone`) still ask on their first captured stack.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicPtr, Ordering};
+
+use crate::global::GLOBAL;
+use crate::tls;
+
+/// A thread's start routine. `C-unwind`: `pthread_exit` and cancellation unwind out of it.
+pub type Routine = unsafe extern "C-unwind" fn(*mut c_void) -> *mut c_void;
+
+type Create = unsafe extern "C" fn(*mut c_void, *const c_void, Option<Routine>, *mut c_void) -> c_int;
+
+static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// The `pthread_create` after ours (libc's).
+fn next() -> Option<Create> {
+    let mut f = NEXT.load(Ordering::Acquire);
+    if f.is_null() {
+        // SAFETY: a NUL-terminated name; RTLD_NEXT is valid from a module loaded by ld.so.
+        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"pthread_create".as_ptr()) };
+        NEXT.store(f, Ordering::Release);
+    }
+    // SAFETY: libc's pthread_create has this signature (the thread and attribute pointers are
+    // passed through untouched).
+    (!f.is_null()).then(|| unsafe { core::mem::transmute::<*mut c_void, Create>(f) })
+}
+
+/// Looks up libc's `pthread_create` now (at start-up), not in the program's first call,
+/// where `dlsym` would take the loader's lock wherever the program happens to be.
+pub(crate) fn warm_up() {
+    let _ = next();
+}
+
+struct Start {
+    routine: Routine,
+    arg: *mut c_void,
+}
+
+/// The new thread's first frame: notes the stack, then runs the program's routine.
+unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
+    // SAFETY: `create` handed over this Box<Start> to the thread.
+    let Start { routine, arg } = *unsafe { Box::from_raw(start.cast::<Start>()) };
+    // As inside a hook: pthread_getattr_np's allocations are mallocspy's, not the program's,
+    // and go straight to the real allocator, unseen by the spies.
+    let ts = tls::state();
+    let depth = ts.depth.replace(1);
+    crate::unwind::stack_bounds();
+    ts.depth.set(depth);
+    // SAFETY: the routine and argument the program gave pthread_create. Nothing of this frame
+    // needs dropping, so pthread_exit may unwind through it.
+    unsafe { routine(arg) }
+}
+
+/// C `pthread_create`.
+///
+/// # Safety
+/// As `pthread_create`: `thread` is writable, `attr` is NULL or initialised, and `routine`
+/// may be called with `arg` on the new thread.
+pub unsafe fn create(thread: *mut c_void, attr: *const c_void, routine: Option<Routine>, arg: *mut c_void) -> c_int {
+    let Some(next) = next() else { return libc::EAGAIN };
+    let Some(routine) = routine.filter(|_| !GLOBAL.registry.is_empty()) else {
+        // SAFETY: the caller's arguments, unchanged.
+        return unsafe { next(thread, attr, routine, arg) };
+    };
+    let start_arg = Box::into_raw(Box::new(Start { routine, arg }));
+    // SAFETY: the caller's thread and attributes; `start` takes ownership of `start_arg`.
+    let status = unsafe { next(thread, attr, Some(start), start_arg.cast()) };
+    if status != 0 {
+        // SAFETY: no thread was created: the Box is still ours.
+        drop(unsafe { Box::from_raw(start_arg) });
+    }
+    status
+}
