@@ -289,6 +289,24 @@ fn the_command_forwards_status_and_follows_children() {
 }
 
 #[test]
+fn a_statically_linked_program_runs_with_a_warning_that_it_is_unspied() {
+    let program = static_c_program("exit_paths.c");
+    let out = Command::new(mallocspy()).args(["run", "--exitcode", "23", "--"]).arg(&program).output().unwrap();
+    assert_eq!(text(&out.stdout), "leaving by return\n");
+    assert_eq!(out.status.code(), Some(0), "no report, so no leak exit code");
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "mallocspy: warning: '{}' is statically linked, so no LD_PRELOAD library reaches its malloc; it runs unspied\n",
+            program.display()
+        )
+    );
+    // The same program linked dynamically gets no warning.
+    let out = Command::new(mallocspy()).args(["run", "--"]).arg(c_program("exit_paths.c")).output().unwrap();
+    assert!(!text(&out.stderr).contains("warning"), "{}", text(&out.stderr));
+}
+
+#[test]
 fn stack_depth_limits_the_frames() {
     let out = Command::new(mallocspy())
         .args(["run", "--json", "--stack-depth", "1", "--"])

@@ -38,6 +38,9 @@ pub fn run_preloaded(
         preload.push(" ");
         preload.push(existing);
     }
+    if let Some(why) = out_of_reach(Path::new(&program[0])) {
+        eprintln!("mallocspy: warning: '{}' {why}; it runs unspied", program[0].to_string_lossy());
+    }
     let mut child = Command::new(&program[0]);
     child.args(&program[1..]).env("LD_PRELOAD", preload).env("MALLOCSPY_OPTIONS", options.join(":"));
     let mut child = child.spawn().map_err(|e| {
@@ -46,6 +49,41 @@ pub fn run_preloaded(
     })?;
     let pid = child.id();
     child.wait().map(|status| (pid, status)).map_err(|e| fail(&format!("cannot wait for the program: {e}"), 2))
+}
+
+/// Why the loader will not preload the shim into `program`, if it can tell: the program is
+/// statically linked (no loader at all), or it is set-user-ID or set-group-ID to someone else
+/// (the loader then ignores `LD_PRELOAD` paths). A script, or a file it cannot read, passes.
+fn out_of_reach(program: &Path) -> Option<&'static str> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let path = if program.components().count() > 1 {
+        program.to_path_buf()
+    } else {
+        std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(program)).find(|p| p.is_file())?
+    };
+    let meta = std::fs::metadata(&path).ok()?;
+    // SAFETY: geteuid and getegid have no preconditions.
+    let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if (meta.mode() & libc::S_ISUID != 0 && meta.uid() != euid)
+        || (meta.mode() & libc::S_ISGID != 0 && meta.gid() != egid)
+    {
+        return Some("is set-user-ID or set-group-ID, so the loader ignores LD_PRELOAD");
+    }
+    let mut head = Vec::with_capacity(64 << 10);
+    std::fs::File::open(&path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
+    (elf_interpreter(&head) == Some(false))
+        .then_some("is statically linked, so no LD_PRELOAD library reaches its malloc")
+}
+
+/// Whether a 64-bit ELF file (its first bytes, `head`) names a program interpreter
+/// (`PT_INTERP`): `None` when it is not such a file or its program headers lie beyond `head`.
+fn elf_interpreter(head: &[u8]) -> Option<bool> {
+    use object::read::elf::{FileHeader, ProgramHeader};
+    let header = object::elf::FileHeader64::<object::Endianness>::parse(head).ok()?;
+    let endian = header.endian().ok()?;
+    let headers = header.program_headers(endian, head).ok()?;
+    Some(headers.iter().any(|ph| ph.p_type(endian) == object::elf::PT_INTERP))
 }
 
 /// Leaves as the program did: its exit status, or its signal.
@@ -63,4 +101,18 @@ pub fn forward(status: ExitStatus) -> ExitCode {
         return ExitCode::from(128 + signal as u8);
     }
     ExitCode::FAILURE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dynamic_program_is_in_reach_and_garbage_is_not_judged() {
+        assert_eq!(out_of_reach(Path::new("sh")), None);
+        let own = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        assert_eq!(elf_interpreter(&own), Some(true));
+        assert_eq!(elf_interpreter(b"#!/bin/sh\n"), None);
+        assert_eq!(elf_interpreter(&own[..0x40]), None, "program headers cut off");
+    }
 }

@@ -102,6 +102,12 @@ pub fn c_program_with(source: &str, extra: &[&str]) -> PathBuf {
     compile(source, name, extra)
 }
 
+/// A C fixture linked statically (`<name>-static`): no loader, so no `LD_PRELOAD`.
+pub fn static_c_program(source: &str) -> PathBuf {
+    let name = source.rsplit_once('.').unwrap().0;
+    compile(source, &format!("{name}-static"), &["-static"])
+}
+
 /// A C fixture built as a shared library `lib<name>.so`.
 pub fn c_library(source: &str) -> PathBuf {
     let name = source.rsplit_once('.').unwrap().0;
