@@ -8,7 +8,8 @@
 //! new thread's stack before anything else, so that was the first hook of each of their
 //! threads: `java` hung at start under `spy=leaks`. (ddprof met the same deadlock and wraps
 //! `pthread_create` the same way, DataDog/ddprof#124.) Threads made otherwise (glibc's own
-//! helpers, a raw `clone`) still ask on their first captured stack.
+//! helpers, a raw `clone`), or made before any spy was registered, still ask on their first
+//! captured stack.
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicPtr, Ordering};
@@ -69,6 +70,7 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
 /// may be called with `arg` on the new thread.
 pub unsafe fn create(thread: *mut c_void, attr: *const c_void, routine: Option<Routine>, arg: *mut c_void) -> c_int {
     let Some(next) = next() else { return libc::EAGAIN };
+    // With no spy, nothing captures stacks: the thread starts exactly as without mallocspy.
     let Some(routine) = routine.filter(|_| !GLOBAL.registry.is_empty()) else {
         // SAFETY: the caller's arguments, unchanged.
         return unsafe { next(thread, attr, routine, arg) };

@@ -21,6 +21,7 @@ pub(crate) fn stack_bounds() -> (u64, u64) {
     (ts.stack_low.get(), ts.stack_top.get())
 }
 
+/// The stack's extent as glibc knows it (`(0, 0)`: unknown).
 fn query() -> (u64, u64) {
     unsafe extern "C" {
         /// glibc: the stack address at process start (the main thread's frames lie below).
