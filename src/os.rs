@@ -99,6 +99,14 @@ pub(crate) fn gettid() -> u32 {
     unsafe { libc::syscall(libc::SYS_gettid) as u32 }
 }
 
+/// The calling thread's thread pointer.
+pub(crate) fn thread_pointer() -> u64 {
+    let tp: u64;
+    // SAFETY: reads fs:0, the thread pointer, on x86_64 Linux.
+    unsafe { core::arch::asm!("mov {}, qword ptr fs:[0]", out(reg) tp, options(nostack, readonly)) };
+    tp
+}
+
 /// Gives up the processor while spinning on a lock or a quiescence wait.
 #[inline]
 pub(crate) fn yield_now() {

@@ -8,8 +8,8 @@
 //! new thread's stack before anything else, so that was the first hook of each of their
 //! threads: `java` hung at start under `spy=leaks`. (ddprof met the same deadlock and wraps
 //! `pthread_create` the same way, DataDog/ddprof#124.) Threads made otherwise (glibc's own
-//! helpers, a raw `clone`), or made before any spy was registered, still ask on their first
-//! captured stack.
+//! helpers, a raw `clone`), or made before any spy was registered, find their stack in the
+//! kernel's map instead, on their first captured stack.
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicPtr, Ordering};
@@ -56,7 +56,7 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
     // and go straight to the real allocator, unseen by the spies.
     let ts = tls::state();
     let depth = ts.depth.replace(1);
-    crate::unwind::stack_bounds();
+    crate::unwind::note_thread_start();
     ts.depth.set(depth);
     // SAFETY: the routine and argument the program gave pthread_create. Nothing of this frame
     // needs dropping, so pthread_exit may unwind through it.

@@ -48,7 +48,7 @@ fn threads_that_ask_for_their_stack_first_or_leave_by_pthread_exit_or_cancellati
     // (java hung at start under spy=leaks). The fixture dies by alarm() if it hangs.
     let program = c_program("thread_stacks.c");
     let outputs = same_in_every_mode("thread_stacks", || Command::new(&program));
-    let expected = "stack first: 8 of 8\nown stack: 1\npthread_exit: 7\ncancelled: yes\n";
+    let expected = "stack first: 8 of 8\nown stack: 1\nlibc's pthread_create: 1\npthread_exit: 7\ncancelled: yes\n";
     assert_eq!(text(&outputs[0].1.stdout), expected);
     // main ends by pthread_exit: the report still names the program and finds stdout's buffer
     // reachable from libc's data (it once read an empty /proc/self/maps and called it lost).

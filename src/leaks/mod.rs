@@ -122,7 +122,7 @@ pub(crate) fn check(
     let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4097);
     let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8 + blocks.len());
-    let own_tp = roots::thread_pointer();
+    let own_tp = os::thread_pointer();
     let loader = roots::loader_text().unwrap_or((0, 0));
     let by_loader: Vec<u64> = blocks
         .iter()

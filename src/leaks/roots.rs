@@ -310,14 +310,6 @@ pub(crate) fn static_tls_size() -> u64 {
     size as u64
 }
 
-/// The calling thread's thread pointer.
-pub(crate) fn thread_pointer() -> u64 {
-    let tp: u64;
-    // SAFETY: reads fs:0, the thread pointer, on x86_64 Linux.
-    unsafe { core::arch::asm!("mov {}, qword ptr fs:[0]", out(reg) tp, options(nostack, readonly)) };
-    tp
-}
-
 /// What a stopped thread left: its registers, stack pointer and thread pointer.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct Parked {
@@ -353,7 +345,7 @@ extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
             let slot = &mut (*PARKED.0.get())[i];
             slot.regs = gregs.map(|r| r as u64);
             slot.sp = gregs[libc::REG_RSP as usize] as u64;
-            slot.tp = thread_pointer();
+            slot.tp = os::thread_pointer();
         }
     }
     ARRIVED.fetch_add(1, Ordering::Release);
