@@ -17,8 +17,7 @@ use crate::tls;
 pub(crate) fn stack_bounds() -> (u64, u64) {
     let ts = tls::state();
     if ts.stack_top.get() == 0 {
-        let (low, high) = if is_main_thread() { main_stack() } else { stack_in_map(super::current_sp()) };
-        cache(low, high);
+        cache(if is_main_thread() { main_stack() } else { stack_in_map(super::current_sp()) });
     }
     (ts.stack_low.get(), ts.stack_top.get())
 }
@@ -27,14 +26,11 @@ pub(crate) fn stack_bounds() -> (u64, u64) {
 /// `pthread_create` made, as if inside a hook (its allocations go straight to the real
 /// allocator).
 pub(crate) fn note_thread_start() {
-    let ts = tls::state();
-    if ts.stack_top.get() == 0 {
-        let (low, high) = asked_of_glibc();
-        cache(low, high);
-    }
+    cache(asked_of_glibc());
 }
 
-fn cache(low: u64, high: u64) {
+/// Keeps `(low, high)` in the thread state (`high` 0, unknown, is kept as 1: asked already).
+fn cache((low, high): (u64, u64)) {
     let ts = tls::state();
     ts.stack_low.set(low);
     ts.stack_top.set(high.max(1));
