@@ -165,7 +165,7 @@ impl<H: Heap> Interposer<H> {
     /// `malloc` through the spy, out of line: the fast path above then needs no stack frame
     /// and ends in a tail call to the real allocator.
     #[inline(never)]
-    fn malloc_slow(&self, size: usize) -> *mut c_void {
+    extern "C" fn malloc_slow(&self, size: usize) -> *mut c_void {
         self.alloc(AllocRequest { entry: Entry::Malloc, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr
     }
 
@@ -181,19 +181,24 @@ impl<H: Heap> Interposer<H> {
                 }
                 self.calloc_slow(nmemb, elem, size)
             }
-            None => {
-                // The real allocator has the last word on an impossible request (and its errno).
-                let p = self.heap.calloc(nmemb, elem);
-                if p.is_null() { self.reject(Entry::Calloc, usize::MAX, 0, os::errno()) } else { p }
-            }
+            None => self.calloc_overflow(nmemb, elem),
         }
     }
 
     /// `calloc` through the spy, out of line (see [`Self::malloc_slow`]).
     #[inline(never)]
-    fn calloc_slow(&self, nmemb: usize, elem: usize, size: usize) -> *mut c_void {
+    extern "C" fn calloc_slow(&self, nmemb: usize, elem: usize, size: usize) -> *mut c_void {
         let kind = Kind::Calloc { nmemb, elem };
         self.alloc(AllocRequest { entry: Entry::Calloc, kind, size, asked: size, align: 0 }).ptr
+    }
+
+    /// A spied `calloc` whose size overflows: the real allocator has the last word on an
+    /// impossible request (and its errno), and the spy hears of the failure.
+    #[cold]
+    #[inline(never)]
+    extern "C" fn calloc_overflow(&self, nmemb: usize, elem: usize) -> *mut c_void {
+        let p = self.heap.calloc(nmemb, elem);
+        if p.is_null() { self.reject(Entry::Calloc, usize::MAX, 0, os::errno()) } else { p }
     }
 
     /// # Safety
@@ -204,6 +209,16 @@ impl<H: Heap> Interposer<H> {
             // SAFETY: the caller's guarantee; with no spy every block is a real block.
             return unsafe { self.heap.realloc(ptr, size) };
         }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.realloc_slow(ptr, size) }
+    }
+
+    /// `realloc` through the spy, out of line (see [`Self::malloc_slow`]).
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    #[inline(never)]
+    unsafe extern "C" fn realloc_slow(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
         // SAFETY: the caller's guarantee.
         unsafe { self.realloc_spied(Entry::Realloc, ptr, size) }
     }
@@ -244,7 +259,7 @@ impl<H: Heap> Interposer<H> {
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
     #[inline(never)]
-    unsafe fn free_slow(&self, ptr: *mut c_void) {
+    unsafe extern "C" fn free_slow(&self, ptr: *mut c_void) {
         let saved = os::errno();
         // SAFETY: the caller's guarantee.
         unsafe { self.free_spied(ptr) };

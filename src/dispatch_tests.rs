@@ -419,3 +419,37 @@ fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
     assert_eq!(seen.0.load(Ordering::Relaxed), 1, "the next spy sees every call");
     assert_eq!(ip.revoke(), Ok(()));
 }
+
+#[test]
+fn a_reopened_gate_counts_for_the_new_sampling_spy_only() {
+    use crate::spies::ticks::{Config, TickSpy};
+    let ip = fresh();
+    let config = Config {
+        sampling: crate::trace::Sampling::Poisson,
+        interval: 1 << 40,
+        depth: 8,
+        seed: 1,
+        stats_interval_ns: u64::MAX,
+    };
+    let first: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).unwrap()));
+    let second: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).unwrap()));
+    let allocs = |spy: &TickSpy| spy.stats_now().kinds[0].allocs;
+    ip.register_static(first).unwrap();
+    first.open_gate(&ip.gate);
+    for _ in 0..10 {
+        // SAFETY: a block just allocated.
+        unsafe { ip.free(ip.malloc(64)) };
+    }
+    assert_eq!(ip.revoke(), Ok(()));
+    // This thread's countdown and record were set up by the first spy, and its countdown is
+    // far from running out: the reopened gate must still send the next call to the second
+    // spy, which sets the thread up for itself, rather than count into the first one's record.
+    ip.register_static(second).unwrap();
+    second.open_gate(&ip.gate);
+    for _ in 0..10 {
+        // SAFETY: a block just allocated.
+        unsafe { ip.free(ip.malloc(64)) };
+    }
+    assert_eq!((allocs(first), allocs(second)), (10, 10));
+    assert_eq!(ip.revoke(), Ok(()));
+}

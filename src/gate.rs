@@ -14,9 +14,15 @@
 //! be of a sampled block. The countdowns live in the thread's initial-exec TLS
 //! ([`crate::tls::ThreadState::tick_until`]); the counters in the spy's per-thread record,
 //! which the thread's TLS points to once the spy has seen the thread.
+//!
+//! Each opening of a gate has its own epoch, which the spy writes into a thread's TLS
+//! (`tick_seen`) when it sets up the thread's countdowns and record. The gate lets a call
+//! through only when that word and the hook depth, read as one 8-byte word, equal its key:
+//! one compare says at once that the gate is open, that the spy has seen this thread under
+//! this opening (not some earlier spy), and that the call comes from outside the hooks.
 
 use core::cell::Cell;
-use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 use crate::thread_records::bump;
 use crate::tls;
@@ -68,9 +74,17 @@ fn take(until: &Cell<i64>, c: &TickCounters, size: usize, kind: usize) -> bool {
     true
 }
 
+/// The key of a closed gate: no thread's `tick_seen` and `depth` pair equals it (the depth
+/// would be `u32::MAX`).
+const CLOSED: u64 = u64::MAX;
+
+/// The epoch of the next opening of any gate (the tests' interposers have gates of their own).
+static NEXT_EPOCH: AtomicU32 = AtomicU32::new(1);
+
 /// The gate of one interposer.
 pub(crate) struct Gate {
-    on: AtomicBool,
+    /// The epoch of the current opening, or [`CLOSED`].
+    key: AtomicU64,
     /// One countdown per kind (tick sampling) rather than one for all (poisson).
     per_kind: AtomicBool,
     /// `[AtomicU64; BITS / 64]`, set by the spy.
@@ -80,40 +94,43 @@ pub(crate) struct Gate {
 impl Gate {
     pub(crate) const fn new() -> Self {
         Self {
-            on: AtomicBool::new(false),
+            key: AtomicU64::new(CLOSED),
             per_kind: AtomicBool::new(false),
             bitmap: AtomicPtr::new(core::ptr::null_mut()),
         }
     }
 
     /// Opens the gate for the spy that maintains `bitmap` (`BITS` bits) and the threads'
-    /// countdowns and counters.
-    pub(crate) fn open(&self, bitmap: *mut AtomicU64, per_kind: bool) {
+    /// countdowns and counters. Returns the opening's epoch: the spy marks each thread it
+    /// sets up with it (`tick_seen`), and only such threads are counted here.
+    pub(crate) fn open(&self, bitmap: *mut AtomicU64, per_kind: bool) -> u32 {
+        // Epochs are never 0, the mark of a thread no spy has set up (nor would 4 billion
+        // openings wrap into a live one in practice).
+        let epoch = NEXT_EPOCH.fetch_add(1, Ordering::Relaxed).max(1);
         self.per_kind.store(per_kind, Ordering::Relaxed);
         self.bitmap.store(bitmap, Ordering::Release);
-        self.on.store(true, Ordering::Release);
+        self.key.store(u64::from(epoch), Ordering::Release);
+        epoch
     }
 
     /// Closes the gate (the sampling spy is revoked): every call goes to the registry again.
     pub(crate) fn close(&self) {
-        self.on.store(false, Ordering::Release);
+        self.key.store(CLOSED, Ordering::Release);
     }
 
-    /// The calling thread's counters, if the gate is open and the thread is outside any hook
-    /// and known to the spy.
+    /// The calling thread's counters, if the gate is open, the spy has set the thread up
+    /// under this opening and the thread is outside any hook.
     #[inline(always)]
     fn counters(&self) -> Option<(&'static tls::ThreadState, &'static TickCounters)> {
-        if !self.on.load(Ordering::Relaxed) {
-            return None;
-        }
+        let key = self.key.load(Ordering::Relaxed);
         let ts = tls::state();
-        let record = ts.tick_record.get();
-        if record == 0 || ts.depth.get() != 0 {
+        if ts.seen_and_depth() != key {
             return None;
         }
-        // SAFETY: the spy stores only pointers to its per-thread records, which live as long as
-        // the process (mallocspy's pool never unmaps them).
-        Some((ts, unsafe { &*(record as *const TickCounters) }))
+        // SAFETY: the spy set this thread's record when it marked the thread with the key,
+        // and it stores only pointers to its per-thread records, which live as long as the
+        // process (mallocspy's pool never unmaps them).
+        Some((ts, unsafe { &*(ts.tick_record.get() as *const TickCounters) }))
     }
 
     /// Whether a sampled block may live at `ptr`.

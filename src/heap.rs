@@ -85,10 +85,12 @@ const FAILED: u8 = 3;
 /// theirs, come first, on the interposer's first cache line.
 #[repr(C)]
 pub(crate) struct NextHeap {
-    /// The real `free` and `malloc` once resolved, 0 before: the two most frequent calls
-    /// load one word and jump, with no state to check first.
+    /// The real `free`, `malloc`, `realloc` and `calloc` once resolved, 0 before: the most
+    /// frequent calls load one word and jump, with no state to check first.
     free_fn: AtomicUsize,
     malloc_fn: AtomicUsize,
+    realloc_fn: AtomicUsize,
+    calloc_fn: AtomicUsize,
     state: AtomicU8,
     fns: UnsafeCell<Option<Fns>>,
     /// What `realloc(p, 0)` does, asked on first need (asking allocates, and a pass-through
@@ -175,6 +177,8 @@ impl NextHeap {
         Self {
             free_fn: AtomicUsize::new(0),
             malloc_fn: AtomicUsize::new(0),
+            realloc_fn: AtomicUsize::new(0),
+            calloc_fn: AtomicUsize::new(0),
             state: AtomicU8::new(UNRESOLVED),
             fns: UnsafeCell::new(None),
             realloc_zero: AtomicU8::new(0),
@@ -209,6 +213,8 @@ impl NextHeap {
                         // A function's address is all its caller needs: no ordering to keep.
                         self.free_fn.store(f.free as usize, Ordering::Relaxed);
                         self.malloc_fn.store(f.malloc as usize, Ordering::Relaxed);
+                        self.realloc_fn.store(f.realloc as usize, Ordering::Relaxed);
+                        self.calloc_fn.store(f.calloc as usize, Ordering::Relaxed);
                     }
                     fns
                 } else {
@@ -229,11 +235,46 @@ impl NextHeap {
     /// `malloc` before the real functions are known (or while they are being looked up).
     #[cold]
     #[inline(never)]
-    fn malloc_unresolved(&self, size: usize) -> *mut c_void {
+    extern "C" fn malloc_unresolved(&self, size: usize) -> *mut c_void {
         match self.fns() {
             // SAFETY: the real malloc has no preconditions.
             Some(f) => unsafe { (f.malloc)(size) },
             None => bootstrap::alloc(size, 16),
+        }
+    }
+
+    /// `calloc` before the real functions are known.
+    #[cold]
+    #[inline(never)]
+    extern "C" fn calloc_unresolved(&self, nmemb: usize, size: usize) -> *mut c_void {
+        match self.fns() {
+            // SAFETY: the real calloc has no preconditions.
+            Some(f) => unsafe { (f.calloc)(nmemb, size) },
+            None => nmemb.checked_mul(size).map_or(core::ptr::null_mut(), |n| bootstrap::alloc(n, 16)),
+        }
+    }
+
+    /// `realloc` of a bootstrap block, or before the real functions are known.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator.
+    #[cold]
+    #[inline(never)]
+    unsafe extern "C" fn realloc_unresolved(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        if bootstrap::contains(ptr) {
+            // SAFETY: ptr is a bootstrap block (its size is in front of it).
+            let old = unsafe { bootstrap::size_of(ptr) };
+            let new = self.malloc(size.max(1));
+            if !new.is_null() {
+                // SAFETY: both blocks hold at least min(old, size) bytes and are distinct.
+                unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
+            }
+            return new;
+        }
+        match self.fns() {
+            // SAFETY: the caller guarantees ptr is NULL or a live block of this allocator.
+            Some(f) => unsafe { (f.realloc)(ptr, size) },
+            None => core::ptr::null_mut(),
         }
     }
 
@@ -243,7 +284,7 @@ impl NextHeap {
     /// `ptr` is NULL or a live block of this allocator.
     #[cold]
     #[inline(never)]
-    unsafe fn free_unresolved(&self, ptr: *mut c_void) {
+    unsafe extern "C" fn free_unresolved(&self, ptr: *mut c_void) {
         if let Some(f) = self.fns() {
             // SAFETY: the caller's guarantee.
             unsafe { (f.free)(ptr) }
@@ -277,30 +318,24 @@ unsafe impl Heap for NextHeap {
 
     #[inline(always)]
     fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
-        match self.fns() {
-            // SAFETY: the real calloc has no preconditions.
-            Some(f) => unsafe { (f.calloc)(nmemb, size) },
-            None => nmemb.checked_mul(size).map_or(core::ptr::null_mut(), |n| bootstrap::alloc(n, 16)),
+        let f = self.calloc_fn.load(Ordering::Relaxed);
+        if f == 0 {
+            return self.calloc_unresolved(nmemb, size);
         }
+        // SAFETY: only `resolve_slow` stores here: the real calloc, which has no preconditions.
+        unsafe { core::mem::transmute::<usize, CallocFn>(f)(nmemb, size) }
     }
 
     #[inline(always)]
     unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
-        if bootstrap::contains(ptr) {
-            // SAFETY: ptr is a bootstrap block (its size is in front of it).
-            let old = unsafe { bootstrap::size_of(ptr) };
-            let new = self.malloc(size.max(1));
-            if !new.is_null() {
-                // SAFETY: both blocks hold at least min(old, size) bytes and are distinct.
-                unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
-            }
-            return new;
+        let f = self.realloc_fn.load(Ordering::Relaxed);
+        if f == 0 || bootstrap::contains(ptr) {
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.realloc_unresolved(ptr, size) };
         }
-        match self.fns() {
-            // SAFETY: the caller guarantees ptr is NULL or a live block of this allocator.
-            Some(f) => unsafe { (f.realloc)(ptr, size) },
-            None => core::ptr::null_mut(),
-        }
+        // SAFETY: only `resolve_slow` stores here: the real realloc; the caller guarantees ptr
+        // is NULL or a live block of this allocator.
+        unsafe { core::mem::transmute::<usize, ReallocFn>(f)(ptr, size) }
     }
 
     #[inline(always)]

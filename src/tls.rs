@@ -20,13 +20,15 @@ pub(crate) const SCRATCH_WORDS: usize = 8;
 pub(crate) struct ThreadState {
     // The first cache line holds everything an allocation that the gate lets through reads
     // and writes (depth, entry trampoline's words, the ticks countdowns): one line per call.
+    /// The epoch of the sampling gate under which the sampling spy last pointed `tick_record`
+    /// at this thread's counters and started its countdowns (0: never, or not gated). Next
+    /// to `depth`, so that the gate tests both with one compare
+    /// ([`ThreadState::seen_and_depth`]).
+    pub tick_seen: Cell<u32>,
     /// Depth of hook nesting: 0 outside the hooks. A call that finds it non-zero was made by
     /// the hook itself (or by a signal handler that interrupted it) and goes straight to the
     /// real allocator.
     pub depth: Cell<u32>,
-    /// The thread's kernel id, for the leak tracker's records (0 until first needed; reset
-    /// in the child of a fork).
-    pub tid: Cell<u32>,
     /// Stack and frame pointer at the entry of the last exported allocating function called
     /// on this thread, written by its trampoline (see [`crate::export_interposer!`]): the
     /// caller's return address is at `entry_sp`.
@@ -41,6 +43,9 @@ pub(crate) struct ThreadState {
     /// This thread's slot in [`crate::threads`] plus one; 0 while it has none yet and
     /// [`crate::threads::NO_SLOT`] when none was available.
     pub slot: Cell<u32>,
+    /// The thread's kernel id, for the leak tracker's records (0 until first needed; reset
+    /// in the child of a fork).
+    pub tid: Cell<u32>,
     /// The same as `entry_sp`/`entry_bp` for the top-level hook in progress (copied when it
     /// starts, so that the spy's own allocations do not overwrite it): where its call stack
     /// starts.
@@ -61,6 +66,21 @@ pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 const BLOCK_SIZE: usize = 192;
 const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);
 const _: () = assert!(core::mem::offset_of!(ThreadState, tick_until) + 24 <= 64);
+const _: () = assert!(core::mem::offset_of!(ThreadState, tick_seen) == 0);
+const _: () = assert!(core::mem::offset_of!(ThreadState, depth) == 4);
+
+impl ThreadState {
+    /// `tick_seen` and `depth` as one word, `tick_seen | depth << 32`: equal to a gate's
+    /// epoch exactly when the spy set this thread up under it and the call is outside any
+    /// hook. One load and one compare on the path of every gated call.
+    #[inline(always)]
+    pub fn seen_and_depth(&self) -> u64 {
+        // SAFETY: `tick_seen` and `depth` are the block's first 8 bytes (asserted above), and
+        // the block is 64-byte aligned; only this thread writes them (a signal handler that
+        // interrupts it restores `depth` before returning), so the read races with nothing.
+        unsafe { (self as *const Self).cast::<u64>().read() }
+    }
+}
 
 #[cfg(not(target_arch = "x86_64"))]
 compile_error!("mallocspy's initial-exec TLS block is written for x86_64 only");

@@ -24,7 +24,7 @@
 //! own, through a queue in shared memory.
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::gate::{self, TickCounters};
 use crate::live_table::LiveTable;
@@ -120,6 +120,8 @@ pub(crate) struct TickSpy {
     /// `[u16; gate::BITS]`: how many, under `bits_lock`.
     bit_counts: NonNull<u16>,
     bits_lock: SpinLock,
+    /// The epoch of the gate opened for this spy (0: none, when it is one of several spies).
+    gate_epoch: AtomicU32,
     pub(crate) stacks: Stacks,
     /// Estimated live bytes per kind (sums of live samples' weights).
     live_bytes: [AtomicU64; 3],
@@ -201,6 +203,7 @@ impl TickSpy {
             bitmap: pool::lease(gate::BITS / 8)?.cast(),
             bit_counts: pool::lease(gate::BITS * 2)?.cast(),
             bits_lock: SpinLock::new(),
+            gate_epoch: AtomicU32::new(0),
             stacks: Stacks::new(),
             live_bytes: Default::default(),
             live_blocks_k: Default::default(),
@@ -255,7 +258,8 @@ impl TickSpy {
 
     /// Lets `gate` count the calls this spy would only count (when it is the only spy).
     pub(crate) fn open_gate(&self, gate: &gate::Gate) {
-        gate.open(self.bitmap.as_ptr(), self.config.sampling == Sampling::Tick);
+        let epoch = gate.open(self.bitmap.as_ptr(), self.config.sampling == Sampling::Tick);
+        self.gate_epoch.store(epoch, Ordering::Release);
     }
 
     fn word(&self, bit: usize) -> &AtomicU64 {
@@ -284,7 +288,8 @@ impl TickSpy {
         let index = threads::current_index()?;
         let t = self.per_thread.get_or_lease(index)?;
         let ts = tls::state();
-        if ts.tick_record.get() != &t.counters as *const TickCounters as usize {
+        let epoch = self.gate_epoch.load(Ordering::Acquire);
+        if ts.tick_record.get() != &t.counters as *const TickCounters as usize || ts.tick_seen.get() != epoch {
             // SAFETY: the calling thread owns the record (its slot), inside its hook.
             let own = unsafe { t.own.get() };
             own.rng = self.config.seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -295,6 +300,8 @@ impl TickSpy {
                 });
             }
             ts.tick_record.set(&t.counters as *const TickCounters as usize);
+            // Last: from here on the gate may count this thread's calls into the record.
+            ts.tick_seen.set(epoch);
         }
         Some((index, t))
     }
