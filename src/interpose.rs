@@ -12,7 +12,8 @@ use crate::global::GLOBAL;
 
 /// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` (so that exit
 /// reports are written), `pthread_create` (so that a new thread notes its stack before its
-/// routine runs, see `thread_create.rs`) and the `mallocspy_api_v1` table in the invoking
+/// routine runs, see `thread_create.rs`), `dlclose` (so that a trace names an unloaded
+/// library's code, see `dl_close.rs`) and the `mallocspy_api_v1` table in the invoking
 /// crate, forwarding to this crate's process-wide interposer.
 ///
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
@@ -70,6 +71,15 @@ macro_rules! export_interposer {
         ) -> ::core::ffi::c_int {
             // SAFETY: the caller's guarantee.
             unsafe { $crate::interpose::pthread_create(thread, attr, routine, arg) }
+        }
+        /// C `dlclose`: the trace writer sees the library's code before it is unmapped.
+        ///
+        /// # Safety
+        /// As `dlclose`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn dlclose(handle: *mut ::core::ffi::c_void) -> ::core::ffi::c_int {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::dlclose(handle) }
         }
         /// C `_exit`: writes the exit reports first (nothing else would).
         #[unsafe(no_mangle)]
@@ -164,6 +174,14 @@ pub unsafe fn pthread_create(
 ) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::thread_create::create(thread, attr, routine, arg) }
+}
+
+/// # Safety
+/// As `dlclose`.
+#[doc(hidden)]
+pub unsafe fn dlclose(handle: *mut c_void) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::dl_close::dlclose(handle) }
 }
 
 /// # Safety

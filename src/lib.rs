@@ -58,6 +58,7 @@ mod api;
 mod bootstrap;
 mod deferred;
 mod dispatch;
+mod dl_close;
 pub mod ffi;
 mod gate;
 mod global;

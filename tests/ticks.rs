@@ -340,3 +340,25 @@ fn a_killed_program_leaves_a_trace_of_what_it_did() {
     }
     assert!(ticks >= 190, "the 200 blocks of 1 MiB before the kill were sampled: {ticks} ticks");
 }
+
+/// A library loaded and unloaded while the program runs is in the trace, named in the
+/// report, also when `main` has already ended by `pthread_exit` (the process's
+/// `/proc/PID/maps` then reads empty, and only its live threads' maps say what is loaded).
+#[test]
+fn a_library_loaded_during_the_run_is_named_even_after_main_exits() {
+    let program = c_program("late_main.c");
+    let library = c_library("late_lib.c");
+    for mode in [None, Some("after-main-exits")] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut argv = vec![program.to_str().unwrap(), library.to_str().unwrap()];
+        argv.extend(mode);
+        let out = record(dir.path(), &[], &argv);
+        assert!(out.status.success(), "{mode:?}: {}", text(&out.stderr));
+        assert!(text(&out.stdout).starts_with("late library: "), "{mode:?}: {}", text(&out.stdout));
+        let trace = &traces(dir.path())[0];
+        let report = Command::new(mallocspy()).args(["report", "--format", "text"]).arg(trace).output().unwrap();
+        assert!(report.status.success(), "{}", text(&report.stderr));
+        let report = text(&report.stdout);
+        assert!(report.contains("late_library_allocates"), "{mode:?}: the library's function is named:\n{report}");
+    }
+}

@@ -70,11 +70,27 @@ fn mapping(line: &str) -> Option<(u64, u64, bool, u64, &str)> {
     Some((parse(start)?, parse(end)?, perms.as_bytes().get(2) == Some(&b'x'), parse(offset)?, path))
 }
 
-/// The modules mapped into process `pid` now, from its `/proc/PID/maps` and their files
-/// (ids left 0, for the caller to number). The writer process reads another process's
-/// map this way; a module whose file is gone or is not ELF is left out.
-pub(crate) fn of_process(pid: u32) -> Vec<Module> {
+/// Process `pid`'s memory map. `/proc/PID/maps` is the main thread's view, and it reads
+/// empty once the main thread has ended by `pthread_exit` while others live on; then any
+/// live thread's map is the same map.
+fn maps_of(pid: u32) -> String {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    if !maps.is_empty() {
+        return maps;
+    }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return maps };
+    tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("maps")).ok())
+        .find(|maps| !maps.is_empty())
+        .unwrap_or_default()
+}
+
+/// The modules mapped into process `pid` now, from its memory map and their files (ids
+/// left 0, for the caller to number). The writer process reads another process's map this
+/// way; a module whose file is gone or is not ELF is left out. Empty when the process is
+/// gone.
+pub(crate) fn of_process(pid: u32) -> Vec<Module> {
+    let maps = maps_of(pid);
     let mut list: Vec<Module> = Vec::new();
     let mut seen: Vec<&str> = Vec::new();
     let lines: Vec<_> = maps.lines().filter_map(mapping).filter(|m| m.4.starts_with('/')).collect();

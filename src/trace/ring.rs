@@ -37,6 +37,8 @@ struct Control {
     dropped: AtomicU64,
     /// 1 while the consumer sleeps for want of messages.
     idle: AtomicU32,
+    /// Where the consumer has finished with the messages it popped (a position, as `tail`).
+    done: AtomicUsize,
 }
 
 /// A queue in memory shared with the writer process.
@@ -146,6 +148,22 @@ impl Ring {
         true
     }
 
+    /// Consumer: everything popped so far has been dealt with.
+    pub(crate) fn mark_done(&self) {
+        self.control().done.store(self.control().tail.load(Ordering::Relaxed), Ordering::Release);
+    }
+
+    /// Producer: the position after the last message claimed so far, to compare with
+    /// [`Ring::done`] later.
+    pub(crate) fn claimed(&self) -> usize {
+        self.control().head.load(Ordering::Acquire)
+    }
+
+    /// Whether the consumer has dealt with every message before position `claimed`.
+    pub(crate) fn done(&self, claimed: usize) -> bool {
+        self.control().done.load(Ordering::Acquire) >= claimed
+    }
+
     /// Whether a message waits for the consumer.
     pub(crate) fn has_message(&self) -> bool {
         let position = self.control().tail.load(Ordering::Relaxed);
@@ -215,6 +233,22 @@ mod tests {
         let last = message(20, 99);
         let (head, tail) = last.split_at(3);
         assert!(ring.push(head, tail), "room again, and a message in two parts");
+    }
+
+    #[test]
+    fn the_producer_sees_when_the_consumer_is_done_with_what_it_pushed() {
+        let ring = Ring::new_shared(32).unwrap();
+        assert!(ring.done(ring.claimed()), "nothing pushed: nothing to wait for");
+        assert!(ring.push(&[2, 7], &[]) && ring.push(&[1], &[]));
+        let claimed = ring.claimed();
+        let mut out = Vec::new();
+        assert!(ring.pop(&mut out, first_word_count));
+        ring.mark_done();
+        assert!(!ring.done(claimed), "one message still queued");
+        assert!(ring.pop(&mut out, first_word_count));
+        assert!(!ring.done(claimed), "popped but not yet dealt with");
+        ring.mark_done();
+        assert!(ring.done(claimed));
     }
 
     #[test]

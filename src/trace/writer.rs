@@ -195,6 +195,11 @@ impl Writer {
 
     fn rescan_modules(&self, st: &mut State) {
         let now = modules::of_process(st.pid);
+        if now.is_empty() {
+            // The program has ended (a live process has its executable mapped at least):
+            // its modules were not unloaded.
+            return;
+        }
         let time_ns = self.spy.elapsed_ns();
         let same = |a: &Module, b: &Module| a.path == b.path && a.base == b.base;
         let (kept, gone): (Vec<Module>, Vec<Module>) =
@@ -242,6 +247,7 @@ impl Writer {
             if let Some((event, frames)) = message::decode(&words) {
                 self.event(st, event, frames);
             }
+            ring.mark_done();
             words.clear();
         }
         let lost = ring.take_dropped();
@@ -391,6 +397,38 @@ impl Writer {
         }
         close(fd);
         true
+    }
+
+    /// Before the program unmaps a library (`dlclose`): waits until the writer has dealt
+    /// with every message queued so far, reading the program's modules again if a stack
+    /// names code it does not know, while the library's code is still mapped. A second at
+    /// most: a writer that does not answer by then is not waited for again.
+    pub(crate) fn sync_before_unload(&self) {
+        static UNRESPONSIVE: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+        // SAFETY: only `launch` and `finish` store here: null or a leaked ring.
+        let Some(ring) = (unsafe { self.ring.load(Ordering::Acquire).as_ref() }) else { return };
+        let claimed = ring.claimed();
+        if ring.done(claimed) || UNRESPONSIVE.load(Ordering::Relaxed) {
+            return;
+        }
+        // Wake the writer even when it is not asleep: between two drains it waits on the
+        // socket for up to `stats_interval_ms`.
+        ring.take_idle();
+        let fd = WAKE_FD.load(Ordering::Relaxed);
+        if !is_our_socket(fd) {
+            return;
+        }
+        // SAFETY: one byte to our own socket.
+        unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        for _ in 0..10_000 {
+            if ring.done(claimed) {
+                return;
+            }
+            let pause = libc::timespec { tv_sec: 0, tv_nsec: 100_000 };
+            // SAFETY: nanosleep with a valid request.
+            unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+        }
+        UNRESPONSIVE.store(true, Ordering::Relaxed);
     }
 
     /// Child side of `fork`: the parent's writer is the parent's. With `%p` in the path the

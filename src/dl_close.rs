@@ -1,0 +1,37 @@
+//! `dlclose`, wrapped so that the trace writer knows a library's code before it is unmapped.
+//!
+//! The writer process learns the program's modules by reading its memory map, when a stack
+//! names code it does not know yet. It reads the queue a little behind the program, so a
+//! library that allocates and is unloaded at once would be gone from the map by the time its
+//! stacks are read: the trace would name none of its functions. The wrapper lets the writer
+//! catch up first (heaptrack's preload library wraps `dlclose` for the same reason, to
+//! refresh its module list). Without a trace writer it only forwards.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicPtr, Ordering};
+
+type Close = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// `dlclose(handle)`: the writer catches up, then libc's `dlclose` runs.
+///
+/// # Safety
+/// As `dlclose`.
+pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
+    if let Some(writer) = crate::trace::writer::writer() {
+        writer.sync_before_unload();
+    }
+    let mut f = NEXT.load(Ordering::Acquire);
+    if f.is_null() {
+        // SAFETY: a NUL-terminated name; RTLD_NEXT is valid from a module loaded by ld.so.
+        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"dlclose".as_ptr()) };
+        NEXT.store(f, Ordering::Release);
+    }
+    if f.is_null() {
+        // Nothing to forward to (no libdl after us): as dlclose does for a bad handle.
+        return -1;
+    }
+    // SAFETY: libc's dlclose has this signature; the caller's guarantee covers the handle.
+    unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) }
+}
