@@ -14,12 +14,20 @@ use crate::tls;
 
 /// The calling thread's stack, `(low, high)` (cached in its thread state; `(0, 0)` when
 /// unknown).
+#[inline(always)]
 pub(crate) fn stack_bounds() -> (u64, u64) {
     let ts = tls::state();
     if ts.stack_top.get() == 0 {
-        cache(if is_main_thread() { main_stack() } else { stack_in_map(super::current_sp()) });
+        find_stack();
     }
     (ts.stack_low.get(), ts.stack_top.get())
+}
+
+/// The first capture on a thread that the wrapper did not start: where is its stack?
+#[cold]
+#[inline(never)]
+fn find_stack() {
+    cache(if is_main_thread() { main_stack() } else { stack_in_map(super::current_sp()) });
 }
 
 /// Notes a new thread's stack, from `pthread_getattr_np`. Called first thing in a thread that
