@@ -163,7 +163,9 @@ impl<H: Heap> Interposer<H> {
     }
 
     /// `malloc` through the spy, out of line: the fast path above then needs no stack frame
-    /// and ends in a tail call to the real allocator.
+    /// and ends in a tail call to the real allocator. `extern "C"`, so that it cannot unwind:
+    /// the entry points, which must not unwind either, then reach it by a jump too, rather
+    /// than a call wrapped in an abort-on-unwind frame.
     #[inline(never)]
     extern "C" fn malloc_slow(&self, size: usize) -> *mut c_void {
         self.alloc(AllocRequest { entry: Entry::Malloc, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr

@@ -233,6 +233,7 @@ impl NextHeap {
     }
 
     /// `malloc` before the real functions are known (or while they are being looked up).
+    /// `extern "C"`, like the other `*_unresolved`: see `Interposer::malloc_slow`.
     #[cold]
     #[inline(never)]
     extern "C" fn malloc_unresolved(&self, size: usize) -> *mut c_void {
