@@ -24,7 +24,10 @@ fn build_id(notes: &[u8]) -> Option<Vec<u8>> {
 
 /// What the trace needs of an ELF file: the virtual address of its first loadable segment
 /// (page-rounded), that segment's file offset (page-rounded), and its build id.
-fn elf_facts(path: &str) -> Option<(u64, u64, Vec<u8>)> {
+type ElfFacts = (u64, u64, Vec<u8>);
+
+/// The [`ElfFacts`] of the file at `path`, if it is a 64-bit little-endian ELF file.
+fn elf_facts(path: &str) -> Option<ElfFacts> {
     use std::os::unix::fs::FileExt;
     let file = std::fs::File::open(path).ok()?;
     let mut ehdr = [0u8; 64];
@@ -60,15 +63,39 @@ fn elf_facts(path: &str) -> Option<(u64, u64, Vec<u8>)> {
     Some((vaddr, offset, build))
 }
 
-/// One line of `/proc/PID/maps`: start, end, executable, file offset, path.
-fn mapping(line: &str) -> Option<(u64, u64, bool, u64, &str)> {
+/// One line of `/proc/PID/maps`.
+struct Mapping<'a> {
+    start: u64,
+    end: u64,
+    executable: bool,
+    offset: u64,
+    /// The file's device and inode, as the map gives them.
+    file: (&'a str, u64),
+    path: &'a str,
+}
+
+fn mapping(line: &str) -> Option<Mapping<'_>> {
     let mut fields = line.splitn(6, ' ');
-    let (range, perms, offset) = (fields.next()?, fields.next()?, fields.next()?);
-    let path = fields.nth(2)?.trim_start();
+    let (range, perms, offset, dev, inode) =
+        (fields.next()?, fields.next()?, fields.next()?, fields.next()?, fields.next()?);
+    let path = fields.next()?.trim_start();
     let (start, end) = range.split_once('-')?;
     let parse = |h: &str| u64::from_str_radix(h, 16).ok();
-    Some((parse(start)?, parse(end)?, perms.as_bytes().get(2) == Some(&b'x'), parse(offset)?, path))
+    Some(Mapping {
+        start: parse(start)?,
+        end: parse(end)?,
+        executable: perms.as_bytes().get(2) == Some(&b'x'),
+        offset: parse(offset)?,
+        file: (dev, inode.parse().ok()?),
+        path,
+    })
 }
+
+/// What [`elf_facts`] found in each file, by device and inode: the writer reads the map
+/// again each time a stack names unknown code, and a program that loads and unloads a
+/// library in a loop makes it do so at each `dlclose` (see [`crate::dl_close`]).
+#[derive(Default)]
+pub(crate) struct ElfCache(std::collections::HashMap<(String, u64), Option<ElfFacts>>);
 
 /// Process `pid`'s memory map. `/proc/PID/maps` is the main thread's view, and it reads
 /// empty once the main thread has ended by `pthread_exit` while others live on; then any
@@ -89,24 +116,27 @@ fn maps_of(pid: u32) -> String {
 /// left 0, for the caller to number). The writer process reads another process's map this
 /// way; a module whose file is gone or is not ELF is left out. Empty when the process is
 /// gone.
-pub(crate) fn of_process(pid: u32) -> Vec<Module> {
+pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
     let maps = maps_of(pid);
     let mut list: Vec<Module> = Vec::new();
     let mut seen: Vec<&str> = Vec::new();
-    let lines: Vec<_> = maps.lines().filter_map(mapping).filter(|m| m.4.starts_with('/')).collect();
-    for &(_, _, _, _, path) in &lines {
+    let lines: Vec<_> = maps.lines().filter_map(mapping).filter(|m| m.path.starts_with('/')).collect();
+    for m in &lines {
+        let path = m.path;
         if seen.contains(&path) {
             continue;
         }
         seen.push(path);
-        let Some((vaddr, offset, build_id)) = elf_facts(path) else { continue };
-        let mine = || lines.iter().filter(move |m| m.4 == path);
-        let Some(first) = mine().find(|m| m.3 == offset) else { continue };
-        let ranges: Vec<(u64, u64)> = mine().filter(|m| m.2).map(|m| (m.0, m.1)).collect();
+        let key = (m.file.0.to_string(), m.file.1);
+        let facts = cache.0.entry(key).or_insert_with(|| elf_facts(path));
+        let Some((vaddr, offset, build_id)) = facts.clone() else { continue };
+        let mine = || lines.iter().filter(move |m| m.path == path);
+        let Some(first) = mine().find(|m| m.offset == offset) else { continue };
+        let ranges: Vec<(u64, u64)> = mine().filter(|m| m.executable).map(|m| (m.start, m.end)).collect();
         if ranges.is_empty() {
             continue;
         }
-        list.push(Module { id: 0, path: path.to_string(), base: first.0.wrapping_sub(vaddr), ranges, build_id });
+        list.push(Module { id: 0, path: path.to_string(), base: first.start.wrapping_sub(vaddr), ranges, build_id });
     }
     list
 }
@@ -115,7 +145,7 @@ pub(crate) fn of_process(pid: u32) -> Vec<Module> {
 /// hand whose frames are the program's own functions, as the report's tests do.
 pub fn this_executable() -> Option<Module> {
     let exe = std::fs::read_link("/proc/self/exe").ok()?;
-    of_process(std::process::id()).into_iter().find(|m| std::path::Path::new(&m.path) == exe)
+    of_process(std::process::id(), &mut ElfCache::default()).into_iter().find(|m| std::path::Path::new(&m.path) == exe)
 }
 
 #[cfg(test)]
@@ -139,13 +169,15 @@ mod tests {
     #[test]
     fn this_test_program_and_libc_are_listed_with_their_code_bias_and_build_id() {
         let here = of_process as *const () as u64;
-        let list = of_process(std::process::id());
+        let mut cache = ElfCache::default();
+        let list = of_process(std::process::id(), &mut cache);
         let exe = list.iter().find(|m| m.ranges.iter().any(|&(s, e)| s <= here && here < e)).expect("own module");
         assert_eq!(std::path::Path::new(&exe.path), std::fs::read_link("/proc/self/exe").unwrap());
         assert_eq!(exe.base, exe_bias(), "the loader's bias");
         let libc = list.iter().find(|m| m.path.contains("libc.so")).expect("libc listed");
         assert_eq!(libc.build_id.len(), 20, "Debian's libc has a SHA-1 build id");
-        assert!(of_process(u32::MAX).is_empty(), "no such process: nothing");
+        assert!(of_process(u32::MAX, &mut cache).is_empty(), "no such process: nothing");
+        assert_eq!(of_process(std::process::id(), &mut cache), list, "the same again, from the cache");
         assert_eq!(this_executable().as_ref(), Some(exe));
     }
 }

@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 use super::message;
 use super::ring::Ring;
 use super::{Event, Header, Module, modules, write_event, write_header};
-use crate::spies::ticks::TickSpy;
+use crate::spies::ticks::{TickSpy, now_ns};
 use crate::{os, sink, tls};
 
 /// Slots of the queue (64 bytes each).
@@ -68,6 +68,7 @@ struct State {
     /// Stacks whose frames are written.
     stacks: HashSet<u64>,
     modules: Vec<Module>,
+    elf: modules::ElfCache,
     next_module: u64,
     ended: bool,
 }
@@ -194,7 +195,7 @@ impl Writer {
     }
 
     fn rescan_modules(&self, st: &mut State) {
-        let now = modules::of_process(st.pid);
+        let now = modules::of_process(st.pid, &mut st.elf);
         if now.is_empty() {
             // The program has ended (a live process has its executable mapped at least):
             // its modules were not unloaded.
@@ -278,6 +279,7 @@ impl Writer {
             buf: Vec::with_capacity(1 << 16),
             stacks: HashSet::new(),
             modules: Vec::new(),
+            elf: modules::ElfCache::default(),
             next_module: 0,
             ended: false,
         };
@@ -420,15 +422,23 @@ impl Writer {
         }
         // SAFETY: one byte to our own socket.
         unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        for _ in 0..10_000 {
-            if ring.done(claimed) {
+        // The writer usually catches up within tens of microseconds: yield the processor to it
+        // for the first hundred, and only then sleep (a sleep takes a hundred at least).
+        let start = now_ns();
+        while !ring.done(claimed) {
+            let waited = now_ns() - start;
+            if waited > 1_000_000_000 {
+                UNRESPONSIVE.store(true, Ordering::Relaxed);
                 return;
             }
-            let pause = libc::timespec { tv_sec: 0, tv_nsec: 100_000 };
-            // SAFETY: nanosleep with a valid request.
-            unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+            if waited < 100_000 {
+                std::thread::yield_now();
+            } else {
+                let pause = libc::timespec { tv_sec: 0, tv_nsec: 100_000 };
+                // SAFETY: nanosleep with a valid request.
+                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+            }
         }
-        UNRESPONSIVE.store(true, Ordering::Relaxed);
     }
 
     /// Child side of `fork`: the parent's writer is the parent's. With `%p` in the path the
