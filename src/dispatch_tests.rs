@@ -389,10 +389,10 @@ impl MallocSpy for Seen {
     }
 }
 
-#[test]
-fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
+/// A ticks spy whose countdowns never run out in a test: after a thread's first call, which
+/// sets the thread up, it leaves every call to the gate.
+fn ticks_spy_that_never_samples() -> &'static crate::spies::ticks::TickSpy {
     use crate::spies::ticks::{Config, TickSpy};
-    let ip = fresh();
     let config = Config {
         sampling: crate::trace::Sampling::Poisson,
         interval: 1 << 40,
@@ -400,7 +400,13 @@ fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
         seed: 1,
         stats_interval_ns: u64::MAX,
     };
-    let ticks: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).unwrap()));
+    Box::leak(Box::new(TickSpy::new(config).unwrap()))
+}
+
+#[test]
+fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
+    let ip = fresh();
+    let ticks = ticks_spy_that_never_samples();
     ip.register_static(ticks).unwrap();
     ticks.open_gate(&ip.gate);
     // The first call of the thread goes to the spy (which starts the countdown); the rest are
@@ -422,18 +428,9 @@ fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
 
 #[test]
 fn a_reopened_gate_counts_for_the_new_sampling_spy_only() {
-    use crate::spies::ticks::{Config, TickSpy};
     let ip = fresh();
-    let config = Config {
-        sampling: crate::trace::Sampling::Poisson,
-        interval: 1 << 40,
-        depth: 8,
-        seed: 1,
-        stats_interval_ns: u64::MAX,
-    };
-    let first: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).unwrap()));
-    let second: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).unwrap()));
-    let allocs = |spy: &TickSpy| spy.stats_now().kinds[0].allocs;
+    let (first, second) = (ticks_spy_that_never_samples(), ticks_spy_that_never_samples());
+    let allocs = |spy: &crate::spies::ticks::TickSpy| spy.stats_now().kinds[0].allocs;
     ip.register_static(first).unwrap();
     first.open_gate(&ip.gate);
     for _ in 0..10 {

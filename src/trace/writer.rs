@@ -51,12 +51,15 @@ fn is_our_socket(fd: i32) -> bool {
 
 /// Wakes the writer, which sleeps for want of messages. Called by a producer that saw the
 /// ring's idle flag (once per sleep): a `send` that never blocks and never raises `SIGPIPE`.
-pub(crate) fn wake() {
+/// `false` when there is no writer's socket to write to.
+pub(crate) fn wake() -> bool {
     let fd = WAKE_FD.load(Ordering::Relaxed);
-    if is_our_socket(fd) {
-        // SAFETY: one byte from a static buffer to our own socket.
-        unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    if !is_our_socket(fd) {
+        return false;
     }
+    // SAFETY: one byte from a static buffer to our own socket.
+    unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    true
 }
 
 /// What only the writer process touches.
@@ -416,12 +419,9 @@ impl Writer {
         // Wake the writer even when it is not asleep: between two drains it waits on the
         // socket for up to `stats_interval_ms`.
         ring.take_idle();
-        let fd = WAKE_FD.load(Ordering::Relaxed);
-        if !is_our_socket(fd) {
+        if !wake() {
             return;
         }
-        // SAFETY: one byte to our own socket.
-        unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
         // The writer usually catches up within tens of microseconds: yield the processor to it
         // for the first hundred, and only then sleep (a sleep takes a hundred at least).
         let start = now_ns();
