@@ -8,7 +8,7 @@
 //! refresh its module list). Without a trace writer it only forwards.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicPtr, Ordering};
+use core::sync::atomic::AtomicPtr;
 
 type Close = unsafe extern "C" fn(*mut c_void) -> c_int;
 
@@ -22,12 +22,7 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
     if let Some(writer) = crate::trace::writer::writer() {
         writer.sync_before_unload();
     }
-    let mut f = NEXT.load(Ordering::Acquire);
-    if f.is_null() {
-        // SAFETY: a NUL-terminated name; RTLD_NEXT is valid from a module loaded by ld.so.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"dlclose".as_ptr()) };
-        NEXT.store(f, Ordering::Release);
-    }
+    let f = crate::os::next_symbol_cached(&NEXT, c"dlclose");
     if f.is_null() {
         // Nothing to forward to (no libdl after us): as dlclose does for a bad handle.
         return -1;

@@ -1,11 +1,12 @@
 //! The few operating-system services the hook path needs, as thin wrappers that never allocate.
 //!
 //! Everything here is async-signal-safe and may run before libc has finished initialising:
-//! raw system calls, `errno`, anonymous mappings and the page size.
+//! raw system calls, `errno`, anonymous mappings and the page size. The one exception,
+//! [`next_symbol_cached`] (`dlsym`), serves the wrappers of libc functions, outside the hooks.
 
-use core::ffi::c_int;
+use core::ffi::{CStr, c_int, c_void};
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 /// The calling thread's `errno`.
 #[inline]
@@ -97,6 +98,18 @@ pub(crate) fn getpid() -> u32 {
 pub(crate) fn gettid() -> u32 {
     // SAFETY: gettid has no preconditions.
     unsafe { libc::syscall(libc::SYS_gettid) as u32 }
+}
+
+/// The definition of `name` in the modules loaded after the caller's (`RTLD_NEXT`), looked
+/// up once and kept in `slot`; null if there is none. For the wrappers of libc functions.
+pub(crate) fn next_symbol_cached(slot: &AtomicPtr<c_void>, name: &CStr) -> *mut c_void {
+    let mut f = slot.load(Ordering::Acquire);
+    if f.is_null() {
+        // SAFETY: a NUL-terminated name; RTLD_NEXT is valid from a module loaded by ld.so.
+        f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+        slot.store(f, Ordering::Release);
+    }
+    f
 }
 
 /// The calling thread's thread pointer.

@@ -12,7 +12,7 @@
 //! kernel's map instead, on their first captured stack.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicPtr, Ordering};
+use core::sync::atomic::AtomicPtr;
 
 use crate::global::GLOBAL;
 use crate::tls;
@@ -26,12 +26,7 @@ static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 
 /// The `pthread_create` after ours (libc's).
 fn next() -> Option<Create> {
-    let mut f = NEXT.load(Ordering::Acquire);
-    if f.is_null() {
-        // SAFETY: a NUL-terminated name; RTLD_NEXT is valid from a module loaded by ld.so.
-        f = unsafe { libc::dlsym(libc::RTLD_NEXT, c"pthread_create".as_ptr()) };
-        NEXT.store(f, Ordering::Release);
-    }
+    let f = crate::os::next_symbol_cached(&NEXT, c"pthread_create");
     // SAFETY: libc's pthread_create has this signature (the thread and attribute pointers are
     // passed through untouched).
     (!f.is_null()).then(|| unsafe { core::mem::transmute::<*mut c_void, Create>(f) })

@@ -45,8 +45,7 @@ fn cache((low, high): (u64, u64)) {
 }
 
 fn is_main_thread() -> bool {
-    // SAFETY: gettid has no preconditions.
-    unsafe { libc::syscall(libc::SYS_gettid) == crate::os::getpid() as libc::c_long }
+    crate::os::gettid() == crate::os::getpid()
 }
 
 /// The main thread's stack: it grows on demand up to RLIMIT_STACK below its start.
