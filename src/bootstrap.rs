@@ -53,6 +53,11 @@ pub(crate) fn alloc(size: usize, align: usize) -> *mut c_void {
     }
 }
 
+/// Whether the arena has handed out (or reserved) any block.
+pub(crate) fn in_use() -> bool {
+    NEXT.load(Ordering::Relaxed) != 0
+}
+
 /// True when `p` was handed out by [`alloc`].
 #[inline]
 pub(crate) fn contains(p: *const c_void) -> bool {

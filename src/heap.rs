@@ -13,7 +13,7 @@
 
 use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
-use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering, fence};
 
 use crate::{bootstrap, os};
 
@@ -83,19 +83,57 @@ const FAILED: u8 = 3;
 ///
 /// `repr(C)`: the real `free` and `malloc`, and the state the other calls check before
 /// theirs, come first, on the interposer's first cache line.
+///
+/// There is one: [`crate::global::GLOBAL`]'s. Its four most called functions start as the
+/// `*_first` functions below, which look the real allocator up, and become the real ones: a
+/// call loads one word and jumps, with nothing to check first. `free` and `realloc` must
+/// also recognise the blocks of the bootstrap arena; they go straight to the real functions
+/// only while the arena has handed out none (see [`NextHeap::alloc_from_arena`]), which is the
+/// usual case: the lookup is made in our constructor, before anything else allocates.
 #[repr(C)]
 pub(crate) struct NextHeap {
-    /// The real `free`, `malloc`, `realloc` and `calloc` once resolved, 0 before: the most
-    /// frequent calls load one word and jump, with no state to check first.
-    free_fn: AtomicUsize,
-    malloc_fn: AtomicUsize,
-    realloc_fn: AtomicUsize,
-    calloc_fn: AtomicUsize,
+    free_fn: AtomicPtr<()>,
+    malloc_fn: AtomicPtr<()>,
+    realloc_fn: AtomicPtr<()>,
+    calloc_fn: AtomicPtr<()>,
     state: AtomicU8,
     fns: UnsafeCell<Option<Fns>>,
     /// What `realloc(p, 0)` does, asked on first need (asking allocates, and a pass-through
     /// must not disturb the heap it forwards to): 0 unknown, 1 frees, 2 allocates.
     realloc_zero: AtomicU8,
+}
+
+/// The process's next heap, which the `*_first` functions resolve.
+fn next_heap() -> &'static NextHeap {
+    &crate::global::GLOBAL.heap
+}
+
+/// The first `malloc`: resolves the real functions (see [`NextHeap`]).
+extern "C" fn malloc_first(size: usize) -> *mut c_void {
+    next_heap().malloc_unresolved(size)
+}
+
+/// The first `calloc`.
+extern "C" fn calloc_first(nmemb: usize, size: usize) -> *mut c_void {
+    next_heap().calloc_unresolved(nmemb, size)
+}
+
+/// The first `realloc`, and every `realloc` once the arena is in use.
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the next heap (or of the arena).
+unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void {
+    // SAFETY: the caller's guarantee.
+    unsafe { next_heap().realloc_unresolved(ptr, size) }
+}
+
+/// The first `free`, and every `free` once the arena is in use.
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the next heap (or of the arena), dead afterwards.
+unsafe extern "C" fn free_first(ptr: *mut c_void) {
+    // SAFETY: the caller's guarantee.
+    unsafe { next_heap().free_unresolved(ptr) }
 }
 
 // SAFETY: `fns` is written once, by the thread that moved `state` to RESOLVING, before it
@@ -175,10 +213,10 @@ fn probe_realloc_zero(fns: &Fns) -> bool {
 impl NextHeap {
     pub(crate) const fn new() -> Self {
         Self {
-            free_fn: AtomicUsize::new(0),
-            malloc_fn: AtomicUsize::new(0),
-            realloc_fn: AtomicUsize::new(0),
-            calloc_fn: AtomicUsize::new(0),
+            free_fn: AtomicPtr::new(free_first as *mut ()),
+            malloc_fn: AtomicPtr::new(malloc_first as *mut ()),
+            realloc_fn: AtomicPtr::new(realloc_first as *mut ()),
+            calloc_fn: AtomicPtr::new(calloc_first as *mut ()),
             state: AtomicU8::new(UNRESOLVED),
             fns: UnsafeCell::new(None),
             realloc_zero: AtomicU8::new(0),
@@ -211,10 +249,15 @@ impl NextHeap {
                     let fns = unsafe { (*self.fns.get()).as_ref() };
                     if let Some(f) = fns {
                         // A function's address is all its caller needs: no ordering to keep.
-                        self.free_fn.store(f.free as usize, Ordering::Relaxed);
-                        self.malloc_fn.store(f.malloc as usize, Ordering::Relaxed);
-                        self.realloc_fn.store(f.realloc as usize, Ordering::Relaxed);
-                        self.calloc_fn.store(f.calloc as usize, Ordering::Relaxed);
+                        self.malloc_fn.store(f.malloc as *mut (), Ordering::Relaxed);
+                        self.calloc_fn.store(f.calloc as *mut (), Ordering::Relaxed);
+                        self.free_fn.store(f.free as *mut (), Ordering::Relaxed);
+                        self.realloc_fn.store(f.realloc as *mut (), Ordering::Relaxed);
+                        // The other half of the handshake of `alloc_from_arena`.
+                        fence(Ordering::SeqCst);
+                        if bootstrap::in_use() {
+                            self.keep_checking_arena();
+                        }
                     }
                     fns
                 } else {
@@ -232,26 +275,45 @@ impl NextHeap {
         }
     }
 
+    /// A block of the bootstrap arena, for a call made before the real functions are known.
+    ///
+    /// The resolver lets `free` and `realloc` skip the arena's check when the arena is empty;
+    /// a block handed out while it looks (by another thread, which saw the lookup under way)
+    /// must still be recognised. A Dekker handshake through two SeqCst fences settles it: the
+    /// resolver publishes READY and the real functions and then reads whether the arena is
+    /// in use; this reserves its block and then reads the state. One of them sees the other's
+    /// write, and that one sends `free` and `realloc` back through the arena's check, after
+    /// the resolver's own stores in their modification order (the fences order them).
+    fn alloc_from_arena(&self, size: usize, align: usize) -> *mut c_void {
+        let p = bootstrap::alloc(size, align);
+        fence(Ordering::SeqCst);
+        if self.state.load(Ordering::Relaxed) == READY {
+            self.keep_checking_arena();
+        }
+        p
+    }
+
+    /// Sends `free` and `realloc` through the functions that recognise the arena's blocks.
+    fn keep_checking_arena(&self) {
+        self.free_fn.store(free_first as *mut (), Ordering::Relaxed);
+        self.realloc_fn.store(realloc_first as *mut (), Ordering::Relaxed);
+    }
+
     /// `malloc` before the real functions are known (or while they are being looked up).
-    /// `extern "C"`, like the other `*_unresolved`: see `Interposer::malloc_slow`.
-    #[cold]
-    #[inline(never)]
-    extern "C" fn malloc_unresolved(&self, size: usize) -> *mut c_void {
+    fn malloc_unresolved(&self, size: usize) -> *mut c_void {
         match self.fns() {
             // SAFETY: the real malloc has no preconditions.
             Some(f) => unsafe { (f.malloc)(size) },
-            None => bootstrap::alloc(size, 16),
+            None => self.alloc_from_arena(size, 16),
         }
     }
 
     /// `calloc` before the real functions are known.
-    #[cold]
-    #[inline(never)]
-    extern "C" fn calloc_unresolved(&self, nmemb: usize, size: usize) -> *mut c_void {
+    fn calloc_unresolved(&self, nmemb: usize, size: usize) -> *mut c_void {
         match self.fns() {
             // SAFETY: the real calloc has no preconditions.
             Some(f) => unsafe { (f.calloc)(nmemb, size) },
-            None => nmemb.checked_mul(size).map_or(core::ptr::null_mut(), |n| bootstrap::alloc(n, 16)),
+            None => nmemb.checked_mul(size).map_or(core::ptr::null_mut(), |n| self.alloc_from_arena(n, 16)),
         }
     }
 
@@ -259,9 +321,7 @@ impl NextHeap {
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator.
-    #[cold]
-    #[inline(never)]
-    unsafe extern "C" fn realloc_unresolved(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+    unsafe fn realloc_unresolved(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
         if bootstrap::contains(ptr) {
             // SAFETY: ptr is a bootstrap block (its size is in front of it).
             let old = unsafe { bootstrap::size_of(ptr) };
@@ -279,13 +339,14 @@ impl NextHeap {
         }
     }
 
-    /// `free` before the real functions are known.
+    /// `free` of a bootstrap block (ignored), or before the real functions are known.
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator.
-    #[cold]
-    #[inline(never)]
-    unsafe extern "C" fn free_unresolved(&self, ptr: *mut c_void) {
+    unsafe fn free_unresolved(&self, ptr: *mut c_void) {
+        if bootstrap::contains(ptr) {
+            return;
+        }
         if let Some(f) = self.fns() {
             // SAFETY: the caller's guarantee.
             unsafe { (f.free)(ptr) }
@@ -309,53 +370,34 @@ fn page_round_up(size: usize) -> Option<usize> {
 unsafe impl Heap for NextHeap {
     #[inline(always)]
     fn malloc(&self, size: usize) -> *mut c_void {
-        let f = self.malloc_fn.load(Ordering::Relaxed);
-        if f == 0 {
-            return self.malloc_unresolved(size);
-        }
-        // SAFETY: only `resolve_slow` stores here: the real malloc, which has no preconditions.
-        unsafe { core::mem::transmute::<usize, MallocFn>(f)(size) }
+        // SAFETY: `malloc_fn` holds `malloc_first` or the real malloc: a C malloc.
+        unsafe { core::mem::transmute::<*mut (), MallocFn>(self.malloc_fn.load(Ordering::Relaxed))(size) }
     }
 
     #[inline(always)]
     fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
-        let f = self.calloc_fn.load(Ordering::Relaxed);
-        if f == 0 {
-            return self.calloc_unresolved(nmemb, size);
-        }
-        // SAFETY: only `resolve_slow` stores here: the real calloc, which has no preconditions.
-        unsafe { core::mem::transmute::<usize, CallocFn>(f)(nmemb, size) }
+        // SAFETY: `calloc_fn` holds `calloc_first` or the real calloc: a C calloc.
+        unsafe { core::mem::transmute::<*mut (), CallocFn>(self.calloc_fn.load(Ordering::Relaxed))(nmemb, size) }
     }
 
     #[inline(always)]
     unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
         let f = self.realloc_fn.load(Ordering::Relaxed);
-        if f == 0 || bootstrap::contains(ptr) {
-            // SAFETY: the caller's guarantee.
-            return unsafe { self.realloc_unresolved(ptr, size) };
-        }
-        // SAFETY: only `resolve_slow` stores here: the real realloc; the caller guarantees ptr
-        // is NULL or a live block of this allocator.
-        unsafe { core::mem::transmute::<usize, ReallocFn>(f)(ptr, size) }
+        // SAFETY: `realloc_fn` holds `realloc_first` or, while the arena holds no block, the
+        // real realloc; the caller guarantees ptr is NULL or a live block of this allocator.
+        unsafe { core::mem::transmute::<*mut (), ReallocFn>(f)(ptr, size) }
     }
 
     #[inline(always)]
     unsafe fn free(&self, ptr: *mut c_void) {
-        if bootstrap::contains(ptr) {
-            return;
-        }
         let f = self.free_fn.load(Ordering::Relaxed);
-        if f == 0 {
-            // SAFETY: the caller's guarantee.
-            return unsafe { self.free_unresolved(ptr) };
-        }
-        // SAFETY: only `resolve_slow` stores here: the real free; the caller guarantees ptr
-        // is NULL or a live block of this allocator.
-        unsafe { core::mem::transmute::<usize, FreeFn>(f)(ptr) }
+        // SAFETY: `free_fn` holds `free_first` or, while the arena holds no block, the real
+        // free; the caller guarantees ptr is NULL or a live block of this allocator.
+        unsafe { core::mem::transmute::<*mut (), FreeFn>(f)(ptr) }
     }
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
-        let Some(f) = self.fns() else { return bootstrap::alloc(size, align) };
+        let Some(f) = self.fns() else { return self.alloc_from_arena(size, align) };
         // SAFETY: the real functions have no preconditions; `out` is a local.
         unsafe {
             if let Some(memalign) = f.memalign {
@@ -462,5 +504,35 @@ unsafe impl Heap for NextHeap {
                 frees
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checks_the_arena(h: &NextHeap) -> bool {
+        h.free_fn.load(Ordering::Relaxed) == free_first as *mut ()
+            && h.realloc_fn.load(Ordering::Relaxed) == realloc_first as *mut ()
+    }
+
+    #[test]
+    fn free_and_realloc_recognise_arena_blocks_whether_handed_out_before_or_after_the_lookup() {
+        let before = NextHeap::new();
+        let block = before.alloc_from_arena(24, 16);
+        assert!(bootstrap::contains(block));
+        before.warm_up();
+        assert_ne!(before.malloc_fn.load(Ordering::Relaxed), malloc_first as *mut (), "resolved");
+        assert!(checks_the_arena(&before), "the lookup saw the block");
+
+        // A lookup that found the arena empty, then a block from a call that saw it under way.
+        let after = NextHeap::new();
+        after.warm_up();
+        // SAFETY: only compared, never called.
+        let real = unsafe { (*after.fns.get()).as_ref() }.expect("resolved").free as *mut ();
+        after.free_fn.store(real, Ordering::Relaxed);
+        after.realloc_fn.store(real, Ordering::Relaxed);
+        after.alloc_from_arena(8, 16);
+        assert!(checks_the_arena(&after), "the block's call saw the lookup done");
     }
 }

@@ -19,7 +19,7 @@ pub(crate) const MAX_DEPTH: usize = 128;
 /// Default `stack_depth`.
 pub(crate) const DEFAULT_DEPTH: usize = 32;
 /// Entries of a thread's cache of stack ids (a power of two).
-const KNOWN_STACKS: usize = 256;
+const KNOWN_STACKS: usize = 1024;
 
 /// A thread's stack capture: the walk buffer, the unwinder's cache, and the stacks this thread
 /// interned lately, by hash (a thread mostly allocates from the same few stacks, and the
