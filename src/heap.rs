@@ -89,7 +89,8 @@ const FAILED: u8 = 3;
 /// call loads one word and jumps, with nothing to check first. `free` and `realloc` must
 /// also recognise the blocks of the bootstrap arena; they go straight to the real functions
 /// only while the arena has handed out none (see [`NextHeap::alloc_from_arena`]), which is the
-/// usual case: the lookup is made in our constructor, before anything else allocates.
+/// usual case: the arena serves only the calls made while the lookup runs, and glibc's
+/// `dlsym` makes none.
 #[repr(C)]
 pub(crate) struct NextHeap {
     free_fn: AtomicPtr<()>,
