@@ -135,7 +135,7 @@ pub(crate) fn yield_now() {
 pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
     unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _: usize, data: *mut core::ffi::c_void) -> i32 {
         // SAFETY: dl_iterate_phdr passes a valid info for the duration of the call; data is
-        // the `(addr, found)` pair below.
+        // the `(address, module)` pair below.
         let (info, query) = unsafe { (&*info, &mut *(data as *mut (usize, usize))) };
         if info.dlpi_phdr.is_null() {
             return 0;
