@@ -131,7 +131,8 @@ pub(crate) fn yield_now() {
 /// `addr`, or 0: equal for two addresses of one module.
 ///
 /// From the loaded segments that `dl_iterate_phdr` lists, not `dladdr`, which also looks for
-/// the nearest symbol: a linear search of the module's symbols, 65,000 instructions in libc.
+/// the nearest symbol: a linear search of the module's symbols, some 75,000 instructions in
+/// libc.
 pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
     unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _: usize, data: *mut core::ffi::c_void) -> i32 {
         // SAFETY: dl_iterate_phdr passes a valid info for the duration of the call; data is
