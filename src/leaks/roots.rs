@@ -245,7 +245,13 @@ pub(crate) fn module_data(own: *const c_void) -> Vec<(u64, u64)> {
         }
         0
     }
-    let mut out: (u64, Vec<(u64, u64)>) = (module_base(own), Vec::new());
+    // dl_phdr_info's dlpi_addr is the load bias, module_of's the lowest mapped address: for a
+    // shared object both are the start of its first segment (p_vaddr 0). None matches MAX.
+    let own = match os::module_of(own) {
+        0 => u64::MAX,
+        base => base as u64,
+    };
+    let mut out: (u64, Vec<(u64, u64)>) = (own, Vec::new());
     // SAFETY: the callback matches dl_iterate_phdr's contract.
     unsafe { libc::dl_iterate_phdr(Some(collect), &mut out as *mut _ as *mut c_void) };
     out.1
@@ -279,18 +285,6 @@ pub(crate) fn loader_text() -> Option<(u64, u64)> {
     // SAFETY: the callback matches dl_iterate_phdr's contract.
     unsafe { libc::dl_iterate_phdr(Some(find), &mut out as *mut _ as *mut c_void) };
     out.1
-}
-
-fn module_base(addr: *const c_void) -> u64 {
-    // SAFETY: Dl_info is plain data; dladdr only writes it.
-    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
-    // SAFETY: any address may be asked about.
-    if unsafe { libc::dladdr(addr, &mut info) } == 0 {
-        return u64::MAX;
-    }
-    // dl_phdr_info's dlpi_addr is the load bias, dladdr's dli_fbase the lowest mapped address:
-    // for a shared object both are the start of its first segment (p_vaddr 0).
-    info.dli_fbase as u64
 }
 
 /// Size of the static TLS area below each thread pointer (glibc's private accessor), or a

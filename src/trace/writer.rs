@@ -432,7 +432,7 @@ impl Writer {
                 return;
             }
             if waited < 100_000 {
-                std::thread::yield_now();
+                os::yield_now();
             } else {
                 let pause = libc::timespec { tv_sec: 0, tv_nsec: 100_000 };
                 // SAFETY: nanosleep with a valid request.
