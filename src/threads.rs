@@ -12,12 +12,21 @@
 //! a full fence. Slots are single-writer, so spies keep their per-thread counters beside them
 //! without atomic read-modify-write.
 //!
-//! Slots are recycled when their thread exits (a `pthread_key_create` destructor); a thread that
-//! finds all [`MAX_THREADS`] slots taken runs unspied.
+//! A slot is recycled once its thread has died, which only the kernel can tell: a thread still
+//! calls the allocator after its `pthread_key_create` destructors have run (glibc frees its
+//! per-thread buffers after them, through the exported `free`), so a slot given back by such a
+//! destructor was at once taken again by its own exiting thread, never to be returned: a
+//! program that started thousands of threads over its life used as many slots (and spy
+//! records). Instead, each slot notes its owner's kernel id, and when no slot is free and the
+//! slots in use have doubled since the last look, the dead owners' slots are reclaimed
+//! (`tgkill(pid, tid, 0)` says whether a thread lives): a syscall or two per thread started,
+//! and at most twice as many slots as threads alive at once, plus [`SWEEP_MIN`]. The key's
+//! destructor still tells the spies that their thread is leaving. A thread that finds all
+//! [`MAX_THREADS`] slots taken by live threads runs unspied.
 
 use core::ffi::c_void;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering, compiler_fence, fence};
 
 use crate::sync::SpinLock;
 use crate::tls::ThreadState;
@@ -29,10 +38,15 @@ pub const MAX_THREADS: usize = 16384;
 /// [`ThreadState::slot`] value of a thread that found no free slot.
 pub(crate) const NO_SLOT: u32 = u32::MAX;
 
+/// Slots handed out before the first look for dead owners.
+const SWEEP_MIN: usize = 64;
+
 #[repr(align(64))]
 struct Slot {
     /// Odd while the owning thread is inside a spied hook.
     seq: AtomicU64,
+    /// The owner's kernel thread id; 0 while the slot is free. Written under `SLOTS.lock`.
+    tid: AtomicU32,
 }
 
 struct Slots {
@@ -43,8 +57,11 @@ struct Slots {
     free_len: AtomicUsize,
     /// Slots ever handed out; quiescence scans this many.
     high_water: AtomicUsize,
+    /// The high water at which, when no slot is free, the slots of dead threads are reclaimed
+    /// before a new one is handed out. Under `lock`.
+    next_sweep: AtomicUsize,
     lock: SpinLock,
-    /// The pthread key whose destructor returns a slot at thread exit, plus one (0: none yet).
+    /// The pthread key whose destructor announces a thread's exit, plus one (0: none yet).
     key: AtomicUsize,
 }
 
@@ -53,6 +70,7 @@ static SLOTS: Slots = Slots {
     free: AtomicPtr::new(core::ptr::null_mut()),
     free_len: AtomicUsize::new(0),
     high_water: AtomicUsize::new(0),
+    next_sweep: AtomicUsize::new(SWEEP_MIN),
     lock: SpinLock::new(),
     key: AtomicUsize::new(0),
 };
@@ -96,7 +114,7 @@ fn init_tables() -> bool {
     };
     let mut key: libc::pthread_key_t = 0;
     // SAFETY: `key` is a valid out-pointer; the destructor is an `extern "C"` fn of the right type.
-    if unsafe { libc::pthread_key_create(&mut key, Some(release_at_thread_exit)) } == 0 {
+    if unsafe { libc::pthread_key_create(&mut key, Some(announce_thread_exit)) } == 0 {
         SLOTS.key.store(key as usize + 1, Ordering::Relaxed);
     }
     register_membarrier();
@@ -136,21 +154,22 @@ fn acquire(ts: &ThreadState) -> Option<u32> {
         if !init_tables() {
             None
         } else {
-            let free_len = SLOTS.free_len.load(Ordering::Relaxed);
-            if free_len > 0 {
-                SLOTS.free_len.store(free_len - 1, Ordering::Relaxed);
-                // SAFETY: `free` holds MAX_THREADS entries and free_len <= MAX_THREADS; the lock
-                // is held.
-                Some(unsafe { *SLOTS.free.load(Ordering::Relaxed).add(free_len - 1) })
-            } else {
-                let hw = SLOTS.high_water.load(Ordering::Relaxed);
-                if hw < MAX_THREADS {
-                    SLOTS.high_water.store(hw + 1, Ordering::Release);
-                    Some(hw as u32)
-                } else {
-                    None
-                }
+            let hw = SLOTS.high_water.load(Ordering::Relaxed);
+            let due = hw >= SLOTS.next_sweep.load(Ordering::Relaxed) || hw == MAX_THREADS;
+            if SLOTS.free_len.load(Ordering::Relaxed) == 0 && due {
+                let live = reclaim_dead_owners();
+                SLOTS.next_sweep.store((2 * live).max(SWEEP_MIN), Ordering::Relaxed);
             }
+            let index = pop_free().or_else(|| {
+                (hw < MAX_THREADS).then(|| {
+                    SLOTS.high_water.store(hw + 1, Ordering::Release);
+                    hw as u32
+                })
+            });
+            if let Some(index) = index {
+                slot(index).tid.store(os::gettid(), Ordering::Relaxed);
+            }
+            index
         }
     };
     match index {
@@ -173,7 +192,46 @@ fn acquire(ts: &ThreadState) -> Option<u32> {
     }
 }
 
-/// A function told of each thread's exit (its slot index), before the slot is reused.
+/// Takes a slot off the free list. Under `SLOTS.lock`.
+fn pop_free() -> Option<u32> {
+    let free_len = SLOTS.free_len.load(Ordering::Relaxed).checked_sub(1)?;
+    SLOTS.free_len.store(free_len, Ordering::Relaxed);
+    // SAFETY: `free` holds MAX_THREADS entries and free_len < MAX_THREADS; the lock is held.
+    Some(unsafe { *SLOTS.free.load(Ordering::Relaxed).add(free_len) })
+}
+
+/// Puts the slots whose owners have died on the free list; returns how many slots remain
+/// taken. Under `SLOTS.lock`, with the tables mapped.
+#[cold]
+fn reclaim_dead_owners() -> usize {
+    let saved = os::errno();
+    let pid = os::getpid();
+    let free = SLOTS.free.load(Ordering::Relaxed);
+    let mut free_len = SLOTS.free_len.load(Ordering::Relaxed);
+    let mut live = 0;
+    for index in 0..SLOTS.high_water.load(Ordering::Relaxed) as u32 {
+        let slot = slot(index);
+        let tid = slot.tid.load(Ordering::Relaxed);
+        if tid == 0 {
+            continue;
+        }
+        // SAFETY: signal 0 only checks that thread `tid` of this process exists.
+        let gone = unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, 0) } != 0 && os::errno() == libc::ESRCH;
+        if gone {
+            slot.tid.store(0, Ordering::Relaxed);
+            // SAFETY: a slot is on the list only while its tid is 0, so free_len < MAX_THREADS.
+            unsafe { *free.add(free_len) = index };
+            free_len += 1;
+        } else {
+            live += 1;
+        }
+    }
+    SLOTS.free_len.store(free_len, Ordering::Relaxed);
+    os::set_errno(saved);
+    live
+}
+
+/// A function told of each thread's exit (its slot index).
 static EXIT_HOOK: core::sync::atomic::AtomicPtr<()> = core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
 
 /// Sets the function told of thread exits (the ticks spy's thread events).
@@ -181,8 +239,10 @@ pub(crate) fn set_exit_hook(hook: fn(u32)) {
     EXIT_HOOK.store(hook as *mut (), Ordering::Release);
 }
 
-/// Returns the exiting thread's slot for reuse. Runs as a pthread key destructor.
-extern "C" fn release_at_thread_exit(value: *mut c_void) {
+/// Tells the spies that the thread is leaving. Runs as a pthread key destructor. The slot stays
+/// the thread's: it may still call the allocator (glibc frees its per-thread buffers after
+/// the destructors); [`reclaim_dead_owners`] frees it once the thread has died.
+extern "C" fn announce_thread_exit(value: *mut c_void) {
     let index = (value as usize).wrapping_sub(1) as u32;
     let ts = tls::state();
     if ts.slot.get() != index + 1 || ts.depth.get() != 0 {
@@ -193,14 +253,6 @@ extern "C" fn release_at_thread_exit(value: *mut c_void) {
         // SAFETY: only `set_exit_hook` stores here, always a `fn(u32)`.
         let hook: fn(u32) = unsafe { core::mem::transmute::<*mut (), fn(u32)>(hook) };
         hook(index);
-    }
-    ts.slot.set(0);
-    let _guard = SLOTS.lock.lock();
-    let free_len = SLOTS.free_len.load(Ordering::Relaxed);
-    if free_len < MAX_THREADS {
-        // SAFETY: free_len < MAX_THREADS and the lock is held.
-        unsafe { *SLOTS.free.load(Ordering::Relaxed).add(free_len) = index };
-        SLOTS.free_len.store(free_len + 1, Ordering::Relaxed);
     }
 }
 
@@ -297,8 +349,12 @@ pub(crate) fn fork_child() {
         let high_water = SLOTS.high_water.load(Ordering::Relaxed);
         let mut len = 0;
         for index in (0..high_water as u32).rev() {
-            if index + 1 != mine {
+            if index + 1 == mine {
+                // The thread lives on under a new id.
+                slot(index).tid.store(os::gettid(), Ordering::Relaxed);
+            } else {
                 slot(index).seq.store(0, Ordering::Relaxed);
+                slot(index).tid.store(0, Ordering::Relaxed);
                 // SAFETY: len < high_water <= MAX_THREADS; no other thread exists.
                 unsafe { *free.add(len) = index };
                 len += 1;
