@@ -118,7 +118,7 @@ pub(crate) fn check(
     let modules = roots::module_data(check as *const core::ffi::c_void);
     let tls_size = roots::static_tls_size();
     let mut maps = Maps::reserve();
-    let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.len() + 2 * 4096 + 4 + maps.list.capacity());
+    let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.roots.len() + 2 * 4096 + 4 + maps.list.capacity());
     let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4097);
     let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8 + blocks.len());
@@ -133,8 +133,8 @@ pub(crate) fn check(
     let buffer = ProcessMemory::buffer();
     let stopped = roots::stop_the_world();
     maps.read();
-    regions.extend_from_slice(&modules);
-    region_kinds.extend(modules.iter().map(|_| Root::Global));
+    regions.extend_from_slice(&modules.roots);
+    region_kinds.extend(modules.roots.iter().map(|_| Root::Global));
     let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
         let thread = kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
         if let Some(end) = maps.end_of(sp) {
@@ -163,7 +163,7 @@ pub(crate) fn check(
         }
         missing = stopped.missing;
     }
-    roots::anonymous_roots(&maps, &starts, &stack_pointers, &mut regions);
+    roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &mut regions);
     scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffer), &mut scratch);
     drop(stopped);
     region_kinds.resize(regions.len(), Root::Anonymous);
