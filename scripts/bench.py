@@ -10,7 +10,8 @@ mallocspy's trace writer, which this script adopts as a subreaper) is less distu
 tenants of the machine.
 
 Suites:
-  interposer  the shim alone, and with spy=count (issue 2): churn 1 and 2 threads
+  interposer  the shim alone, and with spy=count (issue 2): churn 1 and 2 threads; then what
+              the shim and each spy add to a process's start and exit (/bin/true from a shell)
   leaks       heaptrack and `mallocspy run` (full stacks, leak report at exit) on churn 1 and 2
               threads, sqlite3 on insert.sql and python3 with PYTHONMALLOC=malloc (issue 3);
               then the exit report of a process with 1 million live blocks, and the tracker's
@@ -119,6 +120,26 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
     return extra
 
 
+def process_cost(a, base, shim):
+    """What the shim adds to each process's start and exit: a shell that runs /bin/true 200
+    times, every process of it preloaded, as a build or a configure script runs."""
+    n = 200
+    cmd = ["sh", "-c", f"i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done"]
+    variants = [("native", {})] + [(o, {"LD_PRELOAD": shim, "MALLOCSPY_OPTIONS": f"{o}:log_path=/dev/null"}) for o in ("spy=none", "spy=ticks", "spy=leaks")]
+    wall = {v: [] for v, _ in variants}
+    cpu = {v: [] for v, _ in variants}
+    for _ in range(a.rounds):
+        for v, extra in variants:
+            t, c, _, _ = run(cmd, dict(base, **extra), a.bench_dir)
+            wall[v].append(t / n * 1e3)
+            cpu[v].append(c / n * 1e3)
+    print(f"\nprocess start and exit ({n} runs of /bin/true from sh, all preloaded): ms per process")
+    print(f"  {'variant':<18} {'wall ms':>8} {'extra':>7}   {'cpu ms':>7} {'extra':>7}")
+    for v, _ in variants:
+        w, c = statistics.median(wall[v]), statistics.median(cpu[v])
+        print(f"  {v:<18} {w:8.3f} {w - statistics.median(wall['native']):7.3f}   {c:7.3f} {c - statistics.median(cpu['native']):7.3f}")
+
+
 def interposer_suite(a, base, shim):
     variants = [
         ("native", lambda cmd, env: (cmd, env)),
@@ -132,6 +153,8 @@ def interposer_suite(a, base, shim):
         if a.only and a.only not in name:
             continue
         compare(name, cmd, base, count_calls(cmd, base, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
+    if not a.only or a.only in "process start and exit":
+        process_cost(a, base, shim)
 
 
 def real_workloads(a, base):
