@@ -21,7 +21,7 @@ use crate::spies::stack::SpyStack;
 use crate::spies::ticks::{self, TickSpy};
 use crate::spy::MallocSpy;
 use crate::trace::writer;
-use crate::{os, pool, sink};
+use crate::{os, pool, sink, tls};
 
 /// The built-in spies of this process and how to report them.
 struct Builtins {
@@ -196,6 +196,13 @@ pub fn fini() {
 pub extern "C" fn report_at_exit() {
     let caller = Caller::here();
     if OWNER.load(Ordering::Relaxed) != os::getpid() || REPORTED.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    if tls::state().depth.get() != 0 {
+        // A signal handler that interrupted a hook of this thread called `exit`: the hook
+        // holds locks (and half-made changes) that every report needs, and waiting for them
+        // would hang the exit. Nothing that allocates or locks may run here.
+        sink::write(b"mallocspy: the process exited from a signal handler that interrupted mallocspy; no report\n");
         return;
     }
     let leaked = GLOBAL.leaked_frees();
