@@ -5,7 +5,8 @@
 //! library that allocates and is unloaded at once would be gone from the map by the time its
 //! stacks are read: the trace would name none of its functions. The wrapper lets the writer
 //! catch up first (heaptrack's preload library wraps `dlclose` for the same reason, to
-//! refresh its module list). Without a trace writer it only forwards.
+//! refresh its module list). The leak tracker notes what the call unloads
+//! ([`crate::leaks::unloaded`]).
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::AtomicPtr;
@@ -27,6 +28,13 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
         // Nothing to forward to (no libdl after us): as dlclose does for a bad handle.
         return -1;
     }
+    // The leak report must still name the code of a library this call unloads.
+    let closing = crate::spies::leaks::tracker()
+        .and_then(|tracker| crate::leaks::unloaded::before_dlclose(handle, tracker.stacks.next_id()));
     // SAFETY: libc's dlclose has this signature; the caller's guarantee covers the handle.
-    unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) }
+    let status = unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) };
+    if let Some(closing) = closing {
+        crate::leaks::unloaded::after_dlclose(closing);
+    }
+    status
 }

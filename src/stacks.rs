@@ -120,6 +120,15 @@ impl Stacks {
         self.add(h, frames)
     }
 
+    /// An id above every stack interned so far (stacks interned later get higher ids).
+    pub(crate) fn next_id(&self) -> u32 {
+        let _guard = self.lock.lock();
+        match self.chunk_count.load(Ordering::Relaxed) {
+            0 => 0,
+            count => ((count - 1) * CHUNK_WORDS + self.used.load(Ordering::Relaxed) + 1) as u32,
+        }
+    }
+
     #[cold]
     fn add(&self, h: usize, frames: &[u64]) -> u32 {
         let _guard = self.lock.lock();

@@ -334,3 +334,33 @@ fn heap_stats_and_on_demand_leak_check_from_an_own_interposer() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn blocks_of_an_unloaded_library_are_named_from_its_file() {
+    // The report is symbolized at exit: a plugin dlclose'd before then has left its range to
+    // another library (or to nothing), and its frames read as `??` in the wrong module.
+    let leaky = c_library("unload_leaky.c");
+    let other = c_library("unload_other.c");
+    let program = c_program_with("unload_main.c", &["-ldl"]);
+    let out = Command::new(&program)
+        .args([&leaky, &other])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "report_format=json")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "7\n");
+    let report = json_report(&out);
+    let record = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["bytes"] == 111)
+        .unwrap_or_else(|| panic!("no record of the plugin's block in {report}"));
+    assert_eq!(record["kind"], "definitely_lost", "{record}");
+    let first = &record["stack"][0];
+    assert_eq!(first["function"], "plugin_leak", "{record}");
+    assert!(first["file"].as_str().is_some_and(|f| f.ends_with("unload_leaky.c")), "{record}");
+    assert_eq!(first["line"], 6, "{record}");
+    assert_eq!(first["module"], format!("{} (unloaded)", leaky.display()), "{record}");
+}

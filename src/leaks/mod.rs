@@ -7,6 +7,7 @@ pub(crate) mod roots;
 pub(crate) mod scan;
 pub(crate) mod suppress;
 pub(crate) mod symbols;
+pub(crate) mod unloaded;
 
 pub use report::{LeakRecord, LeakReport, Summary, Tally, grouped};
 pub use scan::LeakKind;
@@ -199,7 +200,11 @@ pub(crate) fn check(
             }
             Hop::Block { index, via } => {
                 let (start, r) = &blocks[index];
-                let site = tracker.stacks.frames(r.stack).first().and_then(|&f| symbols.frames(f).first().cloned());
+                let site = tracker
+                    .stacks
+                    .frames(r.stack)
+                    .first()
+                    .and_then(|&f| symbols.frames_of_stack(r.stack, f).first().cloned());
                 let site = site.map(|f| match (f.function, f.file, f.line) {
                     (Some(func), Some(file), Some(line)) => format!(" from {func} ({}:{line})", short_path(&file)),
                     (Some(func), _, _) => format!(" from {func}"),

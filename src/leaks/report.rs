@@ -149,7 +149,7 @@ pub(crate) fn build(
         let mut stack = Vec::new();
         if lost || reachable.is_some() {
             for addr in frames_of(stack_id) {
-                stack.extend_from_slice(symbolizer.frames(addr));
+                stack.extend_from_slice(symbolizer.frames_of_stack(stack_id, addr));
             }
         }
         let suppressed = lost

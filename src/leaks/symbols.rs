@@ -25,6 +25,10 @@ pub struct Frame {
 #[derive(Default)]
 pub(crate) struct Symbolizer {
     cache: HashMap<u64, Vec<Frame>>,
+    /// Frames in libraries unloaded since, by path and file address.
+    unloaded_cache: HashMap<(String, u64), Vec<Frame>>,
+    /// The debug information of each unloaded library read so far (`None`: unreadable).
+    unloaded_files: HashMap<String, Option<addr2line::Loader>>,
     /// Data symbols of each module (`(start, end, name)` sorted, link-time addresses).
     data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
 }
@@ -96,8 +100,59 @@ impl Symbolizer {
         }
     }
 
+    /// The frames of return address `addr` of stack `stack` (an id of the stack table): from
+    /// the file of the library it was in if that library was unloaded since.
+    pub(crate) fn frames_of_stack(&mut self, stack: u32, addr: u64) -> &[Frame] {
+        match super::unloaded::covering(stack, addr) {
+            Some(library) => self.unloaded_frames(&library, addr),
+            None => self.frames(addr),
+        }
+    }
+
+    fn unloaded_frames(&mut self, library: &super::unloaded::Unloaded, addr: u64) -> &[Frame] {
+        let probe = addr - library.bias - 1;
+        let loader = self
+            .unloaded_files
+            .entry(library.path.clone())
+            .or_insert_with(|| addr2line::Loader::new(&library.path).ok());
+        self.unloaded_cache.entry((library.path.clone(), probe)).or_insert_with(|| {
+            let module = Some(format!("{} (unloaded)", library.path));
+            let frame = |function: Option<String>, file: Option<String>, line: Option<u32>| Frame {
+                address: format!("{addr:#x}"),
+                function,
+                file,
+                line,
+                module: module.clone(),
+            };
+            let mut frames = Vec::new();
+            if let Some(loader) = loader.as_ref() {
+                if let Ok(mut found) = loader.find_frames(probe) {
+                    while let Ok(Some(f)) = found.next() {
+                        let function = f.function.as_ref().and_then(|n| n.demangle().ok()).map(|n| n.into_owned());
+                        let (file, line) = f.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
+                        frames.push(frame(function, file, line));
+                    }
+                }
+                // The symbol table names the function where DWARF does not cover the address.
+                if frames.last().is_none_or(|f| f.function.is_none())
+                    && let Some(name) = loader.find_symbol(probe)
+                {
+                    let name = addr2line::demangle_auto(name.into(), None).into_owned();
+                    match frames.last_mut() {
+                        Some(last) => last.function = Some(name),
+                        None => frames.push(frame(Some(name), None, None)),
+                    }
+                }
+            }
+            if frames.is_empty() {
+                frames.push(frame(None, None, None));
+            }
+            frames
+        })
+    }
+
     /// The frames (innermost inlined call first) of return address `addr`.
-    pub(crate) fn frames(&mut self, addr: u64) -> &[Frame] {
+    fn frames(&mut self, addr: u64) -> &[Frame] {
         self.cache.entry(addr).or_insert_with(|| {
             let module = module_of(addr);
             let mut frames = Vec::new();

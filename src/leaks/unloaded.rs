@@ -1,0 +1,95 @@
+//! Libraries unloaded while the leak tracker ran, so that the report still names their code.
+//!
+//! The report symbolizes stacks when it is written, from the modules loaded then. A block
+//! allocated by a plugin that was `dlclose`d since keeps return addresses into a range that is
+//! unmapped, or mapped by another library by then: they read as `??`, or as the wrong
+//! library's functions. So the `dlclose` wrapper notes each library that a call really
+//! unloads (its path, load bias and code range) with the id the next interned stack will get:
+//! a frame of an earlier stack that lies in that range is the unloaded library's, and is read
+//! from its file. heaptrack records module loads and unloads in its trace for the same reason.
+
+use std::sync::Mutex;
+
+/// A library that was unloaded.
+#[derive(Clone, Debug)]
+pub(crate) struct Unloaded {
+    /// Its path, as the loader named it.
+    pub path: String,
+    /// Its load bias: the file address of a code address is `address - bias`.
+    pub bias: u64,
+    /// Its executable segments' extent.
+    start: u64,
+    end: u64,
+    /// Stacks interned before the unload have ids below this.
+    stacks_before: u32,
+}
+
+static UNLOADED: Mutex<Vec<Unloaded>> = Mutex::new(Vec::new());
+
+/// At most this many unloads are remembered (a program that reloads a plugin in a loop).
+const MAX_UNLOADED: usize = 4096;
+
+/// The library of a `dlopen` handle, as it is before `dlclose`.
+pub(crate) struct Closing {
+    library: Unloaded,
+}
+
+/// Notes the library behind `handle` before `dlclose` runs (its headers are gone after).
+pub(crate) fn before_dlclose(handle: *mut libc::c_void, next_stack_id: u32) -> Option<Closing> {
+    let mut map: *mut libc::c_void = core::ptr::null_mut();
+    // SAFETY: RTLD_DI_LINKMAP writes the handle's `struct link_map *` into `map`; a bad handle
+    // makes it fail (dlclose will then fail too).
+    if handle.is_null() || unsafe { libc::dlinfo(handle, libc::RTLD_DI_LINKMAP, (&raw mut map).cast()) } != 0 {
+        return None;
+    }
+    // SAFETY: glibc's link_map starts with `l_addr` (the load bias) and `l_name`.
+    let (bias, name) = unsafe { (*(map as *const u64), *(map as *const *const libc::c_char).add(1)) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: the loader's NUL-terminated name of a loaded library.
+    let path = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned();
+    let (start, end) = code_extent(bias)?;
+    Some(Closing { library: Unloaded { path, bias, start, end, stacks_before: next_stack_id } })
+}
+
+/// After `dlclose`: remembers the library if it is gone (the call may only have dropped a
+/// reference).
+pub(crate) fn after_dlclose(closing: Closing) {
+    if code_extent(closing.library.bias).is_some() {
+        return;
+    }
+    let mut list = UNLOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if list.len() < MAX_UNLOADED {
+        list.push(closing.library);
+    }
+}
+
+/// The unloaded library that frame `address` of stack `stack` was in, if any: the first one
+/// unloaded after the stack was interned whose code covered the address.
+pub(crate) fn covering(stack: u32, address: u64) -> Option<Unloaded> {
+    let list = UNLOADED.lock().unwrap_or_else(|e| e.into_inner());
+    list.iter().find(|u| stack < u.stacks_before && u.start <= address && address < u.end).cloned()
+}
+
+/// The extent of the executable segments of the loaded module whose load bias is `bias`.
+fn code_extent(bias: u64) -> Option<(u64, u64)> {
+    unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _: usize, data: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info; data is the pair below.
+        let (info, (bias, out)) = unsafe { (&*info, &mut *(data as *mut (u64, Option<(u64, u64)>))) };
+        if info.dlpi_addr != *bias || info.dlpi_phdr.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
+        let phdrs = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD && p.p_flags & libc::PF_X != 0) {
+            let (start, end) = (info.dlpi_addr + p.p_vaddr, info.dlpi_addr + p.p_vaddr + p.p_memsz);
+            *out = Some(out.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
+        }
+        1
+    }
+    let mut query = (bias, None);
+    // SAFETY: the callback matches dl_iterate_phdr's contract and only touches `query`.
+    unsafe { libc::dl_iterate_phdr(Some(find), (&raw mut query).cast()) };
+    query.1
+}
