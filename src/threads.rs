@@ -219,6 +219,10 @@ fn reclaim_dead_owners() -> usize {
         let gone = unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, 0) } != 0 && os::errno() == libc::ESRCH;
         if gone {
             slot.tid.store(0, Ordering::Relaxed);
+            // A thread that died inside a hook (pthread_exit from a signal handler) left its
+            // mark: no quiescence may wait for it.
+            let seq = slot.seq.load(Ordering::Relaxed);
+            slot.seq.store(seq + (seq & 1), Ordering::Release);
             // SAFETY: a slot is on the list only while its tid is 0, so free_len < MAX_THREADS.
             unsafe { *free.add(free_len) = index };
             free_len += 1;
