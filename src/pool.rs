@@ -12,7 +12,7 @@
 //! recording new blocks and says so in its report) instead of growing without end.
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::os;
 use crate::sync::SpinLock;
@@ -32,9 +32,13 @@ static FREE: [Class; CLASSES] = [const { Class { lock: SpinLock::new(), free: At
 
 /// Size of an arena (a region larger than this gets an arena of its own).
 const ARENA: usize = 1 << 30;
+/// Size of an arena once the address space is limited (see [`carve`]).
+const SMALL_ARENA: usize = 2 << 20;
+/// Set once the kernel refused an arena of [`ARENA`] bytes.
+static SMALL_ARENAS: AtomicBool = AtomicBool::new(false);
 /// The start of an arena that keeps small pages.
 const SMALL_START: usize = 4 << 20;
-const MAX_ARENAS: usize = 256;
+const MAX_ARENAS: usize = 1024;
 
 /// The reservations regions are carved from: `(start, length)`, published by `ARENAS_LEN`.
 static ARENA_START: [AtomicUsize; MAX_ARENAS] = [const { AtomicUsize::new(0) }; MAX_ARENAS];
@@ -107,15 +111,31 @@ fn carve(size: usize) -> Option<NonNull<u8>> {
     if n == MAX_ARENAS {
         return None;
     }
-    let len = size.max(ARENA);
-    let arena = os::map(len)?;
+    // A limit on the address space (`ulimit -v`) may refuse a whole arena, although it costs
+    // no memory until touched. Then every arena is only as large as its lease needs (or
+    // SMALL_ARENA): failing mallocspy's own allocations aborted every process under
+    // `ulimit -v 400000`, and reserving whatever the limit still allows would leave the
+    // program none.
+    let small = |size: usize| size.max(SMALL_ARENA);
+    let mut len = if SMALL_ARENAS.load(Ordering::Relaxed) { small(size) } else { size.max(ARENA) };
+    let arena = match os::map(len) {
+        Some(arena) => arena,
+        None if len > small(size) => {
+            SMALL_ARENAS.store(true, Ordering::Relaxed);
+            len = small(size);
+            os::map(len)?
+        }
+        None => return None,
+    };
     // Transparent huge pages where the system allows them on request: the tables are read
     // at random on every call, and with 4 KiB pages each read risked a TLB miss too. Not in
     // the first [`SMALL_START`] bytes, where a short-lived process's few leases fit: its first
     // touch would otherwise fault in and zero a whole 2 MiB page (a fifth of what `/bin/true`
     // cost under mallocspy, and 2 MiB more memory in every process).
-    // SAFETY: advice on a mapping just made, of `len` bytes.
-    unsafe { libc::madvise(arena.as_ptr().add(SMALL_START).cast(), len - SMALL_START, libc::MADV_HUGEPAGE) };
+    if len > SMALL_START {
+        // SAFETY: advice on a mapping just made, of `len` bytes.
+        unsafe { libc::madvise(arena.as_ptr().add(SMALL_START).cast(), len - SMALL_START, libc::MADV_HUGEPAGE) };
+    }
     ARENA_START[n].store(arena.as_ptr() as usize, Ordering::Relaxed);
     ARENA_LEN[n].store(len, Ordering::Relaxed);
     ARENAS_LEN.store(n + 1, Ordering::Release);

@@ -136,3 +136,17 @@ fn exit_from_a_signal_handler_that_interrupts_the_allocator() {
     }
     assert!(skipped > 0, "the timer never interrupted a hook in 20 runs");
 }
+
+#[test]
+fn a_limit_on_the_address_space_leaves_the_program_room() {
+    // mallocspy reserves its pool in 1 GiB arenas (untouched, so they cost no memory), which
+    // a limit on the address space refuses: under `ulimit -v 400000` every process aborted
+    // ("memory allocation of 29 bytes failed"). The threads' stacks must still fit.
+    let program = c_program("thread_stacks.c");
+    let outputs = same_in_every_mode("thread_stacks under ulimit -v 200000", || {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg("ulimit -v 200000 && exec \"$0\"").arg(&program);
+        cmd
+    });
+    assert_eq!(outputs[0].1.status.code(), Some(0));
+}
