@@ -127,6 +127,58 @@ pub(crate) fn yield_now() {
     unsafe { libc::sched_yield() };
 }
 
+/// A loaded module (executable or shared object) as `dl_iterate_phdr` lists it.
+pub(crate) struct LoadedModule<'a> {
+    /// The load bias: a segment's `p_vaddr` plus this is its address.
+    pub bias: u64,
+    /// The program headers.
+    pub headers: &'a [libc::Elf64_Phdr],
+}
+
+impl LoadedModule<'_> {
+    /// `(start, end)` in memory of each `PT_LOAD` segment that has all of `flags` (`PF_X`,
+    /// `PF_W`, or 0 for every one).
+    pub(crate) fn segments(&self, flags: u32) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.headers.iter().filter(move |p| p.p_type == libc::PT_LOAD && p.p_flags & flags == flags).map(|p| {
+            let start = self.bias.wrapping_add(p.p_vaddr);
+            (start, start.wrapping_add(p.p_memsz))
+        })
+    }
+}
+
+/// Calls `visit` with each loaded module, in the loader's order, until it returns `true`.
+/// Allocates nothing (the loader holds its lock meanwhile: `visit` must not `dlopen`).
+pub(crate) fn each_module(mut visit: impl FnMut(&LoadedModule) -> bool) {
+    type Visit<'v> = &'v mut dyn FnMut(&LoadedModule) -> bool;
+    unsafe extern "C" fn call(info: *mut libc::dl_phdr_info, _: usize, data: *mut core::ffi::c_void) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info for the duration of the call; data is
+        // the `Visit` below.
+        let (info, visit) = unsafe { (&*info, &mut *(data as *mut Visit)) };
+        if info.dlpi_phdr.is_null() {
+            return 0;
+        }
+        // SAFETY: dlpi_phdr points to dlpi_phnum program headers, valid during the call.
+        let headers = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+        visit(&LoadedModule { bias: info.dlpi_addr, headers }) as c_int
+    }
+    let mut visit: Visit = &mut visit;
+    // SAFETY: the callback matches dl_iterate_phdr's contract and only calls `visit`.
+    unsafe { libc::dl_iterate_phdr(Some(call), (&raw mut visit).cast()) };
+}
+
+/// The extent of the executable segments of the module loaded with bias `bias`, if one is.
+pub(crate) fn code_extent(bias: u64) -> Option<(u64, u64)> {
+    let mut extent = None;
+    each_module(|m| {
+        if m.bias != bias {
+            return false;
+        }
+        extent = m.segments(libc::PF_X).reduce(|(s, e), (start, end)| (s.min(start), e.max(end)));
+        true
+    });
+    extent
+}
+
 /// The lowest mapped address of the module (executable or shared object) that contains
 /// `addr`, or 0: equal for two addresses of one module.
 ///
@@ -134,32 +186,16 @@ pub(crate) fn yield_now() {
 /// the nearest symbol: a linear search of the module's symbols, some 75,000 instructions in
 /// libc.
 pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
-    unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _: usize, data: *mut core::ffi::c_void) -> i32 {
-        // SAFETY: dl_iterate_phdr passes a valid info for the duration of the call; data is
-        // the `(address, module)` pair below.
-        let (info, query) = unsafe { (&*info, &mut *(data as *mut (usize, usize))) };
-        if info.dlpi_phdr.is_null() {
-            return 0;
+    let addr = addr as u64;
+    let mut lowest = 0;
+    each_module(|m| {
+        if !m.segments(0).any(|(start, end)| start <= addr && addr < end) {
+            return false;
         }
-        // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
-        let phdrs = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-        let loads = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD);
-        let bias = info.dlpi_addr as usize;
-        let contains = loads.clone().any(|p| {
-            let start = bias.wrapping_add(p.p_vaddr as usize);
-            query.0.wrapping_sub(start) < p.p_memsz as usize
-        });
-        if !contains {
-            return 0;
-        }
-        let lowest = loads.map(|p| bias.wrapping_add(p.p_vaddr as usize)).min().unwrap_or(bias);
-        query.1 = lowest & !(page_size() - 1);
-        1
-    }
-    let mut query = (addr as usize, 0usize);
-    // SAFETY: the callback matches dl_iterate_phdr's contract and only touches `query`.
-    unsafe { libc::dl_iterate_phdr(Some(find), &mut query as *mut (usize, usize) as *mut core::ffi::c_void) };
-    query.1
+        lowest = m.segments(0).map(|(start, _)| start).min().unwrap_or(m.bias) & !(page_size() as u64 - 1);
+        true
+    });
+    lowest as usize
 }
 
 #[cfg(test)]

@@ -248,62 +248,31 @@ pub(crate) struct ModuleData {
 
 /// The writable segments of every loaded module, `own` being an address in mallocspy's.
 pub(crate) fn module_data(own: *const c_void) -> ModuleData {
-    unsafe extern "C" fn collect(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
-        // SAFETY: dl_iterate_phdr passes a valid info; data is the pair below.
-        let (info, (own, out)) = unsafe { (&*info, &mut *(data as *mut (u64, ModuleData))) };
-        if info.dlpi_phdr.is_null() {
-            return 0;
-        }
-        let list = if info.dlpi_addr == *own { &mut out.own } else { &mut out.roots };
-        // SAFETY: dlpi_phdr points to dlpi_phnum headers.
-        for ph in unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) } {
-            if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_W != 0 {
-                let start = info.dlpi_addr + ph.p_vaddr;
-                list.push((start, start + ph.p_memsz));
-            }
-        }
-        0
-    }
     // dl_phdr_info's dlpi_addr is the load bias, module_of's the lowest mapped address: for a
     // shared object both are the start of its first segment (p_vaddr 0). None matches MAX.
     let own = match os::module_of(own) {
         0 => u64::MAX,
         base => base as u64,
     };
-    let mut out = (own, ModuleData { roots: Vec::new(), own: Vec::new() });
-    // SAFETY: the callback matches dl_iterate_phdr's contract.
-    unsafe { libc::dl_iterate_phdr(Some(collect), &mut out as *mut _ as *mut c_void) };
-    out.1
+    let mut out = ModuleData { roots: Vec::new(), own: Vec::new() };
+    os::each_module(|m| {
+        let list = if m.bias == own { &mut out.own } else { &mut out.roots };
+        list.extend(m.segments(libc::PF_W));
+        false
+    });
+    out
 }
 
 /// The dynamic loader's code. Blocks it allocates (the DTV of each thread's TLS, among
 /// others) are referenced from loader structures outside every root (a cached thread
 /// stack's TCB): like LeakSanitizer, the scan treats them as roots themselves.
 pub(crate) fn loader_text() -> Option<(u64, u64)> {
-    unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
-        // SAFETY: dl_iterate_phdr passes a valid info; data is the tuple below.
-        let (info, out) = unsafe { (&*info, &mut *(data as *mut (u64, Option<(u64, u64)>))) };
-        if info.dlpi_addr != out.0 || info.dlpi_phdr.is_null() {
-            return 0;
-        }
-        // SAFETY: dlpi_phdr points to dlpi_phnum headers.
-        for ph in unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) } {
-            if ph.p_type == libc::PT_LOAD && ph.p_flags & libc::PF_X != 0 {
-                let start = info.dlpi_addr + ph.p_vaddr;
-                out.1 = Some((start, start + ph.p_memsz));
-            }
-        }
-        1
-    }
     // SAFETY: getauxval reads the auxiliary vector; AT_BASE is the interpreter's load address.
     let base = unsafe { libc::getauxval(libc::AT_BASE) };
     if base == 0 {
         return None;
     }
-    let mut out: (u64, Option<(u64, u64)>) = (base, None);
-    // SAFETY: the callback matches dl_iterate_phdr's contract.
-    unsafe { libc::dl_iterate_phdr(Some(find), &mut out as *mut _ as *mut c_void) };
-    out.1
+    os::code_extent(base)
 }
 
 /// Size of the static TLS area below each thread pointer (glibc's private accessor), or a

@@ -10,6 +10,8 @@
 
 use std::sync::Mutex;
 
+use crate::os;
+
 /// A library that was unloaded.
 #[derive(Clone, Debug)]
 pub(crate) struct Unloaded {
@@ -49,14 +51,14 @@ pub(crate) fn before_dlclose(handle: *mut libc::c_void, next_stack_id: u32) -> O
     }
     // SAFETY: the loader's NUL-terminated name of a loaded library.
     let path = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned();
-    let (start, end) = code_extent(bias)?;
+    let (start, end) = os::code_extent(bias)?;
     Some(Closing { library: Unloaded { path, bias, start, end, stacks_before: next_stack_id } })
 }
 
 /// After `dlclose`: remembers the library if it is gone (the call may only have dropped a
 /// reference).
 pub(crate) fn after_dlclose(closing: Closing) {
-    if code_extent(closing.library.bias).is_some() {
+    if os::code_extent(closing.library.bias).is_some() {
         return;
     }
     let mut list = UNLOADED.lock().unwrap_or_else(|e| e.into_inner());
@@ -70,26 +72,4 @@ pub(crate) fn after_dlclose(closing: Closing) {
 pub(crate) fn covering(stack: u32, address: u64) -> Option<Unloaded> {
     let list = UNLOADED.lock().unwrap_or_else(|e| e.into_inner());
     list.iter().find(|u| stack < u.stacks_before && u.start <= address && address < u.end).cloned()
-}
-
-/// The extent of the executable segments of the loaded module whose load bias is `bias`.
-fn code_extent(bias: u64) -> Option<(u64, u64)> {
-    unsafe extern "C" fn find(info: *mut libc::dl_phdr_info, _: usize, data: *mut libc::c_void) -> libc::c_int {
-        // SAFETY: dl_iterate_phdr passes a valid info; data is the pair below.
-        let (info, (bias, out)) = unsafe { (&*info, &mut *(data as *mut (u64, Option<(u64, u64)>))) };
-        if info.dlpi_addr != *bias || info.dlpi_phdr.is_null() {
-            return 0;
-        }
-        // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
-        let phdrs = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-        for p in phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD && p.p_flags & libc::PF_X != 0) {
-            let (start, end) = (info.dlpi_addr + p.p_vaddr, info.dlpi_addr + p.p_vaddr + p.p_memsz);
-            *out = Some(out.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
-        }
-        1
-    }
-    let mut query = (bias, None);
-    // SAFETY: the callback matches dl_iterate_phdr's contract and only touches `query`.
-    unsafe { libc::dl_iterate_phdr(Some(find), (&raw mut query).cast()) };
-    query.1
 }

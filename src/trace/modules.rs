@@ -151,18 +151,14 @@ pub fn this_executable() -> Option<Module> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use core::ffi::{c_int, c_void};
 
-    /// The executable's load bias, as the loader knows it.
+    /// The executable's load bias, as the loader knows it (it lists the executable first).
     fn exe_bias() -> u64 {
-        unsafe extern "C" fn first(info: *mut libc::dl_phdr_info, _: usize, data: *mut c_void) -> c_int {
-            // SAFETY: dl_iterate_phdr passes a valid info; data is the u64 below.
-            unsafe { *(data as *mut u64) = (*info).dlpi_addr };
-            1
-        }
         let mut bias = 0u64;
-        // SAFETY: the callback writes only the u64 it is given.
-        unsafe { libc::dl_iterate_phdr(Some(first), &mut bias as *mut u64 as *mut c_void) };
+        crate::os::each_module(|m| {
+            bias = m.bias;
+            true
+        });
         bias
     }
 

@@ -6,7 +6,7 @@
 //! `dlopen` publishes a new one and leaks the old one (a few hundred bytes per refresh), so
 //! that readers never wait and never see a freed list.
 
-use core::ffi::{c_int, c_void};
+use crate::os;
 use core::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 
 /// One loaded module's code and unwind tables (addresses as mapped).
@@ -42,48 +42,31 @@ unsafe fn eh_frame_from_hdr(hdr: u64) -> Option<u64> {
     (version == 1 && encoding == 0x1b).then(|| (hdr as i64 + 4 + rel as i64) as u64)
 }
 
-unsafe extern "C" fn collect(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
-    // SAFETY: dl_iterate_phdr passes a valid info for the duration of the callback, and `data`
-    // is the Vec passed by `refresh`.
-    let (info, list) = unsafe { (&*info, &mut *(data as *mut Vec<Module>)) };
-    if info.dlpi_phdr.is_null() {
-        return 0;
-    }
-    // SAFETY: dlpi_phdr points to dlpi_phnum program headers.
-    let phdrs = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-    let base = info.dlpi_addr;
-    let mut text = None;
-    let mut hdr = None;
-    for ph in phdrs {
-        match ph.p_type {
-            libc::PT_LOAD if ph.p_flags & libc::PF_X != 0 => {
-                text = Some((base + ph.p_vaddr, base + ph.p_vaddr + ph.p_memsz))
-            }
-            libc::PT_GNU_EH_FRAME => hdr = Some((base + ph.p_vaddr, base + ph.p_vaddr + ph.p_memsz)),
-            _ => {}
-        }
-    }
-    let (Some(text), Some(hdr)) = (text, hdr) else { return 0 };
+/// The unwind facts of a loaded module: its code and its `.eh_frame_hdr` and `.eh_frame`.
+fn unwind_module(m: &os::LoadedModule) -> Option<Module> {
+    let in_memory = |ph: &libc::Elf64_Phdr, len: u64| (m.bias + ph.p_vaddr, m.bias + ph.p_vaddr + len);
+    let text = m.segments(libc::PF_X).last()?;
+    let hdr = m.headers.iter().rfind(|ph| ph.p_type == libc::PT_GNU_EH_FRAME).map(|ph| in_memory(ph, ph.p_memsz))?;
     // SAFETY: PT_GNU_EH_FRAME is mapped.
-    let Some(eh_frame) = (unsafe { eh_frame_from_hdr(hdr.0) }) else { return 0 };
-    let segment_end = phdrs
+    let eh_frame = unsafe { eh_frame_from_hdr(hdr.0) }?;
+    // `.eh_frame` runs to the end of the file's part of the segment that holds it.
+    let (_, end) = m
+        .headers
         .iter()
         .filter(|ph| ph.p_type == libc::PT_LOAD)
-        .map(|ph| (base + ph.p_vaddr, base + ph.p_vaddr + ph.p_filesz))
-        .find(|&(start, end)| start <= eh_frame && eh_frame < end)
-        .map(|(_, end)| end);
-    if let Some(end) = segment_end {
-        list.push(Module { text, eh_frame_hdr: hdr, eh_frame: (eh_frame, end) });
-    }
-    0
+        .map(|ph| in_memory(ph, ph.p_filesz))
+        .find(|&(start, end)| start <= eh_frame && eh_frame < end)?;
+    Some(Module { text, eh_frame_hdr: hdr, eh_frame: (eh_frame, end) })
 }
 
 /// Re-reads the module list (after a `dlopen`, or the first time). May allocate: call it
 /// where allocations go to the real allocator (inside a hook, or at start-up).
 pub(crate) fn refresh() -> &'static Modules {
     let mut list: Vec<Module> = Vec::with_capacity(64);
-    // SAFETY: the callback matches dl_iterate_phdr's contract and only touches `list`.
-    unsafe { libc::dl_iterate_phdr(Some(collect), &mut list as *mut Vec<Module> as *mut c_void) };
+    os::each_module(|m| {
+        list.extend(unwind_module(m));
+        false
+    });
     list.sort_by_key(|m| m.text.0);
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
     let fresh = Box::into_raw(Box::new(Modules { list, generation }));
