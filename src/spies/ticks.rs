@@ -69,7 +69,8 @@ struct PerThread {
 
 struct Own {
     rng: u64,
-    /// The kernel thread id a `ThreadStart` was sent for (slots are reused by new threads).
+    /// The kernel thread id a `ThreadStart` was sent for (slots are reused by new threads),
+    /// with [`EXITED`] once its `ThreadExit` was sent.
     started: u32,
     capture: Capture,
 }
@@ -77,6 +78,11 @@ struct Own {
 // SAFETY: atomics, integers, arrays of them and an `Owned` (an `UnsafeCell`) of such: zero
 // is valid.
 unsafe impl Zeroed for PerThread {}
+
+/// Marks [`Own::started`] once the thread's exit was sent (kernel thread ids stay below 2^22):
+/// a sample the dying thread still takes after its key destructors (glibc frees its buffers
+/// then) sends no second start.
+const EXITED: u32 = 1 << 31;
 
 /// A sampled allocation, as [`crate::on_allocation_tick`] callbacks see it.
 #[repr(C)]
@@ -360,7 +366,7 @@ impl TickSpy {
         self.ticks.fetch_add(1, Ordering::Relaxed);
         if let Some(ring) = self.ring() {
             let tid = tls::tid();
-            if own.started != tid {
+            if own.started & !EXITED != tid {
                 own.started = tid;
                 self.send(ring, &message::thread_start(time_ns, index, tid), &[]);
             }
@@ -535,13 +541,14 @@ impl TickSpy {
         self.stacks.forget_sent();
     }
 
-    /// A thread gave its slot back: the next owner sends its own start.
+    /// The thread of slot `index` is leaving (its key destructor runs); the slot's next owner,
+    /// another thread, sends its own start.
     pub(crate) fn thread_exit(&self, index: u32) {
         let Some(t) = self.per_thread.get(index) else { return };
         // SAFETY: called by the exiting owner, outside any hook.
         let own = unsafe { t.own.get() };
-        if own.started != 0 {
-            own.started = 0;
+        if own.started != 0 && own.started & EXITED == 0 {
+            own.started |= EXITED;
             if let Some(ring) = self.ring() {
                 self.send(ring, &message::thread_exit(self.elapsed_ns(), index), &[]);
             }
