@@ -177,12 +177,19 @@ impl LeakTracker {
         self.live.prefetch(ptr);
         let stack = self.stack_id(t);
         let record = Record { size_entry: size << 8 | entry as u64, stack, tid: tls::tid() };
+        // A free of this address queued by this thread must not remove the record made now.
+        // It is looked for even when the address is not recorded: the block freed may have
+        // been allocated before tracking began, and allocators hand a thread the block it
+        // freed last.
+        let withdrawn = Self::withdraw_queued(t, ptr);
         // The address is still recorded when its free is queued (or went unseen): that block
-        // is gone, and its queued free must not remove this one.
+        // is gone. Its free may be queued by another thread.
         let mut replaced = None;
         let inserted = stack != 0
             && self.live.insert_with(ptr, record, |old| {
-                self.withdraw_pending(ptr, t);
+                if !withdrawn {
+                    self.withdraw_elsewhere(ptr, t);
+                }
                 replaced = Some(old);
             });
         if let Some(old) = replaced {
@@ -249,28 +256,26 @@ impl LeakTracker {
         self.live.remove_if(ptr, claim)
     }
 
-    /// Takes back the queued free of `ptr` (its address was allocated again), if there is
-    /// one. Called under the lock of `ptr`'s shard, which every claim of a queued `ptr` also
-    /// holds.
+    /// Takes back a free of `ptr` queued in `t`'s queue; whether there was one.
     ///
-    /// A free is queued only for a recorded block, and an allocation of the same address
-    /// withdraws it before it records the new block, so at most one free of `ptr` is queued
-    /// (unless the program freed the block twice, which glibc aborts on). The calling thread's
-    /// queue comes first: allocators hand the block a thread freed last back to that thread.
-    /// Plain loads find the entry; only the match is claimed with a read-modify-write, so the
-    /// other threads' queues, which their owners write on every free, are read and not made
-    /// to bounce (with one locked compare-exchange per entry of every thread, python3 running
-    /// 4 threads at a time spent 70% of its time here once 16,000 threads had come and gone).
-    fn withdraw_pending(&self, ptr: usize, mine: &PerThread) {
-        let withdraw = |t: &PerThread| {
-            t.pending.iter().any(|slot| {
-                slot.load(Ordering::Relaxed) == ptr
-                    && slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-            })
-        };
-        if !withdraw(mine) {
-            self.all_threads().any(|other| !core::ptr::eq(other, mine) && withdraw(other));
-        }
+    /// An allocation of an address withdraws its queued free before it records the new block,
+    /// so at most one free of `ptr` is queued (unless the program freed the block twice, which
+    /// glibc aborts on). Plain loads find the entry; only the match is claimed with a
+    /// read-modify-write, so the other threads' queues, which their owners write on every
+    /// free, are read and not made to bounce (with one locked compare-exchange per entry of
+    /// every thread, python3 running 4 threads at a time spent 70% of its time here once
+    /// 16,000 threads had come and gone).
+    fn withdraw_queued(t: &PerThread, ptr: usize) -> bool {
+        t.pending.iter().any(|slot| {
+            slot.load(Ordering::Relaxed) == ptr
+                && slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        })
+    }
+
+    /// Takes back a free of `ptr` queued by a thread other than `mine`. Called under the lock
+    /// of `ptr`'s shard, which every claim of a queued `ptr` also holds.
+    fn withdraw_elsewhere(&self, ptr: usize, mine: &PerThread) {
+        self.all_threads().any(|other| !core::ptr::eq(other, mine) && Self::withdraw_queued(other, ptr));
     }
 
     /// Applies every thread's queued frees (for a report: the records of freed blocks go).
