@@ -193,6 +193,41 @@ fn every_exit_path_writes_the_report() {
 }
 
 #[test]
+fn threads_that_block_signals_or_have_exited_are_not_waited_for_and_their_stacks_count() {
+    let program = c_program("unstoppable.c");
+    for case in ["blocked", "main_blocked", "main_gone"] {
+        let out = Command::new(&program)
+            .arg(case)
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", "report_format=json")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{case}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), "exiting\n", "{case}");
+        let report = json_report(&out);
+        let s = &report["summary"];
+        assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{case}: {s}");
+        assert_eq!(s["possibly_lost"]["blocks"], 0, "{case}: {s}");
+        let notes: Vec<&str> = report["notes"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()).collect();
+        if case == "main_gone" {
+            // A zombie main thread has nothing live, and is not waited for.
+            assert!(notes.is_empty(), "{case}: {notes:?}");
+        } else {
+            // The block held on the blocking thread's stack (the main thread's is no
+            // anonymous mapping) is found, and the thread is named as not stopped, not late.
+            let held = report["leaks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["kind"] == "still_reachable" && r["bytes"] == 4321);
+            assert!(held, "{case}: the block on the unstopped thread's stack: {report}");
+            assert_eq!(notes.len(), 1, "{case}: {notes:?}");
+            assert!(notes[0].starts_with("1 thread(s) could not be stopped (signals blocked"), "{case}: {notes:?}");
+        }
+    }
+}
+
+#[test]
 fn destructors_that_run_after_ours_are_not_reported_as_leaks() {
     let library = c_library("cache_lib.c");
     let dir = library.parent().unwrap().display().to_string();

@@ -151,7 +151,7 @@ pub(crate) fn check(
     stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
     words.extend_from_slice(&by_loader);
-    let mut missing = 0;
+    let mut unstopped = 0;
     if let Some(stopped) = &stopped {
         for p in stopped.parked() {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
@@ -162,7 +162,12 @@ pub(crate) fn check(
                 }
             }
         }
-        missing = stopped.missing;
+        unstopped = stopped.unstopped();
+        if let Some(stack) = maps.main_stack.filter(|_| stopped.main_unstopped()) {
+            let thread = region_kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
+            regions.push(stack);
+            region_kinds.push(Root::Stack(thread));
+        }
     }
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &mut regions);
     scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffer), &mut scratch);
@@ -170,8 +175,11 @@ pub(crate) fn check(
     region_kinds.resize(regions.len(), Root::Anonymous);
 
     let mut notes = Vec::new();
-    if missing > 0 {
-        notes.push(format!("{missing} thread(s) did not stop in time; their stacks were not scanned"));
+    if unstopped > 0 {
+        notes.push(format!(
+            "{unstopped} thread(s) could not be stopped (signals blocked, or no answer in 500 ms): \
+             their registers were not read and their stacks were scanned whole"
+        ));
     }
     let untracked = tracker.untracked();
     if untracked > 0 {

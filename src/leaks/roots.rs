@@ -31,6 +31,8 @@ pub(crate) struct Mapping {
 pub(crate) struct Maps {
     text: Vec<u8>,
     pub list: Vec<Mapping>,
+    /// The main thread's stack (`[stack]`), which is not anonymous data.
+    pub main_stack: Option<(u64, u64)>,
 }
 
 fn parse_hex(s: &[u8]) -> Option<u64> {
@@ -46,7 +48,11 @@ impl Maps {
     /// Buffers sized for the current map, with room to grow.
     pub(crate) fn reserve() -> Self {
         let len = std::fs::read("/proc/thread-self/maps").map_or(64 << 10, |t| t.len());
-        Self { text: Vec::with_capacity(len * 2 + 4096), list: Vec::with_capacity(len / 40 * 2 + 256) }
+        Self {
+            text: Vec::with_capacity(len * 2 + 4096),
+            list: Vec::with_capacity(len / 40 * 2 + 256),
+            main_stack: None,
+        }
     }
 
     /// Re-reads the map into the reserved buffers (what does not fit is dropped, which only
@@ -54,6 +60,7 @@ impl Maps {
     pub(crate) fn read(&mut self) {
         self.text.clear();
         self.list.clear();
+        self.main_stack = None;
         // SAFETY: a NUL-terminated path; the descriptor is closed below.
         let fd = unsafe { libc::open(c"/proc/thread-self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
         if fd < 0 {
@@ -89,6 +96,9 @@ impl Maps {
             let path = fields.filter(|f| !f.is_empty()).nth(3).unwrap_or(b"");
             let anonymous_data =
                 readable && perms.get(1) == Some(&b'w') && (path.is_empty() || path.starts_with(b"[anon:"));
+            if path == b"[stack]" {
+                self.main_stack = Some((start, end));
+            }
             self.list.push(Mapping { start, end, readable, anonymous_data });
         }
     }
@@ -298,6 +308,7 @@ pub(crate) struct Parked {
     pub regs: [u64; 23],
     pub sp: u64,
     pub tp: u64,
+    pub tid: u32,
 }
 
 const MAX_PARKED: usize = 4096;
@@ -309,7 +320,7 @@ struct Slots(core::cell::UnsafeCell<[Parked; MAX_PARKED]>);
 // after that thread published it (see `park` and `Stopped::parked`).
 unsafe impl Sync for Slots {}
 
-static PARKED: Slots = Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, tp: 0 }; MAX_PARKED]));
+static PARKED: Slots = Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, tp: 0, tid: 0 }; MAX_PARKED]));
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 static ARRIVED: AtomicUsize = AtomicUsize::new(0);
 static LEFT: AtomicUsize = AtomicUsize::new(0);
@@ -328,6 +339,7 @@ extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
             slot.regs = gregs.map(|r| r as u64);
             slot.sp = gregs[libc::REG_RSP as usize] as u64;
             slot.tp = os::thread_pointer();
+            slot.tid = os::gettid();
         }
     }
     ARRIVED.fetch_add(1, Ordering::Release);
@@ -351,8 +363,48 @@ extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
 pub(crate) struct Stopped {
     signal: c_int,
     old: libc::sigaction,
-    /// Threads that did not answer in time (signal blocked, or stuck in the kernel).
-    pub missing: usize,
+    /// Threads that were sent the signal and did not answer in time (stuck in the kernel).
+    missing: usize,
+    /// Threads not sent the signal because it could not reach them: blocked, or stopped by
+    /// a job-control signal or a tracer.
+    unreachable: usize,
+    /// Whether the main thread is alive, not the caller, and so should be parked.
+    main_alive: bool,
+}
+
+/// What `/proc` says of a thread about to be stopped.
+#[derive(Debug, PartialEq)]
+enum Reach {
+    /// Will run the handler.
+    Signal,
+    /// Blocks the signal, or is stopped (`T`, `t`): waiting for it would be waiting for
+    /// nothing. Its stack is scanned whole, its registers are not read.
+    Unreachable,
+    /// Has exited (a zombie: the main thread after `pthread_exit`, a thread not yet
+    /// joined): nothing of it is live.
+    Gone,
+}
+
+/// How `signal` would reach a thread, from its `status` text.
+fn reach(status: &[u8], signal: c_int) -> Reach {
+    let field =
+        |name: &[u8]| status.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name)).map(|v| v.trim_ascii());
+    match field(b"State:").and_then(|v| v.first()) {
+        Some(b'Z' | b'X') => return Reach::Gone,
+        Some(b'T' | b't') => return Reach::Unreachable,
+        _ => {}
+    }
+    let blocked = field(b"SigBlk:").and_then(parse_hex).unwrap_or(0);
+    if blocked & (1u64 << (signal - 1)) != 0 { Reach::Unreachable } else { Reach::Signal }
+}
+
+/// How `signal` would reach thread `tid` of this process (a thread that has gone from
+/// `/proc` meanwhile is `Gone`).
+fn reach_thread(tid: u32, signal: c_int) -> Reach {
+    match std::fs::read(format!("/proc/self/task/{tid}/status")) {
+        Ok(status) => reach(&status, signal),
+        Err(_) => Reach::Gone,
+    }
 }
 
 /// A real-time signal with the default disposition (nobody uses it), if any.
@@ -374,6 +426,17 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         .filter(|&t| t != me)
         .collect();
     let signal = free_signal()?;
+    let pid = os::getpid();
+    let (mut targets, mut unreachable, mut main_alive) = (Vec::with_capacity(tids.len()), 0, false);
+    for tid in tids {
+        let reach = reach_thread(tid, signal);
+        main_alive |= tid == pid && reach != Reach::Gone;
+        match reach {
+            Reach::Signal => targets.push(tid),
+            Reach::Unreachable => unreachable += 1,
+            Reach::Gone => {}
+        }
+    }
     NEXT.store(0, Ordering::Relaxed);
     ARRIVED.store(0, Ordering::Relaxed);
     LEFT.store(0, Ordering::Relaxed);
@@ -391,9 +454,8 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         }
         old
     };
-    let pid = os::getpid();
     let mut sent = 0;
-    for tid in tids {
+    for tid in targets {
         // SAFETY: tgkill to a thread of this process; a thread that exited meanwhile is ESRCH.
         if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, signal) } == 0 {
             sent += 1;
@@ -404,7 +466,7 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         os::yield_now();
     }
     let arrived = ARRIVED.load(Ordering::Acquire);
-    Some(Stopped { signal, old, missing: sent - arrived.min(sent) })
+    Some(Stopped { signal, old, missing: sent - arrived.min(sent), unreachable, main_alive })
 }
 
 impl Stopped {
@@ -414,6 +476,18 @@ impl Stopped {
         // SAFETY: slots below ARRIVED were written before the Release increment and are not
         // written again until the next stop.
         unsafe { &(&*PARKED.0.get())[..n] }
+    }
+
+    /// Live threads whose registers were not read: their stacks are scanned whole.
+    pub(crate) fn unstopped(&self) -> usize {
+        self.missing + self.unreachable
+    }
+
+    /// Whether the main thread is alive but not parked (it blocks the signal): its stack,
+    /// which is no anonymous mapping, must then be added whole.
+    pub(crate) fn main_unstopped(&self) -> bool {
+        let pid = os::getpid();
+        self.main_alive && !self.parked().iter().any(|p| p.tid == pid)
     }
 }
 
@@ -438,5 +512,30 @@ impl Drop for Stopped {
             // SAFETY: restores the disposition saved in stop_the_world.
             unsafe { libc::sigaction(self.signal, &self.old, core::ptr::null_mut()) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(state: &str, blocked: &str) -> Vec<u8> {
+        format!("Name:\tworker\nUmask:\t0022\nState:\t{state}\nTgid:\t7\nSigQ:\t0/127\nSigPnd:\t0000000000000000\nSigBlk:\t{blocked}\nSigIgn:\t0000000000001000\n").into_bytes()
+    }
+
+    #[test]
+    fn a_signal_reaches_a_thread_that_runs_or_sleeps_with_it_unblocked() {
+        assert_eq!(reach(&status("S (sleeping)", "0000000000000000"), 60), Reach::Signal);
+        assert_eq!(reach(&status("R (running)", "0000000000014000"), 60), Reach::Signal);
+    }
+
+    #[test]
+    fn a_blocked_signal_or_a_stopped_thread_is_unreachable_and_a_zombie_is_gone() {
+        // sigfillset as glibc's pthread_sigmask leaves it: all but the two it reserves.
+        assert_eq!(reach(&status("S (sleeping)", "fffffffe7ffbfeff"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("S (sleeping)", "1000000000000000"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("t (tracing stop)", "0"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("T (stopped)", "0"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("Z (zombie)", "fffffffe7ffbfeff"), 61), Reach::Gone);
     }
 }
