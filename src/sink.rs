@@ -3,8 +3,10 @@
 //! The descriptor is opened (or duplicated) at start-up, because programs close their stderr
 //! before exit (`ls` does, before `.fini_array` runs), and it is moved to a high number so that
 //! a program that reuses low descriptors does not write over it. Before each report the
-//! descriptor is checked to still be the file it was; if the program replaced it, the report
-//! goes to the program's current stderr instead of into the program's own file.
+//! descriptor is checked to still be the file it was. If the program closed or replaced it
+//! (daemons and `closefrom`-style loops close every descriptor they did not open), the
+//! `log_path` file is opened again; a duplicate of stderr cannot be, and the report then goes
+//! to the program's current stderr rather than into a file of the program's.
 
 use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::ffi::CString;
@@ -18,6 +20,9 @@ static INO: AtomicU64 = AtomicU64::new(0);
 
 /// `log_path` as given (with `%p`), for the child of a fork to open its own file.
 static TEMPLATE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+/// The log file of this process (`log_path` expanded), to open again if the program closes
+/// its descriptor. Made when the file is first opened, so that reopening does not allocate.
+static PATH: std::sync::Mutex<Option<CString>> = std::sync::Mutex::new(None);
 
 /// Replaces `%p` with the process id (and `%%` with `%`).
 pub(crate) fn expand(template: &str, pid: u32) -> String {
@@ -78,13 +83,45 @@ fn install(fd: i32) {
 /// Opens `path` for writing at a high descriptor number: appending, or truncating it.
 pub(crate) fn open_path(path: &str, append: bool) -> Result<i32, String> {
     let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
+    open_c(&c, append).ok_or_else(|| std::io::Error::last_os_error().to_string())
+}
+
+/// [`open_path`] without allocating.
+fn open_c(path: &CString, append: bool) -> Option<i32> {
     let mode = if append { libc::O_APPEND } else { libc::O_TRUNC };
-    // SAFETY: c is NUL-terminated; the flags and mode are plain integers.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC | mode, 0o644) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error().to_string());
+    // SAFETY: path is NUL-terminated; the flags and mode are plain integers.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC | mode, 0o644) };
+    (fd >= 0).then(|| move_high(fd))
+}
+
+/// Opens this process's log file (from [`use_path`]) for the reports, appending.
+fn use_log_file(path: String) -> Result<(), String> {
+    // Absolute, so that the file opened again after a `chdir` is this one.
+    let path = match std::env::current_dir() {
+        Ok(cwd) if !path.starts_with('/') => cwd.join(path).to_string_lossy().into_owned(),
+        _ => path,
+    };
+    let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
+    let fd = open_c(&c, true).ok_or_else(|| std::io::Error::last_os_error().to_string())?;
+    let old = FD.swap(-1, Ordering::AcqRel);
+    install(fd);
+    if old >= 0 && old != fd {
+        // SAFETY: the report descriptor was ours (a fork's child inherits the parent's).
+        unsafe { libc::close(old) };
     }
-    Ok(move_high(fd))
+    if let Ok(mut p) = PATH.lock() {
+        *p = Some(c);
+    }
+    Ok(())
+}
+
+/// Opens the log file again, for a program that closed or replaced its descriptor. Without
+/// allocating or waiting: `false` if there is no log file or it cannot be opened now.
+fn reopen_log_file() -> bool {
+    let Ok(path) = PATH.try_lock() else { return false };
+    let Some(fd) = path.as_ref().and_then(|c| open_c(c, true)) else { return false };
+    install(fd);
+    true
 }
 
 /// Duplicates stderr for the reports.
@@ -100,9 +137,8 @@ pub(crate) fn use_stderr() {
 /// stderr and the error is returned for a one-line message.
 pub(crate) fn use_path(template: &str) -> Result<(), String> {
     let path = expand(template, os::getpid());
-    match open_path(&path, true) {
-        Ok(fd) => {
-            install(fd);
+    match use_log_file(path.clone()) {
+        Ok(()) => {
             if let Ok(mut t) = TEMPLATE.lock() {
                 *t = Some(template.to_string());
             }
@@ -120,22 +156,24 @@ pub(crate) fn after_fork_child() {
     let template = TEMPLATE.try_lock().ok().and_then(|t| t.clone());
     if let Some(template) = template
         && template.contains("%p")
-        && let Ok(fd) = open_path(&expand(&template, os::getpid()), true)
     {
-        let old = FD.swap(-1, Ordering::AcqRel);
-        install(fd);
-        if old >= 0 {
-            // SAFETY: the inherited report descriptor is ours.
-            unsafe { libc::close(old) };
-        }
+        // On failure the child writes to the parent's file.
+        let _ = use_log_file(expand(&template, os::getpid()));
     }
+}
+
+/// Whether the report descriptor is still the file it was.
+fn still_ours(fd: i32) -> bool {
+    fd >= 0 && identity(fd) == Some((DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
 }
 
 /// Writes one report (whole lines) to the report descriptor. Never allocates.
 pub(crate) fn write(bytes: &[u8]) {
-    let fd = FD.load(Ordering::Acquire);
-    let same = fd >= 0 && identity(fd) == Some((DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)));
-    if !(same && os::write_all(fd, bytes)) {
+    let mut fd = FD.load(Ordering::Acquire);
+    if !still_ours(fd) && reopen_log_file() {
+        fd = FD.load(Ordering::Acquire);
+    }
+    if !(still_ours(fd) && os::write_all(fd, bytes)) {
         os::write_all(2, bytes);
     }
 }

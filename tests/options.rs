@@ -58,6 +58,25 @@ fn log_path_with_pid_gets_one_report_per_process() {
     }
 }
 
+/// A program that closes every descriptor it did not open (as daemons and `closefrom` do)
+/// closes the log file's too: the report still goes to the log file, not to its stderr.
+#[test]
+fn the_log_file_is_reopened_when_the_program_closes_every_descriptor() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("report.log");
+    let script = "import os\nos.closerange(3, 1 << 16)\nf = open(os.devnull, 'w')\nprint('ok')";
+    let out = Command::new(python())
+        .args(["-c", script])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=leaks:log_path={}", log.display()))
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ok\n"));
+    assert!(out.stderr.is_empty(), "nothing on the program's stderr: {}", text(&out.stderr));
+    let report = std::fs::read_to_string(&log).unwrap();
+    assert!(report.contains("LEAK SUMMARY:"), "the report is in the log file: {report:?}");
+}
+
 #[test]
 fn an_unwritable_log_path_is_one_line_and_the_report_goes_to_stderr() {
     let out = Command::new("ls")

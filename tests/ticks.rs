@@ -341,6 +341,32 @@ fn a_killed_program_leaves_a_trace_of_what_it_did() {
     assert!(ticks >= 190, "the 200 blocks of 1 MiB before the kill were sampled: {ticks} ticks");
 }
 
+/// A program that closes every descriptor it did not open (as daemons and `closefrom` do)
+/// closes the program's end of the socket to the writer: the writer, which took that for the
+/// program's death, now drains the queue on its own until the program exits, and the trace
+/// is whole, end record included.
+#[test]
+fn the_trace_is_whole_when_the_program_closes_every_descriptor() {
+    let dir = tempfile::tempdir().unwrap();
+    let script =
+        "import os\nos.closerange(3, 1 << 16)\nkeep = [bytearray(1 << 20) for _ in range(200)]\nprint(len(keep))";
+    let out = Command::new(python())
+        .args(["-c", script])
+        .env("PYTHONMALLOC", "malloc")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", dir.path().join("t.trace").display()))
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "200\n"), "{}", text(&out.stderr));
+    let bytes = std::fs::read(dir.path().join("t.trace")).unwrap();
+    let mut reader = Reader::new(&bytes).unwrap();
+    let events: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+    assert_eq!(reader.truncated(), None);
+    assert!(matches!(events.last(), Some(Event::End { .. })), "the trace ends with its end record");
+    let ticks = events.iter().filter(|e| matches!(e, Event::Tick(_))).count();
+    assert!(ticks >= 190, "the 200 blocks of 1 MiB allocated after the close were sampled: {ticks} ticks");
+}
+
 /// A library loaded and unloaded while the program runs is in the trace, named in the
 /// report, also when `main` has already ended by `pthread_exit` (the process's
 /// `/proc/PID/maps` then reads empty, and only its live threads' maps say what is loaded).

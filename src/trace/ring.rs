@@ -76,6 +76,11 @@ impl Ring {
         Some(ring)
     }
 
+    /// Where the shared mapping starts (the same address in the writer, a fork of the program).
+    pub(crate) fn address(&self) -> usize {
+        self.control.as_ptr() as usize
+    }
+
     fn control(&self) -> &Control {
         // SAFETY: the mapping lives as long as the ring (it is never unmapped).
         unsafe { self.control.as_ref() }

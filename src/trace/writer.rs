@@ -16,6 +16,10 @@
 //! statistics and the end and waits, a few seconds at most, for the writer to close its end.
 //! If the program dies instead, the writer sees its end close, drains what was queued
 //! (shared memory outlives the program) and leaves: a crash loses nothing already queued.
+//! A program can also close the socket itself (daemons and `closefrom`-style loops close
+//! every descriptor they did not open): then the queue is still mapped in the program, and
+//! the writer, unable to be woken, drains it every `stats_interval_ms` until the program has
+//! gone (it no longer maps the queue: it exited, or `exec`'d).
 
 use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
 use std::collections::HashSet;
@@ -251,6 +255,10 @@ impl Writer {
             if let Some((event, frames)) = message::decode(&words) {
                 self.event(st, event, frames);
             }
+            if st.ended {
+                // A program that cannot see our socket close waits for this mark instead.
+                self.flush(st);
+            }
             ring.mark_done();
             words.clear();
         }
@@ -287,25 +295,37 @@ impl Writer {
             ended: false,
         };
         self.begin(&mut st, header);
+        let interval = self.interval_ms.clamp(1, i32::MAX as u64) as i32;
+        // -1 once the program has closed its end but runs on: nothing can wake us then.
+        let mut socket = socket;
         let mut gone = false;
         loop {
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
                 leave();
             }
-            let timeout = if drained > 0 {
-                self.interval_ms.min(i32::MAX as u64) as i32
+            let timeout = if drained > 0 || socket < 0 {
+                interval
             } else if ring.go_idle() {
                 -1
             } else {
                 0
             };
             if timeout != 0 {
+                // With a negative fd, poll only sleeps.
                 let mut pfd = libc::pollfd { fd: socket, events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd.
                 unsafe { libc::poll(&mut pfd, 1, timeout) };
             }
-            gone = program_gone(socket);
+            if socket < 0 {
+                gone = !maps_queue(st.pid, ring.address());
+            } else if program_gone(socket) {
+                gone = !maps_queue(st.pid, ring.address());
+                if !gone {
+                    close(socket);
+                    socket = -1;
+                }
+            }
         }
     }
 
@@ -385,6 +405,18 @@ impl Writer {
             unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
         }
         if !is_our_socket(fd) {
+            // The program closed our socket: the writer drains the queue on its own every
+            // `stats_interval_ms`, and marks the end done once it is written.
+            let claimed = ring.claimed();
+            let limit = (2 * self.interval_ms).clamp(1000, FINISH_WAIT_MS as u64);
+            let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+            for _ in 0..limit {
+                if ring.done(claimed) {
+                    break;
+                }
+                // SAFETY: nanosleep with a valid request.
+                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+            }
             return true;
         }
         ring.take_idle();
@@ -461,6 +493,27 @@ impl Writer {
             }
         }
     }
+}
+
+/// Whether process `pid` still maps the queue at `address`: `false` once it has exited (a
+/// zombie maps nothing) or `exec`'d. Read from `/proc/PID/maps`, or from a live thread's
+/// when the main thread has left by `pthread_exit` (the process's own then reads empty).
+fn maps_queue(pid: u32, address: usize) -> bool {
+    let line_start = format!("{address:x}-");
+    let holds = |path: &str| {
+        std::fs::read(path)
+            .ok()
+            .filter(|m| !m.is_empty())
+            .map(|m| m.split(|&c| c == b'\n').any(|line| line.starts_with(line_start.as_bytes())))
+    };
+    if let Some(found) = holds(&format!("/proc/{pid}/maps")) {
+        return found;
+    }
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks
+        .filter_map(|t| t.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find_map(|tid| holds(&format!("/proc/{pid}/task/{tid}/maps")))
+        .unwrap_or(false)
 }
 
 /// Whether the other end of `socket` closed (reading the wake-up bytes that came).
