@@ -174,6 +174,37 @@ fn mallocspy_run_exitcode_fails_leaky_and_passes_churn() {
     assert!(text(&churn.stdout).contains("errors=0"));
 }
 
+/// `kill` of `mallocspy run` (a supervisor, a CI runner stopping the job) reaches the
+/// program, which would otherwise run on orphaned; `run` waits for it, and the program's
+/// status and report come out as usual.
+#[test]
+fn a_signal_sent_to_mallocspy_run_is_passed_on_to_the_program() {
+    use std::io::BufRead;
+    let script = "import signal, sys, time\n\
+                  def bye(sig, frame):\n    print('terminated by', signal.Signals(sig).name, flush=True)\n    sys.exit(0)\n\
+                  signal.signal(signal.SIGTERM, bye)\nprint('ready', flush=True)\ntime.sleep(60)\nprint('not terminated')";
+    let mut run = Command::new(mallocspy())
+        .args(["run", "--"])
+        .arg(python())
+        .args(["-c", script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(run.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert_eq!(first, "ready\n");
+    // SAFETY: kill has no memory preconditions; the pid is our child's, not yet reaped.
+    assert_eq!(unsafe { libc::kill(run.id() as i32, libc::SIGTERM) }, 0);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let out = run.wait_with_output().unwrap();
+    assert_eq!(rest, "terminated by SIGTERM\n");
+    assert_eq!(out.status.code(), Some(0), "the program's own status: {}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("LEAK SUMMARY:"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn every_exit_path_writes_the_report() {
     let program = c_program("exit_paths.c");

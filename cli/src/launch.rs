@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Prints `mallocspy: MESSAGE` and gives `code`.
 pub fn fail(message: &str, code: u8) -> ExitCode {
@@ -19,7 +20,8 @@ fn default_shim() -> Option<PathBuf> {
 
 /// Runs `program` (with its arguments) with the shim (`shim`, or the one next to this
 /// executable) first in `LD_PRELOAD` and `options` as `MALLOCSPY_OPTIONS`; waits for it and
-/// gives its pid and status. On failure to start, the exit code to leave with (127: not
+/// gives its pid and status; meanwhile, signals sent to this process are passed on to it
+/// ([`relay`]). On failure to start, the exit code to leave with (127: not
 /// found, 126: not runnable).
 pub fn run_preloaded(
     shim: Option<&Path>,
@@ -48,7 +50,45 @@ pub fn run_preloaded(
         fail(&format!("cannot run '{}': {e}", program[0].to_string_lossy()), code)
     })?;
     let pid = child.id();
+    relay_signals_to(pid);
     child.wait().map(|status| (pid, status)).map_err(|e| fail(&format!("cannot wait for the program: {e}"), 2))
+}
+
+/// The program `run_preloaded` waits for, for [`relay`].
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+/// Signals a process sends to this one, passed on to the program.
+const RELAYED: [libc::c_int; 7] =
+    [libc::SIGHUP, libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGUSR1, libc::SIGUSR2, libc::SIGALRM];
+
+/// Passes a signal another process sent us (`kill`: a supervisor, a CI runner stopping the
+/// job) on to the program, which would otherwise run on, orphaned, after we died. One the
+/// kernel sent (`^C` at the terminal, a hang-up: `si_code` `SI_KERNEL`) reached the program's
+/// process group, the program with it, and is not sent twice; as `sudo` does.
+extern "C" fn relay(signal: libc::c_int, info: *mut libc::siginfo_t, _context: *mut libc::c_void) {
+    let child = CHILD.load(Ordering::Relaxed);
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let (code, sender) = unsafe { ((*info).si_code, (*info).si_pid()) };
+    if child > 0 && code <= 0 && sender != child {
+        // SAFETY: kill is async-signal-safe.
+        unsafe { libc::kill(child, signal) };
+    }
+}
+
+/// From now on, [`relay`] the signals of [`RELAYED`] to `child`: this process lives until
+/// the program has ended, to forward its status (and, for `run`, its report's exit code).
+fn relay_signals_to(child: u32) {
+    CHILD.store(child as i32, Ordering::Relaxed);
+    for signal in RELAYED {
+        // SAFETY: sigaction is plain data; `relay` has the SA_SIGINFO signature and only
+        // calls async-signal-safe functions.
+        unsafe {
+            let mut action: libc::sigaction = core::mem::zeroed();
+            action.sa_sigaction = relay as *const () as usize;
+            action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigaction(signal, &action, core::ptr::null_mut());
+        }
+    }
 }
 
 /// Why the loader will not preload the shim into `program`, if it can tell: the program is
