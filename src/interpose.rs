@@ -13,7 +13,9 @@ use crate::global::GLOBAL;
 /// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` (so that exit
 /// reports are written), `pthread_create` (so that a new thread notes its stack before its
 /// routine runs, see `thread_create.rs`), `dlclose` (so that a trace names an unloaded
-/// library's code, see `dl_close.rs`) and the `mallocspy_api_v1` table in the invoking
+/// library's code, see `dl_close.rs`), `mmap`/`mmap64`/`munmap`/`mremap` (so that the leak
+/// scan knows the program's own mappings, see `program_mappings.rs`) and the
+/// `mallocspy_api_v1` table in the invoking
 /// crate, forwarding to this crate's process-wide interposer.
 ///
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
@@ -80,6 +82,62 @@ macro_rules! export_interposer {
         pub unsafe extern "C" fn dlclose(handle: *mut ::core::ffi::c_void) -> ::core::ffi::c_int {
             // SAFETY: the caller's guarantee.
             unsafe { $crate::interpose::dlclose(handle) }
+        }
+        /// C `mmap`: the leak scan notes the program's own anonymous mappings.
+        ///
+        /// # Safety
+        /// As `mmap`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn mmap(
+            addr: *mut ::core::ffi::c_void,
+            len: usize,
+            prot: ::core::ffi::c_int,
+            flags: ::core::ffi::c_int,
+            fd: ::core::ffi::c_int,
+            offset: i64,
+        ) -> *mut ::core::ffi::c_void {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::mmap(addr, len, prot, flags, fd, offset) }
+        }
+        /// C `mmap64`, as `mmap`.
+        ///
+        /// # Safety
+        /// As `mmap`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn mmap64(
+            addr: *mut ::core::ffi::c_void,
+            len: usize,
+            prot: ::core::ffi::c_int,
+            flags: ::core::ffi::c_int,
+            fd: ::core::ffi::c_int,
+            offset: i64,
+        ) -> *mut ::core::ffi::c_void {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::mmap(addr, len, prot, flags, fd, offset) }
+        }
+        /// C `munmap`: the leak scan forgets the range.
+        ///
+        /// # Safety
+        /// As `munmap`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn munmap(addr: *mut ::core::ffi::c_void, len: usize) -> ::core::ffi::c_int {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::munmap(addr, len) }
+        }
+        /// C `mremap` (variadic in C: the fifth argument is read only with `MREMAP_FIXED`).
+        ///
+        /// # Safety
+        /// As `mremap`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn mremap(
+            old: *mut ::core::ffi::c_void,
+            old_len: usize,
+            new_len: usize,
+            flags: ::core::ffi::c_int,
+            new_address: *mut ::core::ffi::c_void,
+        ) -> *mut ::core::ffi::c_void {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::mremap(old, old_len, new_len, flags, new_address) }
         }
         /// C `_exit`: writes the exit reports first (nothing else would).
         #[unsafe(no_mangle)]
@@ -174,6 +232,36 @@ pub unsafe fn pthread_create(
 ) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::thread_create::create(thread, attr, routine, arg) }
+}
+
+/// # Safety
+/// As `mmap`.
+#[doc(hidden)]
+pub unsafe fn mmap(addr: *mut c_void, len: usize, prot: c_int, flags: c_int, fd: c_int, offset: i64) -> *mut c_void {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::program_mappings::mmap(addr, len, prot, flags, fd, offset) }
+}
+
+/// # Safety
+/// As `munmap`.
+#[doc(hidden)]
+pub unsafe fn munmap(addr: *mut c_void, len: usize) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::program_mappings::munmap(addr, len) }
+}
+
+/// # Safety
+/// As `mremap`.
+#[doc(hidden)]
+pub unsafe fn mremap(
+    old: *mut c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: c_int,
+    new_address: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::program_mappings::mremap(old, old_len, new_len, flags, new_address) }
 }
 
 /// # Safety

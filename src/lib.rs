@@ -74,6 +74,7 @@ mod own_heap;
 mod pool;
 #[doc(hidden)]
 pub mod preload;
+mod program_mappings;
 mod registry;
 mod sink;
 mod spies;

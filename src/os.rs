@@ -36,9 +36,19 @@ pub(crate) fn map_shared(len: usize) -> Option<NonNull<u8>> {
 }
 
 fn map_anonymous(len: usize, flags: c_int) -> Option<NonNull<u8>> {
+    // The system call, not libc's `mmap`, which this module exports too: mallocspy's memory
+    // is not the program's (see `program_mappings`).
     // SAFETY: an anonymous mapping at an address of the kernel's choosing aliases nothing.
     let p = unsafe {
-        libc::mmap(core::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags | libc::MAP_ANONYMOUS, -1, 0)
+        libc::syscall(
+            libc::SYS_mmap,
+            core::ptr::null_mut::<c_void>(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        ) as *mut c_void
     };
     if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
 }

@@ -258,6 +258,56 @@ fn threads_that_block_signals_or_have_exited_are_not_waited_for_and_their_stacks
     }
 }
 
+/// Pointers kept only in memory the program mapped itself are found when the kernel has
+/// merged that mapping with one of glibc's chunks (one mapping holding a block, once left
+/// out of the scan whole), and in the one touched page of a 64 GiB reservation.
+#[test]
+fn blocks_held_from_the_programs_own_mappings_are_reachable_even_when_merged() {
+    let program = c_program("merged_mappings.c");
+    let mut merged = 0;
+    // Where the mapping can be put beside the chunk depends on the address space's layout.
+    for _ in 0..20 {
+        let out = Command::new(&program)
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", "report_format=json")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        merged += stdout.starts_with("merged\n") as u32;
+        let report = json_report(&out);
+        assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{stdout}");
+        for bytes in [4321, 5432] {
+            let held = report["leaks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["kind"] == "still_reachable" && r["bytes"] == bytes);
+            assert!(held, "the {bytes}-byte block is still reachable ({stdout}): {report}");
+        }
+    }
+    assert!(merged > 0, "no run put the mapping beside the chunk");
+}
+
+/// python3 leaving by `os._exit` keeps its objects in pymalloc's arenas, mapped between
+/// glibc's chunks of its bytearrays: memcheck calls those still reachable, and so must we.
+#[test]
+fn python_leaving_by_os_exit_leaks_none_of_its_live_bytearrays() {
+    let script = "import os, sys\nkeep = []\nfor i in range(300):\n    keep.append(bytearray(200_000 + i))\n    \
+                  keep.append([str(j) for j in range(100 + i)])\nprint(len(keep))\nsys.stdout.flush()\nos._exit(0)";
+    let out = Command::new(python())
+        .args(["-c", script])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "report_format=json")
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "600\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let s = &report["summary"];
+    assert!(s["definitely_lost"]["bytes"].as_u64().unwrap() < 200_000, "no bytearray is lost: {s}");
+    assert!(s["still_reachable"]["bytes"].as_u64().unwrap() > 60_000_000, "the bytearrays are reachable: {s}");
+}
+
 #[test]
 fn destructors_that_run_after_ours_are_not_reported_as_leaks() {
     let library = c_library("cache_lib.c");

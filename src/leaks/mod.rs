@@ -119,7 +119,9 @@ pub(crate) fn check(
     let modules = roots::module_data(check as *const core::ffi::c_void);
     let tls_size = roots::static_tls_size();
     let mut maps = Maps::reserve();
-    let mut regions: Vec<(u64, u64)> = Vec::with_capacity(modules.roots.len() + 2 * 4096 + 4 + maps.list.capacity());
+    let program_mappings = crate::program_mappings::snapshot();
+    let mut regions: Vec<(u64, u64)> =
+        Vec::with_capacity(modules.roots.len() + 2 * 4096 + 4 + maps.list.capacity() + program_mappings.len());
     let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4097);
     let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8 + blocks.len());
@@ -131,7 +133,7 @@ pub(crate) fn check(
         .map(|(addr, _)| *addr)
         .collect();
 
-    let buffer = ProcessMemory::buffer();
+    let buffers = ProcessMemory::buffers();
     let stopped = roots::stop_the_world();
     maps.read();
     regions.extend_from_slice(&modules.roots);
@@ -169,8 +171,8 @@ pub(crate) fn check(
             region_kinds.push(Root::Stack(thread));
         }
     }
-    roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &mut regions);
-    scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffer), &mut scratch);
+    roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &mut regions);
+    scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffers), &mut scratch);
     drop(stopped);
     region_kinds.resize(regions.len(), Root::Anonymous);
 

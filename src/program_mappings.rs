@@ -1,0 +1,250 @@
+//! The program's own anonymous mappings, noted as it makes them (`mmap`, `munmap` and
+//! `mremap` are wrapped), for the leak scan's roots.
+//!
+//! The scan takes anonymous memory from `/proc/self/maps` as roots (Python's arenas, a
+//! garbage collector's pages, cached thread stacks hold pointers to heap blocks), but leaves
+//! out any mapping that holds a live block: that is an allocator's heap, whose free chunks
+//! are not roots. The kernel, though, merges neighbouring anonymous mappings of the same
+//! protection into one: a program's mapping next to one of glibc's `mmap`ped chunks is one
+//! mapping in `/proc/self/maps`, which holds a block, and was left out whole. python3
+//! leaving by `os._exit` with 300 bytearrays of 200 KB had all 60 MB of them reported
+//! definitely lost (pymalloc's arenas, holding the bytearray objects, lay between the
+//! chunks); memcheck, which follows `mmap` calls, calls them still reachable.
+//!
+//! What the program maps through these functions is its own memory: glibc's allocator maps
+//! its chunks and heaps with internal calls, which do not come here, and mallocspy maps its
+//! own with the system call. (An allocator preloaded after mallocspy does come here: its
+//! mappings hold blocks, and the scan still leaves those out.) Noted only while the leak
+//! tracker runs, up to [`CAPACITY`] ranges; beyond that, and for a mapping made by a
+//! signal handler that interrupted this bookkeeping, the scan falls back on the kernel's
+//! map alone.
+
+use core::cell::UnsafeCell;
+use core::ffi::c_void;
+use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+
+use crate::sync::SpinLock;
+
+/// Ranges noted at most: 4 GiB of Python's 1 MiB arenas. The table is static (64 KiB), so
+/// that noting never allocates; every process pays its address space, which a program under
+/// a tight `ulimit -v` counts (at 256 KiB, `thread_stacks` no longer fitted in 200 MB).
+pub(crate) const CAPACITY: usize = 4096;
+
+struct Table {
+    lock: SpinLock,
+    ranges: UnsafeCell<([(usize, usize); CAPACITY], usize)>,
+}
+
+// SAFETY: `ranges` is read and written only under `lock`.
+unsafe impl Sync for Table {}
+
+static TABLE: Table = Table { lock: SpinLock::new(), ranges: UnsafeCell::new(([(0, 0); CAPACITY], 0)) };
+/// Whether a range could not be noted (the table was full). For a debugger's eyes.
+static OVERFLOWED: AtomicBool = AtomicBool::new(false);
+
+/// Runs `f` on the table, unless the calling thread holds its lock already (a signal handler
+/// interrupted it): then the change is not noted.
+fn with_table<R>(f: impl FnOnce(&mut [(usize, usize); CAPACITY], &mut usize) -> R) -> Option<R> {
+    let _guard = TABLE.lock.try_lock().ok()?;
+    // SAFETY: the lock is held.
+    let (ranges, len) = unsafe { &mut *TABLE.ranges.get() };
+    Some(f(ranges, len))
+}
+
+/// Forgets `[start, end)`: ranges inside it go, ranges across its ends are cut.
+fn forget(ranges: &mut [(usize, usize); CAPACITY], len: &mut usize, start: usize, end: usize) {
+    let mut i = 0;
+    while i < *len {
+        let (s, e) = ranges[i];
+        if e <= start || end <= s {
+            i += 1;
+            continue;
+        }
+        match (s < start, end < e) {
+            (false, false) => {
+                *len -= 1;
+                ranges[i] = ranges[*len];
+                continue;
+            }
+            (true, false) => ranges[i].1 = start,
+            (false, true) => ranges[i].0 = end,
+            (true, true) => {
+                ranges[i].1 = start;
+                if *len < CAPACITY {
+                    ranges[*len] = (end, e);
+                    *len += 1;
+                } else {
+                    OVERFLOWED.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        i += 1;
+    }
+}
+
+fn page_end(start: usize, len: usize) -> usize {
+    start.saturating_add(len).next_multiple_of(crate::os::page_size())
+}
+
+fn tracking() -> bool {
+    crate::spies::leaks::tracker().is_some()
+}
+
+/// Notes that the program mapped `[start, start + len)`, anonymous and private.
+pub(crate) fn mapped(start: usize, len: usize) {
+    if !tracking() {
+        return;
+    }
+    let end = page_end(start, len);
+    with_table(|ranges, n| {
+        // A MAP_FIXED mapping replaces what was there.
+        forget(ranges, n, start, end);
+        if *n < CAPACITY {
+            ranges[*n] = (start, end);
+            *n += 1;
+        } else {
+            OVERFLOWED.store(true, Ordering::Relaxed);
+        }
+    });
+}
+
+/// Notes that the program unmapped `[start, start + len)` (or mapped a file over it).
+pub(crate) fn unmapped(start: usize, len: usize) {
+    if !tracking() {
+        return;
+    }
+    let end = page_end(start, len);
+    with_table(|ranges, n| forget(ranges, n, start, end));
+}
+
+/// The ranges noted, sorted. Takes the table's lock: not while other threads are stopped.
+pub(crate) fn snapshot() -> Vec<(u64, u64)> {
+    let mut out = with_table(|ranges, n| ranges[..*n].iter().map(|&(s, e)| (s as u64, e as u64)).collect::<Vec<_>>())
+        .unwrap_or_default();
+    out.sort_unstable();
+    out
+}
+
+/// Child side of `fork`: a thread that held the lock is not in the child.
+pub(crate) fn after_fork_child() {
+    TABLE.lock.force_unlock();
+}
+
+type Mmap = unsafe extern "C" fn(*mut c_void, usize, i32, i32, i32, i64) -> *mut c_void;
+type Munmap = unsafe extern "C" fn(*mut c_void, usize) -> i32;
+type Mremap = unsafe extern "C" fn(*mut c_void, usize, usize, i32, *mut c_void) -> *mut c_void;
+
+static NEXT_MMAP: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+static NEXT_MUNMAP: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+static NEXT_MREMAP: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// `mmap`: libc's, then the range is noted if it is anonymous and private, and forgotten if
+/// a file or shared memory was mapped over it.
+///
+/// # Safety
+/// As `mmap`.
+pub(crate) unsafe fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, offset: i64) -> *mut c_void {
+    let f = crate::os::next_symbol_cached(&NEXT_MMAP, c"mmap");
+    let p = if f.is_null() {
+        // SAFETY: the raw system call, with the caller's arguments.
+        unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, offset) as *mut c_void }
+    } else {
+        // SAFETY: libc's mmap has this signature; the caller's guarantee covers the arguments.
+        unsafe { core::mem::transmute::<*mut c_void, Mmap>(f)(addr, len, prot, flags, fd, offset) }
+    };
+    if p != libc::MAP_FAILED {
+        let private_anonymous = libc::MAP_ANONYMOUS | libc::MAP_PRIVATE;
+        if flags & private_anonymous == private_anonymous {
+            mapped(p as usize, len);
+        } else if flags & libc::MAP_FIXED != 0 {
+            unmapped(p as usize, len);
+        }
+    }
+    p
+}
+
+/// `munmap`: libc's, then the range is forgotten.
+///
+/// # Safety
+/// As `munmap`.
+pub(crate) unsafe fn munmap(addr: *mut c_void, len: usize) -> i32 {
+    let f = crate::os::next_symbol_cached(&NEXT_MUNMAP, c"munmap");
+    let status = if f.is_null() {
+        // SAFETY: the raw system call, with the caller's arguments.
+        unsafe { libc::syscall(libc::SYS_munmap, addr, len) as i32 }
+    } else {
+        // SAFETY: libc's munmap has this signature; the caller's guarantee covers the arguments.
+        unsafe { core::mem::transmute::<*mut c_void, Munmap>(f)(addr, len) }
+    };
+    if status == 0 {
+        unmapped(addr as usize, len);
+    }
+    status
+}
+
+/// `mremap`: libc's, then a noted range moves or changes size with its mapping.
+/// `new_address` is the variadic argument, read by libc only with `MREMAP_FIXED` (on x86_64
+/// a variadic integer argument arrives in the register a fifth parameter does).
+///
+/// # Safety
+/// As `mremap`.
+pub(crate) unsafe fn mremap(
+    old: *mut c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: i32,
+    new_address: *mut c_void,
+) -> *mut c_void {
+    let f = crate::os::next_symbol_cached(&NEXT_MREMAP, c"mremap");
+    let p = if f.is_null() {
+        // SAFETY: the raw system call, with the caller's arguments.
+        unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_address) as *mut c_void }
+    } else {
+        // SAFETY: libc's mremap has this signature for these arguments; the caller's
+        // guarantee covers them.
+        unsafe { core::mem::transmute::<*mut c_void, Mremap>(f)(old, old_len, new_len, flags, new_address) }
+    };
+    if p != libc::MAP_FAILED && tracking() {
+        let (old, new) = (old as usize, p as usize);
+        let was_noted = with_table(|ranges, n| ranges[..*n].iter().any(|&(s, e)| s <= old && old < e)).unwrap_or(false);
+        if flags & libc::MREMAP_DONTUNMAP == 0 {
+            unmapped(old, old_len);
+        }
+        if was_noted {
+            mapped(new, new_len);
+        }
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(list: &[(usize, usize)]) -> ([(usize, usize); CAPACITY], usize) {
+        let mut ranges = [(0, 0); CAPACITY];
+        ranges[..list.len()].copy_from_slice(list);
+        (ranges, list.len())
+    }
+
+    fn after_forget(list: &[(usize, usize)], start: usize, end: usize) -> Vec<(usize, usize)> {
+        let (mut ranges, mut len) = table(list);
+        forget(&mut ranges, &mut len, start, end);
+        let mut v = ranges[..len].to_vec();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn forgetting_a_range_removes_cuts_or_splits_the_ranges_it_meets() {
+        let list = [(0x1000, 0x3000), (0x5000, 0x9000), (0xa000, 0xb000)];
+        assert_eq!(after_forget(&list, 0x5000, 0x9000), [(0x1000, 0x3000), (0xa000, 0xb000)]);
+        assert_eq!(after_forget(&list, 0x2000, 0x6000), [(0x1000, 0x2000), (0x6000, 0x9000), (0xa000, 0xb000)]);
+        assert_eq!(
+            after_forget(&list, 0x6000, 0x7000),
+            [(0x1000, 0x3000), (0x5000, 0x6000), (0x7000, 0x9000), (0xa000, 0xb000)]
+        );
+        assert_eq!(after_forget(&list, 0, 0x10000), []);
+        assert_eq!(after_forget(&list, 0x3000, 0x5000), list);
+    }
+}
