@@ -109,7 +109,8 @@ fn use_log_file(path: String) -> Result<(), String> {
         // SAFETY: the report descriptor was ours (a fork's child inherits the parent's).
         unsafe { libc::close(old) };
     }
-    if let Ok(mut p) = PATH.lock() {
+    // try_lock: in the child of a fork, another thread of the parent may have held it.
+    if let Ok(mut p) = PATH.try_lock() {
         *p = Some(c);
     }
     Ok(())
