@@ -1,15 +1,17 @@
-//! `pthread_create`, wrapped so that a new thread learns its stack's extent before any code
-//! of the program runs in it.
+//! `pthread_create`, wrapped (on a kernel older than 6.11) so that a new thread learns its
+//! stack's extent before any code of the program runs in it.
 //!
-//! The unwinder checks every stack read against the thread's stack, which glibc tells only
-//! through `pthread_getattr_np`. That function holds the thread's own lock while it allocates
-//! (its CPU set, the attribute's extension), so asking it from a hook on one of those
-//! allocations waits forever for the lock the caller holds. The JVM and Rust's `std` ask for a
-//! new thread's stack before anything else, so that was the first hook of each of their
-//! threads: `java` hung at start under `spy=leaks`. (ddprof met the same deadlock and wraps
-//! `pthread_create` the same way, DataDog/ddprof#124.) Threads made otherwise (glibc's own
-//! helpers, a raw `clone`), or made before any spy was registered, find their stack in the
-//! kernel's map instead, on their first captured stack.
+//! The unwinder checks every stack read against the thread's stack. A newer kernel tells it
+//! in one query, from any frame ([`crate::unwind::kernel_finds_stacks`]): threads then start
+//! exactly as without mallocspy. Otherwise glibc tells it, through `pthread_getattr_np`. That
+//! function holds the thread's own lock while it allocates (its CPU set, the attribute's
+//! extension), so asking it from a hook on one of those allocations waits forever for the lock
+//! the caller holds. The JVM and Rust's `std` ask for a new thread's stack before anything
+//! else, so that was the first hook of each of their threads: `java` hung at start under
+//! `spy=leaks`. (ddprof met the same deadlock and wraps `pthread_create` the same way,
+//! DataDog/ddprof#124.) Threads made otherwise (glibc's own helpers, a raw `clone`), or made
+//! before any spy was registered, read the kernel's map instead, on their first captured
+//! stack.
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::AtomicPtr;
@@ -33,9 +35,11 @@ fn next() -> Option<Create> {
 }
 
 /// Looks up libc's `pthread_create` now (at start-up), not in the program's first call,
-/// where `dlsym` would take the loader's lock wherever the program happens to be.
+/// where `dlsym` would take the loader's lock wherever the program happens to be; and asks
+/// whether the kernel tells threads their stacks.
 pub(crate) fn warm_up() {
     let _ = next();
+    let _ = crate::unwind::kernel_finds_stacks();
 }
 
 struct Start {
@@ -65,8 +69,9 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
 /// may be called with `arg` on the new thread.
 pub unsafe fn create(thread: *mut c_void, attr: *const c_void, routine: Option<Routine>, arg: *mut c_void) -> c_int {
     let Some(next) = next() else { return libc::EAGAIN };
-    // With no spy, nothing captures stacks: the thread starts exactly as without mallocspy.
-    let Some(routine) = routine.filter(|_| !GLOBAL.registry.is_empty()) else {
+    // With no spy, nothing captures stacks; and where the kernel tells a thread its stack, it
+    // needs nothing at start: the thread starts exactly as without mallocspy.
+    let Some(routine) = routine.filter(|_| !GLOBAL.registry.is_empty() && !crate::unwind::kernel_finds_stacks()) else {
         // SAFETY: the caller's arguments, unchanged.
         return unsafe { next(thread, attr, routine, arg) };
     };

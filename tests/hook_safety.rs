@@ -150,3 +150,20 @@ fn a_limit_on_the_address_space_leaves_the_program_room() {
     });
     assert_eq!(outputs[0].1.status.code(), Some(0));
 }
+
+#[test]
+fn threads_that_never_allocate_get_no_arena_of_their_own() {
+    // glibc gives a thread an arena (64 MiB of address space) at its first malloc. mallocspy
+    // asked glibc for each new thread's stack, which allocates: every thread had an arena, and
+    // under `ulimit -v` a program's later threads failed to start. Since Linux 6.11 the kernel
+    // is asked instead; older kernels still ask glibc (README, "Leak reports").
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let version: Vec<u32> = release.split(['.', '-']).take(2).map(|n| n.trim().parse().unwrap_or(0)).collect();
+    if version < vec![6, 11] {
+        eprintln!("kernel {release}: older than 6.11, new threads ask glibc for their stacks");
+        return;
+    }
+    let program = c_program("idle_threads.c");
+    let outputs = same_in_every_mode("idle_threads", || Command::new(&program));
+    assert_eq!(text(&outputs[0].1.stdout), "idle threads: 8, arenas: 1\n");
+}

@@ -2,13 +2,20 @@
 //! against.
 //!
 //! Known once per thread and cached in its thread state. The main thread's comes from where
-//! glibc says it started and `RLIMIT_STACK`. A thread made by `pthread_create` asks
-//! `pthread_getattr_np` before the program's code runs in it ([`crate::thread_create`]). That
-//! function must never be asked from a hook: it holds the thread's own lock while it
-//! allocates, so a hook on one of its allocations would wait forever for the lock its caller
-//! holds (`java` hung at start that way). Any other thread (made before a spy was registered,
-//! by glibc itself, or by a raw `clone`) finds its stack in the kernel's map of its process,
-//! read with plain system calls: slower (tens of microseconds, once), but free of locks.
+//! glibc says it started and `RLIMIT_STACK`. Any other thread asks the kernel, on its first
+//! captured stack, for the mapping that holds its stack pointer (`PROCMAP_QUERY`, Linux 6.11:
+//! plain system calls, about 7 us once per thread that captures a stack).
+//!
+//! Before Linux 6.11, a thread made by `pthread_create` asks `pthread_getattr_np` before the
+//! program's code runs in it ([`crate::thread_create`]). That function allocates (its CPU
+//! set, the attribute's extension), and so gives every new thread an arena of glibc's
+//! (64 MiB of address space), where natively a thread that never allocates has none; it must
+//! never be asked from a hook, since it holds the thread's own lock while it allocates, so a
+//! hook on one of its allocations would wait forever for the lock its caller holds (`java`
+//! hung at start that way). Other threads read the kernel's map as text (free of locks, but a
+//! few hundred microseconds).
+
+use core::sync::atomic::{AtomicU8, Ordering};
 
 use crate::tls;
 
@@ -23,16 +30,32 @@ pub(crate) fn stack_bounds() -> (u64, u64) {
     (ts.stack_low.get(), ts.stack_top.get())
 }
 
-/// The first capture on a thread that the wrapper did not start: where is its stack?
+/// A thread's first capture (unless the wrapper noted its stack): where is its stack?
 #[cold]
 #[inline(never)]
 fn find_stack() {
-    cache(if is_main_thread() { main_stack() } else { stack_in_map(super::current_sp()) });
+    let sp = super::current_sp();
+    cache(if is_main_thread() { main_stack() } else { queried(sp).unwrap_or_else(|| stack_in_map(sp)) });
 }
 
-/// Notes a new thread's stack, from `pthread_getattr_np`. Called first thing in a thread that
-/// `pthread_create` made, as if inside a hook (its allocations go straight to the real
-/// allocator).
+/// Whether the kernel answers `PROCMAP_QUERY` (asked once): if not, a new thread asks glibc
+/// for its stack before the program's code runs in it.
+pub(crate) fn kernel_finds_stacks() -> bool {
+    /// 0: not asked yet, 1: yes, 2: no.
+    static ANSWER: AtomicU8 = AtomicU8::new(0);
+    match ANSWER.load(Ordering::Relaxed) {
+        0 => {
+            let yes = queried(super::current_sp()).is_some();
+            ANSWER.store(if yes { 1 } else { 2 }, Ordering::Relaxed);
+            yes
+        }
+        answer => answer == 1,
+    }
+}
+
+/// Notes a new thread's stack, from `pthread_getattr_np` (a kernel older than 6.11). Called
+/// first thing in a thread that `pthread_create` made, as if inside a hook (its allocations go
+/// straight to the real allocator).
 pub(crate) fn note_thread_start() {
     cache(asked_of_glibc());
 }
@@ -80,10 +103,66 @@ fn asked_of_glibc() -> (u64, u64) {
     }
 }
 
-/// The mapping of `/proc/thread-self/maps` that holds `sp` (`(0, 0)`: none), read without
-/// allocating. A glibc thread's control block (where its thread pointer points) ends its
-/// stack block, so the extent stops there when it lies inside: the mapping may have merged
-/// with a neighbour above.
+/// A thread's stack from the mapping `(start, end)` that holds its stack pointer `sp`. A glibc
+/// thread's control block (where its thread pointer points) ends its stack block, so the
+/// extent stops there when it lies inside: the mapping may have merged with a neighbour above.
+fn stack_of_mapping(sp: u64, (start, end): (u64, u64)) -> (u64, u64) {
+    let tp = crate::os::thread_pointer();
+    (start, if sp < tp && tp < end { tp } else { end })
+}
+
+/// `struct procmap_query` of `<linux/fs.h>` (Linux 6.11).
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: u64 = 3 << 30 | (size_of::<ProcmapQuery>() as u64) << 16 | (b'f' as u64) << 8 | 17;
+
+/// The stack that holds `sp`, from the mapping the kernel says holds it (`None`: a kernel
+/// older than 6.11, or no `/proc`). Plain system calls: no allocation, no lock of ours.
+///
+/// `/proc/self` is opened in a third of the time of `/proc/thread-self`, but its map is empty
+/// once the main thread has left by `pthread_exit`.
+fn queried(sp: u64) -> Option<(u64, u64)> {
+    query(c"/proc/self/maps", sp).or_else(|| query(c"/proc/thread-self/maps", sp))
+}
+
+/// [`queried`] of the map at `path`.
+fn query(path: &core::ffi::CStr, sp: u64) -> Option<(u64, u64)> {
+    // SAFETY: a NUL-terminated path; the descriptor is closed below.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    let mut query = ProcmapQuery { size: size_of::<ProcmapQuery>() as u64, query_addr: sp, ..Default::default() };
+    // SAFETY: PROCMAP_QUERY reads and writes one struct procmap_query of the size it is told;
+    // no name or build id is asked for (their sizes are 0).
+    let status = unsafe { libc::ioctl(fd, PROCMAP_QUERY as _, &mut query) };
+    // SAFETY: fd is ours.
+    unsafe { libc::close(fd) };
+    (status == 0 && query.vma_start <= sp && sp < query.vma_end)
+        .then(|| stack_of_mapping(sp, (query.vma_start, query.vma_end)))
+}
+
+/// The stack that holds `sp` from the text of `/proc/thread-self/maps` (`(0, 0)`: none),
+/// read without allocating.
 fn stack_in_map(sp: u64) -> (u64, u64) {
     // SAFETY: a NUL-terminated path; the descriptor is closed below.
     let fd = unsafe { libc::open(c"/proc/thread-self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
@@ -104,9 +183,7 @@ fn stack_in_map(sp: u64) -> (u64, u64) {
     };
     // SAFETY: fd is ours.
     unsafe { libc::close(fd) };
-    let Some((start, end)) = found else { return (0, 0) };
-    let tp = crate::os::thread_pointer();
-    (start, if sp < tp && tp < end { tp } else { end })
+    found.map_or((0, 0), |mapping| stack_of_mapping(sp, mapping))
 }
 
 /// The `start-end` ranges of a maps file, fed a byte at a time (lines may be longer than any
@@ -153,6 +230,10 @@ mod tests {
             // The map's mapping is the stack without its guard page, up to the control block.
             assert!(mapped.0 >= glibc.0 && mapped.1 <= glibc.1, "{mapped:x?} within {glibc:x?}");
             assert!(glibc.1 - mapped.1 < 64 << 10, "{mapped:x?} ends near {glibc:x?}");
+            // The kernel's answer to the query is the same mapping (where it can be asked).
+            if let Some(asked) = queried(here) {
+                assert_eq!(asked, mapped);
+            }
         })
         .join()
         .unwrap();

@@ -13,7 +13,7 @@ mod bounds;
 mod modules;
 mod rules;
 
-pub(crate) use bounds::{note_thread_start, stack_bounds};
+pub(crate) use bounds::{kernel_finds_stacks, note_thread_start, stack_bounds};
 
 use crate::tls;
 
