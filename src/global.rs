@@ -69,6 +69,7 @@ extern "C" fn fork_child() {
     crate::own_heap::fork_release();
     crate::pool::force_unlock();
     crate::program_mappings::after_fork_child();
+    crate::loader::after_fork_child();
     GLOBAL.after_fork_child();
     threads::fork_child();
     let hook = CHILD_HOOK.load(Ordering::Acquire);

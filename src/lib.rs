@@ -68,6 +68,7 @@ pub mod interpose;
 pub mod leaks;
 mod line;
 mod live_table;
+mod loader;
 pub mod options;
 mod os;
 mod own_heap;

@@ -254,6 +254,15 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     let default = Options::default();
     let none = Suppressions::default();
     let (options, suppressions) = BUILTINS.get().map_or((&default, &none), |b| (&b.options, &b.suppressions));
+    if !crate::loader::usable() {
+        // The scan and the names need the loader, whose locks a thread that did not survive
+        // the fork holds (see `loader.rs`): waiting for them would hang the process.
+        sink::write(
+            b"mallocspy: this process was forked while another thread held the dynamic loader's lock; \
+              asking the loader would wait forever, so no leak report\n",
+        );
+        return leaks::Summary::default();
+    }
     let reachable_stacks = options.report_format == ReportFormat::Json || options.show_reachable;
     let report = leaks::check(tracker, suppressions, reachable_stacks, caller);
     let text = match options.report_format {

@@ -35,6 +35,24 @@ fn fork_while_other_threads_are_inside_hooks() {
 }
 
 #[test]
+fn a_child_forked_while_another_thread_loads_a_library_leaves_without_hanging() {
+    // The child's copies of the loader's locks may be held by the thread left behind: the
+    // exit report, which asks the loader, hung in 56 of 200 children (native: none). Such a
+    // child now says why it writes no report; the others report as usual.
+    let library = c_library("unload_other.c");
+    let program = c_program("fork_dlclose.c");
+    let native = run(Mode::Native, Command::new(&program).arg(&library));
+    assert_eq!(text(&native.stdout), "forks: 100, hung: 0\n");
+    let out = run(Mode::Shim(""), Command::new(&program).arg(&library));
+    assert_eq!(text(&out.stdout), "forks: 100, hung: 0\n", "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    let skipped = stderr.matches("while another thread held the dynamic loader's lock").count();
+    let reported = stderr.matches("LEAK SUMMARY").count();
+    // Every child and the parent leave a line: a report or the reason for none.
+    assert_eq!(skipped + reported, 101, "{skipped} skipped, {reported} reported:\n{stderr}");
+}
+
+#[test]
 fn malloc_and_free_in_signal_handlers() {
     let program = c_program("signal_alloc.c");
     let outputs = same_in_every_mode("signal_alloc", || Command::new(&program));

@@ -61,12 +61,22 @@ fn unwind_module(m: &os::LoadedModule) -> Option<Module> {
 
 /// Re-reads the module list (after a `dlopen`, or the first time). May allocate: call it
 /// where allocations go to the real allocator (inside a hook, or at start-up).
+///
+/// In the child of a `fork` whose loader no longer answers ([`crate::loader`]), the list
+/// stays as the parent left it: code loaded since is not unwound through.
 pub(crate) fn refresh() -> &'static Modules {
     let mut list: Vec<Module> = Vec::with_capacity(64);
-    os::each_module(|m| {
-        list.extend(unwind_module(m));
-        false
-    });
+    if crate::loader::usable() {
+        os::each_module(|m| {
+            list.extend(unwind_module(m));
+            false
+        });
+    } else {
+        // SAFETY: a published list is never freed.
+        if let Some(kept) = unsafe { CURRENT.load(Ordering::Acquire).as_ref() } {
+            return kept;
+        }
+    }
     list.sort_by_key(|m| m.text.0);
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
     let fresh = Box::into_raw(Box::new(Modules { list, generation }));

