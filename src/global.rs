@@ -57,16 +57,20 @@ pub(crate) fn set_fork_child_hook(hook: fn()) {
 
 extern "C" fn fork_prepare() {
     threads::fork_prepare();
+    // Before mallocspy's own heap: a change of the list allocates from it.
+    crate::leaks::unloaded::fork_prepare();
     crate::own_heap::fork_prepare();
 }
 
 extern "C" fn fork_parent() {
     crate::own_heap::fork_release();
+    crate::leaks::unloaded::fork_release();
     threads::fork_parent();
 }
 
 extern "C" fn fork_child() {
     crate::own_heap::fork_release();
+    crate::leaks::unloaded::fork_release();
     crate::pool::force_unlock();
     crate::program_mappings::after_fork_child();
     crate::loader::after_fork_child();

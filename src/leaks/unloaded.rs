@@ -7,10 +7,16 @@
 //! unloads (its path, load bias and code range) with the id the next interned stack will get:
 //! a frame of an earlier stack that lies in that range is the unloaded library's, and is read
 //! from its file. heaptrack records module loads and unloads in its trace for the same reason.
+//!
+//! The list's lock is held across `fork` (taken in the prepare handler), so that a child
+//! never inherits it held, nor the list half changed, by a thread that does not exist there:
+//! the child's report reads the list.
 
-use std::sync::Mutex;
+use core::cell::UnsafeCell;
+use core::sync::atomic::{AtomicBool, Ordering};
 
 use crate::os;
+use crate::sync::SpinLock;
 
 /// A library that was unloaded.
 #[derive(Clone, Debug)]
@@ -26,7 +32,44 @@ pub(crate) struct Unloaded {
     stacks_before: u32,
 }
 
-static UNLOADED: Mutex<Vec<Unloaded>> = Mutex::new(Vec::new());
+/// The libraries unloaded so far, under their lock.
+struct List {
+    lock: SpinLock,
+    libraries: UnsafeCell<Vec<Unloaded>>,
+}
+
+// SAFETY: `libraries` is only reached through `List::locked`, under `lock`.
+unsafe impl Sync for List {}
+
+static UNLOADED: List = List { lock: SpinLock::new(), libraries: UnsafeCell::new(Vec::new()) };
+
+impl List {
+    /// Runs `f` on the list under its lock.
+    fn locked<T>(&self, f: impl FnOnce(&mut Vec<Unloaded>) -> T) -> T {
+        let _guard = self.lock.lock();
+        // SAFETY: the lock is held: no other reference to the list exists.
+        f(unsafe { &mut *self.libraries.get() })
+    }
+}
+
+/// Whether the prepare handler took the lock (not when the forking thread held it already:
+/// a signal handler that forked, whose thread releases it when the handler returns).
+static TAKEN_FOR_FORK: AtomicBool = AtomicBool::new(false);
+
+/// `fork`'s prepare handler: waits for a change of the list in progress, and holds the lock.
+pub(crate) fn fork_prepare() {
+    if let Ok(guard) = UNLOADED.lock.try_lock() {
+        core::mem::forget(guard);
+        TAKEN_FOR_FORK.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `fork`'s parent and child handlers: releases the lock the prepare handler took.
+pub(crate) fn fork_release() {
+    if TAKEN_FOR_FORK.swap(false, Ordering::Relaxed) {
+        UNLOADED.lock.force_unlock();
+    }
+}
 
 /// At most this many unloads are remembered (a program that reloads a plugin in a loop).
 const MAX_UNLOADED: usize = 4096;
@@ -61,15 +104,16 @@ pub(crate) fn after_dlclose(closing: Closing) {
     if os::code_extent(closing.library.bias).is_some() {
         return;
     }
-    let mut list = UNLOADED.lock().unwrap_or_else(|e| e.into_inner());
-    if list.len() < MAX_UNLOADED {
-        list.push(closing.library);
-    }
+    UNLOADED.locked(|list| {
+        if list.len() < MAX_UNLOADED {
+            list.push(closing.library);
+        }
+    });
 }
 
 /// The unloaded library that frame `address` of stack `stack` was in, if any: the first one
 /// unloaded after the stack was interned whose code covered the address.
 pub(crate) fn covering(stack: u32, address: u64) -> Option<Unloaded> {
-    let list = UNLOADED.lock().unwrap_or_else(|e| e.into_inner());
-    list.iter().find(|u| stack < u.stacks_before && u.start <= address && address < u.end).cloned()
+    UNLOADED
+        .locked(|list| list.iter().find(|u| stack < u.stacks_before && u.start <= address && address < u.end).cloned())
 }
