@@ -81,9 +81,7 @@ fn threads_that_ask_for_their_stack_first_or_leave_by_pthread_exit_or_cancellati
 fn blocks_allocated_by_constructors_before_ours_stay_usable() {
     // libearly's constructor runs before the shim's (the loader initialises it first) and keeps
     // its blocks; the program then frees and reallocates them under the spy.
-    let library = c_library("early.c");
-    let dir = library.parent().unwrap().display().to_string();
-    let program = c_program_with("early_main.c", &[&format!("-L{dir}"), "-learly", &format!("-Wl,-rpath,{dir}")]);
+    let program = c_program_linked("early_main.c", "early.c");
     let outputs = same_in_every_mode("early", || std::process::Command::new(&program));
     assert_eq!(text(&outputs[0].1.stdout), "early: ok\n");
 }

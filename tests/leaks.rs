@@ -46,8 +46,7 @@ fn program_frame(record: &serde_json::Value) -> (String, String) {
 #[test]
 fn json_report_matches_leaky_expected_exactly() {
     let leaky = bench_dir().join("leaky");
-    let out =
-        Command::new(&leaky).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", "report_format=json").output().unwrap();
+    let out = run(JSON_REPORT, &mut Command::new(&leaky));
     assert!(out.status.success());
     let report = json_report(&out);
     let s = &report["summary"];
@@ -209,12 +208,7 @@ fn a_signal_sent_to_mallocspy_run_is_passed_on_to_the_program() {
 fn every_exit_path_writes_the_report() {
     let program = c_program("exit_paths.c");
     for (how, status) in [("return", 0), ("exit", 3), ("_exit", 4), ("threads", 0)] {
-        let out = Command::new(&program)
-            .arg(how)
-            .env("LD_PRELOAD", shim())
-            .env("MALLOCSPY_OPTIONS", "report_format=json")
-            .output()
-            .unwrap();
+        let out = run(JSON_REPORT, Command::new(&program).arg(how));
         assert_eq!(out.status.code(), Some(status), "{how}");
         assert_eq!(text(&out.stdout), format!("leaving by {how}\n"));
         let s = &json_report(&out)["summary"];
@@ -227,12 +221,7 @@ fn every_exit_path_writes_the_report() {
 fn threads_that_block_signals_or_have_exited_are_not_waited_for_and_their_stacks_count() {
     let program = c_program("unstoppable.c");
     for case in ["blocked", "main_blocked", "main_gone"] {
-        let out = Command::new(&program)
-            .arg(case)
-            .env("LD_PRELOAD", shim())
-            .env("MALLOCSPY_OPTIONS", "report_format=json")
-            .output()
-            .unwrap();
+        let out = run(JSON_REPORT, Command::new(&program).arg(case));
         assert_eq!(out.status.code(), Some(0), "{case}: {}", text(&out.stderr));
         assert_eq!(text(&out.stdout), "exiting\n", "{case}");
         let report = json_report(&out);
@@ -267,11 +256,7 @@ fn blocks_held_from_the_programs_own_mappings_are_reachable_even_when_merged() {
     let mut merged = 0;
     // Where the mapping can be put beside the chunk depends on the address space's layout.
     for _ in 0..20 {
-        let out = Command::new(&program)
-            .env("LD_PRELOAD", shim())
-            .env("MALLOCSPY_OPTIONS", "report_format=json")
-            .output()
-            .unwrap();
+        let out = run(JSON_REPORT, &mut Command::new(&program));
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         let stdout = text(&out.stdout);
         merged += stdout.starts_with("merged\n") as u32;
@@ -295,12 +280,7 @@ fn blocks_held_from_the_programs_own_mappings_are_reachable_even_when_merged() {
 fn python_leaving_by_os_exit_leaks_none_of_its_live_bytearrays() {
     let script = "import os, sys\nkeep = []\nfor i in range(300):\n    keep.append(bytearray(200_000 + i))\n    \
                   keep.append([str(j) for j in range(100 + i)])\nprint(len(keep))\nsys.stdout.flush()\nos._exit(0)";
-    let out = Command::new(python())
-        .args(["-c", script])
-        .env("LD_PRELOAD", shim())
-        .env("MALLOCSPY_OPTIONS", "report_format=json")
-        .output()
-        .unwrap();
+    let out = run(JSON_REPORT, Command::new(python()).args(["-c", script]));
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "600\n"), "{}", text(&out.stderr));
     let report = json_report(&out);
     let s = &report["summary"];
@@ -310,14 +290,8 @@ fn python_leaving_by_os_exit_leaks_none_of_its_live_bytearrays() {
 
 #[test]
 fn destructors_that_run_after_ours_are_not_reported_as_leaks() {
-    let library = c_library("cache_lib.c");
-    let dir = library.parent().unwrap().display().to_string();
-    let program = c_program_with("cache_main.c", &[&format!("-L{dir}"), "-lcache_lib", &format!("-Wl,-rpath,{dir}")]);
-    let out = Command::new(&program)
-        .env("LD_PRELOAD", shim())
-        .env("MALLOCSPY_OPTIONS", "report_format=json")
-        .output()
-        .unwrap();
+    let program = c_program_linked("cache_main.c", "cache_lib.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
     assert_eq!(text(&out.stdout), "cache ready: 1\n");
     let s = &json_report(&out)["summary"];
     assert_eq!(s["total_frees"], 8, "the library's destructor freed its cache before the report: {s}");
@@ -458,12 +432,7 @@ fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     let leaky = c_library("unload_leaky.c");
     let other = c_library("unload_other.c");
     let program = c_program_with("unload_main.c", &["-ldl"]);
-    let out = Command::new(&program)
-        .args([&leaky, &other])
-        .env("LD_PRELOAD", shim())
-        .env("MALLOCSPY_OPTIONS", "report_format=json")
-        .output()
-        .unwrap();
+    let out = run(JSON_REPORT, Command::new(&program).args([&leaky, &other]));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "7\n");
     let report = json_report(&out);
@@ -486,14 +455,8 @@ fn a_block_at_the_address_of_a_freed_untracked_block_is_reported() {
     // The free of a block allocated before tracking began is queued like any other; the
     // allocation that got its address back did not withdraw it, and applying it a few frees
     // later removed the new block's record: that leak went unreported.
-    let library = c_library("early.c");
-    let dir = library.parent().unwrap().display().to_string();
-    let program = c_program_with("early_reuse.c", &[&format!("-L{dir}"), "-learly", &format!("-Wl,-rpath,{dir}")]);
-    let out = Command::new(&program)
-        .env("LD_PRELOAD", shim())
-        .env("MALLOCSPY_OPTIONS", "report_format=json")
-        .output()
-        .unwrap();
+    let program = c_program_linked("early_reuse.c", "early.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "reused: yes\n", "glibc no longer hands the block back");
     let report = json_report(&out);

@@ -102,6 +102,15 @@ pub fn c_program_with(source: &str, extra: &[&str]) -> PathBuf {
     compile(source, name, extra)
 }
 
+/// A C fixture program linked to the fixture library built from `library` (`lib<name>.so`),
+/// which the program finds by its run path.
+pub fn c_program_linked(source: &str, library: &str) -> PathBuf {
+    let built = c_library(library);
+    let dir = built.parent().unwrap().display().to_string();
+    let name = library.rsplit_once('.').unwrap().0;
+    c_program_with(source, &[&format!("-L{dir}"), &format!("-l{name}"), &format!("-Wl,-rpath,{dir}")])
+}
+
 /// A C fixture linked statically (`<name>-static`): no loader, so no `LD_PRELOAD`.
 pub fn static_c_program(source: &str) -> PathBuf {
     let name = source.rsplit_once('.').unwrap().0;
@@ -168,6 +177,9 @@ pub enum Mode {
 
 /// The shim with no spy: a pure pass-through.
 pub const PASS_THROUGH: Mode = Mode::Shim("spy=none");
+
+/// The shim's default spy (the leak tracker), reporting in JSON (read it with [`json_report`]).
+pub const JSON_REPORT: Mode = Mode::Shim("report_format=json");
 
 impl Mode {
     /// Native, the shim with no spy, and the shim with each built-in spy (options unset is
