@@ -193,7 +193,7 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
         sampling,
         interval,
         depth: crate::spies::leaks::DEFAULT_DEPTH,
-        seed: ticks::now_ns() | 1,
+        seed: crate::os::monotonic_ns() | 1,
         stats_interval_ns: stats_interval_ms.saturating_mul(1_000_000),
     };
     let spy: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).ok_or(SpyError::InvalidArgument)?));

@@ -104,7 +104,7 @@ fn answers_within(timeout_ms: u64) -> bool {
         unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
         return true;
     }
-    let deadline = crate::spies::ticks::now_ns() + timeout_ms * 1_000_000;
+    let deadline = os::monotonic_ns() + timeout_ms * 1_000_000;
     loop {
         let id = tid.load(Ordering::Acquire);
         if id == 0 {
@@ -113,7 +113,7 @@ fn answers_within(timeout_ms: u64) -> bool {
             unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
             return true;
         }
-        let now = crate::spies::ticks::now_ns();
+        let now = os::monotonic_ns();
         if now >= deadline {
             return false;
         }

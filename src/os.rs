@@ -96,6 +96,14 @@ pub(crate) fn write_all(fd: c_int, mut bytes: &[u8]) -> bool {
     ok
 }
 
+/// Monotonic nanoseconds.
+pub(crate) fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// The process id, straight from the kernel (no libc cache to go stale across `fork`).
 #[inline]
 pub(crate) fn getpid() -> u32 {

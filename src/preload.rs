@@ -162,7 +162,7 @@ fn after_fork_child() {
 }
 
 fn tick_config(options: &Options) -> ticks::Config {
-    let seed = options.sample_seed.unwrap_or_else(|| ticks::now_ns() ^ (os::getpid() as u64) << 32);
+    let seed = options.sample_seed.unwrap_or_else(|| os::monotonic_ns() ^ (os::getpid() as u64) << 32);
     ticks::Config {
         sampling: options.sampling,
         interval: options.sample_interval,

@@ -33,9 +33,9 @@ use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::sync::SpinLock;
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
-use crate::threads;
 use crate::trace::ring::Ring;
 use crate::trace::{self, Kind, Sampling, message, writer};
+use crate::{os, threads};
 use crate::{pool, tls};
 
 /// How the spy samples.
@@ -158,14 +158,6 @@ unsafe impl Send for TickSpy {}
 // SAFETY: as above.
 unsafe impl Sync for TickSpy {}
 
-/// Monotonic nanoseconds.
-pub(crate) fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes the timespec; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 /// xorshift64*: a thread's private generator (no state shared, nothing to lock).
 fn next_random(state: &mut u64) -> u64 {
     let mut x = *state;
@@ -222,7 +214,7 @@ impl TickSpy {
             mallinfo: Default::default(),
             mallinfo_next_ns: AtomicU64::new(0),
             ticks: AtomicU64::new(0),
-            start_ns: now_ns(),
+            start_ns: os::monotonic_ns(),
         })
     }
 
@@ -254,7 +246,7 @@ impl TickSpy {
 
     /// Nanoseconds since the spy started.
     pub(crate) fn elapsed_ns(&self) -> u64 {
-        now_ns().saturating_sub(self.start_ns)
+        os::monotonic_ns().saturating_sub(self.start_ns)
     }
 
     /// Calls `f` for every tick from now on (inside the allocator).

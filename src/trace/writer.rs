@@ -28,7 +28,7 @@ use std::sync::OnceLock;
 use super::message;
 use super::ring::Ring;
 use super::{Event, Header, Module, modules, write_event, write_header};
-use crate::spies::ticks::{TickSpy, now_ns};
+use crate::spies::ticks::TickSpy;
 use crate::{os, sink, tls};
 
 /// Slots of the queue (64 bytes each).
@@ -456,9 +456,9 @@ impl Writer {
         }
         // The writer usually catches up within tens of microseconds: yield the processor to it
         // for the first hundred, and only then sleep (a sleep takes a hundred at least).
-        let start = now_ns();
+        let start = os::monotonic_ns();
         while !ring.done(claimed) {
-            let waited = now_ns() - start;
+            let waited = os::monotonic_ns() - start;
             if waited > 1_000_000_000 {
                 UNRESPONSIVE.store(true, Ordering::Relaxed);
                 return;
