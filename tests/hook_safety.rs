@@ -172,7 +172,7 @@ fn threads_that_never_allocate_get_no_arena_of_their_own() {
     // glibc gives a thread an arena (64 MiB of address space) at its first malloc. mallocspy
     // asked glibc for each new thread's stack, which allocates: every thread had an arena, and
     // under `ulimit -v` a program's later threads failed to start. Since Linux 6.11 the kernel
-    // is asked instead; older kernels still ask glibc (README, "Leak reports").
+    // is asked instead; older kernels still ask glibc (README, first section).
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     let version: Vec<u32> = release.split(['.', '-']).take(2).map(|n| n.trim().parse().unwrap_or(0)).collect();
     if version < vec![6, 11] {
