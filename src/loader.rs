@@ -99,18 +99,22 @@ fn answers_within(timeout_ms: u64) -> bool {
             )
         }
     }) > 0;
-    if !started {
-        // SAFETY: no thread uses the mapping.
+    // A thread that could not start says nothing about the loader: it is taken as answering.
+    let ended = !started || ended_within(tid, timeout_ms);
+    if ended {
+        // SAFETY: no thread uses the mapping: none started, or the kernel cleared the id
+        // after the thread's last use of its stack.
         unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
-        return true;
     }
+    ended
+}
+
+/// Waits at most `timeout_ms` for the kernel to clear `tid`, at the thread's exit.
+fn ended_within(tid: &AtomicU32, timeout_ms: u64) -> bool {
     let deadline = os::monotonic_ns() + timeout_ms * 1_000_000;
     loop {
         let id = tid.load(Ordering::Acquire);
         if id == 0 {
-            // SAFETY: the thread has left: the kernel cleared its id after its last use of
-            // the stack.
-            unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
             return true;
         }
         let now = os::monotonic_ns();
