@@ -287,19 +287,26 @@ impl<'a> ProcessMemory<'a> {
     }
 }
 
-/// Calls `f` on the words of `[from, to)`.
+/// Calls `f` on the words of `[from, to)`, copied a bufferful at a time (volatile reads:
+/// a thread that could not be stopped may be writing them).
 ///
 /// # Safety
 /// The range is readable memory of this process that stays mapped meanwhile.
-unsafe fn read_directly(from: u64, to: u64, f: &mut dyn FnMut(u64, u64)) {
-    for addr in (from..to).step_by(8) {
-        // SAFETY: the caller's guarantee.
-        f(addr, unsafe { core::ptr::read_volatile(addr as *const u64) });
+unsafe fn read_directly(from: u64, to: u64, buf: &mut [u64], f: &mut dyn FnMut(u64, &[u64])) {
+    let mut addr = from;
+    while addr < to {
+        let n = (((to - addr) / 8) as usize).min(buf.len());
+        for (k, word) in buf[..n].iter_mut().enumerate() {
+            // SAFETY: the caller's guarantee; addr + 8k < to.
+            *word = unsafe { core::ptr::read_volatile((addr + 8 * k as u64) as *const u64) };
+        }
+        f(addr, &buf[..n]);
+        addr += 8 * n as u64;
     }
 }
 
 impl Memory for ProcessMemory<'_> {
-    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64)) {
+    fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
         let mut buf = self.buffer.borrow_mut();
         self.readable(start, end, |from, to| {
             self.populated(from, to, &mut |mut addr, to| {
@@ -308,9 +315,7 @@ impl Memory for ProcessMemory<'_> {
                         // A page that faults: skip it.
                         Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
                         Some(n) => {
-                            for (k, &w) in buf[..n].iter().enumerate() {
-                                f(addr + k as u64 * 8, w);
-                            }
+                            f(addr, &buf[..n]);
                             addr += n as u64 * 8;
                         }
                         None => self.direct.set(true),
@@ -319,16 +324,21 @@ impl Memory for ProcessMemory<'_> {
                 if addr < to {
                     // SAFETY: a readable mapping of this process, which stays mapped: the other
                     // threads are stopped and this one does not unmap.
-                    unsafe { read_directly(addr, to, f) };
+                    unsafe { read_directly(addr, to, &mut buf, f) };
                 }
             })
         });
     }
 
-    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, u64)) {
-        // SAFETY: as above (a block freed and unmapped since the snapshot is not in the map,
-        // which was read after the other threads stopped).
-        self.readable(start, end, |from, to| self.populated(from, to, &mut |a, t| unsafe { read_directly(a, t, f) }));
+    fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
+        let mut buf = self.buffer.borrow_mut();
+        self.readable(start, end, |from, to| {
+            self.populated(from, to, &mut |a, t| {
+                // SAFETY: as above (a block freed and unmapped since the snapshot is not in
+                // the map, which was read after the other threads stopped).
+                unsafe { read_directly(a, t, &mut buf, f) }
+            })
+        });
     }
 }
 
