@@ -14,7 +14,8 @@ use crate::global::GLOBAL;
 /// reports are written), `pthread_create` (so that a new thread notes its stack before its
 /// routine runs, see `thread_create.rs`), `dlclose` (so that a trace names an unloaded
 /// library's code, see `dl_close.rs`), `mmap`/`mmap64`/`munmap`/`mremap` (so that the leak
-/// scan knows the program's own mappings, see `program_mappings.rs`) and the
+/// scan knows the program's own mappings, see `program_mappings.rs`), `sigaction`/`signal`
+/// (so that a signal ending the process writes the reports, see `ending_signals.rs`) and the
 /// `mallocspy_api_v1` table in the invoking
 /// crate, forwarding to this crate's process-wide interposer.
 ///
@@ -139,6 +140,29 @@ macro_rules! export_interposer {
             // SAFETY: the caller's guarantee.
             unsafe { $crate::interpose::mremap(old, old_len, new_len, flags, new_address) }
         }
+        /// C `sigaction`: mallocspy's handler of the signals that end a process looks like the
+        /// default action (see `ending_signals.rs`).
+        ///
+        /// # Safety
+        /// As `sigaction`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn sigaction(
+            signal: ::core::ffi::c_int,
+            act: *const $crate::interpose::SigAction,
+            old: *mut $crate::interpose::SigAction,
+        ) -> ::core::ffi::c_int {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::sigaction(signal, act, old) }
+        }
+        /// C `signal`, as `sigaction`.
+        ///
+        /// # Safety
+        /// As `signal`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn signal(signal: ::core::ffi::c_int, handler: usize) -> usize {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::signal(signal, handler) }
+        }
         /// C `_exit`: writes the exit reports first (nothing else would).
         #[unsafe(no_mangle)]
         pub extern "C" fn _exit(status: ::core::ffi::c_int) -> ! {
@@ -240,6 +264,26 @@ pub unsafe fn pthread_create(
 pub unsafe fn mmap(addr: *mut c_void, len: usize, prot: c_int, flags: c_int, fd: c_int, offset: i64) -> *mut c_void {
     // SAFETY: the caller's guarantee.
     unsafe { crate::program_mappings::mmap(addr, len, prot, flags, fd, offset) }
+}
+
+/// C's `struct sigaction`, for [`export_interposer!`].
+#[doc(hidden)]
+pub type SigAction = libc::sigaction;
+
+/// # Safety
+/// As `sigaction`.
+#[doc(hidden)]
+pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut libc::sigaction) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::ending_signals::sigaction(signal, act, old) }
+}
+
+/// # Safety
+/// As `signal`.
+#[doc(hidden)]
+pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::ending_signals::signal(signal, handler) }
 }
 
 /// # Safety

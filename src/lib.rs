@@ -59,6 +59,7 @@ mod bootstrap;
 mod deferred;
 mod dispatch;
 mod dl_close;
+mod ending_signals;
 pub mod ffi;
 mod gate;
 mod global;

@@ -8,7 +8,7 @@
 //! library that frees its caches in a destructor is then not reported as leaking). A program
 //! that leaves by `_exit` gets the same report from the shim's `_exit`.
 
-use core::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use crate::global::{self, GLOBAL};
@@ -132,6 +132,9 @@ pub fn init() {
     }
     OWNER.store(os::getpid(), Ordering::Relaxed);
     global::set_fork_child_hook(after_fork_child);
+    if BUILTINS.get().is_some_and(|b| b.options.report_on_signal) {
+        crate::ending_signals::enable();
+    }
     let alone = layers.len() == 1;
     let spy: &'static dyn MallocSpy = if alone { layers[0] } else { leak(SpyStack::new(layers)) };
     if let Err(e) = global::register_static_here(spy) {
@@ -202,7 +205,11 @@ pub extern "C" fn report_at_exit() {
         // A signal handler that interrupted a hook of this thread called `exit`: the hook
         // holds locks (and half-made changes) that every report needs, and waiting for them
         // would hang the exit. Nothing that allocates or locks may run here.
-        sink::write(b"mallocspy: the process exited from a signal handler that interrupted mallocspy; no report\n");
+        if ENDING_SIGNAL.load(Ordering::Relaxed) != 0 {
+            sink::write(b"mallocspy: the signal ending the process interrupted mallocspy; no report\n");
+        } else {
+            sink::write(b"mallocspy: the process exited from a signal handler that interrupted mallocspy; no report\n");
+        }
         return;
     }
     let leaked = GLOBAL.leaked_frees();
@@ -238,6 +245,7 @@ pub extern "C" fn report_at_exit() {
     let summary = write_leak_report(tracker, caller);
     if let Some(code) = b.options.exitcode
         && summary.lost_blocks() > 0
+        && ENDING_SIGNAL.load(Ordering::Relaxed) == 0
     {
         // SAFETY: flushes stdio (the program's buffered output must not be lost), then
         // leaves with the leak status, as LSan's exitcode does.
@@ -264,13 +272,38 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
         return leaks::Summary::default();
     }
     let reachable_stacks = options.report_format == ReportFormat::Json || options.show_reachable;
-    let report = leaks::check(tracker, suppressions, reachable_stacks, caller);
+    let mut report = leaks::check(tracker, suppressions, reachable_stacks, caller);
+    let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
+    if signal != 0 {
+        report.notes.push(format!("the process is ending by signal {signal} ({})", signal_name(signal)));
+    }
     let text = match options.report_format {
         ReportFormat::Text => report.to_text(options.show_reachable),
         ReportFormat::Json => report.to_json(),
     };
     sink::write(text.as_bytes());
     report.summary
+}
+
+/// The signal ending the process, whose handler writes the reports (0: none).
+static ENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
+
+/// From the handler of a signal that ends the process ([`crate::ending_signals`]): every
+/// report, once per process, with a note of the signal. The process then dies of it, not of
+/// `exitcode`: whoever sent it sees what they expect.
+pub(crate) fn report_at_signal(signal: core::ffi::c_int) {
+    ENDING_SIGNAL.store(signal, Ordering::Relaxed);
+    report_at_exit();
+}
+
+fn signal_name(signal: core::ffi::c_int) -> &'static str {
+    match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGTERM => "SIGTERM",
+        _ => "a signal",
+    }
 }
 
 /// `_exit` and `_Exit`: report, then leave.

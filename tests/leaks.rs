@@ -467,3 +467,105 @@ fn a_block_at_the_address_of_a_freed_untracked_block_is_reported() {
         .find(|r| r["bytes"] == 100 && r["stack"][0]["function"] == "lose_a_block");
     assert!(lost.is_some(), "the lost block is not in the report: {report}");
 }
+
+/// Runs `program ARGS` in `mode` (with `ignored` set to `SIG_IGN` first, as a shell does for
+/// a background job's `INT`), waits for its "ready" line, sends it `signal`, and gives what
+/// it wrote and how it ended; a program still running 500 ms later is killed (its status then
+/// says `SIGKILL`).
+fn signalled(program: &Path, args: &[&str], mode: Mode, signal: i32, ignored: Option<i32>) -> Output {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    cmd.args(args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    mode.apply(&mut cmd);
+    if let Some(ignored) = ignored {
+        // SAFETY: between fork and exec: signal() is async-signal-safe and allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::signal(ignored, libc::SIG_IGN);
+                Ok(())
+            })
+        };
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut ready = String::new();
+    while !ready.ends_with("ready\n") && stdout.read_line(&mut ready).unwrap() > 0 {}
+    assert!(ready.ends_with("ready\n"), "{program:?} {args:?}: {ready}");
+    // SAFETY: kill has no memory preconditions; the pid is our child's, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, signal) };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let mut out = child.wait_with_output().unwrap();
+    out.stdout = (ready + &rest).into_bytes();
+    out
+}
+
+/// `HUP`, `INT` and `TERM` end a program that left them at their default action: it writes
+/// its report first, with a note of the signal, and still dies of it.
+#[test]
+fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_of_it() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("ending_signal.c");
+    for signal in [libc::SIGHUP, libc::SIGINT, libc::SIGTERM] {
+        let native = signalled(&program, &[], Mode::Native, signal, None);
+        assert_eq!(native.status.signal(), Some(signal));
+        let out = signalled(&program, &[], JSON_REPORT, signal, None);
+        assert_eq!(out.status.signal(), Some(signal), "signal {signal}: {}", text(&out.stderr));
+        assert_eq!(out.stdout, native.stdout);
+        let report = json_report(&out);
+        assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 4096}));
+        let note = format!("the process is ending by signal {signal} (");
+        assert!(report["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().starts_with(&note)), "{report}");
+    }
+    let off = signalled(&program, &[], Mode::Shim("report_on_signal=0"), libc::SIGTERM, None);
+    assert_eq!(off.status.signal(), Some(libc::SIGTERM));
+    assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
+}
+
+/// What the program sees of the actions of those signals is what it would see natively: the
+/// default; its own handler runs instead of the report's; a signal ignored at start stays
+/// ignored.
+#[test]
+fn the_programs_view_and_handlers_of_ending_signals_are_unchanged() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("ending_signal.c");
+    let native = run(Mode::Native, Command::new(&program).arg("query"));
+    assert_eq!(text(&native.stdout), "sigaction: default\nsignal: default\n");
+    let spied = run(Mode::Shim(""), Command::new(&program).arg("query"));
+    assert_eq!(spied.stdout, native.stdout, "{}", text(&spied.stderr));
+
+    let own = signalled(&program, &["handler"], Mode::Shim(""), libc::SIGTERM, None);
+    assert_eq!(text(&own.stdout), "old: default\nready\nhandled\n");
+    assert_eq!(own.status.code(), Some(3));
+    assert!(!text(&own.stderr).contains("ending by signal"), "{}", text(&own.stderr));
+
+    for mode in [Mode::Native, Mode::Shim("")] {
+        let ignored = signalled(&program, &[], mode, libc::SIGTERM, Some(libc::SIGTERM));
+        assert_eq!(ignored.status.signal(), Some(libc::SIGKILL), "{mode:?}: TERM stays ignored");
+    }
+}
+
+/// Python finds `INT` at its default and installs its own handler: `^C` still raises
+/// `KeyboardInterrupt`, and the interpreter, which then dies of `INT` as its default action
+/// would have it, writes the report on the way.
+#[test]
+fn python_still_raises_keyboard_interrupt_and_reports_as_it_dies() {
+    use std::os::unix::process::ExitStatusExt;
+    let script = "import signal, time\nprint(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, 'ready', flush=True)\ntime.sleep(30)";
+    let native = signalled(&python(), &["-c", script], Mode::Native, libc::SIGINT, None);
+    let out = signalled(&python(), &["-c", script], Mode::Shim(""), libc::SIGINT, None);
+    assert_eq!(text(&native.stdout), "True ready\n");
+    assert_eq!(out.stdout, native.stdout);
+    assert_eq!(native.status.signal(), Some(libc::SIGINT));
+    assert_eq!(out.status.signal(), Some(libc::SIGINT), "{}", text(&out.stderr));
+    for o in [&native, &out] {
+        assert!(text(&o.stderr).contains("KeyboardInterrupt"), "{}", text(&o.stderr));
+    }
+    assert!(text(&out.stderr).contains("note: the process is ending by signal 2 (SIGINT)"), "{}", text(&out.stderr));
+}

@@ -1,0 +1,184 @@
+//! Reports for a process that a signal ends: `HUP`, `INT`, `QUIT` and `TERM`, whose default
+//! action ends the process without `exit`, so that no exit report would be written. A server
+//! stopped by its supervisor, a program stopped with `^C`: memcheck reports then too
+//! (LeakSanitizer does not).
+//!
+//! At start, each of these signals whose action is the default gets a handler of mallocspy's,
+//! which writes the reports and then ends the process by the same signal, as it would have
+//! ended (the exit status, the core dump of `QUIT`). The program does not see it: `sigaction`
+//! and `signal` say the action is the default while ours is in place; a handler the program
+//! sets, or `SIG_IGN`, replaces ours; setting the default puts ours back. A signal ignored at
+//! start (a background job's `INT`) stays ignored. The handler runs with `SA_RESETHAND |
+//! SA_NODEFER`: a second signal while the report is written ends the process at once, as the
+//! first would have natively, should the report be stuck on a lock the interrupted code holds.
+//! Python, which installs its own `INT` handler when it finds the default, still raises
+//! `KeyboardInterrupt`.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+
+use crate::os;
+
+/// The signals handled.
+pub(crate) const SIGNALS: [c_int; 4] = [libc::SIGHUP, libc::SIGINT, libc::SIGQUIT, libc::SIGTERM];
+
+/// Whether this process reports when one of [`SIGNALS`] ends it (set once, at start).
+static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Bit `n`: mallocspy's handler is the action of signal `n`.
+static ARMED: AtomicU64 = AtomicU64::new(0);
+
+static NEXT_SIGACTION: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+static NEXT_SIGNAL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+type Sigaction = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
+type Signal = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t;
+
+fn handled(signal: c_int) -> bool {
+    SIGNALS.contains(&signal) && ENABLED.load(Ordering::Relaxed)
+}
+
+fn bit(signal: c_int) -> u64 {
+    1 << (signal as u32 & 63)
+}
+
+fn armed(signal: c_int) -> bool {
+    ARMED.load(Ordering::Acquire) & bit(signal) != 0
+}
+
+/// libc's `sigaction`.
+///
+/// # Safety
+/// As `sigaction`.
+unsafe fn next_sigaction(signal: c_int, act: *const libc::sigaction, old: *mut libc::sigaction) -> c_int {
+    let f = os::next_symbol_cached(&NEXT_SIGACTION, c"sigaction");
+    if f.is_null() {
+        os::set_errno(libc::ENOSYS);
+        return -1;
+    }
+    // SAFETY: libc's sigaction has this signature; the caller's guarantee covers the arguments.
+    unsafe { core::mem::transmute::<*mut c_void, Sigaction>(f)(signal, act, old) }
+}
+
+/// Makes mallocspy's handler the action of `signal`.
+fn arm(signal: c_int) -> bool {
+    // SAFETY: zero is a valid sigaction (empty mask, no flags).
+    let mut act: libc::sigaction = unsafe { core::mem::zeroed() };
+    act.sa_sigaction = on_signal as *const () as usize;
+    act.sa_flags = libc::SA_SIGINFO | libc::SA_RESETHAND | libc::SA_NODEFER;
+    // SAFETY: a valid action whose handler has the SA_SIGINFO signature.
+    let armed = unsafe { next_sigaction(signal, &act, core::ptr::null_mut()) } == 0;
+    if armed {
+        ARMED.fetch_or(bit(signal), Ordering::AcqRel);
+    }
+    armed
+}
+
+/// At start: reports when one of [`SIGNALS`] ends the process, for each whose action is the
+/// default now.
+pub(crate) fn enable() {
+    ENABLED.store(true, Ordering::Relaxed);
+    for signal in SIGNALS {
+        // SAFETY: zero is a valid sigaction; a query changes nothing.
+        let mut now: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { next_sigaction(signal, core::ptr::null(), &mut now) } == 0 && now.sa_sigaction == libc::SIG_DFL {
+            arm(signal);
+        }
+    }
+}
+
+/// The handler: the reports, then the end the signal would have brought.
+extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
+    // SA_RESETHAND has made the action the default again.
+    ARMED.fetch_and(!bit(signal), Ordering::AcqRel);
+    crate::preload::report_at_signal(signal);
+    // SAFETY: zero is a valid sigaction, here SIG_DFL with an empty mask; the set is ours.
+    unsafe {
+        let dfl: libc::sigaction = core::mem::zeroed();
+        next_sigaction(signal, &dfl, core::ptr::null_mut());
+        let mut set: libc::sigset_t = core::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, signal);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, core::ptr::null_mut());
+        libc::raise(signal);
+    }
+    // Still here: another handler took the signal meanwhile. Leave as its default would.
+    loop {
+        // SAFETY: exit_group ends the process and does not return.
+        unsafe { libc::syscall(libc::SYS_exit_group, 128 + signal) };
+    }
+}
+
+/// What the program sees of an action of ours: the default.
+fn as_default(old: *mut libc::sigaction) {
+    if !old.is_null() {
+        // SAFETY: the caller's buffer for the old action; zero is SIG_DFL with an empty mask.
+        unsafe { old.write(core::mem::zeroed()) };
+    }
+}
+
+/// `sigaction`, for the program: mallocspy's handler looks like the default action.
+///
+/// # Safety
+/// As `sigaction`.
+pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut libc::sigaction) -> c_int {
+    if !handled(signal) {
+        // SAFETY: the caller's guarantee.
+        return unsafe { next_sigaction(signal, act, old) };
+    }
+    // SAFETY: a non-null `act` is the caller's valid action.
+    let wants_default = !act.is_null() && unsafe { (*act).sa_sigaction } == libc::SIG_DFL;
+    let ours = armed(signal);
+    if act.is_null() || (wants_default && ours) {
+        // A query, or the default asked where it already is (as far as the program knows).
+        // SAFETY: the caller's guarantee.
+        let status = unsafe { next_sigaction(signal, core::ptr::null(), old) };
+        if ours {
+            as_default(old);
+        }
+        return status;
+    }
+    if wants_default {
+        // SAFETY: the caller's guarantee (for `old`).
+        let status = unsafe { next_sigaction(signal, core::ptr::null(), old) };
+        return if status == 0 && arm(signal) { 0 } else { status };
+    }
+    // The program's own action replaces ours.
+    ARMED.fetch_and(!bit(signal), Ordering::AcqRel);
+    // SAFETY: the caller's guarantee.
+    let status = unsafe { next_sigaction(signal, act, old) };
+    if ours {
+        as_default(old);
+    }
+    status
+}
+
+/// `signal`, for the program: as [`sigaction`].
+///
+/// # Safety
+/// As `signal`.
+pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    if handled(signal) && handler == libc::SIG_DFL {
+        // SAFETY: zero is a valid sigaction: SIG_DFL (the flags and mask of the default
+        // action do not matter).
+        let act: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: as above.
+        let mut old: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: a valid action and buffer.
+        return if unsafe { sigaction(signal, &act, &mut old) } == 0 { old.sa_sigaction } else { libc::SIG_ERR };
+    }
+    let ours = handled(signal) && armed(signal);
+    if ours {
+        // The program's own action replaces ours; libc's `signal` sets it (its semantics:
+        // BSD's, and `siginterrupt`'s choices).
+        ARMED.fetch_and(!bit(signal), Ordering::AcqRel);
+    }
+    let f = os::next_symbol_cached(&NEXT_SIGNAL, c"signal");
+    if f.is_null() {
+        os::set_errno(libc::ENOSYS);
+        return libc::SIG_ERR;
+    }
+    // SAFETY: libc's signal has this signature; the caller's guarantee covers the arguments.
+    let old = unsafe { core::mem::transmute::<*mut c_void, Signal>(f)(signal, handler) };
+    if ours && old == on_signal as *const () as usize { libc::SIG_DFL } else { old }
+}
