@@ -15,17 +15,15 @@
 //! `KeyboardInterrupt`.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::os;
 
 /// The signals handled.
-pub(crate) const SIGNALS: [c_int; 4] = [libc::SIGHUP, libc::SIGINT, libc::SIGQUIT, libc::SIGTERM];
+const SIGNALS: [c_int; 4] = [libc::SIGHUP, libc::SIGINT, libc::SIGQUIT, libc::SIGTERM];
 
 /// Whether this process reports when one of [`SIGNALS`] ends it (set once, at start).
 static ENABLED: AtomicBool = AtomicBool::new(false);
-/// Bit `n`: mallocspy's handler is the action of signal `n`.
-static ARMED: AtomicU64 = AtomicU64::new(0);
 
 static NEXT_SIGACTION: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 static NEXT_SIGNAL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
@@ -35,14 +33,6 @@ type Signal = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandle
 
 fn handled(signal: c_int) -> bool {
     SIGNALS.contains(&signal) && ENABLED.load(Ordering::Relaxed)
-}
-
-fn bit(signal: c_int) -> u64 {
-    1 << (signal as u32 & 63)
-}
-
-fn armed(signal: c_int) -> bool {
-    ARMED.load(Ordering::Acquire) & bit(signal) != 0
 }
 
 /// libc's `sigaction`.
@@ -66,11 +56,7 @@ fn arm(signal: c_int) -> bool {
     act.sa_sigaction = on_signal as *const () as usize;
     act.sa_flags = libc::SA_SIGINFO | libc::SA_RESETHAND | libc::SA_NODEFER;
     // SAFETY: a valid action whose handler has the SA_SIGINFO signature.
-    let armed = unsafe { next_sigaction(signal, &act, core::ptr::null_mut()) } == 0;
-    if armed {
-        ARMED.fetch_or(bit(signal), Ordering::AcqRel);
-    }
-    armed
+    unsafe { next_sigaction(signal, &act, core::ptr::null_mut()) == 0 }
 }
 
 /// At start: reports when one of [`SIGNALS`] ends the process, for each whose action is the
@@ -89,8 +75,8 @@ pub(crate) fn enable() {
 
 /// The handler: the reports, then the end the signal would have brought.
 extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
-    // SA_RESETHAND has made the action the default again.
-    ARMED.fetch_and(!bit(signal), Ordering::AcqRel);
+    // SA_RESETHAND has made the action the default again: a second signal ends the
+    // process at once, should the report wait on a lock the interrupted code holds.
     crate::preload::report_at_signal(signal);
     // SAFETY: zero is a valid sigaction, here SIG_DFL with an empty mask; the set is ours.
     unsafe {
@@ -109,10 +95,18 @@ extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *m
     }
 }
 
+/// Whether `handler` is mallocspy's: only then is an action shown to the program as the
+/// default. (Not a flag of ours: the program may have replaced our handler by a way that is
+/// not wrapped, a raw system call or glibc's own `system`, and its handler must show.)
+fn is_ours(handler: libc::sighandler_t) -> bool {
+    handler == on_signal as *const () as usize
+}
+
 /// What the program sees of an action of ours: the default.
-fn as_default(old: *mut libc::sigaction) {
-    if !old.is_null() {
-        // SAFETY: the caller's buffer for the old action; zero is SIG_DFL with an empty mask.
+fn as_seen(old: *mut libc::sigaction) {
+    // SAFETY: a non-null `old` is the caller's buffer, which the kernel has just filled.
+    if !old.is_null() && is_ours(unsafe { (*old).sa_sigaction }) {
+        // SAFETY: as above; zero is SIG_DFL with an empty mask.
         unsafe { old.write(core::mem::zeroed()) };
     }
 }
@@ -127,28 +121,28 @@ pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut li
         return unsafe { next_sigaction(signal, act, old) };
     }
     // SAFETY: a non-null `act` is the caller's valid action.
-    let wants_default = !act.is_null() && unsafe { (*act).sa_sigaction } == libc::SIG_DFL;
-    let ours = armed(signal);
-    if act.is_null() || (wants_default && ours) {
-        // A query, or the default asked where it already is (as far as the program knows).
-        // SAFETY: the caller's guarantee.
-        let status = unsafe { next_sigaction(signal, core::ptr::null(), old) };
-        if ours {
-            as_default(old);
+    if !act.is_null() && unsafe { (*act).sa_sigaction } == libc::SIG_DFL {
+        // The default: ours (what the program sees as the default) unless it is there.
+        // SAFETY: zero is a valid sigaction.
+        let mut now: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: a query into our buffer.
+        let status = unsafe { next_sigaction(signal, core::ptr::null(), &mut now) };
+        if status != 0 || !(is_ours(now.sa_sigaction) || arm(signal)) {
+            // SAFETY: the caller's guarantee.
+            return unsafe { next_sigaction(signal, act, old) };
         }
-        return status;
+        if !old.is_null() {
+            // SAFETY: the caller's buffer.
+            unsafe { old.write(now) };
+            as_seen(old);
+        }
+        return 0;
     }
-    if wants_default {
-        // SAFETY: the caller's guarantee (for `old`).
-        let status = unsafe { next_sigaction(signal, core::ptr::null(), old) };
-        return if status == 0 && arm(signal) { 0 } else { status };
-    }
-    // The program's own action replaces ours.
-    ARMED.fetch_and(!bit(signal), Ordering::AcqRel);
+    // A query, or the program's own action, which replaces ours.
     // SAFETY: the caller's guarantee.
     let status = unsafe { next_sigaction(signal, act, old) };
-    if ours {
-        as_default(old);
+    if status == 0 {
+        as_seen(old);
     }
     status
 }
@@ -167,12 +161,8 @@ pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighan
         // SAFETY: a valid action and buffer.
         return if unsafe { sigaction(signal, &act, &mut old) } == 0 { old.sa_sigaction } else { libc::SIG_ERR };
     }
-    let ours = handled(signal) && armed(signal);
-    if ours {
-        // The program's own action replaces ours; libc's `signal` sets it (its semantics:
-        // BSD's, and `siginterrupt`'s choices).
-        ARMED.fetch_and(!bit(signal), Ordering::AcqRel);
-    }
+    // The program's own action: libc's `signal` sets it (BSD's semantics, and
+    // `siginterrupt`'s choices).
     let f = os::next_symbol_cached(&NEXT_SIGNAL, c"signal");
     if f.is_null() {
         os::set_errno(libc::ENOSYS);
@@ -180,5 +170,5 @@ pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighan
     }
     // SAFETY: libc's signal has this signature; the caller's guarantee covers the arguments.
     let old = unsafe { core::mem::transmute::<*mut c_void, Signal>(f)(signal, handler) };
-    if ours && old == on_signal as *const () as usize { libc::SIG_DFL } else { old }
+    if is_ours(old) { libc::SIG_DFL } else { old }
 }

@@ -536,7 +536,7 @@ fn the_programs_view_and_handlers_of_ending_signals_are_unchanged() {
     use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
     let native = run(Mode::Native, Command::new(&program).arg("query"));
-    assert_eq!(text(&native.stdout), "sigaction: default\nsignal: default\n");
+    assert_eq!(text(&native.stdout), "sigaction: default\nsignal: default\nsysv_signal: its handler\n");
     let spied = run(Mode::Shim(""), Command::new(&program).arg("query"));
     assert_eq!(spied.stdout, native.stdout, "{}", text(&spied.stderr));
 
