@@ -99,7 +99,7 @@ impl<'a> Heap<'a> {
         let high = blocks.iter().map(|b| b.0 + b.1.max(1)).max().unwrap_or(0);
         let pages_of =
             |&(start, size): &(u64, u64)| (start >> PAGE_SHIFT)..=(start.saturating_add(size.max(1) - 1) >> PAGE_SHIFT);
-        let touched: u64 = blocks.iter().map(|b| pages_of(b).count() as u64).fold(0, u64::saturating_add);
+        let touched = blocks.iter().map(&pages_of).map(|p| p.end() - p.start() + 1).fold(0, u64::saturating_add);
         let bits =
             touched.saturating_mul(FILTER_BITS_PER_PAGE).clamp(FILTER_MIN_BITS, FILTER_MAX_BITS).next_power_of_two();
         let mut heap =
