@@ -103,11 +103,21 @@ fn is_ours(handler: libc::sighandler_t) -> bool {
 }
 
 /// What the program sees of an action of ours: the default.
-fn as_seen(old: *mut libc::sigaction) {
-    // SAFETY: a non-null `old` is the caller's buffer, which the kernel has just filled.
-    if !old.is_null() && is_ours(unsafe { (*old).sa_sigaction }) {
-        // SAFETY: as above; zero is SIG_DFL with an empty mask.
-        unsafe { old.write(core::mem::zeroed()) };
+fn as_seen(action: &mut libc::sigaction) {
+    if is_ours(action.sa_sigaction) {
+        // SAFETY: zero is a valid sigaction: SIG_DFL with an empty mask.
+        *action = unsafe { core::mem::zeroed() };
+    }
+}
+
+/// The name of one of the signals handled, for the report's note.
+pub(crate) fn name(signal: c_int) -> &'static str {
+    match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGTERM => "SIGTERM",
+        _ => "a signal",
     }
 }
 
@@ -131,18 +141,19 @@ pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut li
             // SAFETY: the caller's guarantee.
             return unsafe { next_sigaction(signal, act, old) };
         }
+        as_seen(&mut now);
         if !old.is_null() {
             // SAFETY: the caller's buffer.
             unsafe { old.write(now) };
-            as_seen(old);
         }
         return 0;
     }
     // A query, or the program's own action, which replaces ours.
     // SAFETY: the caller's guarantee.
     let status = unsafe { next_sigaction(signal, act, old) };
-    if status == 0 {
-        as_seen(old);
+    if status == 0 && !old.is_null() {
+        // SAFETY: the caller's buffer, which libc has just filled.
+        as_seen(unsafe { &mut *old });
     }
     status
 }

@@ -275,7 +275,9 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     let mut report = leaks::check(tracker, suppressions, reachable_stacks, caller);
     let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
     if signal != 0 {
-        report.notes.push(format!("the process is ending by signal {signal} ({})", signal_name(signal)));
+        report
+            .notes
+            .push(format!("the process is ending by signal {signal} ({})", crate::ending_signals::name(signal)));
     }
     let text = match options.report_format {
         ReportFormat::Text => report.to_text(options.show_reachable),
@@ -294,16 +296,6 @@ static ENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 pub(crate) fn report_at_signal(signal: core::ffi::c_int) {
     ENDING_SIGNAL.store(signal, Ordering::Relaxed);
     report_at_exit();
-}
-
-fn signal_name(signal: core::ffi::c_int) -> &'static str {
-    match signal {
-        libc::SIGHUP => "SIGHUP",
-        libc::SIGINT => "SIGINT",
-        libc::SIGQUIT => "SIGQUIT",
-        libc::SIGTERM => "SIGTERM",
-        _ => "a signal",
-    }
 }
 
 /// `_exit` and `_Exit`: report, then leave.
