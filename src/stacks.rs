@@ -22,12 +22,38 @@ pub(crate) const DEFAULT_DEPTH: usize = 32;
 /// allocations find their stack's id there (87.5% with 256), for 16 KiB per thread.
 const KNOWN_STACKS: usize = 1024;
 
-/// A thread's stack capture: the walk buffer, the unwinder's cache, and the stacks this thread
+/// Entries of a thread's cache of walk starts (a power of two).
+const STARTS: usize = 32;
+
+/// Misses in a row after which the cache of walk starts is looked at once in this many calls.
+const STARTS_IDLE: u32 = 64;
+
+/// A walk's start, the epoch of the frames it gave, and the id of its stack.
+#[derive(Clone, Copy)]
+struct KnownStart {
+    start: (u64, u64, u64),
+    epoch: u64,
+    /// The id (low half) and the depth asked for (high half); 0 when empty.
+    id_depth: u64,
+}
+
+/// A thread's stack capture: the walk buffer, the unwinder's cache, the stacks this thread
 /// interned lately, by hash (a thread mostly allocates from the same few stacks, and the
-/// shared table is a lock and a cache miss away). Lives in a spy's per-thread record, not on
-/// the stack, to spare a 1 KiB frame per call; zero is its initial state.
+/// shared table is a lock and a cache miss away), and the walk starts it saw lately. Lives in
+/// a spy's per-thread record, not on the stack, to spare a 1 KiB frame per call; zero is its
+/// initial state.
 pub(crate) struct Capture {
     frames: [u64; MAX_DEPTH],
+    /// By start (return address, stack and frame pointers at the hook's entry): a function
+    /// that allocates at several places, or in a loop, enters the allocator again and again
+    /// above the same stack, and a start seen in the current epoch of the walk cache, whose
+    /// words still hold, names its stack without a walk (churn: 93% of its allocations;
+    /// python3 3%).
+    starts: [KnownStart; STARTS],
+    /// Lookups in `starts` that missed since the last hit. Past [`STARTS_IDLE`] the cache is
+    /// looked at only once in that many calls: a program whose stacks never repeat that way
+    /// (sqlite3: not one hit in 436,000 allocations) does not pay for it on every call.
+    starts_missed: u32,
     known: [(u64, u32); KNOWN_STACKS],
     walk: WalkCache,
 }
@@ -36,7 +62,37 @@ impl Capture {
     /// The id in `stacks` of the calling thread's current stack, `depth` frames deep at most.
     #[inline]
     pub(crate) fn stack_id(&mut self, depth: usize, stacks: &Stacks) -> u32 {
-        let n = unwind::capture(&mut self.frames[..depth], &mut self.walk);
+        let Some(key) = unwind::hook_start() else {
+            unwind::no_walk(&mut self.walk);
+            return self.intern(0, stacks);
+        };
+        let missed = self.starts_missed;
+        self.starts_missed = missed.wrapping_add(1);
+        if missed >= STARTS_IDLE && !missed.is_multiple_of(STARTS_IDLE) {
+            let n = unwind::capture(&mut self.frames[..depth], key, &mut self.walk);
+            return self.intern(n, stacks);
+        }
+        let at = ((key.0 ^ key.1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - STARTS.trailing_zeros())) as usize;
+        let known = &self.starts[at];
+        if known.start == key
+            && known.id_depth >> 32 == depth as u64
+            && known.epoch == self.walk.epoch()
+            && known.id_depth as u32 != 0
+            && self.walk.last_walk_holds()
+        {
+            self.starts_missed = 0;
+            return known.id_depth as u32;
+        }
+        let n = unwind::capture(&mut self.frames[..depth], key, &mut self.walk);
+        let id = self.intern(n, stacks);
+        self.starts[at] =
+            KnownStart { start: key, epoch: self.walk.epoch(), id_depth: (depth as u64) << 32 | id as u64 };
+        id
+    }
+
+    /// The id of the first `n` frames captured.
+    #[inline(always)]
+    fn intern(&mut self, n: usize, stacks: &Stacks) -> u32 {
         let frames = &self.frames[..n];
         let h = hash(frames);
         let known = &mut self.known[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
@@ -76,6 +132,7 @@ pub(crate) struct Stacks {
 /// alone, so every bit of every address must reach every bit of the hash: each step
 /// multiplies and folds the high half back. Four lanes, so that the multiplies of a deep
 /// stack overlap instead of waiting on each other.
+#[inline(always)]
 pub(crate) fn hash(frames: &[u64]) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let step = |h: u64, f: u64| {

@@ -116,6 +116,44 @@ fn bare_preload_prints_the_text_report_on_stderr_naming_the_sites() {
 }
 
 #[test]
+fn allocations_entered_at_the_same_place_from_different_callers_keep_their_own_stacks() {
+    let program = c_program("same_entry.c");
+    let out = Command::new(&program)
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "report_format=json:show_reachable=1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    // (allocating function, its caller, block size) -> blocks, over every kind.
+    let mut blocks: HashMap<(String, String, u64), u64> = HashMap::new();
+    for record in report["leaks"].as_array().unwrap() {
+        let functions: Vec<&str> =
+            record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+        let Some(at) = functions.iter().position(|f| ["make", "two", "inner", "direct"].contains(f)) else {
+            continue;
+        };
+        let (n, bytes) = (record["blocks"].as_u64().unwrap(), record["bytes"].as_u64().unwrap());
+        *blocks.entry((functions[at].into(), functions[at + 1].into(), bytes / n)).or_default() += n;
+    }
+    let expected: HashMap<(String, String, u64), u64> = [
+        ("make", "via_a", 48, 80),
+        ("make", "via_b", 48, 50),
+        ("two", "via_a", 16, 55),
+        ("two", "via_a", 24, 25),
+        ("two", "via_b", 16, 10),
+        ("two", "via_b", 24, 40),
+        ("inner", "by_a", 32, 10),
+        ("inner", "by_b", 32, 10),
+        ("direct", "main", 40, 10),
+    ]
+    .into_iter()
+    .map(|(f, caller, size, n)| ((f.into(), caller.into(), size), n))
+    .collect();
+    assert_eq!(blocks, expected, "{report}");
+}
+
+#[test]
 fn still_reachable_records_show_a_retention_path_from_a_named_global() {
     let leaky = bench_dir().join("leaky");
     let run = |options| Command::new(&leaky).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output();

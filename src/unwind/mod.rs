@@ -48,6 +48,12 @@ impl WalkCache {
 /// the other, so a walk that is deeper than the previous one (more frames before the part
 /// they share) can still take its tail.
 struct PrevWalk {
+    /// Advances with every walk whose frames differ from the previous walk's: while it stays,
+    /// the previous walk's frames are the ones every walk since gave.
+    epoch: u64,
+    /// The thread that made the walk ([`tls::thread_key`]): the cache belongs to a thread
+    /// record, which a new thread may take over, with its stack elsewhere.
+    walker: usize,
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
@@ -62,6 +68,11 @@ impl PrevWalk {
     fn split(&mut self) -> (&[Frame], &mut [Frame; MAX_WALK]) {
         let [a, b] = &mut self.frames;
         if self.side == 0 { (&a[..self.len], b) } else { (&b[..self.len], a) }
+    }
+
+    /// The previous walk's frames.
+    fn last(&self) -> &[Frame] {
+        &self.frames[self.side][..self.len]
     }
 }
 
@@ -96,31 +107,66 @@ struct Start {
     is_return: bool,
 }
 
-/// Fills `out` with the return addresses of the stack of the top-level hook in progress,
-/// innermost first, starting with the address its caller will return to (the trampoline of
-/// the exported function noted where that is). Returns how many. `cache` is the calling
-/// thread's walk cache (a walk may reuse the previous walk's tail).
-///
-/// Never allocates once the unwind rules of the addresses involved are cached.
-#[inline(never)]
-pub(crate) fn capture(out: &mut [u64], cache: &mut WalkCache) -> usize {
+/// The start of the call stack of the top-level hook in progress, as registers (pc, sp, bp):
+/// the return address its caller will return to (the trampoline of the exported function
+/// noted where that is), and the stack and frame pointers there. `None` when the entry is not
+/// known.
+#[inline(always)]
+pub(crate) fn hook_start() -> Option<(u64, u64, u64)> {
     let ts = tls::state();
     let entry = ts.hook_sp.get();
     let (_, high) = stack_bounds();
     let here = current_sp();
     if !entry.is_multiple_of(8) || entry <= here || entry + 8 > high {
-        cache.prev.len = 0;
-        return 0;
+        return None;
     }
     // SAFETY: entry lies between this frame and the top of the thread's stack: mapped.
     let ra = unsafe { *(entry as *const u64) };
-    walk(out, Start { pc: ra, sp: entry + 8, bp: ts.hook_bp.get(), is_return: true }, cache)
+    Some((ra, entry + 8, ts.hook_bp.get()))
+}
+
+/// Fills `out` with the return addresses of the stack that starts at `start` (from
+/// [`hook_start`]), innermost first, starting with `start`'s own. Returns how many. `cache`
+/// is the calling thread's walk cache (a walk may reuse the previous walk's tail).
+///
+/// Never allocates once the unwind rules of the addresses involved are cached.
+#[inline(never)]
+pub(crate) fn capture(out: &mut [u64], start: (u64, u64, u64), cache: &mut WalkCache) -> usize {
+    let (pc, sp, bp) = start;
+    walk(out, Start { pc, sp, bp, is_return: true }, cache)
+}
+
+/// Forgets the last walk (the hook's stack could not be walked).
+pub(crate) fn no_walk(cache: &mut WalkCache) {
+    cache.prev.len = 0;
+    cache.prev.epoch = cache.prev.epoch.wrapping_add(1);
+}
+
+impl WalkCache {
+    /// The epoch of the last walk's frames: it moves when a walk gives frames other than the
+    /// walk before it (or the modules change).
+    #[inline]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.prev.epoch
+    }
+
+    /// Whether a walk now would take every frame of the last walk as it is: the modules are
+    /// the same and every stack word the last walk read still holds what it read. A walk
+    /// from a start that gave the last walk's frames, in this epoch, would then give them
+    /// again (a walk is a function of its start and of the words it reads).
+    #[inline]
+    pub(crate) fn last_walk_holds(&self) -> bool {
+        self.prev.len != 0
+            && self.prev.walker == tls::thread_key()
+            && self.prev.generation == rules::Rules::new().generation()
+            && unchanged(self.prev.last())
+    }
 }
 
 /// Whether every stack word a previous walk read at `frames` still holds its value.
 ///
-/// The words lie above the frame the new walk has reached (CFAs grow along a walk) and below
-/// the stack top (they were bounds-checked when read), so inside the mapped stack.
+/// The words were read by the calling thread (the callers check [`PrevWalk::walker`]) inside
+/// its stack (they were bounds-checked when read), which stays mapped while the thread lives.
 #[inline(always)]
 fn unchanged(frames: &[Frame]) -> bool {
     frames.iter().all(|f| {
@@ -139,6 +185,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     if low < bottom || low >= high || out.is_empty() || pc == 0 {
         // On another stack (sigaltstack, a coroutine's): its extent is unknown, walk nothing.
         prev.len = 0;
+        prev.epoch = prev.epoch.wrapping_add(1);
         return 0;
     }
     let read = |addr: u64| -> Option<u64> {
@@ -147,15 +194,21 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
             .then(|| unsafe { *(addr as *const u64) })
     };
     let rules = rules::Rules::new();
-    let reusable = prev.generation == rules.generation();
     let prev_truncated = prev.truncated;
+    let (generation, walker) = (prev.generation, prev.walker);
     let (old, new) = prev.split();
+    let reusable = generation == rules.generation() && walker == tls::thread_key();
+    let old_len = old.len();
     let (mut n, mut walked, mut j) = (0, 0, 0);
     if is_return {
         out[0] = pc;
         n = 1;
     }
     let mut truncated = true;
+    // Whether this walk reads what the previous one read, where it read it: it joined the
+    // previous walk at its first frame (with the frame pointer saved at the same place) and,
+    // when it has as many frames, took all the rest.
+    let mut same_frames = false;
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
         let rule = rules.get(recent, if is_return || walked > 0 { pc - 1 } else { pc });
@@ -205,6 +258,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
         out[n] = ra;
         n += 1;
         if splice {
+            same_frames = walked == 1 && j == 0 && old[0].bp_slot == bp_slot;
             // Frames j+1.. of the previous walk follow.
             let tail = &old[j + 1..];
             let take = tail.len().min(out.len() - n).min(MAX_WALK - walked);
@@ -223,7 +277,11 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
             j = old.len();
         }
     }
+    if !(same_frames && walked == old_len) {
+        prev.epoch = prev.epoch.wrapping_add(1);
+    }
     prev.side ^= 1;
+    prev.walker = tls::thread_key();
     prev.len = walked;
     prev.truncated = truncated;
     prev.generation = rules.generation();
@@ -236,6 +294,8 @@ impl PrevWalk {
     /// never matches the module list's, which starts at 1.
     pub(crate) const fn new() -> Self {
         Self {
+            epoch: 0,
+            walker: 0,
             len: 0,
             truncated: false,
             generation: u32::MAX,
