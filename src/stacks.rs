@@ -33,8 +33,10 @@ const STARTS_IDLE: u32 = 64;
 struct KnownStart {
     start: (u64, u64, u64),
     epoch: u64,
-    /// The id (low half) and the depth asked for (high half); 0 when empty.
-    id_depth: u64,
+    /// 0 when the entry is empty.
+    id: u32,
+    /// The depth the id was captured at.
+    depth: u32,
 }
 
 /// A thread's stack capture: the walk buffer, the unwinder's cache, the stacks this thread
@@ -75,18 +77,17 @@ impl Capture {
         let at = ((key.0 ^ key.1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - STARTS.trailing_zeros())) as usize;
         let known = &self.starts[at];
         if known.start == key
-            && known.id_depth >> 32 == depth as u64
+            && known.depth as usize == depth
             && known.epoch == self.walk.epoch()
-            && known.id_depth as u32 != 0
+            && known.id != 0
             && self.walk.last_walk_holds()
         {
             self.starts_missed = 0;
-            return known.id_depth as u32;
+            return known.id;
         }
         let n = unwind::capture(&mut self.frames[..depth], key, &mut self.walk);
         let id = self.intern(n, stacks);
-        self.starts[at] =
-            KnownStart { start: key, epoch: self.walk.epoch(), id_depth: (depth as u64) << 32 | id as u64 };
+        self.starts[at] = KnownStart { start: key, epoch: self.walk.epoch(), id, depth: depth as u32 };
         id
     }
 
