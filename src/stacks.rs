@@ -71,6 +71,8 @@ impl Capture {
         let missed = self.starts_missed;
         self.starts_missed = missed.wrapping_add(1);
         if missed >= STARTS_IDLE && !missed.is_multiple_of(STARTS_IDLE) {
+            // The walk of the miss below, apart: folding the two into one path with a flag
+            // cost sqlite3 0.4% more instructions.
             let n = unwind::capture(&mut self.frames[..depth], key, &mut self.walk);
             return self.intern(n, stacks);
         }

@@ -74,6 +74,13 @@ impl PrevWalk {
     fn last(&self) -> &[Frame] {
         &self.frames[self.side][..self.len]
     }
+
+    /// Forgets the previous walk: the next one starts from scratch, and no start is taken
+    /// for one of its frames.
+    fn forget(&mut self) {
+        self.len = 0;
+        self.epoch = self.epoch.wrapping_add(1);
+    }
 }
 
 /// One frame of a walk: what was read, and where.
@@ -138,8 +145,7 @@ pub(crate) fn capture(out: &mut [u64], start: (u64, u64, u64), cache: &mut WalkC
 
 /// Forgets the last walk (the hook's stack could not be walked).
 pub(crate) fn no_walk(cache: &mut WalkCache) {
-    cache.prev.len = 0;
-    cache.prev.epoch = cache.prev.epoch.wrapping_add(1);
+    cache.prev.forget();
 }
 
 impl WalkCache {
@@ -184,8 +190,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     let low = current_sp();
     if low < bottom || low >= high || out.is_empty() || pc == 0 {
         // On another stack (sigaltstack, a coroutine's): its extent is unknown, walk nothing.
-        prev.len = 0;
-        prev.epoch = prev.epoch.wrapping_add(1);
+        prev.forget();
         return 0;
     }
     let read = |addr: u64| -> Option<u64> {
