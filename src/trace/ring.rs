@@ -69,11 +69,7 @@ impl Ring {
         // SAFETY: the mapping holds the control block and then `capacity` slots; zeroed
         // memory is a valid value of both (atomics and plain words).
         let slots = unsafe { NonNull::new_unchecked(base.as_ptr().add(control_bytes)) }.cast();
-        let ring = Ring { control: base.cast(), slots, mask: capacity - 1 };
-        for i in 0..capacity {
-            ring.slot(i).sequence.store(i, Ordering::Relaxed);
-        }
-        Some(ring)
+        Some(Ring { control: base.cast(), slots, mask: capacity - 1 })
     }
 
     /// Where the shared mapping starts (the same address in the writer, a fork of the program).
@@ -91,6 +87,18 @@ impl Ring {
         unsafe { &*self.slots.as_ptr().add(position & self.mask) }
     }
 
+    /// The sequence number of the slot of `position`. A slot stores it less its own index,
+    /// so that the fresh mapping's zeros are the queue's first state (slot `i` waits for the
+    /// message at position `i`) and no page of the queue is touched before a message needs
+    /// it: writing the numbers out faulted in all 2 MiB at start-up.
+    fn sequence(&self, position: usize) -> usize {
+        self.slot(position).sequence.load(Ordering::Acquire).wrapping_add(position & self.mask)
+    }
+
+    fn set_sequence(&self, position: usize, sequence: usize) {
+        self.slot(position).sequence.store(sequence.wrapping_sub(position & self.mask), Ordering::Release);
+    }
+
     /// Queues the message `head` followed by `tail` (at most `MAX_SLOTS * WORDS` words in
     /// all); `false` (and counted) when the queue has no room for it.
     pub(crate) fn push(&self, head: &[u64], tail: &[u64]) -> bool {
@@ -101,7 +109,7 @@ impl Ring {
         loop {
             // The consumer frees slots in order: when the last of the run is free, all are.
             let last = position + n - 1;
-            let sequence = self.slot(last).sequence.load(Ordering::Acquire);
+            let sequence = self.sequence(last);
             match (sequence as isize).wrapping_sub(last as isize) {
                 0 => match next.compare_exchange_weak(position, position + n, Ordering::Relaxed, Ordering::Relaxed) {
                     Ok(_) => break,
@@ -125,7 +133,7 @@ impl Ring {
         }
         // The first slot last: once the consumer sees it, it finds the rest published.
         for i in (0..n).rev() {
-            self.slot(position + i).sequence.store(position + i + 1, Ordering::Release);
+            self.set_sequence(position + i, position + i + 1);
         }
         true
     }
@@ -136,18 +144,17 @@ impl Ring {
     pub(crate) fn pop(&self, out: &mut Vec<u64>, words_of: impl Fn(&[u64; WORDS]) -> usize) -> bool {
         let tail = &self.control().tail;
         let position = tail.load(Ordering::Relaxed);
-        let first = self.slot(position);
-        if first.sequence.load(Ordering::Acquire) != position + 1 {
+        if self.sequence(position) != position + 1 {
             return false;
         }
         // SAFETY: published by its producer (sequence = position + 1).
-        let head_words = unsafe { *first.words.get() };
+        let head_words = unsafe { *self.slot(position).words.get() };
         let n = slots_for(words_of(&head_words)).min(MAX_SLOTS);
         for i in 0..n {
             let slot = self.slot(position + i);
             // SAFETY: the producer published the rest of its run before the first slot.
             out.extend_from_slice(unsafe { &*slot.words.get() });
-            slot.sequence.store(position + i + self.mask + 1, Ordering::Release);
+            self.set_sequence(position + i, position + i + self.mask + 1);
         }
         tail.store(position + n, Ordering::Relaxed);
         true
@@ -172,7 +179,7 @@ impl Ring {
     /// Whether a message waits for the consumer.
     pub(crate) fn has_message(&self) -> bool {
         let position = self.control().tail.load(Ordering::Relaxed);
-        self.slot(position).sequence.load(Ordering::Acquire) == position + 1
+        self.sequence(position) == position + 1
     }
 
     /// Messages dropped since the last call (the queue was full).
