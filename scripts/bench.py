@@ -126,7 +126,10 @@ def process_cost(a, base, shim):
     times, every process of it preloaded, as a build or a configure script runs."""
     n = 200
     cmd = ["sh", "-c", f"i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done"]
-    variants = [("native", {})] + [(o, {"LD_PRELOAD": shim, "MALLOCSPY_OPTIONS": f"{o}:log_path=/dev/null"}) for o in ("spy=none", "spy=ticks", "spy=leaks")]
+    scratch = tempfile.mkdtemp(prefix="mallocspy-bench-")
+    trace = f"spy=ticks:trace={scratch}/t.%p"
+    options = ("spy=none", "spy=ticks", trace, "spy=leaks")
+    variants = [("native", {})] + [(o, {"LD_PRELOAD": shim, "MALLOCSPY_OPTIONS": f"{o}:log_path=/dev/null"}) for o in options]
     wall = {v: [] for v, _ in variants}
     cpu = {v: [] for v, _ in variants}
     for _ in range(a.rounds):
@@ -134,10 +137,14 @@ def process_cost(a, base, shim):
             t, c, _, _ = run(cmd, dict(base, **extra), a.bench_dir)
             wall[v].append(t / n * 1e3)
             cpu[v].append(c / n * 1e3)
+        for name in os.listdir(scratch):
+            os.unlink(os.path.join(scratch, name))
+    os.rmdir(scratch)
     print(f"\nprocess start and exit ({n} runs of /bin/true from sh, all preloaded): ms per process")
     print(f"  {'variant':<18} {'wall ms':>8} {'extra':>7}   {'cpu ms':>7} {'extra':>7}")
     for v, _ in variants:
         w, c = statistics.median(wall[v]), statistics.median(cpu[v])
+        v = "spy=ticks, trace" if v == trace else v
         print(f"  {v:<18} {w:8.3f} {w - statistics.median(wall['native']):7.3f}   {c:7.3f} {c - statistics.median(cpu['native']):7.3f}")
 
 

@@ -176,8 +176,13 @@ fn close(fd: i32) {
 }
 
 /// Leaves the writer process without running anything of the program's (no atexit
-/// handlers, no stdio flush of the program's copied buffers).
-fn leave() -> ! {
+/// handlers, no stdio flush of the program's copied buffers). Closes `fds` first: a program
+/// waiting at exit for the socket to close goes on then, not once the kernel has also torn
+/// down this process's copy of its memory (which it does before closing what is left open).
+fn leave(fds: &[i32]) -> ! {
+    for &fd in fds.iter().filter(|&&fd| fd >= 0) {
+        close(fd);
+    }
     loop {
         // SAFETY: exit_group ends the process.
         unsafe { libc::syscall(libc::SYS_exit_group, 0) };
@@ -302,7 +307,7 @@ impl Writer {
         loop {
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
-                leave();
+                leave(&[st.fd, socket]);
             }
             let timeout = if drained > 0 || socket < 0 {
                 interval
@@ -354,7 +359,7 @@ impl Writer {
             if raw_fork() == 0 {
                 self.serve(&header, trace_fd, its, ring);
             }
-            leave();
+            leave(&[]);
         }
         close(its);
         close(trace_fd);
