@@ -48,15 +48,17 @@ impl WalkCache {
 /// the other, so a walk that is deeper than the previous one (more frames before the part
 /// they share) can still take its tail.
 struct PrevWalk {
-    /// Advances with every walk whose frames differ from the previous walk's: while it stays,
-    /// the previous walk's frames are the ones every walk since gave.
-    epoch: u64,
     /// The thread that made the walk ([`tls::thread_key`]): the cache belongs to a thread
     /// record, which a new thread may take over, with its stack elsewhere.
     walker: usize,
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
+    /// A frame of the walk (or of the walk it took its tail from) found its CFA from RBP: the
+    /// frame pointers it read may have steered it. Without one, the walk is a function of its
+    /// start and of the return addresses alone (code built without frame pointers saves RBP
+    /// as an ordinary register, whose value changes from call to call).
+    uses_rbp: bool,
     generation: u32,
     /// Which of `frames` holds the previous walk.
     side: usize,
@@ -75,11 +77,9 @@ impl PrevWalk {
         &self.frames[self.side][..self.len]
     }
 
-    /// Forgets the previous walk: the next one starts from scratch, and no start is taken
-    /// for one of its frames.
+    /// Forgets the previous walk: the next one starts from scratch.
     fn forget(&mut self) {
         self.len = 0;
-        self.epoch = self.epoch.wrapping_add(1);
     }
 }
 
@@ -148,24 +148,108 @@ pub(crate) fn no_walk(cache: &mut WalkCache) {
     cache.prev.forget();
 }
 
-impl WalkCache {
-    /// The epoch of the last walk's frames: it moves when a walk gives frames other than the
-    /// walk before it (or the modules change).
-    #[inline]
-    pub(crate) fn epoch(&self) -> u64 {
-        self.prev.epoch
-    }
+/// Most stack words a [`WalkWords`] records: a return address and a saved frame pointer for
+/// each of 32 frames.
+const WORDS: usize = 64;
 
-    /// Whether a walk now would take every frame of the last walk as it is: the modules are
-    /// the same and every stack word the last walk read still holds what it read. A walk
-    /// from a start that gave the last walk's frames, in this epoch, would then give them
-    /// again (a walk is a function of its start and of the words it reads).
+/// The stack words a walk read, where it read them (as offsets above its start's stack
+/// pointer) and the hash of their values. A walk is a function of its start and of the words
+/// it reads: while they hold, a walk from the same start, at the same depth, by the same
+/// thread with the same modules, gives the same frames again. The frame pointers it read
+/// count only when one of its rules used RBP ([`PrevWalk::uses_rbp`]). Words are known by
+/// their hash, as stacks are ([`crate::stacks::hash`]). Zero is the empty record.
+#[derive(Clone, Copy)]
+pub(crate) struct WalkWords {
+    /// 0 for the empty record.
+    hash: u64,
+    /// The thread that walked ([`tls::thread_key`]; a thread record may be taken over by a
+    /// new thread, with its stack elsewhere).
+    walker: usize,
+    /// The module list generation the walk's rules came from.
+    generation: u32,
+    len: u16,
+    offsets: [u16; WORDS],
+}
+
+/// The hash of the words at `offsets` above `sp`, four lanes as [`crate::stacks::hash`].
+///
+/// # Safety
+///
+/// Every `sp + offset` must be a word of the calling thread's stack between its current
+/// stack pointer and its top.
+#[inline(always)]
+unsafe fn hash_at(sp: u64, offsets: &[u16]) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let step = |h: u64, o: u16| {
+        // SAFETY: the caller's contract.
+        let w = unsafe { *((sp + u64::from(o)) as *const u64) };
+        let x = (h ^ w).wrapping_mul(K);
+        x ^ (x >> 29)
+    };
+    let mut lanes = [0x243F_6A88_85A3_08D3u64, 0x1319_8A2E_0370_7344, 0xA409_3822_299F_31D0, 0x082E_FA98_EC4E_6C89];
+    let mut chunks = offsets.chunks_exact(4);
+    for c in &mut chunks {
+        for (lane, &o) in lanes.iter_mut().zip(c) {
+            *lane = step(*lane, o);
+        }
+    }
+    for (lane, &o) in lanes.iter_mut().zip(chunks.remainder()) {
+        *lane = step(*lane, o);
+    }
+    lanes.iter().fold(K, |h, &l| {
+        let x = (h ^ l).wrapping_mul(K);
+        x ^ (x >> 29)
+    }) | 1
+}
+
+impl WalkWords {
+    /// Whether every word recorded still holds its value, read by the thread that recorded
+    /// them with the same modules; `false` for an empty record.
     #[inline]
-    pub(crate) fn last_walk_holds(&self) -> bool {
-        self.prev.len != 0
-            && self.prev.walker == tls::thread_key()
-            && self.prev.generation == rules::Rules::new().generation()
-            && unchanged(self.prev.last())
+    pub(crate) fn hold(&self, sp: u64) -> bool {
+        self.hash != 0
+            && self.walker == tls::thread_key()
+            && self.generation == rules::Rules::new().generation()
+            // SAFETY: recorded by this thread (checked above) at words its walk read inside
+            // its own stack above `sp`, the stack pointer of a hook's start, which is above
+            // this frame: the stack between stays mapped while the thread lives.
+            && unsafe { hash_at(sp, &self.offsets[..(self.len as usize).min(WORDS)]) } == self.hash
+    }
+}
+
+impl WalkCache {
+    /// Records in `words` what the last walk read, relative to `sp`, the stack pointer of its
+    /// start (the frame pointers it read only when one of its rules used RBP); an empty
+    /// record when it read more than a record holds, or farther than 64 KiB above `sp`.
+    pub(crate) fn last_walk_words(&self, sp: u64, words: &mut WalkWords) {
+        let frames = self.prev.last();
+        let with_bp = self.prev.uses_rbp;
+        words.hash = 0;
+        if frames.is_empty() || frames.len() * 2 > WORDS || self.prev.walker != tls::thread_key() {
+            return;
+        }
+        let (mut n, mut far) = (0, 0);
+        for f in frames {
+            let o = (f.cfa - 8).wrapping_sub(sp);
+            far |= o;
+            words.offsets[n] = o as u16;
+            n += 1;
+            if with_bp && f.bp_slot != 0 {
+                let o = f.bp_slot.wrapping_sub(sp);
+                far |= o;
+                words.offsets[n] = o as u16;
+                n += 1;
+            }
+        }
+        if far >> 16 != 0 {
+            return;
+        }
+        words.len = n as u16;
+        words.walker = self.prev.walker;
+        words.generation = self.prev.generation;
+        // SAFETY: the words this thread's walk just read, above `sp` (checked by `far`), in
+        // its stack.
+        words.hash = unsafe { hash_at(sp, &words.offsets[..n]) };
     }
 }
 
@@ -199,27 +283,26 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
             .then(|| unsafe { *(addr as *const u64) })
     };
     let rules = rules::Rules::new();
-    let prev_truncated = prev.truncated;
+    let (prev_truncated, prev_uses_rbp) = (prev.truncated, prev.uses_rbp);
+    let mut uses_rbp = false;
     let (generation, walker) = (prev.generation, prev.walker);
     let (old, new) = prev.split();
     let reusable = generation == rules.generation() && walker == tls::thread_key();
-    let old_len = old.len();
     let (mut n, mut walked, mut j) = (0, 0, 0);
     if is_return {
         out[0] = pc;
         n = 1;
     }
     let mut truncated = true;
-    // Whether this walk reads what the previous one read, where it read it: it joined the
-    // previous walk at its first frame (with the frame pointer saved at the same place) and,
-    // when it has as many frames, took all the rest.
-    let mut same_frames = false;
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
         let rule = rules.get(recent, if is_return || walked > 0 { pc - 1 } else { pc });
         let (cfa, saved_bp) = match rule {
             rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp),
-            rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp),
+            rules::Rule::Rbp { cfa, rbp } => {
+                uses_rbp = true;
+                (bp.wrapping_add(cfa as u64), rbp)
+            }
             rules::Rule::Stop => {
                 truncated = false;
                 break;
@@ -263,7 +346,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
         out[n] = ra;
         n += 1;
         if splice {
-            same_frames = walked == 1 && j == 0 && old[0].bp_slot == bp_slot;
+            uses_rbp |= prev_uses_rbp;
             // Frames j+1.. of the previous walk follow.
             let tail = &old[j + 1..];
             let take = tail.len().min(out.len() - n).min(MAX_WALK - walked);
@@ -282,13 +365,11 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
             j = old.len();
         }
     }
-    if !(same_frames && walked == old_len) {
-        prev.epoch = prev.epoch.wrapping_add(1);
-    }
     prev.side ^= 1;
     prev.walker = tls::thread_key();
     prev.len = walked;
     prev.truncated = truncated;
+    prev.uses_rbp = uses_rbp;
     prev.generation = rules.generation();
     n
 }
@@ -299,10 +380,10 @@ impl PrevWalk {
     /// never matches the module list's, which starts at 1.
     pub(crate) const fn new() -> Self {
         Self {
-            epoch: 0,
             walker: 0,
             len: 0,
             truncated: false,
+            uses_rbp: false,
             generation: u32::MAX,
             side: 0,
             frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0 }; MAX_WALK]; 2],
