@@ -151,22 +151,29 @@ pub(crate) struct Stacks {
 /// stack overlap instead of waiting on each other.
 #[inline(always)]
 pub(crate) fn hash(frames: &[u64]) -> u64 {
+    hash_of(frames, |f| f)
+}
+
+/// [`hash`] of the words `word` gives for each of `items` (a walk's words are hashed where
+/// they lie on the stack, from their offsets).
+#[inline(always)]
+pub(crate) fn hash_of<T: Copy>(items: &[T], word: impl Fn(T) -> u64) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let step = |h: u64, f: u64| {
         let x = (h ^ f).wrapping_mul(K);
         x ^ (x >> 29)
     };
     let mut lanes = [0x243F_6A88_85A3_08D3u64, 0x1319_8A2E_0370_7344, 0xA409_3822_299F_31D0, 0x082E_FA98_EC4E_6C89];
-    let mut chunks = frames.chunks_exact(4);
+    let mut chunks = items.chunks_exact(4);
     for c in &mut chunks {
         for (lane, &f) in lanes.iter_mut().zip(c) {
-            *lane = step(*lane, f);
+            *lane = step(*lane, word(f));
         }
     }
     for (lane, &f) in lanes.iter_mut().zip(chunks.remainder()) {
-        *lane = step(*lane, f);
+        *lane = step(*lane, word(f));
     }
-    let h = lanes.iter().fold(frames.len() as u64, |h, &l| step(h, l));
+    let h = lanes.iter().fold(items.len() as u64, |h, &l| step(h, l));
     step(h, K) | 1
 }
 

@@ -171,7 +171,7 @@ pub(crate) struct WalkWords {
     offsets: [u16; WORDS],
 }
 
-/// The hash of the words at `offsets` above `sp`, four lanes as [`crate::stacks::hash`].
+/// The hash of the words at `offsets` above `sp`, as [`crate::stacks::hash`] would give it.
 ///
 /// # Safety
 ///
@@ -179,27 +179,8 @@ pub(crate) struct WalkWords {
 /// stack pointer and its top.
 #[inline(always)]
 unsafe fn hash_at(sp: u64, offsets: &[u16]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let step = |h: u64, o: u16| {
-        // SAFETY: the caller's contract.
-        let w = unsafe { *((sp + u64::from(o)) as *const u64) };
-        let x = (h ^ w).wrapping_mul(K);
-        x ^ (x >> 29)
-    };
-    let mut lanes = [0x243F_6A88_85A3_08D3u64, 0x1319_8A2E_0370_7344, 0xA409_3822_299F_31D0, 0x082E_FA98_EC4E_6C89];
-    let mut chunks = offsets.chunks_exact(4);
-    for c in &mut chunks {
-        for (lane, &o) in lanes.iter_mut().zip(c) {
-            *lane = step(*lane, o);
-        }
-    }
-    for (lane, &o) in lanes.iter_mut().zip(chunks.remainder()) {
-        *lane = step(*lane, o);
-    }
-    lanes.iter().fold(K, |h, &l| {
-        let x = (h ^ l).wrapping_mul(K);
-        x ^ (x >> 29)
-    }) | 1
+    // SAFETY: the caller's contract.
+    crate::stacks::hash_of(offsets, |o| unsafe { *((sp + u64::from(o)) as *const u64) })
 }
 
 impl WalkWords {
