@@ -6,6 +6,7 @@
 //! | `log_path` | a path; `%p` is the process id | stderr | where reports go (appended) |
 //! | `report_format` | `text`, `json` | `text` | the leak report's format |
 //! | `show_reachable` | `0`, `1` | `0` | list still-reachable records in the text report (JSON always has them) |
+//! | `show_below_main` | `0`, `1` | `0` | keep the frames below `main` (the C library's start-up) in reported stacks |
 //! | `report_on_signal` | `0`, `1` | `1` | write the reports when `HUP`, `INT`, `QUIT` or `TERM` ends the process by its default action |
 //! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
 //! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23) |
@@ -63,6 +64,8 @@ pub struct Options {
     pub report_format: ReportFormat,
     /// List still-reachable records in the text report.
     pub show_reachable: bool,
+    /// Keep the frames below `main` in reported stacks (valgrind's `--show-below-main`).
+    pub show_below_main: bool,
     /// Write the reports when a signal's default action ends the process.
     pub report_on_signal: bool,
     /// Suppressions file.
@@ -92,6 +95,7 @@ impl Default for Options {
             log_path: None,
             report_format: ReportFormat::Text,
             show_reachable: false,
+            show_below_main: false,
             report_on_signal: true,
             suppressions: None,
             exitcode: None,
@@ -124,8 +128,9 @@ pub enum OptionsError {
     Malformed(String),
 }
 
-const KEYS: &str = "spy, log_path, report_format, show_reachable, report_on_signal, suppressions, exitcode, \
-                    stack_depth, max_memory, sampling, sample_interval, sample_seed, trace, stats_interval_ms";
+const KEYS: &str = "spy, log_path, report_format, show_reachable, show_below_main, report_on_signal, \
+                    suppressions, exitcode, stack_depth, max_memory, sampling, sample_interval, sample_seed, \
+                    trace, stats_interval_ms";
 
 impl fmt::Display for OptionsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -181,6 +186,13 @@ impl Options {
                         "0" => false,
                         "1" => true,
                         _ => return Err(bad("show_reachable", "0 or 1")),
+                    }
+                }
+                "show_below_main" => {
+                    o.show_below_main = match value {
+                        "0" => false,
+                        "1" => true,
+                        _ => return Err(bad("show_below_main", "0 or 1")),
                     }
                 }
                 "report_on_signal" => {
@@ -263,14 +275,15 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let o = Options::parse(
-            "spy=count,guard:log_path=/tmp/x.%p:report_format=json:show_reachable=1:report_on_signal=0:suppressions=s.txt:exitcode=23:stack_depth=8:max_memory=64m",
+            "spy=count,guard:log_path=/tmp/x.%p:report_format=json:show_reachable=1:show_below_main=1:report_on_signal=0:suppressions=s.txt:exitcode=23:stack_depth=8:max_memory=64m",
         )
         .unwrap();
         assert!(!o.report_on_signal && Options::default().report_on_signal);
         assert_eq!(o.spies, SpySet { count: true, guard: true, ..SpySet::default() });
         assert_eq!(o.log_path.as_deref(), Some("/tmp/x.%p"));
         assert_eq!(o.report_format, ReportFormat::Json);
-        assert!(o.show_reachable);
+        assert!(o.show_reachable && !Options::default().show_below_main);
+        assert!(o.show_below_main);
         assert_eq!(o.suppressions.as_deref(), Some("s.txt"));
         assert_eq!(o.exitcode, Some(23));
         assert_eq!(o.stack_depth, 8);

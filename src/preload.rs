@@ -12,7 +12,7 @@ use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use crate::global::{self, GLOBAL};
-use crate::leaks::{self, Caller, Suppressions};
+use crate::leaks::{self, Caller, StackOptions, Suppressions};
 use crate::options::{Options, ReportFormat};
 use crate::spies::count::CountSpy;
 use crate::spies::guard::GuardSpy;
@@ -272,7 +272,8 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
         return leaks::Summary::default();
     }
     let reachable_stacks = options.report_format == ReportFormat::Json || options.show_reachable;
-    let mut report = leaks::check(tracker, suppressions, reachable_stacks, caller);
+    let stacks = StackOptions { suppressions, below_main: options.show_below_main };
+    let mut report = leaks::check(tracker, stacks, reachable_stacks, caller);
     let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
     if signal != 0 {
         report

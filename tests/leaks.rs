@@ -435,6 +435,39 @@ fn a_statically_linked_program_runs_with_a_warning_that_it_is_unspied() {
 }
 
 #[test]
+fn stacks_end_at_main_unless_asked_for_the_start_up_below_it() {
+    let functions = |extra: &[&str]| -> Vec<Vec<String>> {
+        let out = Command::new(mallocspy())
+            .args(["run", "--json"])
+            .args(extra)
+            .arg("--")
+            .arg(bench_dir().join("leaky"))
+            .output()
+            .unwrap();
+        let report = json_report(&out);
+        let name = |f: &serde_json::Value| f["function"].as_str().unwrap_or("??").to_string();
+        report["leaks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["stack"].as_array().unwrap().iter().map(name).collect())
+            .collect()
+    };
+    // Every leaky.c stack is allocated from main's thread, within 32 frames of `_start`.
+    let cut = functions(&[]);
+    for stack in &cut {
+        assert_eq!(stack.last().map(String::as_str), Some("main"), "{stack:?}");
+    }
+    let whole = functions(&["--show-below-main"]);
+    for stack in &whole {
+        let below = &stack[stack.iter().position(|f| f == "main").unwrap() + 1..];
+        assert!(below.iter().any(|f| f.starts_with("__libc_start")), "{stack:?}");
+        assert_eq!(below.last().map(String::as_str), Some("_start"), "{stack:?}");
+    }
+    assert_eq!(cut.len(), whole.len());
+}
+
+#[test]
 fn stack_depth_limits_the_frames() {
     let out = Command::new(mallocspy())
         .args(["run", "--json", "--stack-depth", "1", "--"])

@@ -38,6 +38,9 @@ pub struct RunArgs {
     /// List still-reachable records in the text report too.
     #[arg(long)]
     show_reachable: bool,
+    /// Keep the frames below main (the C library's start-up) in the stacks.
+    #[arg(long)]
+    show_below_main: bool,
     /// The preload library (default: libmallocspy_preload.so next to this executable).
     #[arg(long, value_name = "PATH")]
     shim: Option<PathBuf>,
@@ -53,6 +56,9 @@ pub fn run(args: RunArgs) -> ExitCode {
     }
     if args.show_reachable {
         options.push("show_reachable=1".into());
+    }
+    if args.show_below_main {
+        options.push("show_below_main=1".into());
     }
     if let Some(log) = &args.log {
         options.push(format!("log_path={log}"));

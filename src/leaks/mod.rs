@@ -9,6 +9,7 @@ pub(crate) mod suppress;
 pub(crate) mod symbols;
 pub(crate) mod unloaded;
 
+pub(crate) use report::StackOptions;
 pub use report::{LeakRecord, LeakReport, Summary, Tally, grouped};
 pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
@@ -91,12 +92,7 @@ const TCB: u64 = 4096;
 
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
 /// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
-pub(crate) fn check(
-    tracker: &LeakTracker,
-    suppressions: &Suppressions,
-    reachable_stacks: bool,
-    caller: Caller,
-) -> LeakReport {
+pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stacks: bool, caller: Caller) -> LeakReport {
     // Allocations made by libc on our behalf from here on are not the program's.
     let ts = tls::state();
     let depth = ts.depth.replace(ts.depth.get().max(1));
@@ -232,7 +228,7 @@ pub(crate) fn check(
         &classified,
         (stats.total_allocs, stats.total_frees, stats.total_bytes),
         |id| tracker.stacks.frames(id).to_vec(),
-        suppressions,
+        stacks,
         retained.as_ref(),
         notes,
     );

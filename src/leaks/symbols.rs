@@ -77,6 +77,81 @@ fn module_of(addr: u64) -> Option<String> {
     }
 }
 
+/// `dladdr1`'s request for the symbol table entry (`<dlfcn.h>`'s `RTLD_DL_SYMENT`).
+const RTLD_DL_SYMENT: libc::c_int = 1;
+
+/// The code of `__libc_start_main` (`[start, end)`) and the load address of its library.
+fn libc_start_main() -> Option<(u64, u64, u64)> {
+    // SAFETY: the name is NUL-terminated; dlsym only looks it up.
+    let start = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__libc_start_main".as_ptr()) };
+    if start.is_null() {
+        return None;
+    }
+    // SAFETY: Dl_info is plain data; dladdr1 writes it and a pointer to the symbol's entry.
+    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+    let mut symbol: *const libc::Elf64_Sym = core::ptr::null();
+    // SAFETY: any address may be asked about; `symbol` receives a pointer into the loader's
+    // (read-only, mapped) symbol table.
+    let found = unsafe { libc::dladdr1(start, &mut info, (&raw mut symbol).cast(), RTLD_DL_SYMENT) };
+    if found == 0 || symbol.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr1 pointed `symbol` at the symbol's entry in the library's mapped table.
+    let size = unsafe { (*symbol).st_size }.max(1);
+    Some((start as u64, start as u64 + size, info.dli_fbase as u64))
+}
+
+/// The library that holds `addr` (its load address).
+fn library_of(addr: u64) -> Option<u64> {
+    // SAFETY: Dl_info is plain data; dladdr only writes it.
+    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+    // SAFETY: any address may be asked about.
+    (unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } != 0).then_some(info.dli_fbase as u64)
+}
+
+/// Where the C library's start-up lies, below `main`: the program's entry point (`_start`),
+/// the code of `__libc_start_main`, which it calls, and the library that holds it. Found from
+/// the auxiliary vector and the dynamic symbol table: naming those frames from their debug
+/// information is what their leaving out spares.
+#[derive(Clone, Copy)]
+pub(crate) struct StartUp {
+    entry: u64,
+    libc_start_main: Option<(u64, u64, u64)>,
+}
+
+impl StartUp {
+    /// The process's start-up code; `None` when the auxiliary vector names no entry point.
+    pub(crate) fn find() -> Option<Self> {
+        // SAFETY: getauxval only reads the auxiliary vector the kernel gave the process.
+        let entry = unsafe { libc::getauxval(libc::AT_ENTRY) };
+        (entry != 0).then(|| StartUp { entry, libc_start_main: libc_start_main() })
+    }
+
+    /// How many of a stack's return addresses (innermost first) lie above the start-up, that
+    /// is, above `main`. A stack that ends in the entry point (whose call of
+    /// `__libc_start_main` returns a few dozen bytes in) loses that frame, the one in
+    /// `__libc_start_main`, and the one above it in the same library (glibc 2.34 and later
+    /// call `main` from `__libc_start_call_main`). Other stacks (a thread's, one cut at
+    /// `stack_depth`) are whole.
+    pub(crate) fn frames_above(&self, addrs: &[u64]) -> usize {
+        let Some(&outermost) = addrs.last() else { return 0 };
+        if outermost.wrapping_sub(self.entry) >= 64 {
+            return addrs.len();
+        }
+        let mut n = addrs.len() - 1;
+        if let Some((start, end, libc_base)) = self.libc_start_main
+            && n > 0
+            && (start..end).contains(&addrs[n - 1])
+        {
+            n -= 1;
+            if n > 0 && library_of(addrs[n - 1]) == Some(libc_base) {
+                n -= 1;
+            }
+        }
+        n
+    }
+}
+
 impl Symbolizer {
     /// `name (module)` of the global variable holding `addr`, or `module+0xoffset`.
     pub(crate) fn global(&mut self, addr: u64) -> String {
@@ -172,5 +247,28 @@ impl Symbolizer {
             }
             frames
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_stack_ending_in_the_entry_point_loses_the_start_up_frames() {
+        let start_up = StartUp::find().expect("an entry point");
+        let above_start_up = |addrs: &[u64]| start_up.frames_above(addrs);
+        let entry = start_up.entry;
+        let (start, _, _) = start_up.libc_start_main.expect("glibc exports __libc_start_main");
+        let in_libc = libc::strlen as *const () as u64 + 1;
+        let mine = only_a_stack_ending_in_the_entry_point_loses_the_start_up_frames as *const () as u64 + 1;
+        // glibc 2.34 and later: main <- __libc_start_call_main <- __libc_start_main <- _start.
+        assert_eq!(above_start_up(&[mine, mine, in_libc, start + 1, entry + 0x25]), 2);
+        // Before: main <- __libc_start_main <- _start.
+        assert_eq!(above_start_up(&[mine, mine, start + 1, entry + 0x25]), 2);
+        // A thread's stack, or one cut short by the depth, is whole.
+        assert_eq!(above_start_up(&[mine, in_libc, start + 1]), 3);
+        assert_eq!(above_start_up(&[mine, entry + 0x1000]), 2);
+        assert_eq!(above_start_up(&[]), 0);
     }
 }
