@@ -54,11 +54,6 @@ struct PrevWalk {
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
-    /// A frame of the walk (or of the walk it took its tail from) found its CFA from RBP: the
-    /// frame pointers it read may have steered it. Without one, the walk is a function of its
-    /// start and of the return addresses alone (code built without frame pointers saves RBP
-    /// as an ordinary register, whose value changes from call to call).
-    uses_rbp: bool,
     generation: u32,
     /// Which of `frames` holds the previous walk.
     side: usize,
@@ -93,6 +88,8 @@ struct Frame {
     bp: u64,
     /// Where that RBP was read from (0: unchanged by the frame).
     bp_slot: u64,
+    /// Whether the frame's CFA was computed from RBP (as it was before the frame).
+    rbp_rule: bool,
 }
 
 /// The calling thread's stack pointer.
@@ -155,9 +152,11 @@ const WORDS: usize = 64;
 /// The stack words a walk read, where it read them (as offsets above its start's stack
 /// pointer) and the hash of their values. A walk is a function of its start and of the words
 /// it reads: while they hold, a walk from the same start, at the same depth, by the same
-/// thread with the same modules, gives the same frames again. The frame pointers it read
-/// count only when one of its rules used RBP ([`PrevWalk::uses_rbp`]). Words are known by
-/// their hash, as stacks are ([`crate::stacks::hash`]). Zero is the empty record.
+/// thread with the same modules, gives the same frames again. Of the saved frame pointers it
+/// read, only those a CFA was then computed from count ([`Frame::rbp_rule`]): code built
+/// without frame pointers saves RBP as an ordinary register, whose value changes from call to
+/// call without changing the walk. Words are known by their hash, as stacks are
+/// ([`crate::stacks::hash`]). Zero is the empty record.
 #[derive(Clone, Copy)]
 pub(crate) struct WalkWords {
     /// 0 for the empty record.
@@ -200,26 +199,34 @@ impl WalkWords {
 
 impl WalkCache {
     /// Records in `words` what the last walk read, relative to `sp`, the stack pointer of its
-    /// start (the frame pointers it read only when one of its rules used RBP); an empty
-    /// record when it read more than a record holds, or farther than 64 KiB above `sp`.
+    /// start (of the frame pointers, those a CFA was computed from); an empty record when it
+    /// read more than a record holds, or farther than 64 KiB above `sp`.
     pub(crate) fn last_walk_words(&self, sp: u64, words: &mut WalkWords) {
         let frames = self.prev.last();
-        let with_bp = self.prev.uses_rbp;
         words.hash = 0;
         if frames.is_empty() || frames.len() * 2 > WORDS || self.prev.walker != tls::thread_key() {
             return;
         }
         let (mut n, mut far) = (0, 0);
+        // Where RBP was last restored from, and whether that word is recorded already.
+        let (mut slot, mut slot_recorded) = (0u64, true);
         for f in frames {
+            // A CFA taken from RBP depends on the word RBP was last restored from (or on RBP
+            // at the start, which is part of the start); the other saved values of RBP are
+            // read, but the walk does not depend on them.
+            if f.rbp_rule && !slot_recorded {
+                let o = slot.wrapping_sub(sp);
+                far |= o;
+                words.offsets[n] = o as u16;
+                n += 1;
+                slot_recorded = true;
+            }
             let o = (f.cfa - 8).wrapping_sub(sp);
             far |= o;
             words.offsets[n] = o as u16;
             n += 1;
-            if with_bp && f.bp_slot != 0 {
-                let o = f.bp_slot.wrapping_sub(sp);
-                far |= o;
-                words.offsets[n] = o as u16;
-                n += 1;
+            if f.bp_slot != 0 {
+                (slot, slot_recorded) = (f.bp_slot, false);
             }
         }
         if far >> 16 != 0 {
@@ -234,16 +241,30 @@ impl WalkCache {
     }
 }
 
-/// Whether every stack word a previous walk read at `frames` still holds its value.
+/// Copies into `new` the frames `tail` of a previous walk, which followed a frame where this
+/// walk now stands with RBP = `bp` (`old_bp` then), if the walk would find them again: each
+/// return address still lies where it was read, and each CFA that was taken from RBP would be
+/// taken from the same value. Saved values of RBP that no rule reads may have changed (code
+/// built without frame pointers saves RBP as an ordinary register): the copies hold the values
+/// RBP takes now. Whether it copied them all.
 ///
 /// The words were read by the calling thread (the callers check [`PrevWalk::walker`]) inside
 /// its stack (they were bounds-checked when read), which stays mapped while the thread lives.
 #[inline(always)]
-fn unchanged(frames: &[Frame]) -> bool {
-    frames.iter().all(|f| {
+fn follow(tail: &[Frame], mut bp: u64, mut old_bp: u64, new: &mut [Frame]) -> bool {
+    for (f, copy) in tail.iter().zip(new) {
         // SAFETY: see above: both addresses are 8-aligned words of the live stack.
-        unsafe { *((f.cfa - 8) as *const u64) == f.ra && (f.bp_slot == 0 || *(f.bp_slot as *const u64) == f.bp) }
-    })
+        if (f.rbp_rule && bp != old_bp) || unsafe { *((f.cfa - 8) as *const u64) } != f.ra {
+            return false;
+        }
+        if f.bp_slot != 0 {
+            // SAFETY: as above.
+            bp = unsafe { *(f.bp_slot as *const u64) };
+            old_bp = f.bp;
+        }
+        *copy = Frame { bp, ..*f };
+    }
+    true
 }
 
 /// The unwind loop.
@@ -264,8 +285,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
             .then(|| unsafe { *(addr as *const u64) })
     };
     let rules = rules::Rules::new();
-    let (prev_truncated, prev_uses_rbp) = (prev.truncated, prev.uses_rbp);
-    let mut uses_rbp = false;
+    let prev_truncated = prev.truncated;
     let (generation, walker) = (prev.generation, prev.walker);
     let (old, new) = prev.split();
     let reusable = generation == rules.generation() && walker == tls::thread_key();
@@ -278,12 +298,9 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
         let rule = rules.get(recent, if is_return || walked > 0 { pc - 1 } else { pc });
-        let (cfa, saved_bp) = match rule {
-            rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp),
-            rules::Rule::Rbp { cfa, rbp } => {
-                uses_rbp = true;
-                (bp.wrapping_add(cfa as u64), rbp)
-            }
+        let (cfa, saved_bp, rbp_rule) = match rule {
+            rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp, false),
+            rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp, true),
             rules::Rule::Stop => {
                 truncated = false;
                 break;
@@ -318,20 +335,15 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
         while reusable && j < old.len() && old[j].cfa < cfa {
             j += 1;
         }
-        let splice = reusable && j < old.len() && {
-            let f = &old[j];
-            f.cfa == cfa && f.ra == ra && f.bp == bp && unchanged(&old[j + 1..])
-        };
-        new[walked] = Frame { cfa, ra, bp, bp_slot };
+        new[walked] = Frame { cfa, ra, bp, bp_slot, rbp_rule };
         walked += 1;
         out[n] = ra;
         n += 1;
-        if splice {
-            uses_rbp |= prev_uses_rbp;
-            // Frames j+1.. of the previous walk follow.
-            let tail = &old[j + 1..];
-            let take = tail.len().min(out.len() - n).min(MAX_WALK - walked);
-            new[walked..walked + take].copy_from_slice(&tail[..take]);
+        // Frames j+1.. of the previous walk may follow.
+        let matched = reusable && j < old.len() && old[j].cfa == cfa && old[j].ra == ra;
+        let tail = if matched { &old[j + 1..] } else { &[] };
+        let take = tail.len().min(out.len() - n).min(MAX_WALK - walked);
+        if matched && follow(&tail[..take], bp, old[j].bp, &mut new[walked..walked + take]) {
             for (o, f) in out[n..n + take].iter_mut().zip(&tail[..take]) {
                 *o = f.ra;
             }
@@ -350,7 +362,6 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     prev.walker = tls::thread_key();
     prev.len = walked;
     prev.truncated = truncated;
-    prev.uses_rbp = uses_rbp;
     prev.generation = rules.generation();
     n
 }
@@ -364,10 +375,9 @@ impl PrevWalk {
             walker: 0,
             len: 0,
             truncated: false,
-            uses_rbp: false,
             generation: u32::MAX,
             side: 0,
-            frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0 }; MAX_WALK]; 2],
+            frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0, rbp_rule: false }; MAX_WALK]; 2],
         }
     }
 }
