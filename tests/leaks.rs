@@ -285,6 +285,18 @@ fn threads_that_block_signals_or_have_exited_are_not_waited_for_and_their_stacks
     }
 }
 
+/// A block whose only pointer was left on the stack of a thread that has exited is lost, as
+/// memcheck says: glibc keeps that stack mapped for a thread to come, but nothing there is live.
+#[test]
+fn a_pointer_left_on_an_exited_threads_stack_does_not_keep_its_block() {
+    let out = run(JSON_REPORT, &mut Command::new(c_program("thread_leak.c")));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "joined\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{report}");
+    let lost = report["leaks"].as_array().unwrap().iter().find(|r| r["kind"] == "definitely_lost").unwrap();
+    assert_eq!(lost["stack"][0]["function"], "work", "{lost}");
+}
+
 /// Pointers kept only in memory the program mapped itself are found when the kernel has
 /// merged that mapping with one of glibc's chunks (one mapping holding a block, once left
 /// out of the scan whole), and in the one touched page of a 64 GiB reservation.

@@ -167,7 +167,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             region_kinds.push(Root::Stack(thread));
         }
     }
-    roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &mut regions);
+    let exited = crate::threads::exited_stacks();
+    roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
     scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffers), &mut scratch);
     drop(stopped);
     region_kinds.resize(regions.len(), Root::Anonymous);

@@ -112,11 +112,13 @@ impl Maps {
 }
 
 /// Anonymous data mappings to scan as roots, as memcheck scans the memory a program maps
-/// for itself (GCC's garbage-collected pages, Python's arenas, the cached stacks of exited
-/// threads hold pointers to heap blocks). Left out: mappings holding a live block (an
-/// allocator's heap: its free chunks are not roots), mallocspy's own memory, the mappings of
-/// live threads' stacks (scanned from their stack pointers only: what lies below is dead
-/// frames), and the zero-filled tails (`.bss`) of the modules' data segments, which are
+/// for itself (GCC's garbage-collected pages and Python's arenas hold pointers to heap
+/// blocks). Left out: mappings holding a live block (an allocator's heap: its free chunks are
+/// not roots), mallocspy's own memory, the mappings of live threads' stacks (scanned from
+/// their stack pointers only: what lies below is dead frames), the stacks glibc keeps of
+/// exited threads (`exited`: a stack pointer of each, outside the program's own mappings;
+/// what is left there is stale, and memcheck calls a block held only there lost), and the
+/// zero-filled tails (`.bss`) of the modules' data segments, which are
 /// module data: scanned as such, or mallocspy's own (800 KiB of it, read word by word in
 /// every report, made `/bin/true`'s exit report cost a millisecond).
 ///
@@ -129,13 +131,17 @@ pub(crate) fn anonymous_roots(
     stack_pointers: &[u64],
     modules: &ModuleData,
     program: &[(u64, u64)],
+    exited: &[u64],
     out: &mut Vec<(u64, u64)>,
 ) {
+    // A stack glibc freed may have been reused by the program for a mapping of its own.
+    let in_program = |sp: u64| program.get(program.partition_point(|r| r.1 <= sp)).is_some_and(|r| r.0 <= sp);
     let root = |start: u64, end: u64| {
         let holds_block = block_starts.get(block_starts.partition_point(|&b| b < start)).is_some_and(|&b| b < end);
         let holds_stack = stack_pointers.iter().any(|&sp| start <= sp && sp < end);
+        let exited_stack = exited.iter().any(|&sp| start <= sp && sp < end && !in_program(sp));
         let module_data = modules.roots.iter().chain(&modules.own).any(|&(s, e)| start < e && s < end);
-        !holds_block && !holds_stack && !module_data && !crate::pool::owns(start, end)
+        !holds_block && !holds_stack && !exited_stack && !module_data && !crate::pool::owns(start, end)
     };
     for m in maps.list.iter().filter(|m| m.anonymous_data) {
         if root(m.start, m.end) {
