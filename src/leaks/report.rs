@@ -152,7 +152,12 @@ pub(crate) fn build(
         ..Summary::default()
     };
     let mut symbolizer = Symbolizer::default();
-    let start_up = if stacks.below_main { None } else { symbols::StartUp::find() };
+    let mut start_up = if stacks.below_main { None } else { symbols::StartUp::find() };
+    if let Some(start_up) = &mut start_up {
+        for &(stack_id, _) in groups.keys() {
+            start_up.learn(&frames_of(stack_id));
+        }
+    }
     let mut leaks = Vec::new();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;

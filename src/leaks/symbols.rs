@@ -110,13 +110,16 @@ fn library_of(addr: u64) -> Option<u64> {
 }
 
 /// Where the C library's start-up lies, below `main`: the program's entry point (`_start`),
-/// the code of `__libc_start_main`, which it calls, and the library that holds it. Found from
-/// the auxiliary vector and the dynamic symbol table: naming those frames from their debug
+/// the code of `__libc_start_main`, which it calls, the library that holds it, and the return
+/// address into the function of that library that calls `main` (glibc 2.34 and later:
+/// `__libc_start_call_main`), once a stack has shown it. Found from the auxiliary vector, the
+/// dynamic symbol table and the stacks themselves: naming those frames from their debug
 /// information is what their leaving out spares.
 #[derive(Clone, Copy)]
 pub(crate) struct StartUp {
     entry: u64,
     libc_start_main: Option<(u64, u64, u64)>,
+    calls_main: u64,
 }
 
 impl StartUp {
@@ -124,29 +127,50 @@ impl StartUp {
     pub(crate) fn find() -> Option<Self> {
         // SAFETY: getauxval only reads the auxiliary vector the kernel gave the process.
         let entry = unsafe { libc::getauxval(libc::AT_ENTRY) };
-        (entry != 0).then(|| StartUp { entry, libc_start_main: libc_start_main() })
+        (entry != 0).then(|| StartUp { entry, libc_start_main: libc_start_main(), calls_main: 0 })
+    }
+
+    fn in_start_main(&self, addr: u64) -> bool {
+        self.libc_start_main.is_some_and(|(start, end, _)| (start..end).contains(&addr))
+    }
+
+    fn in_libc(&self, addr: u64) -> bool {
+        self.libc_start_main.is_some_and(|(_, _, base)| library_of(addr) == Some(base))
+    }
+
+    /// Learns, from a stack (innermost first) that runs down through `__libc_start_main`, the
+    /// return address into the function that called `main`: the frame of the C library just
+    /// above, when the one above that is the program's.
+    pub(crate) fn learn(&mut self, addrs: &[u64]) {
+        if self.calls_main != 0 {
+            return;
+        }
+        let Some(at) = addrs.iter().rposition(|&a| self.in_start_main(a)) else { return };
+        if at >= 2 && self.in_libc(addrs[at - 1]) && !self.in_libc(addrs[at - 2]) {
+            self.calls_main = addrs[at - 1];
+        }
     }
 
     /// How many of a stack's return addresses (innermost first) lie above the start-up, that
-    /// is, above `main`. A stack that ends in the entry point (whose call of
-    /// `__libc_start_main` returns a few dozen bytes in) loses that frame, the one in
-    /// `__libc_start_main`, and the one above it in the same library (glibc 2.34 and later
-    /// call `main` from `__libc_start_call_main`). Other stacks (a thread's, one cut at
-    /// `stack_depth`) are whole.
+    /// is, above `main`. At its outer end, a stack loses its frame in the entry point (whose
+    /// call of `__libc_start_main` returns a few dozen bytes in), in `__libc_start_main`, and
+    /// in the function that called `main` (learnt, or the frame of the C library just above
+    /// `__libc_start_main` when the one above that is the program's). A stack cut short by
+    /// `stack_depth` within the start-up loses what it has of it; others, a thread's, are whole.
     pub(crate) fn frames_above(&self, addrs: &[u64]) -> usize {
-        let Some(&outermost) = addrs.last() else { return 0 };
-        if outermost.wrapping_sub(self.entry) >= 64 {
-            return addrs.len();
-        }
-        let mut n = addrs.len() - 1;
-        if let Some((start, end, libc_base)) = self.libc_start_main
-            && n > 0
-            && (start..end).contains(&addrs[n - 1])
-        {
+        let mut n = addrs.len();
+        if n > 0 && addrs[n - 1].wrapping_sub(self.entry) < 64 {
             n -= 1;
-            if n > 0 && library_of(addrs[n - 1]) == Some(libc_base) {
-                n -= 1;
-            }
+        }
+        let below_start_main = n > 0 && self.in_start_main(addrs[n - 1]);
+        if below_start_main {
+            n -= 1;
+        }
+        let calls_main = |a: u64| {
+            if self.calls_main != 0 { a == self.calls_main } else { below_start_main && self.in_libc(a) }
+        };
+        if n >= 2 && calls_main(addrs[n - 1]) && !self.in_libc(addrs[n - 2]) {
+            n -= 1;
         }
         n
     }
@@ -266,8 +290,13 @@ mod tests {
         assert_eq!(above_start_up(&[mine, mine, in_libc, start + 1, entry + 0x25]), 2);
         // Before: main <- __libc_start_main <- _start.
         assert_eq!(above_start_up(&[mine, mine, start + 1, entry + 0x25]), 2);
-        // A thread's stack, or one cut short by the depth, is whole.
-        assert_eq!(above_start_up(&[mine, in_libc, start + 1]), 3);
+        // Cut short by the depth within the start-up.
+        assert_eq!(above_start_up(&[mine, mine, in_libc, start + 1]), 2);
+        // The C library's own start-up allocations keep their frames in it.
+        assert_eq!(above_start_up(&[in_libc, start + 1, entry + 0x25]), 1);
+        assert_eq!(above_start_up(&[in_libc + 1, in_libc, start + 1, entry + 0x25]), 2);
+        // A thread's stack is whole.
+        assert_eq!(above_start_up(&[mine, in_libc, in_libc]), 3);
         assert_eq!(above_start_up(&[mine, entry + 0x1000]), 2);
         assert_eq!(above_start_up(&[]), 0);
     }
