@@ -61,13 +61,17 @@ fn read_data_symbols(path: &str) -> Vec<(u64, u64, String)> {
     out
 }
 
-fn module_of(addr: u64) -> Option<String> {
+/// What the loader knows of `addr`: its module's path and load address, its nearest
+/// dynamic symbol.
+fn dl_info(addr: u64) -> Option<libc::Dl_info> {
     // SAFETY: Dl_info is plain data; dladdr only writes it.
     let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
     // SAFETY: any address may be asked about.
-    if unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } == 0 || info.dli_fname.is_null() {
-        return None;
-    }
+    (unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } != 0).then_some(info)
+}
+
+fn module_of(addr: u64) -> Option<String> {
+    let info = dl_info(addr).filter(|i| !i.dli_fname.is_null())?;
     // SAFETY: dladdr returns a NUL-terminated path owned by the loader.
     let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
     if name.is_empty() {
@@ -101,14 +105,6 @@ fn libc_start_main() -> Option<(u64, u64, u64)> {
     Some((start as u64, start as u64 + size, info.dli_fbase as u64))
 }
 
-/// The library that holds `addr` (its load address).
-fn library_of(addr: u64) -> Option<u64> {
-    // SAFETY: Dl_info is plain data; dladdr only writes it.
-    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
-    // SAFETY: any address may be asked about.
-    (unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } != 0).then_some(info.dli_fbase as u64)
-}
-
 /// Where the C library's start-up lies, below `main`: the program's entry point (`_start`),
 /// the code of `__libc_start_main`, which it calls, the library that holds it, and the return
 /// address into the function of that library that calls `main` (glibc 2.34 and later:
@@ -135,7 +131,7 @@ impl StartUp {
     }
 
     fn in_libc(&self, addr: u64) -> bool {
-        self.libc_start_main.is_some_and(|(_, _, base)| library_of(addr) == Some(base))
+        self.libc_start_main.is_some_and(|(_, _, base)| dl_info(addr).is_some_and(|i| i.dli_fbase as u64 == base))
     }
 
     /// Learns, from a stack (innermost first) that runs down through `__libc_start_main`, the
@@ -179,12 +175,7 @@ impl StartUp {
 impl Symbolizer {
     /// `name (module)` of the global variable holding `addr`, or `module+0xoffset`.
     pub(crate) fn global(&mut self, addr: u64) -> String {
-        // SAFETY: Dl_info is plain data; dladdr only writes it.
-        let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
-        // SAFETY: any address may be asked about.
-        if unsafe { libc::dladdr(addr as *const libc::c_void, &mut info) } == 0 {
-            return format!("{addr:#x}");
-        }
+        let Some(info) = dl_info(addr) else { return format!("{addr:#x}") };
         let base = info.dli_fbase as u64;
         let Some(module) = module_of(addr) else { return format!("{addr:#x}") };
         let symbols = self.data_symbols.entry(module.clone()).or_insert_with(|| read_data_symbols(&module));
