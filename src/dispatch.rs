@@ -2,7 +2,10 @@
 //! spy Post, events.
 //!
 //! The order of operations is fixed:
-//! * no spy registered: straight to the real allocator (one load and one branch);
+//! * no spy registered: straight to the real allocator (one load and one branch; the
+//!   process's `malloc` and `free` ask the gate first, in assembly: `fast_path.rs`);
+//! * a sampling spy alone: a call it would only count is counted by the gate ([`Gate`]) and
+//!   goes to the real allocator;
 //! * a call from inside a hook (the spy allocating, a signal handler that interrupted a hook)
 //!   goes to the real allocator unseen; its frees of spied blocks are parked in
 //!   [`DeferredFrees`] because only the spy knows where their real block starts;
@@ -154,6 +157,9 @@ impl<H: Heap> Interposer<H> {
 
     // ---- the entry points ------------------------------------------------------------------
 
+    /// `malloc` and [`Interposer::free`] in Rust, for the tests' interposers: the process's
+    /// are [`crate::fast_path`]'s assembly, which takes the same steps.
+    #[cfg(test)]
     #[inline]
     pub(crate) fn malloc(&self, size: usize) -> *mut c_void {
         if self.registry.is_empty() || self.gate.pass_small(size) {
@@ -163,11 +169,12 @@ impl<H: Heap> Interposer<H> {
     }
 
     /// `malloc` through the spy, out of line: the fast path above then needs no stack frame
-    /// and ends in a tail call to the real allocator. `extern "C"`, so that it cannot unwind:
-    /// the entry points, which must not unwind either, then reach it by a jump too, rather
-    /// than a call wrapped in an abort-on-unwind frame.
+    /// and ends in a tail call to the real allocator (the process's interposer has that fast
+    /// path in assembly, [`crate::fast_path`], which comes here too). `extern "C"`, so that it
+    /// cannot unwind: the entry points, which must not unwind either, then reach it by a jump
+    /// too, rather than a call wrapped in an abort-on-unwind frame.
     #[inline(never)]
-    extern "C" fn malloc_slow(&self, size: usize) -> *mut c_void {
+    pub(crate) extern "C" fn malloc_slow(&self, size: usize) -> *mut c_void {
         self.alloc(AllocRequest { entry: Entry::Malloc, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr
     }
 
@@ -246,6 +253,7 @@ impl<H: Heap> Interposer<H> {
 
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
+    #[cfg(test)]
     #[inline]
     pub(crate) unsafe fn free(&self, ptr: *mut c_void) {
         if self.registry.is_empty() || self.gate.pass_free(ptr as usize) {
@@ -256,12 +264,13 @@ impl<H: Heap> Interposer<H> {
         unsafe { self.free_slow(ptr) }
     }
 
-    /// `free` through the spy, out of line so that the fast paths above stay small.
+    /// `free` through the spy, out of line so that the fast paths above (and
+    /// [`crate::fast_path`]'s) stay small.
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
     #[inline(never)]
-    unsafe extern "C" fn free_slow(&self, ptr: *mut c_void) {
+    pub(crate) unsafe extern "C" fn free_slow(&self, ptr: *mut c_void) {
         let saved = os::errno();
         // SAFETY: the caller's guarantee.
         unsafe { self.free_spied(ptr) };

@@ -51,13 +51,16 @@ pub(crate) fn kind_of(size: usize) -> usize {
     if size >= LARGE_BYTES { LARGE } else { SMALL }
 }
 
+/// log2 of the bytes of address space each bit of the bitmap stands for (a 64-byte line).
+pub(crate) const LINE_SHIFT: u32 = 6;
+
 /// The bit of `ptr` in the bitmap: its 64-byte line, modulo the bitmap's 4 MiB of reach. Not
 /// a scrambling hash, on purpose: frees of neighbouring blocks read the same bitmap word, so
 /// the bitmap stays in cache while the program walks its heap; a sampled block costs a slow
 /// free only to the few blocks sharing its line (and those 4 MiB away).
 #[inline(always)]
 pub(crate) fn bit_of(ptr: usize) -> usize {
-    (ptr >> 6) & (BITS - 1)
+    (ptr >> LINE_SHIFT) & (BITS - 1)
 }
 
 /// Takes `size` bytes off the countdown `until` and counts an allocation of `kind`, unless
@@ -92,6 +95,10 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
+    /// Where `key` and `bitmap` lie in a gate, for the assembly of [`crate::fast_path`].
+    pub(crate) const KEY_OFFSET: usize = core::mem::offset_of!(Gate, key);
+    pub(crate) const BITMAP_OFFSET: usize = core::mem::offset_of!(Gate, bitmap);
+
     pub(crate) const fn new() -> Self {
         Self {
             key: AtomicU64::new(CLOSED),
@@ -168,7 +175,9 @@ impl Gate {
         take(&ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { kind } else { 0 }], c, size, kind)
     }
 
-    /// A free of `ptr`: `true` when it is only counted (NULL: not even counted).
+    /// A free of `ptr`: `true` when it is only counted (NULL: not even counted). The
+    /// process's interposer takes these steps in assembly ([`crate::fast_path`]).
+    #[cfg(test)]
     #[inline(always)]
     pub(crate) fn pass_free(&self, ptr: usize) -> bool {
         let Some((_, c)) = self.counters() else { return false };

@@ -212,6 +212,11 @@ fn probe_realloc_zero(fns: &Fns) -> bool {
 }
 
 impl NextHeap {
+    /// Where the real `malloc` and `free` lie in a `NextHeap`, for the assembly of
+    /// [`crate::fast_path`].
+    pub(crate) const MALLOC_FN_OFFSET: usize = core::mem::offset_of!(NextHeap, malloc_fn);
+    pub(crate) const FREE_FN_OFFSET: usize = core::mem::offset_of!(NextHeap, free_fn);
+
     pub(crate) const fn new() -> Self {
         Self {
             free_fn: AtomicPtr::new(free_first as *mut ()),

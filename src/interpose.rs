@@ -22,14 +22,15 @@ use crate::global::GLOBAL;
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
 /// the caller left (the caller's return address is on top) in thread-local storage and jump
 /// to the implementation. Stack capture then starts right at the caller, without walking
-/// mallocspy's own frames.
+/// mallocspy's own frames. `malloc` and `free` jump to the assembly of `fast_path.rs`, which
+/// notes them only for a call that goes on to the spy.
 ///
 /// Invoke it once, at the root of a `cdylib` to preload, or of a program that should be its
 /// own interposer (or enable the `interpose` feature instead).
 #[macro_export]
 macro_rules! export_interposer {
     () => {
-        $crate::__trampoline!(malloc, $crate::interpose::malloc, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__jump!(malloc, $crate::interpose::malloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(calloc, $crate::interpose::calloc, (nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(realloc, $crate::interpose::realloc, (ptr: *mut ::core::ffi::c_void, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(reallocarray, $crate::interpose::reallocarray, (ptr: *mut ::core::ffi::c_void, nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
@@ -38,15 +39,7 @@ macro_rules! export_interposer {
         $crate::__trampoline!(memalign, $crate::interpose::memalign, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
-        /// C `free`.
-        ///
-        /// # Safety
-        /// `ptr` is NULL or a live block of the malloc family.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn free(ptr: *mut ::core::ffi::c_void) {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::free(ptr) }
-        }
+        $crate::__jump!(free, $crate::interpose::free, (ptr: *mut ::core::ffi::c_void) -> ());
         /// C `malloc_usable_size`.
         ///
         /// # Safety
@@ -201,16 +194,28 @@ macro_rules! __trampoline {
     };
 }
 
+/// One naked jump of [`export_interposer!`], to a target that notes the stack itself.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __jump {
+    ($name:ident, $target:path, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        /// The C function of this name (see `export_interposer!`).
+        #[unsafe(naked)]
+        #[unsafe(no_mangle)]
+        pub extern "C" fn $name($($arg: $ty),*) -> $ret {
+            ::core::arch::naked_asm!("jmp {target}", target = sym $target)
+        }
+    };
+}
+
 #[doc(hidden)]
 pub use crate::tls::{ENTRY_BP_OFFSET, ENTRY_SP_OFFSET};
 
 #[doc(hidden)]
-pub use crate::global::API;
+pub use crate::fast_path::{free, malloc};
 
 #[doc(hidden)]
-pub extern "C" fn malloc(size: usize) -> *mut c_void {
-    GLOBAL.malloc(size)
-}
+pub use crate::global::API;
 
 #[doc(hidden)]
 pub extern "C" fn calloc(nmemb: usize, size: usize) -> *mut c_void {
@@ -231,15 +236,6 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
 pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usize) -> *mut c_void {
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.reallocarray(ptr, nmemb, size) }
-}
-
-/// # Safety
-/// `ptr` is NULL or a live block of the malloc family.
-#[doc(hidden)]
-#[inline(always)]
-pub unsafe fn free(ptr: *mut c_void) {
-    // SAFETY: the caller's guarantee.
-    unsafe { GLOBAL.free(ptr) }
 }
 
 #[doc(hidden)]

@@ -60,6 +60,7 @@ mod deferred;
 mod dispatch;
 mod dl_close;
 mod ending_signals;
+mod fast_path;
 pub mod ffi;
 mod gate;
 mod global;

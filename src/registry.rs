@@ -108,6 +108,10 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
+    /// Where the registered spy's pointer lies in a registry (null: none, see
+    /// [`Registry::is_empty`]), for the assembly of [`crate::fast_path`].
+    pub(crate) const CELL_OFFSET: usize = core::mem::offset_of!(Registry, cell);
+
     pub(crate) const fn new() -> Self {
         Self { lock: SpinLock::new(), cell: AtomicPtr::new(core::ptr::null_mut()) }
     }

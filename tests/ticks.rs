@@ -388,3 +388,53 @@ fn a_library_loaded_during_the_run_is_named_even_after_main_exits() {
         assert!(report.contains("late_library_allocates"), "{mode:?}: the library's function is named:\n{report}");
     }
 }
+
+/// The exact totals of a traced run (its last heap statistics) are the calls, frees and bytes
+/// `spy=count` counts in the same program: every call is counted once, whether the sampling
+/// gate lets it through (`malloc` and `free` in assembly, the rest in Rust) or not.
+#[test]
+fn the_traced_totals_are_what_the_count_spy_counts() {
+    let churn = bench_dir().join("churn");
+    for threads in ["1", "2"] {
+        let args = [threads, "200000"];
+        let counted = run(Mode::Shim("spy=count"), Command::new(&churn).args(args));
+        assert!(counted.status.success());
+        let report = count_report(&counted.stderr).expect("a count report");
+        let dir = tempfile::tempdir().unwrap();
+        let options = format!("spy=ticks:trace={}", dir.path().join("t.trace").display());
+        let traced = Command::new(&churn)
+            .args(args)
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", options)
+            .output()
+            .unwrap();
+        assert!(traced.status.success(), "{}", text(&traced.stderr));
+        assert_eq!(traced.stdout, counted.stdout, "churn's result and its own counters are the same");
+
+        let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
+        let mut reader = Reader::new(&bytes).unwrap();
+        let last = reader
+            .by_ref()
+            .map(Result::unwrap)
+            .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
+            .last()
+            .expect("heap statistics at exit");
+        let allocating = ["malloc", "calloc", "realloc", "reallocarray", "posix_memalign", "aligned_alloc", "memalign"];
+        let allocs: u64 = allocating.iter().map(|e| calls(&report, e)).sum();
+        let exact = |kinds: &[mallocspy::trace::KindStats; 3]| {
+            (kinds.iter().map(|k| k.allocs).sum::<u64>(), kinds.iter().map(|k| k.bytes).sum::<u64>())
+        };
+        let context = format!("with {threads} thread(s)\ncount: {report}\nlast stats: {last:?}");
+        assert_eq!(
+            exact(&last.kinds),
+            (allocs, report["bytes_requested"].as_u64().unwrap()),
+            "(allocations, bytes) {context}"
+        );
+        // A realloc of a block frees the block (churn reallocs no NULL and frees no NULL). The
+        // count spy counts calls, and glibc calls free(NULL) as each of churn's threads ends
+        // (twice in `__libc_thread_freeres`): no block freed, none counted in the trace.
+        let calls_freeing = calls(&report, "free") + calls(&report, "realloc") + calls(&report, "reallocarray");
+        let null_frees = calls_freeing.checked_sub(last.frees).unwrap_or_else(|| panic!("more frees traced {context}"));
+        assert!(null_frees <= 2 * threads.parse::<u64>().unwrap(), "{null_frees} frees missing {context}");
+    }
+}
