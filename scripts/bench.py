@@ -92,7 +92,8 @@ def python3():
 
 def compare(name, cmd, env, calls, variants, rounds, cwd):
     """Runs cmd under each variant `rounds` times, alternating; prints medians and ratios.
-    A variant is (name, wrap), wrap(cmd, env) giving the argv and environment to run."""
+    A variant is (name, wrap), wrap(cmd, env) giving the argv and environment to run.
+    Returns each variant's extra ns per call (from the medians) and its wall times by round."""
     wall = {v: [] for v, _ in variants}
     cpu = {v: [] for v, _ in variants}
     for _ in range(rounds):
@@ -118,7 +119,7 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
             f"  {v:<18} {w:7.3f} {w / native_wall:6.3f}x {extra[v]:14.1f}"
             f"   {c:7.3f} {c / native_cpu:6.3f}x {(c - native_cpu) / calls * 1e9:14.1f}   {paired:6.3f}x"
         )
-    return extra
+    return extra, wall
 
 
 def process_cost(a, base, shim):
@@ -191,9 +192,18 @@ def leaks_suite(a, base, shim, mallocspy):
     for name, cmd, env in workloads:
         if a.only and a.only not in name:
             continue
-        extra = compare(name, cmd, env, count_calls(cmd, env, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
+        extra, wall = compare(name, cmd, env, count_calls(cmd, env, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
         share = extra["mallocspy run"] / extra["heaptrack"] if extra["heaptrack"] > 0 else float("nan")
-        print(f"  mallocspy / heaptrack extra cost: {share:.2f} ({'within' if share <= 1 / 3 else 'above'} 1/3)")
+        # The same share within each round (its three runs alternate, close in time), whose
+        # median a machine that changes speed between rounds moves less than the medians'.
+        by_round = [
+            (m - n) / (h - n) for n, h, m in zip(wall["native"], wall["heaptrack"], wall["mallocspy run"]) if h > n
+        ]
+        paired = statistics.median(by_round) if by_round else float("nan")
+        print(
+            f"  mallocspy / heaptrack extra cost: {share:.2f} ({'within' if share <= 1 / 3 else 'above'} 1/3);"
+            f" round by round: median {paired:.2f}"
+        )
     shutil.rmtree(scratch, ignore_errors=True)
     if not a.only or a.only == "exit":
         exit_report(a, base, shim, mallocspy)
