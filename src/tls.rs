@@ -30,8 +30,9 @@ pub(crate) struct ThreadState {
     /// real allocator.
     pub depth: Cell<u32>,
     /// Stack and frame pointer at the entry of the last exported allocating function called
-    /// on this thread, written by its trampoline (see [`crate::export_interposer!`]): the
-    /// caller's return address is at `entry_sp`.
+    /// on this thread, written by its trampoline (see [`crate::export_interposer!`]; by
+    /// `fast_path.rs` for a `malloc`, and only when it goes on to the spy): the caller's
+    /// return address is at `entry_sp`.
     pub entry_sp: Cell<u64>,
     pub entry_bp: Cell<u64>,
     /// The ticks spy's counters for this thread (a `TickCounters` in mallocspy's pool), once
