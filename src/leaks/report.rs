@@ -173,12 +173,11 @@ pub(crate) fn build(
                 stack.extend_from_slice(symbolizer.frames_of_stack(stack_id, addr));
             }
         }
-        let suppressions = stacks.suppressions;
         let suppressed = lost
-            && !suppressions.is_empty()
+            && !stacks.suppressions.is_empty()
             && stack.iter().any(|f| {
                 let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
-                suppressions.matching(texts.into_iter().flatten()).is_some()
+                stacks.suppressions.matching(texts.into_iter().flatten()).is_some()
             });
         let t = if suppressed { &mut summary.suppressed } else { summary.tally(kind) };
         t.blocks += tally.blocks;
