@@ -141,7 +141,7 @@ pub(crate) struct TickSpy {
     stats_callback: AtomicUsize,
     /// When the last statistics were taken, since the start.
     last_stats_ns: AtomicU64,
-    /// Largest estimated live bytes at a statistics event.
+    /// Largest estimated live bytes so far (raised by each sample).
     peak_live: AtomicU64,
     /// The allocator's own view as last taken (see [`TickSpy::allocator_view`]).
     mallinfo: [AtomicU64; 4],
@@ -166,6 +166,17 @@ fn next_random(state: &mut u64) -> u64 {
     x ^= x >> 27;
     *state = x;
     x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// The generator state of thread slot `index` under `seed`: splitmix64 of the two, so that
+/// every bit of the seed counts (`sample_seed=2` and `3` once gave the same samples) and no
+/// two threads share a stream.
+fn thread_seed(seed: u64, index: u32) -> u64 {
+    let mut z = seed.wrapping_add((index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    // xorshift's one forbidden state.
+    (z ^ (z >> 31)).max(1)
 }
 
 /// An exponential gap of mean `interval` bytes.
@@ -290,7 +301,7 @@ impl TickSpy {
         if ts.tick_record.get() != &t.counters as *const TickCounters as usize || ts.tick_seen.get() != epoch {
             // SAFETY: the calling thread owns the record (its slot), inside its hook.
             let own = unsafe { t.own.get() };
-            own.rng = self.config.seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            own.rng = thread_seed(self.config.seed, index);
             for until in &ts.tick_until {
                 until.set(match self.config.sampling {
                     Sampling::Poisson => gap(&mut own.rng, self.config.interval),
@@ -354,6 +365,11 @@ impl TickSpy {
         }
         self.live_bytes[kind as usize].fetch_add(weight, Ordering::Relaxed);
         self.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
+        // The estimate grows only here, so its peak is exact (up to racing threads' order).
+        let live = self.live_bytes.iter().map(|k| k.load(Ordering::Relaxed)).sum::<u64>();
+        if live > self.peak_live.load(Ordering::Relaxed) {
+            self.peak_live.fetch_max(live, Ordering::Relaxed);
+        }
         let time_ns = self.elapsed_ns();
         self.ticks.fetch_add(1, Ordering::Relaxed);
         if let Some(ring) = self.ring() {
@@ -433,12 +449,18 @@ impl TickSpy {
     /// writer and to the callback.
     fn stats_if_due(&self, time_ns: u64) {
         let last = self.last_stats_ns.load(Ordering::Relaxed);
-        if time_ns < last.saturating_add(self.config.stats_interval_ns)
+        if !self.listening()
+            || time_ns < last.saturating_add(self.config.stats_interval_ns)
             || self.last_stats_ns.compare_exchange(last, time_ns, Ordering::Relaxed, Ordering::Relaxed).is_err()
         {
             return;
         }
         self.emit(false);
+    }
+
+    /// Whether anyone reads the statistics events: the trace writer or a callback.
+    fn listening(&self) -> bool {
+        self.ring().is_some() || self.stats_callback.load(Ordering::Relaxed) != 0
     }
 
     /// Takes the heap statistics now: to the writer and to the callback (also at exit).
@@ -476,7 +498,7 @@ impl TickSpy {
         let mut stats = self.stats(fresh);
         stats.time_ns = self.elapsed_ns();
         let live = stats.live_bytes();
-        stats.peak_live_bytes = self.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
+        stats.peak_live_bytes = self.peak_live.load(Ordering::Relaxed).max(live);
         stats
     }
 
@@ -486,9 +508,10 @@ impl TickSpy {
     /// millisecond on python3's fragmented heap, 1% of the run at one event per 100 ms. Unless
     /// `fresh`, it is taken again only once the time since it was last taken is 256 times
     /// what it cost then (at most 0.4% of the run); in between the events repeat its figures.
+    /// Nor is it taken when only the exit summary reads the statistics (it does not show it).
     fn allocator_view(&self, fresh: bool) -> [u64; 4] {
         let start = self.elapsed_ns();
-        if fresh || start >= self.mallinfo_next_ns.load(Ordering::Relaxed) {
+        if self.listening() && (fresh || start >= self.mallinfo_next_ns.load(Ordering::Relaxed)) {
             // SAFETY: mallinfo2 only reads the allocator's state (under its own locks).
             let m = unsafe { libc::mallinfo2() };
             let cost = self.elapsed_ns().saturating_sub(start);
@@ -618,6 +641,7 @@ pub(crate) fn spy() -> Option<&'static TickSpy> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     #[test]
     fn poisson_weights_make_unbiased_estimates() {
@@ -630,6 +654,13 @@ mod tests {
             let expected = p * poisson_weight(size, 102_400) as f64;
             assert!((expected / size as f64 - 1.0).abs() < 0.01, "size {size}: {expected}");
         }
+    }
+
+    #[test]
+    fn every_seed_and_thread_has_its_own_stream() {
+        let states: HashSet<u64> = (0..64u64).flat_map(|seed| (0..64).map(move |i| thread_seed(seed, i))).collect();
+        assert_eq!(states.len(), 64 * 64);
+        assert!(!states.contains(&0));
     }
 
     #[test]
