@@ -75,6 +75,7 @@ pub mod options;
 mod os;
 mod own_heap;
 mod pool;
+mod prefetch;
 #[doc(hidden)]
 pub mod preload;
 mod program_mappings;

@@ -15,8 +15,8 @@ use core::cell::UnsafeCell;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
-use crate::pool;
 use crate::sync::{SelfHeld, SpinLock};
+use crate::{pool, prefetch};
 
 /// Number of shards (a power of two); the top bits of the hash choose one.
 pub(crate) const SHARDS: usize = 64;
@@ -320,15 +320,9 @@ impl<V: Copy> LiveTable<V> {
             let i = h as usize & (capacity - 1);
             // The entry and the one after it (a removal looks at the next to shift it back;
             // either may straddle a line).
-            let first = entries.wrapping_add(i).cast::<i8>();
-            let last = first.wrapping_add(2 * core::mem::size_of::<Entry<V>>() - 1);
-            // SAFETY: prefetching never faults; the addresses are only hints.
-            #[cfg(target_arch = "x86_64")]
-            unsafe {
-                use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-                _mm_prefetch::<_MM_HINT_T0>(first);
-                _mm_prefetch::<_MM_HINT_T0>(last);
-            };
+            let first = entries.wrapping_add(i).cast::<u8>();
+            prefetch::read(first);
+            prefetch::read(first.wrapping_add(2 * core::mem::size_of::<Entry<V>>() - 1));
         }
     }
 
