@@ -12,18 +12,22 @@ use core::sync::atomic::{AtomicUsize, Ordering};
 const CAPACITY: usize = 256;
 
 /// A fixed ring of parked pointers.
+///
+/// `repr(C)`, `pending` first: every spied `free` reads it, and the interposer keeps it on
+/// one of its first lines.
+#[repr(C)]
 pub(crate) struct DeferredFrees {
-    slots: [AtomicUsize; CAPACITY],
     pending: AtomicUsize,
     leaked: AtomicUsize,
+    slots: [AtomicUsize; CAPACITY],
 }
 
 impl DeferredFrees {
     pub(crate) const fn new() -> Self {
         Self {
-            slots: [const { AtomicUsize::new(0) }; CAPACITY],
             pending: AtomicUsize::new(0),
             leaked: AtomicUsize::new(0),
+            slots: [const { AtomicUsize::new(0) }; CAPACITY],
         }
     }
 

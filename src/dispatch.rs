@@ -107,7 +107,7 @@ impl Scope {
         ts.hook_sp.set(if valid { entry } else { 0 });
         ts.hook_bp.set(ts.entry_bp.get());
         let slot = threads::current(ts)?;
-        Some(Scope { slot, _in_flight: InFlight::enter(slot), _depth: depth })
+        Some(Scope { slot, _in_flight: InFlight::enter(slot, ts), _depth: depth })
     }
 
     /// The calling thread's slot.
@@ -119,16 +119,16 @@ impl Scope {
 /// The malloc family over a real heap `H`, with an optional registered spy.
 ///
 /// `repr(C)`, fields in this order: what every call reads (the registry's pointer, the gate,
-/// the real allocator's functions) shares the first cache lines.
+/// the real allocator's functions, whether frees are parked) shares the first cache lines.
 #[repr(C)]
 pub(crate) struct Interposer<H: Heap> {
     pub(crate) registry: Registry,
     /// Lets the calls a sampling spy would only count bypass it.
     pub(crate) gate: Gate,
     pub(crate) heap: H,
+    deferred: DeferredFrees,
     /// Caller pointer of every block allocated under the spy -> the size the caller may use.
     spied: LiveTable<usize>,
-    deferred: DeferredFrees,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -150,8 +150,8 @@ impl<H: Heap> Interposer<H> {
             registry: Registry::new(),
             gate: Gate::new(),
             heap,
-            spied: LiveTable::new(),
             deferred: DeferredFrees::new(),
+            spied: LiveTable::new(),
         }
     }
 

@@ -47,6 +47,11 @@ pub(crate) struct ThreadState {
     /// The thread's kernel id, for the leak tracker's records (0 until first needed; reset
     /// in the child of a fork).
     pub tid: Cell<u32>,
+    /// The in-flight sequence of this thread's slot in [`crate::threads`], as last written.
+    /// The owner is the only writer while it lives, so entering and leaving a hook store to
+    /// the slot without loading it first: the slot's line is often out of cache (its load
+    /// was a fifth of the dispatch's time on churn).
+    pub in_flight_seq: Cell<u64>,
     /// The same as `entry_sp`/`entry_bp` for the top-level hook in progress (copied when it
     /// starts, so that the spy's own allocations do not overwrite it): where its call stack
     /// starts.
