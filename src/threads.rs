@@ -43,7 +43,9 @@ const SWEEP_MIN: usize = 64;
 
 #[repr(align(64))]
 struct Slot {
-    /// Odd while the owning thread is inside a spied hook.
+    /// Odd while the owning thread is inside a spied hook. Only the owner writes it (keeping
+    /// a copy in its `ThreadState::in_flight_seq`), but for the slot of a dead owner
+    /// ([`reclaim_dead_owners`]) and the slots of the threads a `fork` left behind.
     seq: AtomicU64,
     /// The owner's kernel thread id; 0 while the slot is free. Written under `SLOTS.lock`.
     tid: AtomicU32,
