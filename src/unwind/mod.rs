@@ -156,8 +156,10 @@ const WORDS: usize = 64;
 /// read, only those a CFA was then computed from count ([`Frame::rbp_rule`]): code built
 /// without frame pointers saves RBP as an ordinary register, whose value changes from call to
 /// call without changing the walk. Words are known by their hash, as stacks are
-/// ([`crate::stacks::hash`]). Zero is the empty record.
+/// ([`crate::stacks::hash`]). Zero is the empty record. `repr(C)`, the offsets last: a check
+/// reads only as many as the walk read words.
 #[derive(Clone, Copy)]
+#[repr(C)]
 pub(crate) struct WalkWords {
     /// 0 for the empty record.
     hash: u64,
