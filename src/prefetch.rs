@@ -17,8 +17,9 @@ pub(crate) fn read(addr: *const u8) {
 
 /// Asks for the line holding `addr`, to be written (`prefetchw`: the line comes exclusive,
 /// taken from another core's cache without a second transfer at the write). In assembly:
-/// `_mm_prefetch`'s write hint compiles to a read prefetch for the baseline x86-64 target,
-/// and `prefetchw` runs as a no-op on the few x86-64 processors without it.
+/// `_mm_prefetch`'s write hint compiles to a read prefetch for the baseline x86-64 target.
+/// Intel's x86-64 processors before Broadwell do not advertise `prefetchw` but run it as a
+/// no-op (64-bit Windows 8.1 requires it of them on that ground); AMD's all have it.
 #[inline(always)]
 pub(crate) fn write(addr: *const u8) {
     // SAFETY: a prefetch only hints the cache (see the module doc); it touches no register
