@@ -97,8 +97,10 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
     its wall times by round."""
     wall = {v: [] for v, _ in variants}
     cpu = {v: [] for v, _ in variants}
-    for _ in range(rounds):
-        for v, wrap in variants:
+    for r in range(rounds):
+        # Every other round in reverse order: whatever the run before leaves behind (memory the
+        # kernel is still reclaiming, a cooled cache) falls on each variant alike.
+        for v, wrap in variants if r % 2 == 0 else variants[::-1]:
             t, c, _, _ = run(*wrap(cmd, env), cwd)
             wall[v].append(t)
             cpu[v].append(c)
@@ -114,7 +116,7 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
         w, c = statistics.median(wall[v]), statistics.median(cpu[v])
         extra[v] = (w - native_wall) / calls * 1e9
         extra_cpu[v] = (c - native_cpu) / calls * 1e9
-        # The median of each round's ratio to the native run just before it: a machine whose
+        # The median of each round's ratio to the native run of that round: a machine whose
         # speed drifts between rounds moves both runs of a round alike.
         paired = statistics.median(x / n for x, n in zip(wall[v], wall["native"]))
         print(
@@ -135,8 +137,8 @@ def process_cost(a, base, shim):
     variants = [("native", {})] + [(o, {"LD_PRELOAD": shim, "MALLOCSPY_OPTIONS": f"{o}:log_path=/dev/null"}) for o in options]
     wall = {v: [] for v, _ in variants}
     cpu = {v: [] for v, _ in variants}
-    for _ in range(a.rounds):
-        for v, extra in variants:
+    for r in range(a.rounds):
+        for v, extra in variants if r % 2 == 0 else variants[::-1]:
             t, c, _, _ = run(cmd, dict(base, **extra), a.bench_dir)
             wall[v].append(t / n * 1e3)
             cpu[v].append(c / n * 1e3)
@@ -306,8 +308,8 @@ def exit_report(a, base, shim, mallocspy):
         print(f"\n{title}")
         times = {"native": [], "mallocspy run": []}
         tracker = ""
-        for _ in range(a.rounds):
-            for v in times:
+        for r in range(a.rounds):
+            for v in times if r % 2 == 0 else list(times)[::-1]:
                 argv = program if v == "native" else [mallocspy, "run", "--log", os.devnull, "--", *program]
                 _, _, out, _ = run(argv, base, a.bench_dir)
                 end = time.clock_gettime(time.CLOCK_MONOTONIC)
