@@ -6,11 +6,12 @@
 //! At start, each of these signals whose action is the default gets a handler of mallocspy's,
 //! which writes the reports and then ends the process by the same signal, as it would have
 //! ended (the exit status, the core dump of `QUIT`). The program does not see it: `sigaction`
-//! and `signal` say the action is the default while ours is in place; a handler the program
-//! sets, or `SIG_IGN`, replaces ours; setting the default puts ours back. A signal ignored at
-//! start (a background job's `INT`) stays ignored. The handler runs with `SA_RESETHAND |
-//! SA_NODEFER`: a second signal while the report is written ends the process at once, as the
-//! first would have natively, should the report be stuck on a lock the interrupted code holds.
+//! and the `signal` family (`bsd_signal`, `ssignal`, `sysv_signal`, `sigset`) say the action
+//! is the default while ours is in place; a handler the program sets, or `SIG_IGN`, replaces
+//! ours; setting the default puts ours back. A signal ignored at start (a background job's
+//! `INT`) stays ignored. The handler runs with `SA_RESETHAND | SA_NODEFER`: a second signal
+//! while the report is written ends the process at once, as the first would have natively,
+//! should the report be stuck on a lock the interrupted code holds.
 //! Python, which installs its own `INT` handler when it finds the default, still raises
 //! `KeyboardInterrupt`.
 
@@ -27,6 +28,8 @@ static ENABLED: AtomicBool = AtomicBool::new(false);
 
 static NEXT_SIGACTION: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 static NEXT_SIGNAL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+static NEXT_SYSV_SIGNAL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+static NEXT_SIGSET: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 
 type Sigaction = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
 type Signal = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t;
@@ -174,12 +177,50 @@ pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighan
     }
     // The program's own action: libc's `signal` sets it (BSD's semantics, and
     // `siginterrupt`'s choices).
-    let f = os::next_symbol_cached(&NEXT_SIGNAL, c"signal");
+    // SAFETY: libc's `signal`; the caller's guarantee covers the arguments.
+    unsafe { set_by_libc(&NEXT_SIGNAL, c"signal", signal, handler) }
+}
+
+/// `sysv_signal`, for the program: as [`signal`].
+///
+/// # Safety
+/// As `sysv_signal`.
+pub unsafe fn sysv_signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    // SAFETY: the caller's guarantee.
+    unsafe { set_by_libc(&NEXT_SYSV_SIGNAL, c"sysv_signal", signal, handler) }
+}
+
+/// `sigset`, for the program: as [`signal`] (`SIG_HOLD` too is libc's business).
+///
+/// # Safety
+/// As `sigset`.
+pub unsafe fn sigset(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    // SAFETY: the caller's guarantee.
+    unsafe { set_by_libc(&NEXT_SIGSET, c"sigset", signal, handler) }
+}
+
+/// Sets `handler` by libc's function `name` (of `signal`'s signature), which keeps its own
+/// semantics (flags, the mask `sigset` changes); the default puts ours back right after, and
+/// ours is shown as the default. Between the two a signal ends the process as it would have
+/// natively, only without the report.
+///
+/// # Safety
+/// `name` has `signal`'s signature; the arguments are valid for it.
+unsafe fn set_by_libc(
+    next: &AtomicPtr<c_void>,
+    name: &core::ffi::CStr,
+    signal: c_int,
+    handler: libc::sighandler_t,
+) -> libc::sighandler_t {
+    let f = os::next_symbol_cached(next, name);
     if f.is_null() {
         os::set_errno(libc::ENOSYS);
         return libc::SIG_ERR;
     }
-    // SAFETY: libc's signal has this signature; the caller's guarantee covers the arguments.
+    // SAFETY: the caller's guarantee: libc's function has this signature.
     let old = unsafe { core::mem::transmute::<*mut c_void, Signal>(f)(signal, handler) };
+    if old != libc::SIG_ERR && handled(signal) && handler == libc::SIG_DFL {
+        arm(signal);
+    }
     if is_ours(old) { libc::SIG_DFL } else { old }
 }

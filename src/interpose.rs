@@ -156,6 +156,42 @@ macro_rules! export_interposer {
             // SAFETY: the caller's guarantee.
             unsafe { $crate::interpose::signal(signal, handler) }
         }
+        /// C `bsd_signal`: glibc's `signal` under another name.
+        ///
+        /// # Safety
+        /// As `signal`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn bsd_signal(signal: ::core::ffi::c_int, handler: usize) -> usize {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::signal(signal, handler) }
+        }
+        /// C `ssignal`: glibc's `signal` under another name.
+        ///
+        /// # Safety
+        /// As `signal`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn ssignal(signal: ::core::ffi::c_int, handler: usize) -> usize {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::signal(signal, handler) }
+        }
+        /// C `sysv_signal`, as `signal`.
+        ///
+        /// # Safety
+        /// As `sysv_signal`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn sysv_signal(signal: ::core::ffi::c_int, handler: usize) -> usize {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::sysv_signal(signal, handler) }
+        }
+        /// C `sigset`, as `signal`.
+        ///
+        /// # Safety
+        /// As `sigset`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn sigset(signal: ::core::ffi::c_int, handler: usize) -> usize {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::interpose::sigset(signal, handler) }
+        }
         /// C `_exit`: writes the exit reports first (nothing else would).
         #[unsafe(no_mangle)]
         pub extern "C" fn _exit(status: ::core::ffi::c_int) -> ! {
@@ -280,6 +316,22 @@ pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut li
 pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::signal(signal, handler) }
+}
+
+/// # Safety
+/// As `sysv_signal`.
+#[doc(hidden)]
+pub unsafe fn sysv_signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::ending_signals::sysv_signal(signal, handler) }
+}
+
+/// # Safety
+/// As `sigset`.
+#[doc(hidden)]
+pub unsafe fn sigset(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::ending_signals::sigset(signal, handler) }
 }
 
 /// # Safety

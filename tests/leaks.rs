@@ -606,6 +606,10 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
         let note = format!("the process is ending by signal {signal} (");
         assert!(report["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().starts_with(&note)), "{report}");
     }
+    // The default set again by the System V and BSD functions keeps the report.
+    let reset = signalled(&program, &["reset"], JSON_REPORT, libc::SIGTERM, None);
+    assert_eq!(reset.status.signal(), Some(libc::SIGTERM), "{}", text(&reset.stderr));
+    assert_eq!(json_report(&reset)["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 4096}));
     let off = signalled(&program, &[], Mode::Shim("report_on_signal=0"), libc::SIGTERM, None);
     assert_eq!(off.status.signal(), Some(libc::SIGTERM));
     assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
@@ -619,7 +623,11 @@ fn the_programs_view_and_handlers_of_ending_signals_are_unchanged() {
     use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
     let native = run(Mode::Native, Command::new(&program).arg("query"));
-    assert_eq!(text(&native.stdout), "sigaction: default\nsignal: default\nsysv_signal: its handler\n");
+    assert_eq!(
+        text(&native.stdout),
+        "sigaction: default\nsignal: default\nsysv_signal: its handler\nbsd_signal: default\nsigset: default\n\
+         sysv_signal default: default\n"
+    );
     let spied = run(Mode::Shim(""), Command::new(&program).arg("query"));
     assert_eq!(spied.stdout, native.stdout, "{}", text(&spied.stderr));
 
