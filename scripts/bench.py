@@ -21,7 +21,9 @@ Suites:
               trace file, issue 4) on the same four workloads; target 1.05x native; and the
               trace's size per second of run
   cost        the same four workloads, shortened, under valgrind's cachegrind: instructions and
-              simulated cache misses per allocator call that the shim and each spy add. Counts,
+              simulated cache misses per allocator call that the shim and each spy add, per call
+              of the difference between a run and one a quarter its size (so that start-up and
+              the exit report cancel out). Counts,
               not times: the same on every run and every machine, where the wall-clock suites
               swing by 10% or more on a shared machine. Not part of `all`.
 
@@ -29,6 +31,7 @@ usage: bench.py [--suite NAME] [--rounds N] [--iters N] [--only TEXT] RELEASE_DI
 """
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -90,6 +93,20 @@ def python3():
     return out.stdout.strip() or "python3"
 
 
+def median_interval(values, level=0.95):
+    """A distribution-free confidence interval of the median of `values`: between the k-th
+    smallest and the k-th largest, k the largest rank such that a Binomial(n, 1/2) falls
+    below it with probability at most (1 - level) / 2. None when n is too small."""
+    xs, n = sorted(values), len(values)
+    below, k = 0.0, 0
+    while True:
+        below += math.comb(n, k) / 2**n
+        if below > (1 - level) / 2:
+            break
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k > 0 else None
+
+
 def compare(name, cmd, env, calls, variants, rounds, cwd):
     """Runs cmd under each variant `rounds` times, alternating; prints medians and ratios.
     A variant is (name, wrap), wrap(cmd, env) giving the argv and environment to run.
@@ -109,7 +126,7 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
     print(f"\n{name}  ({calls:,} allocator calls)")
     print(
         f"  {'variant':<18} {'wall s':>7} {'ratio':>7} {'extra ns/call':>14}   {'cpu s':>7} {'ratio':>7} {'extra ns/call':>14}"
-        f"   {'paired':>7}"
+        f"   {'paired':>7} {'95% interval':>15}"
     )
     extra, extra_cpu = {}, {}
     for v, _ in variants:
@@ -118,10 +135,14 @@ def compare(name, cmd, env, calls, variants, rounds, cwd):
         extra_cpu[v] = (c - native_cpu) / calls * 1e9
         # The median of each round's ratio to the native run of that round: a machine whose
         # speed drifts between rounds moves both runs of a round alike.
-        paired = statistics.median(x / n for x, n in zip(wall[v], wall["native"]))
+        # The interval says how far the noise leaves that median uncertain.
+        ratios = [x / n for x, n in zip(wall[v], wall["native"])]
+        paired = statistics.median(ratios)
+        interval = median_interval(ratios)
+        interval = f"{interval[0]:.3f}-{interval[1]:.3f}x" if interval else "-"
         print(
             f"  {v:<18} {w:7.3f} {w / native_wall:6.3f}x {extra[v]:14.1f}"
-            f"   {c:7.3f} {c / native_cpu:6.3f}x {extra_cpu[v]:14.1f}   {paired:6.3f}x"
+            f"   {c:7.3f} {c / native_cpu:6.3f}x {extra_cpu[v]:14.1f}   {paired:6.3f}x {interval:>15}"
         )
     return extra, extra_cpu, wall
 
@@ -238,7 +259,7 @@ def ticks_suite(a, base, shim, mallocspy):
 
 
 def cachegrind(cmd, env, cwd):
-    """Instructions, D1 misses and LL misses of one run under cachegrind."""
+    """Instructions and D1 misses of one run under cachegrind."""
     with tempfile.NamedTemporaryFile(prefix="mallocspy-cg-") as out:
         argv = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out.name}", *cmd]
         p = subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -248,22 +269,30 @@ def cachegrind(cmd, env, cwd):
             if line.startswith("summary:"):
                 # Ir I1mr ILmr Dr D1mr DLmr Dw D1mw DLmw
                 n = [int(x) for x in line.split()[1:]]
-                return n[0], n[4] + n[7], n[5] + n[8]
+                return n[0], n[4] + n[7]
     sys.exit(f"bench: no cachegrind summary for {' '.join(cmd)}")
 
 
 def cost_suite(a, base, shim):
+    """Instructions and cache misses per allocator call, counted by cachegrind. Each workload
+    runs at two sizes and the counts are taken per call of the difference: what a process
+    pays once, at start and at exit, cancels out (under valgrind the leak scan at exit reads
+    valgrind's own memory as the program's, hundreds of MB that dwarfed the calls)."""
     if not shutil.which("valgrind"):
         sys.exit("bench: valgrind is not installed (scripts/install-deps.sh installs it)")
-    small_sql = os.path.join(a.bench_dir, "insert-small.sql")
-    if not os.path.exists(small_sql):
-        shared = os.environ.get("MALLOCSPY_SHARED", os.path.join(SCRIPTS, "..", "..", "shared"))
-        subprocess.run(["python3", os.path.join(shared, "bench", "gen_sql.py"), "12000", small_sql], check=True)
+    shared = os.environ.get("MALLOCSPY_SHARED", os.path.join(SCRIPTS, "..", "..", "shared"))
+    for rows in (3000, 12000):
+        sql = os.path.join(a.bench_dir, f"insert-{rows}.sql")
+        if not os.path.exists(sql):
+            subprocess.run(["python3", os.path.join(shared, "bench", "gen_sql.py"), str(rows), sql], check=True)
     py_env = dict(base, PYTHONMALLOC="malloc")
+    py = [python3(), os.path.join(SCRIPTS, "workload.py")]
+    sql = ["sqlite3", ":memory:"]
+    # (name, the workload at its full size and at a quarter of it, environment)
     workloads = [
-        ("churn 1 thread", ["./churn", "1", "100000"], base),
-        ("sqlite3 insert-small.sql", ["sqlite3", ":memory:", ".read insert-small.sql"], base),
-        ("python3 workload.py 4", [python3(), os.path.join(SCRIPTS, "workload.py"), "4"], py_env),
+        ("churn 1 thread", ["./churn", "1", "100000"], ["./churn", "1", "25000"], base),
+        ("sqlite3 insert.sql, 12,000 rows", [*sql, ".read insert-12000.sql"], [*sql, ".read insert-3000.sql"], base),
+        ("python3 workload.py 4", [*py, "4"], [*py, "1"], py_env),
     ]
 
     def spied(options):
@@ -276,19 +305,20 @@ def cost_suite(a, base, shim):
         ("spy=leaks", spied("spy=leaks:log_path=/dev/null")),
     ]
     print("\n== cost: instructions and cache misses per allocator call (cachegrind; counts, not times) ==")
-    for name, cmd, env in workloads:
+    for name, full, quarter, env in workloads:
         if a.only and a.only not in name:
             continue
-        calls = count_calls(cmd, env, a.bench_dir, shim)
-        print(f"\n{name}  ({calls:,} allocator calls)")
-        print(f"  {'variant':<14} {'instructions':>14} {'ratio':>7} {'extra/call':>11}   {'D1 misses':>11} {'extra/call':>11}   {'LL misses':>10}")
+        calls = count_calls(full, env, a.bench_dir, shim) - count_calls(quarter, env, a.bench_dir, shim)
+        print(f"\n{name}  ({calls:,} allocator calls between the two sizes)")
+        print(f"  {'variant':<14} {'instructions':>14} {'ratio':>7} {'extra/call':>11}   {'D1 misses':>11} {'extra/call':>11}")
         native = None
         for v, wrap in variants:
-            ir, d1, ll = cachegrind(cmd, wrap(env), a.bench_dir)
-            native = native or (ir, d1, ll)
+            big, small = (cachegrind(cmd, wrap(env), a.bench_dir) for cmd in (full, quarter))
+            ir, d1 = big[0] - small[0], big[1] - small[1]
+            native = native or (ir, d1)
             print(
                 f"  {v:<14} {ir:14,} {ir / native[0]:6.3f}x {(ir - native[0]) / calls:11.1f}"
-                f"   {d1:11,} {(d1 - native[1]) / calls:11.2f}   {ll:10,}"
+                f"   {d1:11,} {(d1 - native[1]) / calls:11.2f}"
             )
 
 
