@@ -23,9 +23,9 @@ Suites:
   cost        the same four workloads, shortened, under valgrind's cachegrind: instructions and
               simulated cache misses per allocator call that the shim and each spy add, per call
               of the difference between a run and one a quarter its size (so that start-up and
-              the exit report cancel out). Counts,
-              not times: the same on every run and every machine, where the wall-clock suites
-              swing by 10% or more on a shared machine. Not part of `all`.
+              the exit report cancel out). Counts, not times: the same on every run and every
+              machine, where the wall-clock suites swing by 10% or more on a shared machine. Not
+              part of `all`.
 
 usage: bench.py [--suite NAME] [--rounds N] [--iters N] [--only TEXT] RELEASE_DIR BENCH_DIR
 """
