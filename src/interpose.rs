@@ -147,51 +147,13 @@ macro_rules! export_interposer {
             // SAFETY: the caller's guarantee.
             unsafe { $crate::interpose::sigaction(signal, act, old) }
         }
-        /// C `signal`, as `sigaction`.
-        ///
-        /// # Safety
-        /// As `signal`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn signal(signal: ::core::ffi::c_int, handler: usize) -> usize {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::signal(signal, handler) }
-        }
-        /// C `bsd_signal`: glibc's `signal` under another name.
-        ///
-        /// # Safety
-        /// As `signal`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn bsd_signal(signal: ::core::ffi::c_int, handler: usize) -> usize {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::signal(signal, handler) }
-        }
-        /// C `ssignal`: glibc's `signal` under another name.
-        ///
-        /// # Safety
-        /// As `signal`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn ssignal(signal: ::core::ffi::c_int, handler: usize) -> usize {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::signal(signal, handler) }
-        }
-        /// C `sysv_signal`, as `signal`.
-        ///
-        /// # Safety
-        /// As `sysv_signal`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn sysv_signal(signal: ::core::ffi::c_int, handler: usize) -> usize {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::sysv_signal(signal, handler) }
-        }
-        /// C `sigset`, as `signal`.
-        ///
-        /// # Safety
-        /// As `sigset`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn sigset(signal: ::core::ffi::c_int, handler: usize) -> usize {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::sigset(signal, handler) }
-        }
+        // The `signal` family: as `sigaction` (see `ending_signals.rs`). `bsd_signal` and
+        // `ssignal` are glibc's `signal` under other names.
+        $crate::__jump!(signal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
+        $crate::__jump!(bsd_signal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
+        $crate::__jump!(ssignal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
+        $crate::__jump!(sysv_signal, $crate::interpose::sysv_signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
+        $crate::__jump!(sigset, $crate::interpose::sigset, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         /// C `_exit`: writes the exit reports first (nothing else would).
         #[unsafe(no_mangle)]
         pub extern "C" fn _exit(status: ::core::ffi::c_int) -> ! {
@@ -313,7 +275,7 @@ pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut li
 /// # Safety
 /// As `signal`.
 #[doc(hidden)]
-pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+pub unsafe extern "C" fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::signal(signal, handler) }
 }
@@ -321,7 +283,7 @@ pub unsafe fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighan
 /// # Safety
 /// As `sysv_signal`.
 #[doc(hidden)]
-pub unsafe fn sysv_signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+pub unsafe extern "C" fn sysv_signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::sysv_signal(signal, handler) }
 }
@@ -329,7 +291,7 @@ pub unsafe fn sysv_signal(signal: c_int, handler: libc::sighandler_t) -> libc::s
 /// # Safety
 /// As `sigset`.
 #[doc(hidden)]
-pub unsafe fn sigset(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+pub unsafe extern "C" fn sigset(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::sigset(signal, handler) }
 }
