@@ -18,8 +18,9 @@ Suites:
               with the tracker's memory per live block and per stack, and of a Python process
               with 3 million objects in its own arenas
   ticks       spy=ticks at the default interval (allocation ticks and heap statistics into a
-              trace file, issue 4) on the same four workloads; target 1.05x native; and the
-              trace's size per second of run
+              trace file, issue 4) on the same four workloads; target 1.05x native; the
+              trace's size per second of run; and what one sample and its free cost, timed
+              inside a process (`--only sample`)
   cost        the same four workloads, shortened, under valgrind's cachegrind: instructions and
               simulated cache misses per allocator call that the shim and each spy add, per call
               of the difference between a run and one a quarter its size (so that start-up and
@@ -255,7 +256,40 @@ def ticks_suite(a, base, shim, mallocspy):
         wall, _, _, _ = run(variants[1][1](cmd, env)[0], env, a.bench_dir)
         size = os.path.getsize(trace)
         print(f"  trace: {size:,} bytes in {wall:.2f} s = {size / wall / 1024:.1f} KiB/s")
+    if not a.only or a.only in "sample cost":
+        sample_cost(a, base, trace)
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def sample_cost(a, base, trace):
+    """What a sample and the free of its block cost, timed inside a process (sample_cost.c):
+    an allocation and a free with every allocation sampled, less the same with none, with the
+    L1 cache warm and cold. The writer drains every 10 ms here so that its queue, which this
+    rate of samples would fill in the default 100 ms, drops nothing."""
+    every = f"spy=ticks:sample_interval=1:trace={trace}:stats_interval_ms=10"
+    variants = [
+        ("native", None),
+        ("no samples", "spy=ticks:sample_interval=1024m"),
+        ("every allocation", "spy=ticks:sample_interval=1"),
+        ("every, traced", every),
+    ]
+    shim = os.path.abspath(os.path.join(a.release_dir, "libmallocspy_preload.so"))
+    print("\ncost of a sample (sample_cost.c: fastest of 5 passes of an allocation and a free, ns per pair)")
+    print(f"  {'L1 cache':<10}" + "".join(f"{v:>18}" for v, _ in variants) + f"{'a sample':>12}{'traced':>10}")
+    for label, calls, scrub in (("warm", 200000, 0), ("cold", 40000, 65536)):
+        ns = {v: [] for v, _ in variants}
+        for r in range(a.rounds):
+            for v, options in variants if r % 2 == 0 else variants[::-1]:
+                env = base if options is None else dict(base, LD_PRELOAD=shim, MALLOCSPY_OPTIONS=options)
+                _, _, out, _ = run(["./sample_cost", str(calls), str(scrub)], env, a.bench_dir)
+                ns[v].append(float(re.search(r"ns_per_pair=([\d.]+)", out).group(1)))
+        med = {v: statistics.median(t) for v, t in ns.items()}
+        none = med["no samples"]
+        print(
+            f"  {label:<10}"
+            + "".join(f"{med[v]:>18.1f}" for v, _ in variants)
+            + f"{med['every allocation'] - none:>12.1f}{med['every, traced'] - none:>10.1f}"
+        )
 
 
 def cachegrind(cmd, env, cwd):

