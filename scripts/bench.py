@@ -257,16 +257,17 @@ def ticks_suite(a, base, shim, mallocspy):
         size = os.path.getsize(trace)
         print(f"  trace: {size:,} bytes in {wall:.2f} s = {size / wall / 1024:.1f} KiB/s")
     if not a.only or a.only in "sample cost":
-        sample_cost(a, base, trace)
+        sample_cost(a, base, mallocspy, trace)
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def sample_cost(a, base, trace):
+def sample_cost(a, base, mallocspy, trace):
     """What a sample and the free of its block cost, timed inside a process (sample_cost.c):
     an allocation and a free with every allocation sampled, less the same with none, with the
-    L1 cache warm and cold. The writer drains every 10 ms here so that its queue, which this
-    rate of samples would fill in the default 100 ms, drops nothing."""
-    every = f"spy=ticks:sample_interval=1:trace={trace}:stats_interval_ms=10"
+    L1 cache warm and cold. The writer drains every 2 ms here: at this rate of samples its
+    queue fills in 10 ms (a dropped message costs nothing, which would flatter the figure);
+    the events lost are counted from the last trace of each row."""
+    every = f"spy=ticks:sample_interval=1:trace={trace}:stats_interval_ms=2"
     variants = [
         ("native", None),
         ("no samples", "spy=ticks:sample_interval=1024m"),
@@ -285,10 +286,13 @@ def sample_cost(a, base, trace):
                 ns[v].append(float(re.search(r"ns_per_pair=([\d.]+)", out).group(1)))
         med = {v: statistics.median(t) for v, t in ns.items()}
         none = med["no samples"]
+        report = subprocess.run([mallocspy, "report", "--format", "json", trace], capture_output=True, text=True)
+        lost = json.loads(report.stdout)["lost_events"] if report.returncode == 0 else "unknown"
         print(
             f"  {label:<10}"
             + "".join(f"{med[v]:>18.1f}" for v, _ in variants)
             + f"{med['every allocation'] - none:>12.1f}{med['every, traced'] - none:>10.1f}"
+            + f"   (events lost: {lost})"
         )
 
 
