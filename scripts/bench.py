@@ -257,11 +257,11 @@ def ticks_suite(a, base, shim, mallocspy):
         size = os.path.getsize(trace)
         print(f"  trace: {size:,} bytes in {wall:.2f} s = {size / wall / 1024:.1f} KiB/s")
     if not a.only or a.only in "sample cost":
-        sample_cost(a, base, mallocspy, trace)
+        sample_cost(a, base, shim, mallocspy, trace)
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def sample_cost(a, base, mallocspy, trace):
+def sample_cost(a, base, shim, mallocspy, trace):
     """What a sample and the free of its block cost, timed inside a process (sample_cost.c):
     an allocation and a free with every allocation sampled, less the same with none, with the
     L1 cache warm and cold. The writer drains every 2 ms here: at this rate of samples its
@@ -274,7 +274,6 @@ def sample_cost(a, base, mallocspy, trace):
         ("every allocation", "spy=ticks:sample_interval=1"),
         ("every, traced", every),
     ]
-    shim = os.path.abspath(os.path.join(a.release_dir, "libmallocspy_preload.so"))
     print("\ncost of a sample (sample_cost.c: fastest of 5 passes of an allocation and a free, ns per pair)")
     print(f"  {'L1 cache':<10}" + "".join(f"{v:>18}" for v, _ in variants) + f"{'a sample':>12}{'traced':>10}")
     for label, calls, scrub in (("warm", 200000, 0), ("cold", 40000, 65536)):
