@@ -322,7 +322,9 @@ def cost_suite(a, base, shim):
         sql = os.path.join(a.bench_dir, f"insert-{rows}.sql")
         if not os.path.exists(sql):
             subprocess.run(["python3", os.path.join(shared, "bench", "gen_sql.py"), str(rows), sql], check=True)
-    py_env = dict(base, PYTHONMALLOC="malloc")
+    # A fixed hash seed: with a random one python3's dicts probe differently, and so its
+    # instruction counts move, from run to run.
+    py_env = dict(base, PYTHONMALLOC="malloc", PYTHONHASHSEED="0")
     py = [python3(), os.path.join(SCRIPTS, "workload.py")]
     sql = ["sqlite3", ":memory:"]
     # (name, the workload at its full size and at a quarter of it, environment)

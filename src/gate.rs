@@ -22,7 +22,7 @@
 //! this opening (not some earlier spy), and that the call comes from outside the hooks.
 
 use core::cell::Cell;
-use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::thread_records::bump;
 use crate::tls;
@@ -88,6 +88,9 @@ static NEXT_EPOCH: AtomicU32 = AtomicU32::new(1);
 pub(crate) struct Gate {
     /// The epoch of the current opening, or [`CLOSED`].
     key: AtomicU64,
+    /// [`tls::block_offset`], set before the first opening (0 until then), on the key's line:
+    /// the assembly reads it there rather than in the GOT, one line and page fewer per call.
+    tls_offset: AtomicUsize,
     /// One countdown per kind (tick sampling) rather than one for all (poisson).
     per_kind: AtomicBool,
     /// `[AtomicU64; BITS / 64]`, set by the spy.
@@ -98,10 +101,12 @@ impl Gate {
     /// Where `key` and `bitmap` lie in a gate, for the assembly of [`crate::fast_path`].
     pub(crate) const KEY_OFFSET: usize = core::mem::offset_of!(Gate, key);
     pub(crate) const BITMAP_OFFSET: usize = core::mem::offset_of!(Gate, bitmap);
+    pub(crate) const TLS_OFFSET: usize = core::mem::offset_of!(Gate, tls_offset);
 
     pub(crate) const fn new() -> Self {
         Self {
             key: AtomicU64::new(CLOSED),
+            tls_offset: AtomicUsize::new(0),
             per_kind: AtomicBool::new(false),
             bitmap: AtomicPtr::new(core::ptr::null_mut()),
         }
@@ -116,6 +121,7 @@ impl Gate {
         let epoch = NEXT_EPOCH.fetch_add(1, Ordering::Relaxed).max(1);
         self.per_kind.store(per_kind, Ordering::Relaxed);
         self.bitmap.store(bitmap, Ordering::Release);
+        self.tls_offset.store(tls::block_offset(), Ordering::Relaxed);
         self.key.store(u64::from(epoch), Ordering::Release);
         epoch
     }

@@ -10,7 +10,9 @@ use crate::spy::{MallocSpy, SpyError};
 use crate::{os, threads, tls};
 
 /// This module's interposer. It serves the malloc family only where
-/// [`crate::export_interposer!`] exports it.
+/// [`crate::export_interposer!`] exports it. Named for the exported `malloc` and `free`, whose
+/// assembly reads it (and makes the name hidden: it is not exported from the shim).
+#[unsafe(export_name = "__mallocspy_global")]
 pub(crate) static GLOBAL: Interposer<NextHeap> = Interposer::new(NextHeap::new());
 
 const UNKNOWN: u8 = 0;

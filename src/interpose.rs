@@ -22,7 +22,7 @@ use crate::global::GLOBAL;
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
 /// the caller left (the caller's return address is on top) in thread-local storage and jump
 /// to the implementation. Stack capture then starts right at the caller, without walking
-/// mallocspy's own frames. `malloc` and `free` jump to the assembly of `fast_path.rs`, which
+/// mallocspy's own frames. `malloc` and `free` are the assembly of `fast_path.rs`, which
 /// notes them only for a call that goes on to the spy.
 ///
 /// Invoke it once, at the root of a `cdylib` to preload, or of a program that should be its
@@ -30,7 +30,7 @@ use crate::global::GLOBAL;
 #[macro_export]
 macro_rules! export_interposer {
     () => {
-        $crate::__jump!(malloc, $crate::interpose::malloc, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__fast_path!();
         $crate::__trampoline!(calloc, $crate::interpose::calloc, (nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(realloc, $crate::interpose::realloc, (ptr: *mut ::core::ffi::c_void, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(reallocarray, $crate::interpose::reallocarray, (ptr: *mut ::core::ffi::c_void, nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
@@ -39,7 +39,6 @@ macro_rules! export_interposer {
         $crate::__trampoline!(memalign, $crate::interpose::memalign, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
-        $crate::__jump!(free, $crate::interpose::free, (ptr: *mut ::core::ffi::c_void) -> ());
         /// C `malloc_usable_size`.
         ///
         /// # Safety
@@ -208,9 +207,6 @@ macro_rules! __jump {
 
 #[doc(hidden)]
 pub use crate::tls::{ENTRY_BP_OFFSET, ENTRY_SP_OFFSET};
-
-#[doc(hidden)]
-pub use crate::fast_path::{free, malloc};
 
 #[doc(hidden)]
 pub use crate::global::API;

@@ -60,7 +60,8 @@ mod deferred;
 mod dispatch;
 mod dl_close;
 mod ending_signals;
-mod fast_path;
+#[doc(hidden)]
+pub mod fast_path;
 pub mod ffi;
 mod gate;
 mod global;

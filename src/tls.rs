@@ -127,6 +127,21 @@ pub(crate) fn state() -> &'static ThreadState {
     unsafe { &*block }
 }
 
+/// The offset of every thread's block from its thread pointer (`fs:0`): fixed when the loader
+/// placed this library's TLS, the same for every thread, and kept across `fork`.
+pub(crate) fn block_offset() -> usize {
+    let offset: usize;
+    // SAFETY: reads the GOT slot the loader filled in (initial-exec model); memory only.
+    unsafe {
+        core::arch::asm!(
+            "mov {o}, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
+            o = out(reg) offset,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    offset
+}
+
 /// An address unique to the calling thread among live threads (its TLS block).
 #[inline(always)]
 pub(crate) fn thread_key() -> usize {
