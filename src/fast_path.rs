@@ -188,6 +188,10 @@ pub extern "C" fn malloc_spied(size: usize) -> *mut c_void {
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 pub unsafe extern "C" fn free_spied(ptr: *mut c_void) {
+    if GLOBAL.gate.is_open() {
+        // The bitmap said the block may be sampled (or the thread is not set up yet).
+        crate::spies::ticks::prefetch_sampled(ptr as usize);
+    }
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.free_slow(ptr) }
 }

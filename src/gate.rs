@@ -126,6 +126,12 @@ impl Gate {
         epoch
     }
 
+    /// Whether a sampling spy has the gate open.
+    #[inline(always)]
+    pub(crate) fn is_open(&self) -> bool {
+        self.key.load(Ordering::Relaxed) != CLOSED
+    }
+
     /// Closes the gate (the sampling spy is revoked): every call goes to the registry again.
     pub(crate) fn close(&self) {
         self.key.store(CLOSED, Ordering::Release);

@@ -3,5 +3,6 @@
 pub(crate) mod count;
 pub(crate) mod guard;
 pub(crate) mod leaks;
+pub(crate) mod sampled;
 pub(crate) mod stack;
 pub(crate) mod ticks;

@@ -13,9 +13,10 @@
 //!   the interval; the tick stands for those bytes. Totals are exact, but a periodic pattern
 //!   whose period divides the interval ticks the same site every time.
 //!
-//! Frees look up the sampled blocks only when a bitmap says the address may be one. When this
-//! spy is the only one, [`crate::gate`] does the counting of unsampled calls on the entry
-//! points themselves, and only the calls that sample, or free a maybe-sampled block, come here.
+//! Frees look up the sampled blocks only when a bitmap says the address may be one
+//! ([`crate::spies::sampled`]). When this spy is the only one, [`crate::gate`] does the
+//! counting of unsampled calls on the entry points themselves, and only the calls that sample,
+//! or free a maybe-sampled block, come here.
 //!
 //! Heap statistics are taken here too, at the first sample once `stats_interval_ms` has passed
 //! since the last (and at exit): no thread of ours wakes the program, nor even exists in it
@@ -23,20 +24,18 @@
 //! Ticks, frees of sampled blocks and statistics go to the trace writer, a process of its
 //! own, through a queue in shared memory.
 
-use core::ptr::NonNull;
 use core::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::gate::{self, TickCounters};
-use crate::live_table::LiveTable;
 use crate::spies::leaks::MAX_DEPTH;
+use crate::spies::sampled::SampledBlocks;
 use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
-use crate::sync::SpinLock;
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
 use crate::trace::ring::Ring;
 use crate::trace::{self, Kind, Sampling, message, writer};
 use crate::{os, threads};
-use crate::{pool, prefetch, tls};
+use crate::{pool, tls};
 
 /// How the spy samples.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,13 +118,8 @@ pub type StatsCallback = extern "C" fn(&trace::HeapStats);
 pub(crate) struct TickSpy {
     pub(crate) config: Config,
     per_thread: ThreadRecords<PerThread>,
-    sampled: LiveTable<Sample>,
-    /// `[AtomicU64; gate::BITS / 64]`: a bit per address hash, set while sampled blocks of
-    /// that hash live.
-    bitmap: NonNull<AtomicU64>,
-    /// `[u16; gate::BITS]`: how many, under `bits_lock`.
-    bit_counts: NonNull<u16>,
-    bits_lock: SpinLock,
+    /// The sampled blocks until their free, and the bitmap the gate reads.
+    sampled: SampledBlocks<Sample>,
     /// The epoch of the gate opened for this spy (0: none, when it is one of several spies).
     gate_epoch: AtomicU32,
     pub(crate) stacks: Stacks,
@@ -208,10 +202,7 @@ impl TickSpy {
         Some(Self {
             config: Config { depth: config.depth.clamp(1, MAX_DEPTH), interval: config.interval.max(1), ..config },
             per_thread: ThreadRecords::new()?,
-            sampled: LiveTable::new(),
-            bitmap: pool::lease(gate::BITS / 8)?.cast(),
-            bit_counts: pool::lease(gate::BITS * 2)?.cast(),
-            bits_lock: SpinLock::new(),
+            sampled: SampledBlocks::new()?,
             gate_epoch: AtomicU32::new(0),
             stacks: Stacks::new(),
             live_bytes: Default::default(),
@@ -267,28 +258,8 @@ impl TickSpy {
 
     /// Lets `gate` count the calls this spy would only count (when it is the only spy).
     pub(crate) fn open_gate(&self, gate: &gate::Gate) {
-        let epoch = gate.open(self.bitmap.as_ptr(), self.config.sampling == Sampling::Tick);
+        let epoch = gate.open(self.sampled.bitmap(), self.config.sampling == Sampling::Tick);
         self.gate_epoch.store(epoch, Ordering::Release);
-    }
-
-    fn word(&self, bit: usize) -> &AtomicU64 {
-        // SAFETY: bit < gate::BITS; the leased array has gate::BITS / 64 words (zeroed: valid).
-        unsafe { &*self.bitmap.as_ptr().add(bit / 64) }
-    }
-
-    /// Counts a sampled block at `ptr` in (`+1`) or out (`-1`) of the bitmap.
-    fn mark(&self, ptr: usize, delta: i32) {
-        let bit = gate::bit_of(ptr);
-        let _guard = self.bits_lock.lock();
-        // SAFETY: bit < gate::BITS, the array's length; the lock is held.
-        let count = unsafe { &mut *self.bit_counts.as_ptr().add(bit) };
-        *count = (*count as i32 + delta).clamp(0, u16::MAX as i32) as u16;
-        let mask = 1u64 << (bit % 64);
-        if *count > 0 {
-            self.word(bit).fetch_or(mask, Ordering::Release);
-        } else {
-            self.word(bit).fetch_and(!mask, Ordering::Release);
-        }
     }
 
     /// The calling thread's record, leased the first time its slot is used; and, the first
@@ -352,22 +323,12 @@ impl TickSpy {
     #[inline(never)]
     fn sample(&self, index: u32, own: &mut Own, call: &Call, kind: Kind, weight: u64) {
         let ptr = call.result as usize;
-        // The sampled table's line and the bitmap count for `ptr` are likely out of cache
-        // (half of a sample's time went to those two misses on churn): fetch them while the
-        // stack is walked.
+        // The sampled set's line for `ptr` is likely out of cache (a third of this function's
+        // time went to it on churn when the insert came right after the stack): fetch it now
+        // and insert last, which may be done at any point before the block is returned.
         self.sampled.prefetch(ptr);
-        prefetch::read(self.bit_counts.as_ptr().wrapping_add(gate::bit_of(ptr)).cast());
         let stack = self.stack_id(own);
         let size = call.size as u64;
-        let mut replaced = false;
-        self.sampled.insert_with(ptr, Sample { weight, size_kind: size << 2 | kind as u64 }, |old| {
-            // A block freed before we noticed (cannot happen while frees are seen): drop it.
-            self.forget(old, None);
-            replaced = true;
-        });
-        if !replaced {
-            self.mark(ptr, 1);
-        }
         self.live_bytes[kind as usize].fetch_add(weight, Ordering::Relaxed);
         self.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
         // The estimate grows only here, so its peak is exact (up to racing threads' order).
@@ -420,6 +381,10 @@ impl TickSpy {
             };
             f(&tick);
         }
+        if let Some(old) = self.sampled.insert(ptr, Sample { weight, size_kind: size << 2 | kind as u64 }) {
+            // A block freed before we noticed (cannot happen while frees are seen): drop it.
+            self.forget(old, None);
+        }
     }
 
     /// Takes a sampled block's weight out of the live estimates.
@@ -435,8 +400,7 @@ impl TickSpy {
     /// A block goes back: if it was sampled, it is no longer live.
     #[inline(always)]
     fn released(&self, ptr: usize, thread: u32) {
-        let bit = gate::bit_of(ptr);
-        if self.word(bit).load(Ordering::Relaxed) & (1 << (bit % 64)) != 0 {
+        if self.sampled.may_hold(ptr) {
             self.released_maybe_sampled(ptr, thread);
         }
     }
@@ -445,7 +409,6 @@ impl TickSpy {
     #[inline(never)]
     fn released_maybe_sampled(&self, ptr: usize, thread: u32) {
         if let Some(s) = self.sampled.remove(ptr) {
-            self.mark(ptr, -1);
             self.forget(s, Some((thread, ptr)));
         }
     }
@@ -554,7 +517,6 @@ impl TickSpy {
     pub(crate) fn after_fork_child(&self) {
         self.sampled.force_unlock();
         self.stacks.force_unlock();
-        self.bits_lock.force_unlock();
         tls::state().tid.set(0);
         // The queue is the parent's: the child gets a writer of its own, or none.
         self.set_ring(None);
@@ -641,6 +603,16 @@ pub(crate) fn set_spy(spy: &'static TickSpy) {
 /// The process's ticks spy, if one was started in this module.
 pub(crate) fn spy() -> Option<&'static TickSpy> {
     SPY.get().copied()
+}
+
+/// Asks for the line where the process's ticks spy would keep `ptr`: for a free the gate
+/// sends to the spy, which reaches that line only after the whole dispatch (on churn, the miss
+/// there was most of the spy's time on such a free).
+#[inline]
+pub(crate) fn prefetch_sampled(ptr: usize) {
+    if let Some(spy) = SPY.get() {
+        spy.sampled.prefetch(ptr);
+    }
 }
 
 #[cfg(test)]
