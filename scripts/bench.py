@@ -296,9 +296,11 @@ def sample_cost(a, base, shim, mallocspy, trace):
 
 
 def cachegrind(cmd, env, cwd):
-    """Instructions and D1 misses of one run under cachegrind."""
+    """Instructions, D1 misses and misses of a 2 MiB last level (the Xeon's L2: what comes from
+    the L3 or memory) of one run under cachegrind."""
     with tempfile.NamedTemporaryFile(prefix="mallocspy-cg-") as out:
-        argv = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out.name}", *cmd]
+        argv = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--LL=2097152,16,64"]
+        argv += [f"--cachegrind-out-file={out.name}", *cmd]
         p = subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if p.returncode != 0:
             sys.exit(f"bench: cachegrind of {' '.join(cmd)} failed with {p.returncode}: {p.stderr.strip()[-500:]}")
@@ -306,7 +308,7 @@ def cachegrind(cmd, env, cwd):
             if line.startswith("summary:"):
                 # Ir I1mr ILmr Dr D1mr DLmr Dw D1mw DLmw
                 n = [int(x) for x in line.split()[1:]]
-                return n[0], n[4] + n[7]
+                return n[0], n[4] + n[7], n[5] + n[8]
     sys.exit(f"bench: no cachegrind summary for {' '.join(cmd)}")
 
 
@@ -349,15 +351,18 @@ def cost_suite(a, base, shim):
             continue
         calls = count_calls(full, env, a.bench_dir, shim) - count_calls(quarter, env, a.bench_dir, shim)
         print(f"\n{name}  ({calls:,} allocator calls between the two sizes)")
-        print(f"  {'variant':<14} {'instructions':>14} {'ratio':>7} {'extra/call':>11}   {'D1 misses':>11} {'extra/call':>11}")
+        print(
+            f"  {'variant':<14} {'instructions':>14} {'ratio':>7} {'extra/call':>11}   {'D1 misses':>11} {'extra/call':>11}"
+            f"   {'LL misses':>10} {'extra/call':>11}"
+        )
         native = None
         for v, wrap in variants:
             big, small = (cachegrind(cmd, wrap(env), a.bench_dir) for cmd in (full, quarter))
-            ir, d1 = big[0] - small[0], big[1] - small[1]
-            native = native or (ir, d1)
+            ir, d1, ll = (b - s for b, s in zip(big, small))
+            native = native or (ir, d1, ll)
             print(
                 f"  {v:<14} {ir:14,} {ir / native[0]:6.3f}x {(ir - native[0]) / calls:11.1f}"
-                f"   {d1:11,} {(d1 - native[1]) / calls:11.2f}"
+                f"   {d1:11,} {(d1 - native[1]) / calls:11.2f}   {ll:10,} {(ll - native[2]) / calls:11.3f}"
             )
 
 
