@@ -210,6 +210,28 @@ fn reports_of_a_recorded_sqlite3_run_name_its_allocating_functions() {
     assert!(timeline.contains("<svg") && timeline.contains("peak "), "the timeline marks its peak");
 }
 
+/// `mallinfo2` walks every free chunk: on a heap of half a million, once is enough for a run
+/// of a second. The exit event repeats the last figures then, rather than walk the heap again
+/// after the program freed it all.
+#[test]
+fn the_exit_statistics_do_not_walk_a_fragmented_heap_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = record(dir.path(), &[], &[c_program("fragmented.c").to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    eprint!("{}", text(&out.stdout));
+    let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
+    let stats: Vec<_> = Reader::new(&bytes)
+        .unwrap()
+        .map(Result::unwrap)
+        .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
+        .collect();
+    let [.., before, last] = stats.as_slice() else { panic!("statistics during the run and at exit: {stats:?}") };
+    assert!(last.frees >= before.frees + 500_000, "the blocks were freed between the two: {before:?} {last:?}");
+    let view = |s: &mallocspy::trace::HeapStats| [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes];
+    assert!(before.in_use_bytes > 24_000_000, "the fragmented heap's view: {before:?}");
+    assert_eq!(view(last), view(before), "the exit event repeats the last walk's figures");
+}
+
 #[test]
 fn each_process_of_a_pipeline_writes_its_own_trace() {
     let dir = tempfile::tempdir().unwrap();
