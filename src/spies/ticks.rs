@@ -114,6 +114,25 @@ pub type TickCallback = extern "C" fn(&AllocationTick);
 /// [`crate::on_heap_stats`]).
 pub type StatsCallback = extern "C" fn(&trace::HeapStats);
 
+/// What every sample and every free of a sampled block writes, on a line of its own. Spread
+/// over the spy's lines, these words were written next to the configuration, the queue and the
+/// callbacks that every sample and every spied call reads: with threads on two cores, each
+/// sample then took those lines away from the other core too.
+#[derive(Default)]
+#[repr(C, align(64))]
+struct Estimates {
+    /// Estimated live bytes per kind (sums of live samples' weights).
+    live_bytes: [AtomicU64; 3],
+    /// Estimated live blocks per kind, in 1/1024ths.
+    live_blocks_k: [AtomicU64; 3],
+    /// Largest estimated live bytes so far (raised by each sample).
+    peak_live: AtomicU64,
+    /// Samples taken.
+    ticks: AtomicU64,
+}
+
+const _: () = assert!(core::mem::size_of::<Estimates>() == 64);
+
 /// The ticks spy.
 pub(crate) struct TickSpy {
     pub(crate) config: Config,
@@ -123,10 +142,7 @@ pub(crate) struct TickSpy {
     /// The epoch of the gate opened for this spy (0: none, when it is one of several spies).
     gate_epoch: AtomicU32,
     pub(crate) stacks: Stacks,
-    /// Estimated live bytes per kind (sums of live samples' weights).
-    live_bytes: [AtomicU64; 3],
-    /// Estimated live blocks per kind, in 1/1024ths.
-    live_blocks_k: [AtomicU64; 3],
+    estimates: Estimates,
     /// Frees of threads without a record (none inside the shim's hooks).
     frees_elsewhere: AtomicU64,
     /// The queue to the trace writer (a leaked `Ring`); null without one.
@@ -135,14 +151,10 @@ pub(crate) struct TickSpy {
     stats_callback: AtomicUsize,
     /// When the last statistics were taken, since the start.
     last_stats_ns: AtomicU64,
-    /// Largest estimated live bytes so far (raised by each sample).
-    peak_live: AtomicU64,
     /// The allocator's own view as last taken (see [`TickSpy::allocator_view`]).
     mallinfo: [AtomicU64; 4],
     /// When the periodic statistics may take that view again, since the start.
     mallinfo_next_ns: AtomicU64,
-    /// Samples taken.
-    ticks: AtomicU64,
     start_ns: u64,
 }
 
@@ -205,17 +217,14 @@ impl TickSpy {
             sampled: SampledBlocks::new()?,
             gate_epoch: AtomicU32::new(0),
             stacks: Stacks::new(),
-            live_bytes: Default::default(),
-            live_blocks_k: Default::default(),
+            estimates: Estimates::default(),
             frees_elsewhere: AtomicU64::new(0),
             ring: AtomicPtr::new(core::ptr::null_mut()),
             callback: AtomicUsize::new(0),
             stats_callback: AtomicUsize::new(0),
             last_stats_ns: AtomicU64::new(0),
-            peak_live: AtomicU64::new(0),
             mallinfo: Default::default(),
             mallinfo_next_ns: AtomicU64::new(0),
-            ticks: AtomicU64::new(0),
             start_ns: os::monotonic_ns(),
         })
     }
@@ -243,7 +252,7 @@ impl TickSpy {
 
     /// Samples taken so far.
     pub(crate) fn ticks(&self) -> u64 {
-        self.ticks.load(Ordering::Relaxed)
+        self.estimates.ticks.load(Ordering::Relaxed)
     }
 
     /// Nanoseconds since the spy started.
@@ -329,15 +338,16 @@ impl TickSpy {
         self.sampled.prefetch(ptr);
         let stack = self.stack_id(own);
         let size = call.size as u64;
-        self.live_bytes[kind as usize].fetch_add(weight, Ordering::Relaxed);
-        self.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
+        let e = &self.estimates;
+        e.live_bytes[kind as usize].fetch_add(weight, Ordering::Relaxed);
+        e.live_blocks_k[kind as usize].fetch_add(blocks_k(weight, size), Ordering::Relaxed);
         // The estimate grows only here, so its peak is exact (up to racing threads' order).
-        let live = self.live_bytes.iter().map(|k| k.load(Ordering::Relaxed)).sum::<u64>();
-        if live > self.peak_live.load(Ordering::Relaxed) {
-            self.peak_live.fetch_max(live, Ordering::Relaxed);
+        let live = e.live_bytes.iter().map(|k| k.load(Ordering::Relaxed)).sum::<u64>();
+        if live > e.peak_live.load(Ordering::Relaxed) {
+            e.peak_live.fetch_max(live, Ordering::Relaxed);
         }
         let time_ns = self.elapsed_ns();
-        self.ticks.fetch_add(1, Ordering::Relaxed);
+        e.ticks.fetch_add(1, Ordering::Relaxed);
         if let Some(ring) = self.ring() {
             let tid = tls::tid();
             if own.started & !EXITED != tid {
@@ -390,8 +400,8 @@ impl TickSpy {
     /// Takes a sampled block's weight out of the live estimates.
     fn forget(&self, s: Sample, freed_by: Option<(u32, usize)>) {
         let (size, kind) = (s.size_kind >> 2, (s.size_kind & 3) as usize);
-        self.live_bytes[kind].fetch_sub(s.weight, Ordering::Relaxed);
-        self.live_blocks_k[kind].fetch_sub(blocks_k(s.weight, size), Ordering::Relaxed);
+        self.estimates.live_bytes[kind].fetch_sub(s.weight, Ordering::Relaxed);
+        self.estimates.live_blocks_k[kind].fetch_sub(blocks_k(s.weight, size), Ordering::Relaxed);
         if let (Some((thread, ptr)), Some(ring)) = (freed_by, self.ring()) {
             self.send(ring, &message::free(self.elapsed_ns(), thread, ptr as u64), &[]);
         }
@@ -466,7 +476,7 @@ impl TickSpy {
         let mut stats = self.stats();
         stats.time_ns = self.elapsed_ns();
         let live = stats.live_bytes();
-        stats.peak_live_bytes = self.peak_live.load(Ordering::Relaxed).max(live);
+        stats.peak_live_bytes = self.estimates.peak_live.load(Ordering::Relaxed).max(live);
         stats
     }
 
@@ -507,8 +517,8 @@ impl TickSpy {
         }
         s.frees += self.frees_elsewhere.load(Ordering::Relaxed);
         for (k, stats) in s.kinds.iter_mut().enumerate() {
-            stats.live_bytes = self.live_bytes[k].load(Ordering::Relaxed);
-            stats.live_blocks = self.live_blocks_k[k].load(Ordering::Relaxed) >> 10;
+            stats.live_bytes = self.estimates.live_bytes[k].load(Ordering::Relaxed);
+            stats.live_blocks = self.estimates.live_blocks_k[k].load(Ordering::Relaxed) >> 10;
         }
         [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes] = self.allocator_view();
         s.own_bytes = pool::usage().0 as u64;
