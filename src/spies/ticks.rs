@@ -153,7 +153,7 @@ pub(crate) struct TickSpy {
     last_stats_ns: AtomicU64,
     /// The allocator's own view as last taken (see [`TickSpy::allocator_view`]).
     mallinfo: [AtomicU64; 4],
-    /// When the periodic statistics may take that view again, since the start.
+    /// When the statistics may take that view again, since the start.
     mallinfo_next_ns: AtomicU64,
     start_ns: u64,
 }
