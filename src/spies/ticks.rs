@@ -433,7 +433,7 @@ impl TickSpy {
         {
             return;
         }
-        self.emit();
+        self.emit_stats();
     }
 
     /// Whether anyone reads the statistics events: the trace writer or a callback.
@@ -443,10 +443,6 @@ impl TickSpy {
 
     /// Takes the heap statistics now: to the writer and to the callback (also at exit).
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
-        self.emit()
-    }
-
-    fn emit(&self) -> trace::HeapStats {
         let stats = self.stats_at();
         if let Some(ring) = self.ring() {
             self.send(ring, &message::stats(&stats), &[]);
