@@ -192,10 +192,12 @@ fn gap(state: &mut u64, interval: u64) -> i64 {
     (-u.ln() * interval as f64).min(i64::MAX as f64 / 2.0) as i64 + 1
 }
 
-/// The bytes a poisson sample of `size` stands for: `size / P(sampled)`.
+/// The bytes a poisson sample of `size` stands for: `size / P(sampled)`, to the nearest byte.
 pub(crate) fn poisson_weight(size: u64, interval: u64) -> u64 {
     let p = -(-(size as f64) / interval as f64).exp_m1();
-    if p <= 0.0 { interval } else { (size as f64 / p).round() as u64 }
+    // `+ 0.5` and truncation, not `f64::round`: a call to libm's `round` on x86_64's baseline,
+    // 24 instructions of a sample's 1,470 (cachegrind, churn).
+    if p <= 0.0 { interval } else { (size as f64 / p + 0.5) as u64 }
 }
 
 fn kind_of(call: &Call) -> Kind {
