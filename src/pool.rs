@@ -110,7 +110,8 @@ fn lease_region(bytes: usize, bounded: bool) -> Option<(NonNull<u8>, usize)> {
 struct Carving {
     /// Everything from here on is free.
     carved: usize,
-    /// A free gap below `carved`, `hole.0..hole.1`.
+    /// A free gap below `carved`, `hole.0..hole.1` (the next huge region's gap replaces what
+    /// is left of it: address space only, never touched).
     hole: (usize, usize),
 }
 

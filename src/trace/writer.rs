@@ -3,13 +3,13 @@
 //!
 //! Not a thread: a second thread in the program, even one asleep, turns glibc's malloc from
 //! its single-thread fast path to locking every call (a quarter more time on a one-thread
-//! allocation loop). The writer is forked twice at start-up (so that the program never sees
-//! it as its child: no `SIGCHLD`, nothing for its `wait`; one fork with no exit signal hides
-//! it from `wait` but not from `__WALL`, and a preloaded `strace`, which waits so, waited for
-//! it forever), in a session of its own (a `^C` at
-//! the terminal does not cut the trace short), with every descriptor but the trace file and
-//! its end of a socket pair closed (a program's reader waiting for end of file on a pipe is
-//! not kept waiting). The queue lives in shared memory ([`super::ring`]).
+//! allocation loop). The writer is forked twice at start-up, so that the program never sees
+//! it as its child: no `SIGCHLD`, nothing for its `wait` (one fork with no exit signal hides
+//! it from `wait` but not from `__WALL`: a preloaded `strace`, which waits so, waited for it
+//! forever). It runs in a session of its own (a `^C` at the terminal does not cut the trace
+//! short), with every descriptor but the trace file and its end of a socket pair closed (a
+//! program's reader waiting for end of file on a pipe is not kept waiting). The queue lives
+//! in shared memory ([`super::ring`]).
 //!
 //! The hook path never writes, formats or waits: it queues messages. The writer drains the
 //! queue every `stats_interval_ms` while messages come and writes them with one `write(2)`;
