@@ -445,7 +445,7 @@ impl TickSpy {
 
     /// Takes the heap statistics now: to the writer and to the callback (also at exit).
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
-        let stats = self.stats_at();
+        let stats = self.stats_now();
         if let Some(ring) = self.ring() {
             self.send(ring, &message::stats(&stats), &[]);
         }
@@ -463,14 +463,9 @@ impl TickSpy {
         self.stats_callback.store(f.map_or(0, |f| f as usize), Ordering::Release);
     }
 
-    /// The heap's state now, with its time and the peak so far.
-    #[cfg(test)]
+    /// The heap's state now, with its time and the peak so far (the allocator's own view maybe
+    /// as last taken).
     pub(crate) fn stats_now(&self) -> trace::HeapStats {
-        self.stats_at()
-    }
-
-    /// As [`TickSpy::stats_now`] (the allocator's own view maybe as last taken).
-    fn stats_at(&self) -> trace::HeapStats {
         let mut stats = self.stats();
         stats.time_ns = self.elapsed_ns();
         let live = stats.live_bytes();
