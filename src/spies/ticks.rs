@@ -32,7 +32,7 @@ use crate::spies::sampled::SampledBlocks;
 use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
-use crate::trace::ring::Ring;
+use crate::trace::ring::{Push, Ring};
 use crate::trace::{self, Kind, Sampling, message, writer};
 use crate::{os, threads};
 use crate::{pool, tls};
@@ -245,11 +245,11 @@ impl TickSpy {
 
     /// Queues the message `head` + `tail` for the writer, waking it if it sleeps.
     fn send(&self, ring: &Ring, head: &[u64], tail: &[u64]) -> bool {
-        let sent = ring.push(head, tail);
-        if ring.take_idle() {
+        let pushed = ring.push(head, tail);
+        if pushed == Push::QueuedWake {
             writer::wake();
         }
-        sent
+        pushed.queued()
     }
 
     /// Samples taken so far.

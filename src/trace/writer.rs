@@ -315,8 +315,12 @@ impl Writer {
                 interval
             } else if ring.go_idle() {
                 -1
-            } else {
+            } else if ring.has_message() {
                 0
+            } else {
+                // Claimed but not yet published: its producer is between the two steps, or
+                // was preempted there. Look again shortly rather than spin.
+                1
             };
             if timeout != 0 {
                 // With a negative fd, poll only sleeps.
@@ -404,7 +408,7 @@ impl Writer {
         };
         let end = message::end(self.spy.elapsed_ns());
         let mut tries = 0;
-        while !ring.push(&end, &[]) && tries < 1000 {
+        while !ring.push(&end, &[]).queued() && tries < 1000 {
             // A full queue: the writer is draining it.
             tries += 1;
             let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
