@@ -33,6 +33,7 @@ fn run_sites(options: &str) -> (HashMap<String, (f64, f64)>, String) {
         .map(|l| (l.split_whitespace().next().unwrap().to_string(), (field(l, "true"), field(l, "estimated"))))
         .collect();
     assert!(stdout.contains("other ticks=0"), "every tick attributed to a site:\n{stdout}");
+    assert!(stdout.contains("bad tick times=0"), "every tick timed, in order:\n{stdout}");
     let stats = stdout.lines().find(|l| l.starts_with("stats ")).unwrap().to_string();
     (sites, stats)
 }
