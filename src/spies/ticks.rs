@@ -172,9 +172,10 @@ struct Estimates {
 
 /// Intervals of change to the live estimate a thread keeps to itself before it adds them to
 /// the shared total: a locked addition on a line every core writes, which a sample and the
-/// free of its block each made (30 to 55 ns a pair with two threads, `sample_cost` on two
-/// threads; 11 ns on one). A program that allocates and frees as fast as it samples (churn,
-/// a server in its steady state) then hardly ever flushes. The peak is still exact with one
+/// free of its block each made (14 ns a sample on one thread, 20 ns on each of two, with one
+/// allocation in twenty sampled: a two-thread copy of `sample_cost`). A program that
+/// allocates and frees as fast as it samples (churn, a server in its steady state) then
+/// hardly ever flushes. The peak is still exact with one
 /// thread; with more, it may miss what the others have not flushed, this many intervals
 /// each at most: a few samples' worth, of an estimate whose own error is the square root of
 /// its samples.
@@ -445,9 +446,10 @@ impl TickSpy {
         self.estimates.add(&mut own.unflushed, weight, self.flush_at());
         // The time is for the trace and the callbacks: without them, no clock (a fifth of an
         // untraced sample's cost).
-        let callback = self.callback.load(Ordering::Acquire);
-        let time_ns = if callback != 0 || self.listening() { self.elapsed_ns() } else { 0 };
-        if let Some(ring) = self.ring() {
+        let (ring, callback) = (self.ring(), self.callback.load(Ordering::Acquire));
+        let timed = ring.is_some() || callback != 0 || self.stats_callback.load(Ordering::Relaxed) != 0;
+        let time_ns = if timed { self.elapsed_ns() } else { 0 };
+        if let Some(ring) = ring {
             let tid = tls::tid();
             if own.started & !EXITED != tid {
                 own.started = tid;
