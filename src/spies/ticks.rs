@@ -155,10 +155,10 @@ pub type TickCallback = extern "C" fn(&AllocationTick);
 /// [`crate::on_heap_stats`]).
 pub type StatsCallback = extern "C" fn(&trace::HeapStats);
 
-/// What every sample and every free of a sampled block writes to, on a line of its own. Spread
-/// over the spy's lines, these words were written next to the configuration, the queue and the
-/// callbacks that every sample and every spied call reads: with threads on two cores, each
-/// sample then took those lines away from the other core too.
+/// What threads flush their change of the live estimate to, and samples raise the peak of, on a
+/// line of its own. Spread over the spy's lines, these words were written next to the
+/// configuration, the queue and the callbacks that every sample and every spied call reads:
+/// with threads on two cores, each write then took those lines away from the other core too.
 #[derive(Default)]
 #[repr(C, align(64))]
 struct Estimates {
@@ -175,10 +175,9 @@ struct Estimates {
 /// free of its block each made (14 ns a sample on one thread, 20 ns on each of two, with one
 /// allocation in twenty sampled: a two-thread copy of `sample_cost`). A program that
 /// allocates and frees as fast as it samples (churn, a server in its steady state) then
-/// hardly ever flushes. The peak is still exact with one
-/// thread; with more, it may miss what the others have not flushed, this many intervals
-/// each at most: a few samples' worth, of an estimate whose own error is the square root of
-/// its samples.
+/// hardly ever flushes. The peak is still exact with one thread; with more, it may miss what
+/// the others have not flushed, this many intervals each at most: a few samples' worth, of an
+/// estimate whose own error is the square root of its samples.
 const FLUSH_INTERVALS: u64 = 4;
 
 /// A thread's change to the live estimate not yet added to the shared total
