@@ -255,10 +255,17 @@ def ticks_suite(a, base, shim, mallocspy):
         compare(name, cmd, env, count_calls(cmd, env, a.bench_dir, shim), variants, a.rounds, a.bench_dir)
         wall, _, _, _ = run(variants[1][1](cmd, env)[0], env, a.bench_dir)
         size = os.path.getsize(trace)
-        print(f"  trace: {size:,} bytes in {wall:.2f} s = {size / wall / 1024:.1f} KiB/s")
+        lost = lost_events(mallocspy, trace)
+        print(f"  trace: {size:,} bytes in {wall:.2f} s = {size / wall / 1024:.1f} KiB/s, events lost: {lost}")
     if not a.only or a.only in "sample cost":
         sample_cost(a, base, shim, mallocspy, trace)
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def lost_events(mallocspy, trace):
+    """The events a trace says its writer could not take (its queue was full)."""
+    report = subprocess.run([mallocspy, "report", "--format", "json", trace], capture_output=True, text=True)
+    return json.loads(report.stdout)["lost_events"] if report.returncode == 0 else "unknown"
 
 
 def sample_cost(a, base, shim, mallocspy, trace):
@@ -285,8 +292,7 @@ def sample_cost(a, base, shim, mallocspy, trace):
                 ns[v].append(float(re.search(r"ns_per_pair=([\d.]+)", out).group(1)))
         med = {v: statistics.median(t) for v, t in ns.items()}
         none = med["no samples"]
-        report = subprocess.run([mallocspy, "report", "--format", "json", trace], capture_output=True, text=True)
-        lost = json.loads(report.stdout)["lost_events"] if report.returncode == 0 else "unknown"
+        lost = lost_events(mallocspy, trace)
         print(
             f"  {label:<10}"
             + "".join(f"{med[v]:>18.1f}" for v, _ in variants)

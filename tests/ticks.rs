@@ -470,6 +470,42 @@ fn the_traced_totals_are_what_the_count_spy_counts() {
     }
 }
 
+/// The writer drains every `stats_interval_ms`, but a burst of messages that would fill the
+/// queue before then wakes it: churn queues some 90 thousand ticks and frees in half a second,
+/// more than twice the queue's 32,768 slots, and here the writer's own wait is a second.
+/// Without the wake it lost 56 thousand of them, every run.
+#[test]
+fn a_burst_beyond_the_queue_between_two_drains_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = format!("spy=ticks:stats_interval_ms=1000:trace={}", dir.path().join("t.trace").display());
+    let out = Command::new(bench_dir().join("churn"))
+        .args(["1", "1500000"])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
+    let (mut ticks, mut frees, mut live) = (0, 0, HashSet::new());
+    for e in Reader::new(&bytes).unwrap().map(Result::unwrap) {
+        match e {
+            Event::Lost { events, .. } => panic!("{events} events lost"),
+            Event::Tick(t) => {
+                ticks += 1;
+                live.insert(t.address);
+            }
+            Event::Free { address, .. } => {
+                assert!(live.remove(&address), "a free of a sampled block");
+                frees += 1;
+            }
+            _ => {}
+        }
+    }
+    eprintln!("{ticks} ticks, {frees} frees");
+    assert!(ticks + frees > 2 * 32_768, "more messages than the queue holds: {ticks} ticks, {frees} frees");
+    assert!(live.len() <= 2, "churn frees what it allocates: {} sampled blocks left", live.len());
+}
+
 /// The estimated peak is the estimate's own peak, raised at each sample, not only what the
 /// statistics events saw: python3 holds 64 MiB of 64 KiB buffers for a moment and frees them
 /// before exit, with no trace and no callback (so no statistics event at all).

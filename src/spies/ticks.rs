@@ -32,7 +32,7 @@ use crate::spies::sampled::SampledBlocks;
 use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
-use crate::trace::ring::{Push, Ring};
+use crate::trace::ring::Ring;
 use crate::trace::{self, Kind, Sampling, message, writer};
 use crate::{os, threads};
 use crate::{pool, tls};
@@ -337,10 +337,11 @@ impl TickSpy {
         self.ring.store(ring.map_or(core::ptr::null_mut(), |r| r as *const Ring as *mut Ring), Ordering::Release);
     }
 
-    /// Queues the message `head` + `tail` for the writer, waking it if it sleeps.
+    /// Queues the message `head` + `tail` for the writer, waking it if it sleeps or if the
+    /// queue is filling.
     fn send(&self, ring: &Ring, head: &[u64], tail: &[u64]) -> bool {
         let pushed = ring.push(head, tail);
-        if pushed == Push::QueuedWake {
+        if pushed.wakes() {
             writer::wake();
         }
         pushed.queued()

@@ -12,9 +12,9 @@
 //! in shared memory ([`super::ring`]).
 //!
 //! The hook path never writes, formats or waits: it queues messages. The writer drains the
-//! queue every `stats_interval_ms` while messages come and writes them with one `write(2)`;
-//! when the queue stays empty it sleeps until the next message wakes it (one byte on the
-//! socket): an idle program is not woken for us. At exit the program queues the last
+//! queue every `stats_interval_ms` while messages come (sooner when a producer finds it past
+//! half full) and writes them with one `write(2)`; when the queue stays empty it sleeps until
+//! the next message wakes it (one byte on the socket): an idle program is not woken for us. At exit the program queues the last
 //! statistics and the end and waits, a few seconds at most, for the writer to close its end.
 //! If the program dies instead, the writer sees its end close, drains what was queued
 //! (shared memory outlives the program) and leaves: a crash loses nothing already queued.
@@ -55,8 +55,9 @@ fn is_our_socket(fd: i32) -> bool {
         && st.st_ino == WAKE_INODE.load(Ordering::Relaxed)
 }
 
-/// Wakes the writer, which sleeps for want of messages. Called by a producer that saw the
-/// ring's idle flag (once per sleep): a `send` that never blocks and never raises `SIGPIPE`.
+/// Wakes the writer, which sleeps for want of messages or waits for its next drain. Called by
+/// a producer that saw the ring's idle flag (once per sleep) or found it filling (at most
+/// eight times a lap): a `send` that never blocks and never raises `SIGPIPE`.
 /// `false` when there is no writer's socket to write to.
 pub(crate) fn wake() -> bool {
     let fd = WAKE_FD.load(Ordering::Relaxed);
