@@ -262,6 +262,47 @@ fn each_process_of_a_pipeline_writes_its_own_trace() {
     }
 }
 
+/// A forked child's trace is its own from the fork: its times count from there, not from its
+/// parent's start (a child forked 300 ms into its parent's run, living a few milliseconds,
+/// ended at 300 ms and more).
+#[test]
+fn a_forked_childs_times_count_from_its_fork() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "import os, sys, time\n\
+                  time.sleep(0.3)\n\
+                  pid = os.fork()\n\
+                  if pid == 0:\n    x = [bytearray(65536) for _ in range(200)]\n    sys.exit(0)\n\
+                  os.waitpid(pid, 0)\n\
+                  print('done')\n";
+    let python = python();
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--output", dir.path().join("t.%p.trace").to_str().unwrap(), "--"])
+        .arg(&python)
+        .args(["-c", script])
+        .env("PYTHONMALLOC", "malloc")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "done\n");
+    let mut ends = HashMap::new();
+    for f in traces(dir.path()) {
+        let bytes = std::fs::read(&f).unwrap();
+        let mut reader = Reader::new(&bytes).unwrap();
+        let events: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        let Some(&Event::End { time_ns: end }) = events.last() else { panic!("{} ends whole", f.display()) };
+        let ticks: Vec<u64> =
+            events.iter().filter_map(|e| if let Event::Tick(t) = e { Some(t.time_ns) } else { None }).collect();
+        assert!(ticks.iter().all(|&t| t <= end), "{}: ticks after the end", f.display());
+        ends.insert(reader.header().pid, (end, ticks.len()));
+    }
+    let mut by_end: Vec<(u64, usize)> = ends.values().copied().collect();
+    by_end.sort();
+    let [(child_end, child_ticks), (parent_end, _)] = by_end[..] else { panic!("two traces: {ends:?}") };
+    assert!(parent_end >= 300_000_000, "the parent slept 300 ms: {ends:?}");
+    assert!(child_ticks >= 50, "the child's 13 MiB sampled every 4 KiB: {ends:?}");
+    assert!(child_end < 250_000_000, "the child's few milliseconds, from its fork: {ends:?}");
+}
+
 #[test]
 fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs() {
     let dir = tempfile::tempdir().unwrap();

@@ -248,7 +248,9 @@ pub(crate) struct TickSpy {
     mallinfo: [AtomicU64; 4],
     /// When the statistics may take that view again, since the start.
     mallinfo_next_ns: AtomicU64,
-    start_ns: u64,
+    /// Where the times of ticks and statistics count from: the start, or the `fork` of this
+    /// process (its trace is its own).
+    start_ns: AtomicU64,
 }
 
 // SAFETY: per-thread records are written by their owners only (counters are atomics read
@@ -321,7 +323,7 @@ impl TickSpy {
             last_stats_ns: AtomicU64::new(0),
             mallinfo: Default::default(),
             mallinfo_next_ns: AtomicU64::new(0),
-            start_ns: os::monotonic_ns(),
+            start_ns: AtomicU64::new(os::monotonic_ns()),
         })
     }
 
@@ -360,7 +362,7 @@ impl TickSpy {
 
     /// Nanoseconds since the spy started.
     pub(crate) fn elapsed_ns(&self) -> u64 {
-        os::monotonic_ns().saturating_sub(self.start_ns)
+        os::monotonic_ns().saturating_sub(self.start_ns.load(Ordering::Relaxed))
     }
 
     /// Calls `f` for every tick from now on (inside the allocator).
@@ -650,6 +652,11 @@ impl TickSpy {
         // The queue is the parent's: the child gets a writer of its own, or none.
         self.set_ring(None);
         self.stacks.forget_sent();
+        // Its trace starts now, and so do its times (they counted from the parent's start,
+        // and a subshell of 3 ms ended at 48 ms), its statistics too.
+        self.start_ns.store(os::monotonic_ns(), Ordering::Relaxed);
+        self.last_stats_ns.store(0, Ordering::Relaxed);
+        self.mallinfo_next_ns.store(0, Ordering::Relaxed);
     }
 
     /// The thread of slot `index` is leaving (its key destructor runs); the slot's next owner,
