@@ -158,8 +158,8 @@ impl Ring {
         let sleeping = self.control().idle.load(Ordering::SeqCst) != 0;
         // The producer whose claim crosses an eighth of a lap looks at the consumer's place:
         // the consumer drains every `stats_interval_ms`, and at churn's pace (two threads, 220
-        // thousand messages a second) a lap lasts 150 ms. Woken only at the end of a lap, it
-        // lost messages in a third of such runs. A stale `tail` only wakes it early.
+        // thousand messages a second) a lap lasts 150 ms. Left to its timer alone, it lost
+        // messages in a third of such runs. A stale `tail` only wakes it early.
         let end = position + n;
         let slots = self.mask + 1;
         let check_shift = slots.trailing_zeros() - FILL_CHECKS_PER_LAP.trailing_zeros();

@@ -14,8 +14,9 @@
 //! The hook path never writes, formats or waits: it queues messages. The writer drains the
 //! queue every `stats_interval_ms` while messages come (sooner when a producer finds it past
 //! half full) and writes them with one `write(2)`; when the queue stays empty it sleeps until
-//! the next message wakes it (one byte on the socket): an idle program is not woken for us. At exit the program queues the last
-//! statistics and the end and waits, a few seconds at most, for the writer to close its end.
+//! the next message wakes it (one byte on the socket): an idle program is not woken for us.
+//! At exit the program queues the last statistics and the end and waits, a few seconds at
+//! most, for the writer to close its end.
 //! If the program dies instead, the writer sees its end close, drains what was queued
 //! (shared memory outlives the program) and leaves: a crash loses nothing already queued.
 //! A program can also close the socket itself (daemons and `closefrom`-style loops close
