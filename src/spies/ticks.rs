@@ -653,10 +653,14 @@ impl TickSpy {
         self.set_ring(None);
         self.stacks.forget_sent();
         // Its trace starts now, and so do its times (they counted from the parent's start,
-        // and a subshell of 3 ms ended at 48 ms), its statistics too.
-        self.start_ns.store(os::monotonic_ns(), Ordering::Relaxed);
+        // and a subshell of 3 ms ended at 48 ms), its statistics too. Its heap is the parent's,
+        // and so is the cost of walking it: the next walk keeps the parent's time, on the
+        // child's clock (every child of a server with a fragmented heap would walk it at once).
+        let now = os::monotonic_ns();
+        let forked_at = now.saturating_sub(self.start_ns.swap(now, Ordering::Relaxed));
         self.last_stats_ns.store(0, Ordering::Relaxed);
-        self.mallinfo_next_ns.store(0, Ordering::Relaxed);
+        let next_walk = self.mallinfo_next_ns.load(Ordering::Relaxed);
+        self.mallinfo_next_ns.store(next_walk.saturating_sub(forked_at), Ordering::Relaxed);
     }
 
     /// The thread of slot `index` is leaving (its key destructor runs); the slot's next owner,
@@ -800,6 +804,36 @@ mod tests {
         // Once the budget allows, it is taken again.
         spy.mallinfo_next_ns.store(0, Ordering::Relaxed);
         assert_ne!(view(&spy.emit_stats()), earlier);
+    }
+
+    #[test]
+    fn a_forked_childs_clock_starts_at_the_fork_and_keeps_the_parents_time_for_the_next_walk() {
+        extern "C" fn listen(_: &trace::HeapStats) {}
+        let config = Config {
+            sampling: Sampling::Poisson,
+            interval: 1 << 40,
+            depth: 8,
+            seed: 1,
+            stats_interval_ns: 100_000_000,
+        };
+        let spy = TickSpy::new(config).unwrap();
+        spy.set_stats_callback(Some(listen));
+        // A parent 10 s into its run, which last walked its heap with a budget of 5 s more.
+        let second = 1_000_000_000;
+        spy.start_ns.store(os::monotonic_ns() - 10 * second, Ordering::Relaxed);
+        spy.last_stats_ns.store(10 * second - 1, Ordering::Relaxed);
+        spy.mallinfo_next_ns.store(15 * second, Ordering::Relaxed);
+        let walked = [1 << 40, 2 << 40, 3 << 40, 4 << 40];
+        for (slot, v) in spy.mallinfo.iter().zip(walked) {
+            slot.store(v, Ordering::Relaxed);
+        }
+        spy.after_fork_child();
+        assert!(spy.elapsed_ns() < second, "the child's clock: {}", spy.elapsed_ns());
+        assert_eq!(spy.last_stats_ns.load(Ordering::Relaxed), 0, "statistics due from the fork on");
+        let next = spy.mallinfo_next_ns.load(Ordering::Relaxed);
+        assert!((4 * second..=5 * second).contains(&next), "the parent's time for the next walk: {next}");
+        let view = |s: &trace::HeapStats| [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes];
+        assert_eq!(view(&spy.emit_stats()), walked, "the inherited heap is not walked again yet");
     }
 
     #[test]
