@@ -274,14 +274,7 @@ fn a_forked_childs_times_count_from_its_fork() {
                   if pid == 0:\n    x = [bytearray(65536) for _ in range(200)]\n    sys.exit(0)\n\
                   os.waitpid(pid, 0)\n\
                   print('done')\n";
-    let python = python();
-    let out = Command::new(mallocspy())
-        .args(["record", "--interval", "4k", "--output", dir.path().join("t.%p.trace").to_str().unwrap(), "--"])
-        .arg(&python)
-        .args(["-c", script])
-        .env("PYTHONMALLOC", "malloc")
-        .output()
-        .unwrap();
+    let out = record(dir.path(), &["--interval", "4k"], &[python().to_str().unwrap(), "-c", script]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "done\n");
     let mut ends = HashMap::new();

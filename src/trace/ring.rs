@@ -162,8 +162,9 @@ impl Ring {
         // messages in a third of such runs. A stale `tail` only wakes it early.
         let end = position + n;
         let slots = self.mask + 1;
-        let check_shift = slots.trailing_zeros() - FILL_CHECKS_PER_LAP.trailing_zeros();
-        let filling = (position ^ end) >> check_shift != 0
+        // Both powers of two: the claim crosses a multiple of the stride when the positions
+        // differ in its bit or above.
+        let filling = (position ^ end) >= slots / FILL_CHECKS_PER_LAP
             && end.wrapping_sub(self.control().tail.load(Ordering::Relaxed)) > slots / 2;
         // Slot by slot, `head` then `tail`, each through a counted loop: a chained iterator
         // branches on every word (a push took 132 instructions with one, 80 without).
