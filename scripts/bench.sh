@@ -12,5 +12,5 @@ shared=$MALLOCSPY_SHARED
 mkdir -p target/bench
 make -s -C "$shared/bench" OUT="$PWD/target/bench"
 gcc -O2 -g -Iinclude -o target/bench/million tests/fixtures/million.c
-gcc -O2 -g -o target/bench/sample_cost tests/fixtures/sample_cost.c
+gcc -O2 -g -pthread -o target/bench/sample_cost tests/fixtures/sample_cost.c
 exec python3 scripts/bench.py "$@" target/release target/bench

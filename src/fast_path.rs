@@ -47,8 +47,10 @@ pub const ALLOCS: usize = core::mem::offset_of!(TickCounters, allocs) + gate::SM
 pub const BYTES: usize = core::mem::offset_of!(TickCounters, bytes) + gate::SMALL * 8;
 pub const FREES: usize = core::mem::offset_of!(TickCounters, frees);
 
-/// The bitmap word of an address is `(addr >> WORD_SHIFT) & WORD_MASK`, its bit in the word
-/// `(addr >> LINE_SHIFT) % 64` (what `bt` takes of a register offset): `gate::bit_of`.
+/// With the address folded, `f = addr ^ addr >> FOLD_SHIFT`, its bitmap word is
+/// `(f >> WORD_SHIFT) & WORD_MASK` and its bit in the word `(f >> LINE_SHIFT) % 64` (what
+/// `bt` takes of a register offset): `gate::bit_of`.
+pub const FOLD_SHIFT: u32 = gate::FOLD_SHIFT;
 pub const WORD_SHIFT: u32 = gate::LINE_SHIFT + 6;
 pub const WORD_MASK: usize = gate::BITS / 64 - 1;
 pub const LINE_SHIFT: u32 = gate::LINE_SHIFT;
@@ -144,13 +146,15 @@ macro_rules! __fast_path {
                 // The address's bit in the bitmap of sampled blocks: set, and the block may
                 // be one.
                 "mov rcx, qword ptr [rip + __mallocspy_global + {bitmap}]",
-                "mov rdx, rdi",
+                "mov rsi, rdi",
+                "shr rsi, {fold_shift}",
+                "xor rsi, rdi",
+                "mov rdx, rsi",
                 "shr rdx, {word_shift}",
                 "and edx, {word_mask}",
                 "mov rdx, qword ptr [rcx + 8 * rdx]",
-                "mov rcx, rdi",
-                "shr rcx, {line_shift}",
-                "bt rdx, rcx",
+                "shr rsi, {line_shift}",
+                "bt rdx, rsi",
                 "jc 2f",
                 "mov rcx, qword ptr fs:[rax + {record}]",
                 "add qword ptr [rcx + {frees}], 1",
@@ -167,6 +171,7 @@ macro_rules! __fast_path {
                 registry = const $crate::fast_path::REGISTRY,
                 bitmap = const $crate::fast_path::BITMAP,
                 real = const $crate::fast_path::REAL_FREE,
+                fold_shift = const $crate::fast_path::FOLD_SHIFT,
                 word_shift = const $crate::fast_path::WORD_SHIFT,
                 word_mask = const $crate::fast_path::WORD_MASK,
                 line_shift = const $crate::fast_path::LINE_SHIFT,

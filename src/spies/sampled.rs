@@ -190,9 +190,19 @@ impl<V: Copy> SampledBlocks<V> {
 mod tests {
     use super::*;
 
-    /// Addresses on one bucket: `n`-th on bit `bit` plus `n` times the bitmap's span.
+    /// Addresses on one bucket: the `n`-th address on bit `bit`. The low 22 bits are the
+    /// bit's line with the fold of [`gate::bit_of`] undone (`x ^ x >> 11` is its own inverse
+    /// on 22 bits); multiples of 8 GiB change neither.
     fn on_bit(bit: usize, n: usize) -> usize {
-        0x7f00_0000_0000 + (bit << gate::LINE_SHIFT) + n * (gate::BITS << gate::LINE_SHIFT)
+        let line = bit << gate::LINE_SHIFT;
+        0x7f00_0000_0000 + (line ^ line >> gate::FOLD_SHIFT) + (n << 33)
+    }
+
+    #[test]
+    fn on_bit_lands_on_its_bit() {
+        for (bit, n) in [(0, 0), (5, 1), (100, 3), (gate::BITS - 1, 2)] {
+            assert_eq!(gate::bit_of(on_bit(bit, n)), bit);
+        }
     }
 
     #[test]
