@@ -268,3 +268,85 @@ fn go_tool_pprof_reads_the_profile() {
         "{objects}"
     );
 }
+
+/// The first of `names` on PATH.
+fn on_path(names: &[&'static str]) -> Option<&'static str> {
+    let path = std::env::var_os("PATH")?;
+    names.iter().copied().find(|name| std::env::split_paths(&path).any(|dir| dir.join(name).is_file()))
+}
+
+/// Headless Chromium's screenshot of `svg`, as RGB pixels.
+fn screenshot(chromium: &str, svg: &Path, dir: &Path) -> Vec<[u8; 3]> {
+    let png = dir.join(format!("{}.png", svg.file_stem().unwrap().to_str().unwrap()));
+    // `timeout`: a browser that hangs fails the test instead of holding the run.
+    let out = Command::new("timeout")
+        .args(["120", chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", dir.join("profile").display()))
+        .arg("--window-size=1300,900")
+        .arg(format!("--screenshot={}", png.display()))
+        .arg(format!("file://{}", svg.canonicalize().unwrap().display()))
+        .env("HOME", dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success() && png.exists(), "{chromium} on {}: {out:?}", svg.display());
+    let mut reader =
+        png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap())).read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!((info.width, info.height), (1300, 900), "{}", png.display());
+    let channels = info.color_type.samples();
+    assert!(info.bit_depth == png::BitDepth::Eight && channels >= 3, "{info:?}");
+    buf[..info.buffer_size()].chunks(channels).map(|p| [p[0], p[1], p[2]]).collect()
+}
+
+/// The colour `#rrggbb`, drawn at `opacity` over white.
+fn over_white(hex: &str, opacity: f64) -> [u8; 3] {
+    let channel = |i: usize| u8::from_str_radix(&hex[1 + 2 * i..3 + 2 * i], 16).unwrap() as f64;
+    [0, 1, 2].map(|i| (channel(i) * opacity + 255.0 * (1.0 - opacity)).round() as u8)
+}
+
+/// Pixels within a few levels of `color` on every channel.
+fn near(pixels: &[[u8; 3]], color: [u8; 3]) -> usize {
+    pixels.iter().filter(|p| p.iter().zip(&color).all(|(&a, &b)| a.abs_diff(b) <= 4)).count()
+}
+
+/// The flame graphs and timelines open in a browser, as the README's images must: headless
+/// Chromium's screenshots of those under `docs/` (python3, recorded) and of those drawn here
+/// show the frames' boxes in the memory palette's greens, the kinds' areas in their colours
+/// and the peak's red mark. A page Chromium cannot read shows its error text instead.
+#[test]
+fn the_svgs_render_in_headless_chromium() {
+    let Some(chromium) = on_path(&["chromium", "chromium-browser"]) else {
+        eprintln!("skipped: no Chromium on PATH (scripts/install-deps.sh installs it)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "ok.trace", &trace(&events()));
+    let draw = |format: &str| {
+        let svg = dir.path().join(format!("drawn-{format}.svg"));
+        let out = mallocspy(&["--format", format, "--output", svg.to_str().unwrap(), path.to_str().unwrap()]);
+        assert!(out.status.success(), "{out:?}");
+        svg
+    };
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    let shot = |svg: &Path| screenshot(chromium, svg, dir.path());
+    // The memory palette: no red, more green than blue.
+    let frames = |pixels: &[[u8; 3]]| pixels.iter().filter(|p| p[0] < 40 && p[1] > 150 && p[1] > p[2]).count();
+    for svg in [docs.join("flamegraph.svg"), draw("flamegraph")] {
+        let pixels = shot(&svg);
+        let share = frames(&pixels) as f64 / pixels.len() as f64;
+        eprintln!("{}: frames cover {:.1}% of the screenshot", svg.display(), share * 100.0);
+        assert!(share > 0.02, "{}: frames cover {:.2}% of the screenshot", svg.display(), share * 100.0);
+    }
+    // The kinds' areas and their legend's swatches, at three quarters' opacity.
+    let kinds = ["#4e79a7", "#f28e2b", "#59a14f"].map(|k| over_white(k, 0.75));
+    for svg in [docs.join("timeline.svg"), draw("timeline")] {
+        let pixels = shot(&svg);
+        let kinds: Vec<usize> = kinds.iter().map(|&k| near(&pixels, k)).collect();
+        let peak = near(&pixels, over_white("#d62728", 1.0));
+        eprintln!("{}: the kinds' pixels {kinds:?}, the peak's {peak}", svg.display());
+        // Every kind has its swatch (14 by 10); small, the first, has an area too.
+        assert!(kinds.iter().all(|&n| n >= 100) && kinds[0] > pixels.len() / 100, "{}: {kinds:?}", svg.display());
+        assert!(peak >= 20, "{}: the peak's mark has {peak} pixels", svg.display());
+    }
+}
