@@ -275,27 +275,45 @@ fn on_path(names: &[&'static str]) -> Option<&'static str> {
     names.iter().copied().find(|name| std::env::split_paths(&path).any(|dir| dir.join(name).is_file()))
 }
 
-/// Headless Chromium's screenshot of `svg`, as RGB pixels.
-fn screenshot(chromium: &str, svg: &Path, dir: &Path) -> Vec<[u8; 3]> {
-    let png = dir.join(format!("{}.png", svg.file_stem().unwrap().to_str().unwrap()));
-    // `timeout`: a browser that hangs fails the test instead of holding the run.
-    let out = Command::new("timeout")
-        .args(["120", chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+/// Runs headless Chromium on `svg` with `args`, within two minutes (a browser that hangs fails
+/// the test instead of holding the run); its output goes to `out`, whose text is returned.
+fn chromium_on(chromium: &str, svg: &Path, dir: &Path, args: &[&str], out: &Path) -> String {
+    // A file URL: the characters a path may hold that a URL reads otherwise, escaped.
+    let url =
+        svg.canonicalize().unwrap().display().to_string().replace('%', "%25").replace(' ', "%20").replace('#', "%23");
+    let status = Command::new("timeout")
+        .args(["-k", "10", "120", chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
         .arg(format!("--user-data-dir={}", dir.join("profile").display()))
-        .arg("--window-size=1300,900")
-        .arg(format!("--screenshot={}", png.display()))
-        .arg(format!("file://{}", svg.canonicalize().unwrap().display()))
+        .args(args)
+        .arg(format!("file://{url}"))
         .env("HOME", dir)
-        .output()
+        // Files, not pipes: a helper process of the browser that outlives it cannot hold them.
+        .stdout(std::fs::File::create(out).unwrap())
+        .stderr(std::fs::File::create(dir.join("chromium.err")).unwrap())
+        .status()
         .unwrap();
-    assert!(out.status.success() && png.exists(), "{chromium} on {}: {out:?}", svg.display());
-    let mut reader =
-        png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap())).read_info().unwrap();
+    let err = std::fs::read_to_string(dir.join("chromium.err")).unwrap_or_default();
+    assert!(status.success(), "{chromium} {args:?} on {}: {status}\n{err}", svg.display());
+    std::fs::read_to_string(out).unwrap_or_default()
+}
+
+/// Headless Chromium's screenshot of `svg`, as RGB pixels, once its DOM shows that the browser
+/// read the whole file: a file it cannot parse is drawn up to the error, under an error box.
+fn screenshot(chromium: &str, svg: &Path, dir: &Path) -> Vec<[u8; 3]> {
+    let dom = chromium_on(chromium, svg, dir, &["--dump-dom"], &dir.join("dom.txt"));
+    assert!(dom.contains("<svg") && !dom.contains("parsererror"), "{}: {dom}", svg.display());
+    let png = dir.join(format!("{}.png", svg.file_stem().unwrap().to_str().unwrap()));
+    let shot = format!("--screenshot={}", png.display());
+    chromium_on(chromium, svg, dir, &["--window-size=1300,900", &shot], &dir.join("shot.txt"));
+    let mut decoder = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&png).unwrap()));
+    decoder.set_transformations(png::Transformations::normalize_to_color8());
+    let mut reader = decoder.read_info().unwrap();
     let mut buf = vec![0; reader.output_buffer_size().unwrap()];
     let info = reader.next_frame(&mut buf).unwrap();
-    assert_eq!((info.width, info.height), (1300, 900), "{}", png.display());
+    // Some versions' headless mode took the height of the browser's bars off the window's.
+    assert!(info.width == 1300 && info.height >= 800, "{}: {info:?}", png.display());
     let channels = info.color_type.samples();
-    assert!(info.bit_depth == png::BitDepth::Eight && channels >= 3, "{info:?}");
+    assert!(channels >= 3, "{info:?}");
     buf[..info.buffer_size()].chunks(channels).map(|p| [p[0], p[1], p[2]]).collect()
 }
 
@@ -313,7 +331,7 @@ fn near(pixels: &[[u8; 3]], color: [u8; 3]) -> usize {
 /// The flame graphs and timelines open in a browser, as the README's images must: headless
 /// Chromium's screenshots of those under `docs/` (python3, recorded) and of those drawn here
 /// show the frames' boxes in the memory palette's greens, the kinds' areas in their colours
-/// and the peak's red mark. A page Chromium cannot read shows its error text instead.
+/// and the peak's red mark, and their DOMs no parser error.
 #[test]
 fn the_svgs_render_in_headless_chromium() {
     let Some(chromium) = on_path(&["chromium", "chromium-browser"]) else {
@@ -330,8 +348,8 @@ fn the_svgs_render_in_headless_chromium() {
     };
     let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
     let shot = |svg: &Path| screenshot(chromium, svg, dir.path());
-    // The memory palette: no red, more green than blue.
-    let frames = |pixels: &[[u8; 3]]| pixels.iter().filter(|p| p[0] < 40 && p[1] > 150 && p[1] > p[2]).count();
+    // The memory palette: no red, green from 190 up (and any blue); its background is pale.
+    let frames = |pixels: &[[u8; 3]]| pixels.iter().filter(|p| p[0] < 40 && p[1] > 150).count();
     for svg in [docs.join("flamegraph.svg"), draw("flamegraph")] {
         let pixels = shot(&svg);
         let share = frames(&pixels) as f64 / pixels.len() as f64;
