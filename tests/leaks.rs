@@ -551,25 +551,35 @@ fn a_block_at_the_address_of_a_freed_untracked_block_is_reported() {
     assert!(lost.is_some(), "the lost block is not in the report: {report}");
 }
 
-/// Runs `program ARGS` in `mode` (with `ignored` set to `SIG_IGN` first, as a shell does for
-/// a background job's `INT`), waits for its "ready" line, sends it `signal`, and gives what
-/// it wrote and how it ended; a program still running 500 ms later is killed (its status then
-/// says `SIGKILL`).
+/// Makes `cmd`'s program start with HUP, INT, QUIT and TERM at their default action, then
+/// `ignored` set to `SIG_IGN`. The test runner may itself have been started with INT and QUIT
+/// ignored (a background job of a non-interactive shell is), and its children would inherit that.
+fn with_ending_signals_at_default(cmd: &mut Command, ignored: Option<i32>) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: between fork and exec: signal() is async-signal-safe and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            for ending in [libc::SIGHUP, libc::SIGINT, libc::SIGQUIT, libc::SIGTERM] {
+                libc::signal(ending, libc::SIG_DFL);
+            }
+            if let Some(ignored) = ignored {
+                libc::signal(ignored, libc::SIG_IGN);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Runs `program ARGS` in `mode` (the ending signals at their default action, and `ignored`
+/// ignored, as a shell does for a background job's `INT`), waits for its "ready" line, sends it
+/// `signal`, and gives what it wrote and how it ended; a program still running 5 s later is
+/// killed (its status then says `SIGKILL`).
 fn signalled(program: &Path, args: &[&str], mode: Mode, signal: i32, ignored: Option<i32>) -> Output {
     use std::io::BufRead;
-    use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(program);
     cmd.args(args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     mode.apply(&mut cmd);
-    if let Some(ignored) = ignored {
-        // SAFETY: between fork and exec: signal() is async-signal-safe and allocates nothing.
-        unsafe {
-            cmd.pre_exec(move || {
-                libc::signal(ignored, libc::SIG_IGN);
-                Ok(())
-            })
-        };
-    }
+    with_ending_signals_at_default(&mut cmd, ignored);
     let mut child = cmd.spawn().unwrap();
     let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
     let mut ready = String::new();
@@ -625,13 +635,19 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
 fn the_programs_view_and_handlers_of_ending_signals_are_unchanged() {
     use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
-    let native = run(Mode::Native, Command::new(&program).arg("query"));
+    let query = || {
+        let mut cmd = Command::new(&program);
+        cmd.arg("query");
+        with_ending_signals_at_default(&mut cmd, None);
+        cmd
+    };
+    let native = run(Mode::Native, &mut query());
     assert_eq!(
         text(&native.stdout),
         "sigaction: default\nsignal: default\nsysv_signal: its handler\nbsd_signal: default\nsigset: default\n\
          sysv_signal default: default\n"
     );
-    let spied = run(Mode::Shim(""), Command::new(&program).arg("query"));
+    let spied = run(Mode::Shim(""), &mut query());
     assert_eq!(spied.stdout, native.stdout, "{}", text(&spied.stderr));
 
     let own = signalled(&program, &["handler"], Mode::Shim(""), libc::SIGTERM, None);
