@@ -635,19 +635,14 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
 fn the_programs_view_and_handlers_of_ending_signals_are_unchanged() {
     use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
-    let query = || {
-        let mut cmd = Command::new(&program);
-        cmd.arg("query");
-        with_ending_signals_at_default(&mut cmd, None);
-        cmd
-    };
-    let native = run(Mode::Native, &mut query());
+    let query = |mode: Mode| run(mode, with_ending_signals_at_default(Command::new(&program).arg("query"), None));
+    let native = query(Mode::Native);
     assert_eq!(
         text(&native.stdout),
         "sigaction: default\nsignal: default\nsysv_signal: its handler\nbsd_signal: default\nsigset: default\n\
          sysv_signal default: default\n"
     );
-    let spied = run(Mode::Shim(""), &mut query());
+    let spied = query(Mode::Shim(""));
     assert_eq!(spied.stdout, native.stdout, "{}", text(&spied.stderr));
 
     let own = signalled(&program, &["handler"], Mode::Shim(""), libc::SIGTERM, None);
