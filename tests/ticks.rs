@@ -264,11 +264,13 @@ fn each_process_of_a_pipeline_writes_its_own_trace() {
 
 /// A forked child's trace is its own from the fork: its times count from there, not from its
 /// parent's start (a child forked 300 ms into its parent's run, living a few milliseconds,
-/// ended at 300 ms and more).
+/// ended at 300 ms and more), and so do its totals (it counted the 64 MiB its parent had
+/// allocated before the fork as its own).
 #[test]
-fn a_forked_childs_times_count_from_its_fork() {
+fn a_forked_childs_times_and_totals_count_from_its_fork() {
     let dir = tempfile::tempdir().unwrap();
     let script = "import os, sys, time\n\
+                  for _ in range(1024): bytearray(65536)\n\
                   time.sleep(0.3)\n\
                   pid = os.fork()\n\
                   if pid == 0:\n    x = [bytearray(65536) for _ in range(200)]\n    sys.exit(0)\n\
@@ -286,14 +288,23 @@ fn a_forked_childs_times_count_from_its_fork() {
         let ticks: Vec<u64> =
             events.iter().filter_map(|e| if let Event::Tick(t) = e { Some(t.time_ns) } else { None }).collect();
         assert!(ticks.iter().all(|&t| t <= end), "{}: ticks after the end", f.display());
-        ends.insert(reader.header().pid, (end, ticks.len()));
+        let Some(last) = events.iter().rev().find_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
+        else {
+            panic!("{}: no heap statistics", f.display())
+        };
+        let bytes_allocated: u64 = last.kinds.iter().map(|k| k.bytes).sum();
+        ends.insert(reader.header().pid, (end, ticks.len(), bytes_allocated >> 20));
     }
-    let mut by_end: Vec<(u64, usize)> = ends.values().copied().collect();
+    let mut by_end: Vec<(u64, usize, u64)> = ends.values().copied().collect();
     by_end.sort();
-    let [(child_end, child_ticks), (parent_end, _)] = by_end[..] else { panic!("two traces: {ends:?}") };
+    let [(child_end, child_ticks, child_mib), (parent_end, _, parent_mib)] = by_end[..] else {
+        panic!("two traces: {ends:?}")
+    };
     assert!(parent_end >= 300_000_000, "the parent slept 300 ms: {ends:?}");
     assert!(child_ticks >= 50, "the child's 13 MiB sampled every 4 KiB: {ends:?}");
     assert!(child_end < 250_000_000, "the child's few milliseconds, from its fork: {ends:?}");
+    assert!(parent_mib >= 64, "the parent's 64 MiB and more: {ends:?}");
+    assert!((12..40).contains(&child_mib), "the child's 13 MiB and a little of Python's, not its parent's: {ends:?}");
 }
 
 #[test]

@@ -624,6 +624,19 @@ impl TickSpy {
             s.frees += c.frees.load(Ordering::Relaxed);
         }
         s.frees += self.frees_elsewhere.load(Ordering::Relaxed);
+        let (bytes, blocks) = self.live_sums();
+        for (k, stats) in s.kinds.iter_mut().enumerate() {
+            stats.live_bytes = at_least_zero(bytes[k]);
+            stats.live_blocks = at_least_zero(blocks[k]) >> 10;
+        }
+        [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes] = self.allocator_view();
+        s.own_bytes = pool::usage().0 as u64;
+        s
+    }
+
+    /// The live estimates per kind, summed over the threads' shares: bytes, and blocks in
+    /// 1/1024ths (wrapping counts: see [`at_least_zero`]).
+    fn live_sums(&self) -> ([u64; 3], [u64; 3]) {
         let shares = self.all_threads().map(|t| &t.live).chain([&self.live_elsewhere]);
         let (mut bytes, mut blocks) = ([0u64; 3], [0u64; 3]);
         for share in shares {
@@ -632,16 +645,7 @@ impl TickSpy {
                 blocks[k] = blocks[k].wrapping_add(share.blocks_k[k].load(Ordering::Relaxed));
             }
         }
-        // Read one share after another while threads sample and free, a sum may miss a
-        // sample whose free it counts: below zero, it is none.
-        let at_least_zero = |n: u64| (n as i64).max(0) as u64;
-        for (k, stats) in s.kinds.iter_mut().enumerate() {
-            stats.live_bytes = at_least_zero(bytes[k]);
-            stats.live_blocks = at_least_zero(blocks[k]) >> 10;
-        }
-        [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes] = self.allocator_view();
-        s.own_bytes = pool::usage().0 as u64;
-        s
+        (bytes, blocks)
     }
 
     /// Child side of `fork`: threads other than the caller are gone, and so are their walks.
@@ -661,6 +665,27 @@ impl TickSpy {
         self.last_stats_ns.store(0, Ordering::Relaxed);
         let next_walk = self.mallinfo_next_ns.load(Ordering::Relaxed);
         self.mallinfo_next_ns.store(next_walk.saturating_sub(forked_at), Ordering::Relaxed);
+        // Its totals count from the fork as well, as `spy=count`'s do (a child of a long-lived
+        // server otherwise reported the server's millions of calls as its own); its live
+        // estimates are the heap it inherited. The threads that did not come along will never
+        // flush their change to the shared estimate, so that is taken afresh from the shares,
+        // and the child's peak starts from it.
+        for t in self.all_threads() {
+            let c = &t.counters;
+            c.allocs
+                .iter()
+                .chain(&c.bytes)
+                .chain([&c.frees, &t.live.ticks])
+                .for_each(|n| n.store(0, Ordering::Relaxed));
+            // SAFETY: the child has one thread, the caller, which is in no hook (it forked):
+            // no owner holds a view of any record.
+            unsafe { t.own.get() }.unflushed = Unflushed::default();
+        }
+        self.frees_elsewhere.store(0, Ordering::Relaxed);
+        self.live_elsewhere.ticks.store(0, Ordering::Relaxed);
+        let live = at_least_zero(self.live_sums().0.into_iter().fold(0, u64::wrapping_add));
+        self.estimates.live.store(live, Ordering::Relaxed);
+        self.estimates.peak_live.store(live, Ordering::Relaxed);
     }
 
     /// The thread of slot `index` is leaving (its key destructor runs); the slot's next owner,
@@ -685,6 +710,12 @@ impl TickSpy {
 /// at most 0.1% of the run. At 256 (0.4% at most) `perf` put them at 0.15% of churn's time and
 /// of python3's.
 const MALLINFO_SPACING: u64 = 1024;
+
+/// A sum of wrapping counts, read one after another while threads sample and free: it may miss
+/// a sample whose free it counts, and below zero it is none.
+fn at_least_zero(sum: u64) -> u64 {
+    (sum as i64).max(0) as u64
+}
 
 /// Estimated blocks of a sample, in 1/1024ths.
 fn blocks_k(weight: u64, size: u64) -> u64 {
@@ -834,6 +865,42 @@ mod tests {
         assert!((4 * second..=5 * second).contains(&next), "the parent's time for the next walk: {next}");
         let view = |s: &trace::HeapStats| [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes];
         assert_eq!(view(&spy.emit_stats()), walked, "the inherited heap is not walked again yet");
+    }
+
+    #[test]
+    fn a_forked_childs_totals_count_from_its_fork_and_its_live_estimate_is_what_it_inherited() {
+        extern "C" fn listen(_: &trace::HeapStats) {}
+        let config = Config { sampling: Sampling::Poisson, interval: 1000, depth: 8, seed: 1, stats_interval_ns: 0 };
+        let spy = TickSpy::new(config).unwrap();
+        spy.set_stats_callback(Some(listen));
+        // As inside a hook, where the spy leases the thread's record.
+        let _hook = crate::dispatch::Scope::enter().unwrap();
+        let (_, t) = spy.mine().unwrap();
+        // The parent: 10 calls of 5,000 bytes, 4 frees, two samples still live (3,000 and
+        // 1,000 bytes), and the peak of 9,000 it once had; 500 bytes of this thread's change
+        // not yet flushed, and 700 of another thread, which does not come along.
+        bump(&t.counters.allocs[gate::SMALL], 10);
+        bump(&t.counters.bytes[gate::SMALL], 5000);
+        bump(&t.counters.frees, 4);
+        t.live.add_own(gate::SMALL, 3000, 3 << 10);
+        t.live.add_own(gate::LARGE, 1000, 1 << 10);
+        spy.frees_elsewhere.store(2, Ordering::Relaxed);
+        spy.estimates.live.store(2800, Ordering::Relaxed);
+        spy.estimates.peak_live.store(9000, Ordering::Relaxed);
+        // SAFETY: this thread owns the record and holds no other view of it.
+        unsafe { t.own.get() }.unflushed = Unflushed(500);
+        let before = spy.stats_now();
+        assert_eq!((before.kinds[0].allocs, before.kinds[0].bytes, before.frees), (10, 5000, 6));
+        spy.after_fork_child();
+        let child = spy.stats_now();
+        let totals = child.kinds.iter().map(|k| (k.allocs, k.bytes)).fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+        assert_eq!((totals, child.frees, spy.ticks()), ((0, 0), 0, 0), "nothing counted since the fork");
+        assert_eq!([child.kinds[0].live_bytes, child.kinds[1].live_bytes], [3000, 1000], "the inherited heap");
+        assert_eq!([child.kinds[0].live_blocks, child.kinds[1].live_blocks], [3, 1]);
+        assert_eq!(spy.estimates.live.load(Ordering::Relaxed), 4000, "taken afresh from the shares");
+        assert_eq!(child.peak_live_bytes, 4000, "the child's peak starts at what it inherited");
+        // SAFETY: as above.
+        assert_eq!(unsafe { t.own.get() }.unflushed.0, 0);
     }
 
     #[test]
