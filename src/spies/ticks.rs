@@ -32,7 +32,7 @@ use crate::spies::sampled::SampledBlocks;
 use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
-use crate::trace::ring::Ring;
+use crate::trace::ring::{Push, Ring};
 use crate::trace::{self, Kind, Sampling, message, writer};
 use crate::{os, threads};
 use crate::{pool, tls};
@@ -339,10 +339,9 @@ impl TickSpy {
         self.ring.store(ring.map_or(core::ptr::null_mut(), |r| r as *const Ring as *mut Ring), Ordering::Release);
     }
 
-    /// Queues the message `head` + `tail` for the writer, waking it if it sleeps or if the
-    /// queue is filling.
-    fn send(&self, ring: &Ring, head: &[u64], tail: &[u64]) -> bool {
-        let pushed = ring.push(head, tail);
+    /// After a message was pushed to the writer's queue: wakes the writer if it sleeps or if
+    /// the queue is filling, and says whether the message was queued.
+    fn sent(pushed: Push) -> bool {
         if pushed.wakes() {
             writer::wake();
         }
@@ -455,7 +454,7 @@ impl TickSpy {
             let tid = tls::tid();
             if own.started & !EXITED != tid {
                 own.started = tid;
-                self.send(ring, &message::thread_start(time_ns, index, tid), &[]);
+                Self::sent(ring.push_one(&message::thread_start(time_ns, index, tid)));
             }
             let tick = trace::Tick {
                 time_ns,
@@ -471,7 +470,10 @@ impl TickSpy {
             // sees the mark queues behind the one that carried them.
             let frames = if self.stacks.is_sent(stack) { &[][..] } else { self.stacks.frames(stack) };
             let frames = &frames[..frames.len().min(message::MAX_FRAMES)];
-            if self.send(ring, &message::tick(&tick, frames.len()), frames) && !frames.is_empty() {
+            let head = message::tick(&tick, frames.len());
+            if frames.is_empty() {
+                Self::sent(ring.push_one(&head));
+            } else if Self::sent(ring.push(&head, frames)) {
                 self.stacks.mark_sent(stack);
             }
         }
@@ -516,7 +518,7 @@ impl TickSpy {
         };
         self.estimates.take(unflushed, s.weight, self.flush_at());
         if let (Some((thread, ptr)), Some(ring)) = (freed_by, self.ring()) {
-            self.send(ring, &message::free(self.elapsed_ns(), thread, ptr as u64), &[]);
+            Self::sent(ring.push_one(&message::free(self.elapsed_ns(), thread, ptr as u64)));
         }
     }
 
@@ -562,7 +564,7 @@ impl TickSpy {
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
         let stats = self.stats_now();
         if let Some(ring) = self.ring() {
-            self.send(ring, &message::stats(&stats), &[]);
+            Self::sent(ring.push(&message::stats(&stats), &[]));
         }
         let callback = self.stats_callback.load(Ordering::Acquire);
         if callback != 0 {
@@ -700,7 +702,7 @@ impl TickSpy {
         if own.started != 0 && own.started & EXITED == 0 {
             own.started |= EXITED;
             if let Some(ring) = self.ring() {
-                self.send(ring, &message::thread_exit(self.elapsed_ns(), index), &[]);
+                Self::sent(ring.push_one(&message::thread_exit(self.elapsed_ns(), index)));
             }
         }
     }

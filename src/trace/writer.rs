@@ -410,7 +410,7 @@ impl Writer {
         };
         let end = message::end(self.spy.elapsed_ns());
         let mut tries = 0;
-        while !ring.push(&end, &[]).queued() && tries < 1000 {
+        while !ring.push_one(&end).queued() && tries < 1000 {
             // A full queue: the writer is draining it.
             tries += 1;
             let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
