@@ -667,11 +667,11 @@ impl TickSpy {
         self.last_stats_ns.store(0, Ordering::Relaxed);
         let next_walk = self.mallinfo_next_ns.load(Ordering::Relaxed);
         self.mallinfo_next_ns.store(next_walk.saturating_sub(forked_at), Ordering::Relaxed);
-        // Its totals count from the fork as well, as `spy=count`'s do (a child of a long-lived
-        // server otherwise reported the server's millions of calls as its own); its live
-        // estimates are the heap it inherited. The threads that did not come along will never
-        // flush their change to the shared estimate, so that is taken afresh from the shares,
-        // and the child's peak starts from it.
+        // Its totals count from the fork as well, as `spy=count`'s do (a child forked after its
+        // parent had allocated 64 MiB counted them as its own); its live estimates are the heap
+        // it inherited. The threads that did not come along will never flush their change to
+        // the shared estimate, so that is taken afresh from the shares, and the child's peak
+        // starts from it.
         for t in self.all_threads() {
             let c = &t.counters;
             c.allocs
