@@ -684,7 +684,6 @@ impl TickSpy {
             unsafe { t.own.get() }.unflushed = Unflushed::default();
         }
         self.frees_elsewhere.store(0, Ordering::Relaxed);
-        self.live_elsewhere.ticks.store(0, Ordering::Relaxed);
         let live = at_least_zero(self.live_sums().0.into_iter().fold(0, u64::wrapping_add));
         self.estimates.live.store(live, Ordering::Relaxed);
         self.estimates.peak_live.store(live, Ordering::Relaxed);
