@@ -48,13 +48,18 @@ pub const BYTES: usize = core::mem::offset_of!(TickCounters, bytes) + gate::SMAL
 pub const FREES: usize = core::mem::offset_of!(TickCounters, frees);
 
 /// With the address folded, `f = addr ^ addr >> FOLD_SHIFT`, its bitmap word is
-/// `(f >> WORD_SHIFT) & WORD_MASK` and its bit in the word `(f >> LINE_SHIFT) % 64` (what
-/// `bt` takes of a register offset): `gate::bit_of`.
+/// `(f >> WORD_SHIFT) & WORD_MASK` in its part, `(addr >> PART_WORD_SHIFT) & PART_WORD_MASK`,
+/// and its bit in the word `(f >> LINE_SHIFT) % 64` (what `bt` takes of a register offset):
+/// `gate::bit_of`.
 pub const FOLD_SHIFT: u32 = gate::FOLD_SHIFT;
 pub const WORD_SHIFT: u32 = gate::LINE_SHIFT + 6;
-pub const WORD_MASK: usize = gate::BITS / 64 - 1;
+pub const WORD_MASK: usize = gate::PART_BITS / 64 - 1;
+pub const PART_WORD_SHIFT: u32 = gate::PART_SHIFT + 6;
+pub const PART_WORD_MASK: usize = (gate::BITS - gate::PART_BITS) / 64;
 pub const LINE_SHIFT: u32 = gate::LINE_SHIFT;
-const _: () = assert!(WORD_MASK <= i32::MAX as usize);
+// The two masks split the word index between them, and fit `and`'s 32-bit immediate.
+const _: () = assert!(WORD_MASK & PART_WORD_MASK == 0 && (WORD_MASK | PART_WORD_MASK) == gate::BITS / 64 - 1);
+const _: () = assert!(gate::BITS / 64 <= i32::MAX as usize);
 // Every word of `GLOBAL` a call reads is on its first line.
 const _: () = assert!(core::mem::align_of::<Interposer<NextHeap>>() >= 64);
 const _: () = assert!(REGISTRY < 64 && KEY < 64 && TLS < 64 && BITMAP < 64 && REAL_MALLOC < 64 && REAL_FREE < 64);
@@ -152,6 +157,10 @@ macro_rules! __fast_path {
                 "mov rdx, rsi",
                 "shr rdx, {word_shift}",
                 "and edx, {word_mask}",
+                "mov r8, rdi",
+                "shr r8, {part_word_shift}",
+                "and r8d, {part_word_mask}",
+                "or rdx, r8",
                 "mov rdx, qword ptr [rcx + 8 * rdx]",
                 "shr rsi, {line_shift}",
                 "bt rdx, rsi",
@@ -174,6 +183,8 @@ macro_rules! __fast_path {
                 fold_shift = const $crate::fast_path::FOLD_SHIFT,
                 word_shift = const $crate::fast_path::WORD_SHIFT,
                 word_mask = const $crate::fast_path::WORD_MASK,
+                part_word_shift = const $crate::fast_path::PART_WORD_SHIFT,
+                part_word_mask = const $crate::fast_path::PART_WORD_MASK,
                 line_shift = const $crate::fast_path::LINE_SHIFT,
                 record = const $crate::fast_path::RECORD,
                 frees = const $crate::fast_path::FREES,

@@ -27,8 +27,16 @@ use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsiz
 use crate::thread_records::bump;
 use crate::tls;
 
-/// Bits of the address bitmap (a power of two).
-pub(crate) const BITS: usize = 1 << 16;
+/// Bits of the address bitmap (a power of two): eight parts of [`PART_BITS`].
+pub(crate) const BITS: usize = 1 << 19;
+
+/// Bits of one part of the bitmap (a power of two). The part of an address is its 64 MiB
+/// heap's number modulo eight (address bits 26 to 28): see [`bit_of`].
+pub(crate) const PART_BITS: usize = 1 << 16;
+
+/// How far [`bit_of`] shifts an address for its part's number (address bits 26 and up) to
+/// land on the bits above a part's.
+pub(crate) const PART_SHIFT: u32 = 26 - PART_BITS.trailing_zeros();
 
 /// A thread's exact totals, as the gate and the spy count them (single writer: the thread).
 #[repr(C)]
@@ -56,11 +64,12 @@ pub(crate) const LINE_SHIFT: u32 = 6;
 
 /// How far [`bit_of`] shifts an address before folding it onto itself: glibc's arenas for
 /// threads are heaps of 64 MiB aligned on 64 MiB, so that address bits 26 and up, which
-/// tell one thread's heap from another's, land on the bits that pick the bitmap's line.
+/// tell one thread's heap from another's, land on the bits that pick a part's line too (more
+/// than eight heaps share the parts).
 pub(crate) const FOLD_SHIFT: u32 = 11;
 
-/// The bit of `ptr` in the bitmap: its 64-byte line, modulo the bitmap's 4 MiB of reach,
-/// with the higher bits that tell the threads' heaps apart folded in.
+/// The bit of `ptr` in the bitmap: in the part of its 64 MiB heap, its 64-byte line modulo the
+/// part's 4 MiB of reach, with the higher bits that tell the threads' heaps apart folded in.
 ///
 /// Not a scrambling hash, on purpose: frees of neighbouring blocks read the same bitmap word
 /// (the fold keeps a page's blocks on one word), so the bitmap stays in cache while the
@@ -70,9 +79,17 @@ pub(crate) const FOLD_SHIFT: u32 = 11;
 /// path, and the two threads wrote the same lines of the bitmap and of the sampled set. A
 /// sample and its free then cost 164 and 359 ns on each of two threads sampling at once (two
 /// runs of the bench's `sample_cost` row), against 92 ns on one thread; 117 and 121 ns with it.
+///
+/// The parts keep threads apart: glibc gives each thread's arena heaps of its own, so up to
+/// eight threads each set and clear bits on lines no other thread's frees read, and the
+/// sampled set's buckets, which follow the bits, are theirs too. With one part for all, each
+/// of churn's two threads covered every line of the bitmap: every sample and every free of a
+/// sampled block took a line from the other core, and the other core's next free there took
+/// it back. In `sample` and the free of a sampled block, the bitmap's two locked instructions
+/// went from 30% and 41% of their time to 12% and 15% (`perf`, churn with two threads).
 #[inline(always)]
 pub(crate) fn bit_of(ptr: usize) -> usize {
-    ((ptr ^ ptr >> FOLD_SHIFT) >> LINE_SHIFT) & (BITS - 1)
+    ((ptr ^ ptr >> FOLD_SHIFT) >> LINE_SHIFT) & (PART_BITS - 1) | (ptr >> PART_SHIFT) & (BITS - PART_BITS)
 }
 
 /// Takes `size` bytes off the countdown `until` and counts an allocation of `kind`, unless
@@ -247,14 +264,37 @@ mod tests {
         assert!(bits.iter().all(|&bit| bit / 64 == bit_of(page) / 64));
     }
 
-    /// Two threads' arenas are 64 MiB heaps aligned on 64 MiB: the same offset in each falls
-    /// on different lines of the bitmap (and of the sampled set, whose buckets follow the bits).
+    /// A thread's heap: glibc's arenas for threads are 64 MiB heaps aligned on 64 MiB.
+    fn heap(i: usize) -> usize {
+        0x7f00_0000_0000 + (i << 26)
+    }
+
+    /// The same offset in two heaps falls on different lines of the bitmap (and of the
+    /// sampled set, whose buckets follow the bits), nine heaps apart too (the same part).
     #[test]
     fn the_same_offset_in_two_threads_heaps_falls_on_different_lines() {
-        let heap = |i: usize| 0x7f00_0000_0000 + (i << 26);
         for offset in [0x8a0, 0x1_2340, 0x3f_fff0] {
             for i in 0..32 {
-                assert_ne!(line_of(heap(i) + offset), line_of(heap(i + 1) + offset), "heaps {i} and {}", i + 1);
+                for j in [i + 1, i + 8] {
+                    assert_ne!(line_of(heap(i) + offset), line_of(heap(j) + offset), "heaps {i} and {j}");
+                }
+            }
+        }
+    }
+
+    /// Eight neighbouring heaps have lines of their own: no thread's sample writes a line
+    /// that another thread's frees read.
+    #[test]
+    fn eight_neighbouring_heaps_share_no_line() {
+        let lines = |i: usize| -> std::collections::HashSet<usize> {
+            (0..1 << 26).step_by(4096 + 64).map(|offset| line_of(heap(i) + offset)).collect()
+        };
+        let first = 5;
+        let all: Vec<_> = (first..first + 8).map(lines).collect();
+        for (a, lines_a) in all.iter().enumerate() {
+            assert_eq!(lines_a.len(), PART_BITS / 512, "heap {} covers its part", first + a);
+            for (b, lines_b) in all.iter().enumerate().skip(a + 1) {
+                assert!(lines_a.is_disjoint(lines_b), "heaps {} and {}", first + a, first + b);
             }
         }
     }

@@ -190,17 +190,19 @@ impl<V: Copy> SampledBlocks<V> {
 mod tests {
     use super::*;
 
-    /// Addresses on one bucket: the `n`-th address on bit `bit`. The low 22 bits are the
-    /// bit's line with the fold of [`gate::bit_of`] undone (`x ^ x >> 11` is its own inverse
-    /// on 22 bits); multiples of 8 GiB change neither.
+    /// Addresses on one bucket: the `n`-th address on bit `bit`. Address bits 26 to 28 are
+    /// the bit's part; the low 22 bits its line within the part with the fold of
+    /// [`gate::bit_of`] undone (`x ^ x >> 11` is its own inverse on 22 bits), the part's bits
+    /// folded onto it included; multiples of 8 GiB change neither.
     fn on_bit(bit: usize, n: usize) -> usize {
-        let line = bit << gate::LINE_SHIFT;
-        0x7f00_0000_0000 + (line ^ line >> gate::FOLD_SHIFT) + (n << 33)
+        let part = bit / gate::PART_BITS;
+        let folded = (bit % gate::PART_BITS) << gate::LINE_SHIFT ^ part << (26 - gate::FOLD_SHIFT);
+        0x7f00_0000_0000 + (part << 26) + (folded ^ folded >> gate::FOLD_SHIFT) + (n << 33)
     }
 
     #[test]
     fn on_bit_lands_on_its_bit() {
-        for (bit, n) in [(0, 0), (5, 1), (100, 3), (gate::BITS - 1, 2)] {
+        for (bit, n) in [(0, 0), (5, 1), (100, 3), (gate::PART_BITS + 7, 1), (gate::BITS - 1, 2)] {
             assert_eq!(gate::bit_of(on_bit(bit, n)), bit);
         }
     }
