@@ -407,10 +407,10 @@ impl TickSpy {
         own.capture.stack_id(self.config.depth, &self.stacks)
     }
 
-    /// The weight of this allocation if it is to be sampled (the same countdown rule as the
-    /// gate's, which let every earlier call of this thread through).
+    /// The weight of the allocation of `size` bytes at `ptr` if it is to be sampled (the same
+    /// countdown rule as the gate's, which let every earlier call of this thread through).
     #[inline(always)]
-    fn decide(&self, own: &mut Own, size: u64, kind: Kind) -> Option<u64> {
+    fn decide(&self, own: &mut Own, ptr: usize, size: u64, kind: Kind) -> Option<u64> {
         let interval = self.config.interval;
         let ts = tls::state();
         let until = &ts.tick_until[if self.config.sampling == Sampling::Tick { kind as usize } else { 0 }];
@@ -419,6 +419,12 @@ impl TickSpy {
             until.set(left);
             return None;
         }
+        // The sampled set's line for `ptr` is likely out of cache (a third of `sample`'s time
+        // went to it on churn when the insert came right after the stack): asked for here, it
+        // comes while the gap's logarithm, the weight's exponential and the stack are worked
+        // out, and the insert comes last, which may be done at any point before the block is
+        // returned.
+        self.sampled.prefetch(ptr);
         Some(match self.config.sampling {
             Sampling::Poisson => {
                 until.set(gap(&mut own.rng, interval));
@@ -436,10 +442,6 @@ impl TickSpy {
     #[inline(never)]
     fn sample(&self, index: u32, t: &PerThread, own: &mut Own, call: &Call, kind: Kind, weight: u64) {
         let ptr = call.result as usize;
-        // The sampled set's line for `ptr` is likely out of cache (a third of this function's
-        // time went to it on churn when the insert came right after the stack): fetch it now
-        // and insert last, which may be done at any point before the block is returned.
-        self.sampled.prefetch(ptr);
         let stack = self.stack_id(own);
         let size = call.size as u64;
         t.live.add_own(kind as usize, weight, blocks_k(weight, size));
@@ -757,7 +759,7 @@ impl MallocSpy for TickSpy {
         bump(&t.counters.bytes[kind as usize], size);
         // SAFETY: `t` is the calling thread's record, inside its hook.
         let own = unsafe { t.own.get() };
-        if let Some(weight) = self.decide(own, size, kind) {
+        if let Some(weight) = self.decide(own, call.result as usize, size, kind) {
             self.sample(index, t, own, call, kind, weight);
         }
     }
