@@ -34,7 +34,7 @@ pub(crate) const BITS: usize = 1 << 19;
 /// heap's number modulo eight (address bits 26 to 28): see [`bit_of`].
 pub(crate) const PART_BITS: usize = 1 << 16;
 
-/// How far [`bit_of`] shifts an address for its part's number (address bits 26 and up) to
+/// How far [`bit_of`] shifts an address for its part's number (address bits 26 to 28) to
 /// land on the bits above a part's.
 pub(crate) const PART_SHIFT: u32 = 26 - PART_BITS.trailing_zeros();
 
@@ -270,7 +270,7 @@ mod tests {
     }
 
     /// The same offset in two heaps falls on different lines of the bitmap (and of the
-    /// sampled set, whose buckets follow the bits), nine heaps apart too (the same part).
+    /// sampled set, whose buckets follow the bits), eight heaps apart too (the same part).
     #[test]
     fn the_same_offset_in_two_threads_heaps_falls_on_different_lines() {
         for offset in [0x8a0, 0x1_2340, 0x3f_fff0] {
