@@ -9,13 +9,16 @@
 //! also lets the leak scan recognise mallocspy's own memory and leave it out of the roots. The
 //! pool is bounded: past
 //! [`set_limit`] bytes a lease fails, and the caller degrades (the leak tracker stops
-//! recording new blocks and says so in its report) instead of growing without end.
+//! recording new blocks and says so in its report; a thread that gets no slot or record goes
+//! unspied) instead of growing without end. The first refusal is said on the report's output.
 
+use core::fmt::Write;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::os;
+use crate::line::Line;
 use crate::sync::SpinLock;
+use crate::{os, sink};
 
 /// Smallest region: one page.
 const MIN_SHIFT: u32 = 12;
@@ -59,6 +62,8 @@ static MAPPED: AtomicUsize = AtomicUsize::new(0);
 /// Bytes leased and not returned.
 static LEASED: AtomicUsize = AtomicUsize::new(0);
 static LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// Set at the first lease the limit refused.
+static REFUSED: AtomicBool = AtomicBool::new(false);
 
 /// The region size and class a request of `bytes` gets.
 fn class_of(bytes: usize) -> Option<(usize, usize)> {
@@ -97,6 +102,7 @@ fn lease_region(bytes: usize, bounded: bool) -> Option<(NonNull<u8>, usize)> {
         }
     }
     if bounded && MAPPED.load(Ordering::Relaxed).saturating_add(size) > LIMIT.load(Ordering::Relaxed) {
+        say_refused();
         return None;
     }
     let region = carve(size)?;
@@ -221,6 +227,21 @@ pub(crate) unsafe fn give_back(region: NonNull<u8>, bytes: usize) {
     unsafe { *(region.as_ptr() as *mut usize) = c.free.load(Ordering::Relaxed) };
     c.free.store(region.as_ptr() as usize, Ordering::Relaxed);
     LEASED.fetch_sub(size, Ordering::Relaxed);
+}
+
+/// Says, once, that the limit refused a lease. What a caller then leaves out (a thread with no
+/// slot or record is not spied at all, so `spy=ticks` under a small `max_memory` counted no
+/// allocation) would otherwise go without a word.
+fn say_refused() {
+    if !REFUSED.swap(true, Ordering::Relaxed) {
+        let mut line = Line::<200>::new();
+        let _ = writeln!(
+            line,
+            "mallocspy: max_memory ({} bytes) reached: what does not fit from here on goes unspied",
+            LIMIT.load(Ordering::Relaxed)
+        );
+        sink::write(line.as_bytes());
+    }
 }
 
 /// Caps the bytes the pool may map (leases past it fail).

@@ -241,6 +241,18 @@ pub extern "C" fn report_at_exit() {
             .as_bytes(),
         );
     }
+    if let Some(spy) = b.ticks
+        && let uncounted = spy.uncounted()
+        && uncounted > 0
+    {
+        sink::write(
+            format!(
+                "mallocspy: ticks: {uncounted} allocation(s) were not counted: their threads got no record \
+                 (mallocspy's memory limit, max_memory, was reached, or its thread slots ran out)\n"
+            )
+            .as_bytes(),
+        );
+    }
     let Some(tracker) = b.leaks else { return };
     let summary = write_leak_report(tracker, caller);
     if let Some(code) = b.options.exitcode

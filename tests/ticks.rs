@@ -578,3 +578,51 @@ fn the_exit_summary_gives_the_peak_of_a_short_run() {
         assert!(peak > 0.85 * held && peak < 1.35 * held, "seed {seed}: peak {peak}: {stderr}");
     }
 }
+
+/// A `max_memory` too small for the spy's tables, a thread's slot or its record: the program
+/// runs as it would, and the run says so rather than report nothing as if nothing had happened
+/// (a limit that left `sort` no slot once gave "0 allocations" and not a word more). Over a
+/// sweep of limits every run prints what `sort` prints, and either counts all its allocations
+/// or says that the limit was reached; where its thread got a slot but no record, the summary
+/// also names the allocations it did not count.
+#[test]
+fn a_max_memory_too_small_is_said_and_the_allocations_it_leaves_out_are_named() {
+    let input = root().join("Cargo.toml");
+    let sort = |options: &str| -> (String, String) {
+        let out = Command::new("sort")
+            .arg(&input)
+            .env("LC_ALL", "C")
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", options)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "sort under {options}: {}", text(&out.stderr));
+        (text(&out.stdout), text(&out.stderr))
+    };
+    // The summary's "of N allocations", and the N of "N allocation(s) were not counted".
+    let counted = |stderr: &str| -> u64 {
+        let summary = stderr.lines().find(|l| l.starts_with("mallocspy: ticks: ") && l.contains(" samples ("));
+        summary.and_then(|l| l.split(" of ").nth(1)?.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+    };
+    let uncounted = |stderr: &str| -> u64 {
+        let line = stderr.lines().find(|l| l.contains(" allocation(s) were not counted"));
+        line.and_then(|l| l.strip_prefix("mallocspy: ticks: ")?.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+    };
+    let (expected_out, stderr) = sort("spy=ticks");
+    let all = counted(&stderr);
+    assert!(all > 0 && uncounted(&stderr) == 0, "{stderr}");
+    let (mut said, mut named) = (0, 0);
+    for limit_k in (1024..6 << 10).step_by(50) {
+        let (out, stderr) = sort(&format!("spy=ticks:max_memory={limit_k}k"));
+        assert_eq!(out, expected_out, "limit {limit_k}k");
+        let limit_said = stderr.contains(&format!("mallocspy: max_memory ({} bytes) reached", limit_k << 10));
+        let seen = counted(&stderr) + uncounted(&stderr);
+        // Every allocation counted or named; or, when the thread got no slot at all (or the
+        // spy no tables), none seen and the limit said.
+        assert!(seen == all || (seen == 0 && limit_said), "limit {limit_k}k: {seen} of {all} seen:\n{stderr}");
+        said += usize::from(limit_said);
+        named += usize::from(uncounted(&stderr) > 0);
+    }
+    assert!(said > 0, "the sweep reaches the limit");
+    assert!(named > 0, "the sweep meets a thread with a slot and no record");
+}

@@ -238,6 +238,9 @@ pub(crate) struct TickSpy {
     /// the live estimates.
     frees_elsewhere: AtomicU64,
     live_elsewhere: LiveShare,
+    /// Allocations of threads that got no record (past `max_memory`, or out of thread slots):
+    /// in no total, and said so at exit rather than lost without a word.
+    uncounted: AtomicU64,
     /// The queue to the trace writer (a leaked `Ring`); null without one.
     ring: AtomicPtr<Ring>,
     callback: AtomicUsize,
@@ -317,6 +320,7 @@ impl TickSpy {
             estimates: Estimates::default(),
             frees_elsewhere: AtomicU64::new(0),
             live_elsewhere: LiveShare::default(),
+            uncounted: AtomicU64::new(0),
             ring: AtomicPtr::new(core::ptr::null_mut()),
             callback: AtomicUsize::new(0),
             stats_callback: AtomicUsize::new(0),
@@ -346,6 +350,11 @@ impl TickSpy {
             writer::wake();
         }
         pushed.queued()
+    }
+
+    /// Allocations that no total counts: their threads got no record.
+    pub(crate) fn uncounted(&self) -> u64 {
+        self.uncounted.load(Ordering::Relaxed)
     }
 
     /// Samples taken so far.
@@ -686,6 +695,7 @@ impl TickSpy {
             unsafe { t.own.get() }.unflushed = Unflushed::default();
         }
         self.frees_elsewhere.store(0, Ordering::Relaxed);
+        self.uncounted.store(0, Ordering::Relaxed);
         let live = at_least_zero(self.live_sums().0.into_iter().fold(0, u64::wrapping_add));
         self.estimates.live.store(live, Ordering::Relaxed);
         self.estimates.peak_live.store(live, Ordering::Relaxed);
@@ -752,7 +762,10 @@ impl MallocSpy for TickSpy {
         if call.failed || call.result.is_null() || matches!(call.entry, Entry::MallocUsableSize | Entry::MallocTrim) {
             return;
         }
-        let Some((index, t)) = self.mine() else { return };
+        let Some((index, t)) = self.mine() else {
+            self.uncounted.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
         let kind = kind_of(call);
         let size = call.size as u64;
         bump(&t.counters.allocs[kind as usize], 1);
