@@ -248,7 +248,7 @@ pub extern "C" fn report_at_exit() {
         sink::write(
             format!(
                 "mallocspy: ticks: {uncounted} allocation(s) were not counted: their threads got no record \
-                 (mallocspy's memory limit, max_memory, was reached, or its thread slots ran out)\n"
+                 (mallocspy's memory limit, max_memory, was reached)\n"
             )
             .as_bytes(),
         );

@@ -238,8 +238,9 @@ pub(crate) struct TickSpy {
     /// the live estimates.
     frees_elsewhere: AtomicU64,
     live_elsewhere: LiveShare,
-    /// Allocations of threads that got no record (past `max_memory`, or out of thread slots):
-    /// in no total, and said so at exit rather than lost without a word.
+    /// Allocations of threads that got a slot but no record (past `max_memory`): in no total,
+    /// and said so at exit rather than lost without a word. (A thread with no slot never
+    /// reaches a spy: the pool says when the limit refuses it.)
     uncounted: AtomicU64,
     /// The queue to the trace writer (a leaked `Ring`); null without one.
     ring: AtomicPtr<Ring>,
