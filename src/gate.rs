@@ -96,7 +96,11 @@ pub(crate) fn bit_of(ptr: usize) -> usize {
 /// that would end the countdown (the allocation is then the spy's to sample).
 #[inline(always)]
 fn take(until: &Cell<i64>, c: &TickCounters, size: usize, kind: usize) -> bool {
-    let left = until.get() - size as i64;
+    // A request of 2^63 bytes or more can only fail: cast, it would add to the countdown (one
+    // such `realloc` stopped a thread's sampling for good). The spied path counts only what
+    // the real allocator gave.
+    let Ok(size) = i64::try_from(size) else { return false };
+    let left = until.get() - size;
     if left <= 0 {
         return false;
     }

@@ -146,6 +146,10 @@ impl fmt::Display for OptionsError {
 
 impl std::error::Error for OptionsError {}
 
+/// The largest `sample_interval`, 2^62 bytes: the countdowns are signed 64-bit, and an
+/// interval of 2^63 or more wrapped to a negative one (every allocation sampled).
+pub const MAX_SAMPLE_INTERVAL: usize = 1 << 62;
+
 /// Parses a byte count with an optional `k`, `m` or `g` suffix (powers of 1024).
 pub fn parse_size(value: &str) -> Option<usize> {
     let v = value.trim().to_ascii_lowercase();
@@ -226,8 +230,8 @@ impl Options {
                 }
                 "sample_interval" => {
                     o.sample_interval = parse_size(value)
-                        .filter(|&n| n >= 1)
-                        .ok_or_else(|| bad("sample_interval", "a size of at least 1 byte"))?
+                        .filter(|&n| (1..=MAX_SAMPLE_INTERVAL).contains(&n))
+                        .ok_or_else(|| bad("sample_interval", "a size from 1 byte to 4 EiB"))?
                         as u64
                 }
                 "sample_seed" => o.sample_seed = Some(value.parse().map_err(|_| bad("sample_seed", "a number"))?),
@@ -323,6 +327,9 @@ mod tests {
         assert!(Options::parse("log_path=").is_err());
         assert!(Options::parse("sampling=random").is_err());
         assert!(Options::parse("sample_interval=0").is_err());
+        assert!(Options::parse("sample_interval=18446744073709551615").is_err());
+        assert!(Options::parse("sample_interval=9223372036854775808").is_err());
+        assert_eq!(Options::parse("sample_interval=4611686018427387904").unwrap().sample_interval, 1 << 62);
         assert!(Options::parse("stats_interval_ms=0").is_err());
         assert!(Options::parse("trace=").is_err());
         assert_eq!(parse_size("4g"), Some(4 << 30));

@@ -71,14 +71,50 @@ pub(crate) fn page_size() -> usize {
     size
 }
 
+// glibc's `open`, `read`, `write`, `close` and `send` are cancellation points: a thread with a
+// cancellation pending (deferred, the default) that makes one inside a hook starts unwinding
+// there, through the spy's `catch_unwind`, and glibc aborts the process ("FATAL: exception not
+// rethrown"), where natively the thread would have gone on to its next cancellation point. The
+// system calls themselves are not cancellation points, so the code a hook may run makes them
+// directly (`malloc` itself is not one: a program may count on that).
+
+/// `open(2)` of `path` with `flags` (no `O_CREAT`), without the cancellation point.
+pub(crate) fn open(path: &CStr, flags: c_int) -> c_int {
+    // SAFETY: openat reads the NUL-terminated path and nothing else.
+    unsafe { libc::syscall(libc::SYS_openat, libc::AT_FDCWD, path.as_ptr(), flags, 0) as c_int }
+}
+
+/// `read(2)` into `buf`, without the cancellation point.
+pub(crate) fn read(fd: c_int, buf: &mut [u8]) -> isize {
+    // SAFETY: read writes at most buf.len() bytes into buf.
+    unsafe { libc::syscall(libc::SYS_read, fd, buf.as_mut_ptr(), buf.len()) as isize }
+}
+
+/// `write(2)` of `bytes`, without the cancellation point.
+pub(crate) fn write(fd: c_int, bytes: &[u8]) -> isize {
+    // SAFETY: write reads at most bytes.len() bytes from bytes.
+    unsafe { libc::syscall(libc::SYS_write, fd, bytes.as_ptr(), bytes.len()) as isize }
+}
+
+/// `send(2)` of `bytes` with `flags`, without the cancellation point.
+pub(crate) fn send(fd: c_int, bytes: &[u8], flags: c_int) -> isize {
+    // SAFETY: sendto reads at most bytes.len() bytes from bytes; no address is given.
+    unsafe { libc::syscall(libc::SYS_sendto, fd, bytes.as_ptr(), bytes.len(), flags, 0usize, 0usize) as isize }
+}
+
+/// `close(2)` of a descriptor the caller owns, without the cancellation point.
+pub(crate) fn close(fd: c_int) {
+    // SAFETY: close takes no memory; the caller owns fd.
+    unsafe { libc::syscall(libc::SYS_close, fd) };
+}
+
 /// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes. Preserves `errno`.
 /// Returns false when the descriptor refuses the data.
 pub(crate) fn write_all(fd: c_int, mut bytes: &[u8]) -> bool {
     let saved = errno();
     let mut ok = true;
     while !bytes.is_empty() {
-        // SAFETY: `bytes` is a live slice; write(2) reads at most its length.
-        let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+        let n = write(fd, bytes);
         if n < 0 {
             if errno() == libc::EINTR {
                 continue;

@@ -78,6 +78,19 @@ fn threads_that_ask_for_their_stack_first_or_leave_by_pthread_exit_or_cancellati
 }
 
 #[test]
+fn a_thread_with_a_cancellation_pending_allocates_and_is_cancelled_where_it_would_be() {
+    // malloc is not a cancellation point; the system calls a hook makes (the stack's bounds
+    // from /proc, the writer's wake-up) must not be either, or the cancellation starts inside
+    // the hook and glibc aborts the process.
+    let program = c_program("cancel_alloc.c");
+    let outputs = same_in_every_mode("cancel_alloc", || Command::new(&program));
+    assert_eq!(text(&outputs[0].1.stdout), "reached the cancellation point\ncancelled: yes\n");
+    let every = run(Mode::Shim("spy=ticks:sample_interval=1"), &mut Command::new(&program));
+    assert_eq!(every.status.code(), Some(0), "{}", text(&every.stderr));
+    assert_eq!(every.stdout, outputs[0].1.stdout);
+}
+
+#[test]
 fn blocks_allocated_by_constructors_before_ours_stay_usable() {
     // libearly's constructor runs before the shim's (the loader initialises it first) and keeps
     // its blocks; the program then frees and reallocates them under the spy.

@@ -579,6 +579,36 @@ fn the_exit_summary_gives_the_peak_of_a_short_run() {
     }
 }
 
+/// Requests of 2^63 bytes or more can only fail: they are counted as nothing, and the thread's
+/// sampling goes on (cast to a signed count, one such `realloc` added to the countdown and the
+/// thread was never sampled again: "0 samples of 102404 allocations, 13835058055387844624 bytes").
+#[test]
+fn requests_too_large_to_succeed_neither_count_nor_stop_the_sampling() {
+    let program = c_program("huge_request.c");
+    for seed in 1..=3 {
+        let out = Command::new(&program)
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format!("spy=ticks:sample_seed={seed}"))
+            .output()
+            .unwrap();
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "failed: 1 1 1\n"));
+        let stderr = text(&out.stderr);
+        let summary =
+            stderr.lines().find_map(|l| l.strip_prefix("mallocspy: ticks: ")).unwrap_or_else(|| panic!("{stderr}"));
+        let number = |after: &str| -> u64 {
+            let field = summary.split(after).nth(1).and_then(|rest| rest.split_whitespace().next());
+            field.and_then(|n| n.trim_end_matches(',').parse().ok()).unwrap_or_else(|| panic!("{summary}"))
+        };
+        let (samples, allocations) =
+            (summary.split_whitespace().next().unwrap().parse::<u64>().unwrap(), number(" of "));
+        let bytes = number(" allocations, ");
+        // 100,000 KiB at one sample per 100 KiB on average: 1,000 expected, 32 the deviation.
+        assert!((800..1200).contains(&samples), "seed {seed}: {summary}");
+        assert!((100_001..100_010).contains(&allocations), "seed {seed}: {summary}");
+        assert!((102_400_000..102_500_000).contains(&bytes), "seed {seed}: {summary}");
+    }
+}
+
 /// A `max_memory` too small for the spy's tables, a thread's slot or its record: the program
 /// runs as it would, and the run says so rather than report nothing as if nothing had happened
 /// (a limit that left `sort` no slot once gave "0 allocations" and not a word more). Over a

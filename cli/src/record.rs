@@ -53,9 +53,9 @@ pub struct RecordArgs {
 
 fn parse_interval(text: &str) -> Result<u64, String> {
     mallocspy::options::parse_size(text)
-        .filter(|&n| n > 0)
+        .filter(|&n| (1..=mallocspy::options::MAX_SAMPLE_INTERVAL).contains(&n))
         .map(|n| n as u64)
-        .ok_or_else(|| format!("'{text}' is not a size in bytes (e.g. 102400, 100k, 1m)"))
+        .ok_or_else(|| format!("'{text}' is not a size from 1 byte to 4 EiB (e.g. 102400, 100k, 1m)"))
 }
 
 pub fn record(args: RecordArgs) -> ExitCode {

@@ -65,8 +65,7 @@ pub(crate) fn wake() -> bool {
     if !is_our_socket(fd) {
         return false;
     }
-    // SAFETY: one byte from a static buffer to our own socket.
-    unsafe { libc::send(fd, b"w".as_ptr().cast(), 1, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+    os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
     true
 }
 

@@ -17,7 +17,7 @@
 
 use core::sync::atomic::{AtomicU8, Ordering};
 
-use crate::tls;
+use crate::{os, tls};
 
 /// The calling thread's stack, `(low, high)` (cached in its thread state; `(0, 0)` when
 /// unknown).
@@ -146,8 +146,7 @@ fn queried(sp: u64) -> Option<(u64, u64)> {
 
 /// [`queried`] of the map at `path`.
 fn query(path: &core::ffi::CStr, sp: u64) -> Option<(u64, u64)> {
-    // SAFETY: a NUL-terminated path; the descriptor is closed below.
-    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    let fd = os::open(path, libc::O_RDONLY | libc::O_CLOEXEC);
     if fd < 0 {
         return None;
     }
@@ -155,8 +154,7 @@ fn query(path: &core::ffi::CStr, sp: u64) -> Option<(u64, u64)> {
     // SAFETY: PROCMAP_QUERY reads and writes one struct procmap_query of the size it is told;
     // no name or build id is asked for (their sizes are 0).
     let status = unsafe { libc::ioctl(fd, PROCMAP_QUERY as _, &mut query) };
-    // SAFETY: fd is ours.
-    unsafe { libc::close(fd) };
+    os::close(fd);
     (status == 0 && query.vma_start <= sp && sp < query.vma_end)
         .then(|| stack_of_mapping(sp, (query.vma_start, query.vma_end)))
 }
@@ -164,16 +162,14 @@ fn query(path: &core::ffi::CStr, sp: u64) -> Option<(u64, u64)> {
 /// The stack that holds `sp` from the text of `/proc/thread-self/maps` (`(0, 0)`: none),
 /// read without allocating.
 fn stack_in_map(sp: u64) -> (u64, u64) {
-    // SAFETY: a NUL-terminated path; the descriptor is closed below.
-    let fd = unsafe { libc::open(c"/proc/thread-self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    let fd = os::open(c"/proc/thread-self/maps", libc::O_RDONLY | libc::O_CLOEXEC);
     if fd < 0 {
         return (0, 0);
     }
     let mut lines = MapLines::default();
     let mut buf = [0u8; 4096];
     let found = loop {
-        // SAFETY: reads at most buf.len() bytes into buf.
-        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        let n = os::read(fd, &mut buf);
         if n <= 0 {
             break None;
         }
@@ -181,8 +177,7 @@ fn stack_in_map(sp: u64) -> (u64, u64) {
             break Some(range);
         }
     };
-    // SAFETY: fd is ours.
-    unsafe { libc::close(fd) };
+    os::close(fd);
     found.map_or((0, 0), |mapping| stack_of_mapping(sp, mapping))
 }
 
