@@ -357,6 +357,22 @@ fn record_reports_bad_arguments_and_missing_programs() {
     let stderr = text(&out.stderr);
     assert!(stderr.contains("cannot open trace '/no/such/dir/t.trace'"), "{stderr}");
     assert!(text(&out.stdout).contains("site_small"), "the program ran, sampled");
+    // A stderr that refuses every line (a full disk): the lines are lost, the statuses are not
+    // (`eprintln!` panicked there, and `record` exited 101 for a program that exited 3).
+    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let trace = dir.path().join("full.trace");
+    let status = Command::new(mallocspy())
+        .args(["record", "--output"])
+        .arg(&trace)
+        .args(["--", "sh", "-c", "exit 3"])
+        .stderr(full())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(3));
+    let garbage = dir.path().join("garbage");
+    std::fs::write(&garbage, [7u8; 100]).unwrap();
+    let status = Command::new(mallocspy()).arg("report").arg(&garbage).stderr(full()).status().unwrap();
+    assert_eq!(status.code(), Some(1));
 }
 
 /// The writer is a process of its own: the traced program has exactly its own threads (a

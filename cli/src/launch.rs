@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Prints `mallocspy: MESSAGE` and gives `code`.
 pub fn fail(message: &str, code: u8) -> ExitCode {
-    eprintln!("mallocspy: {message}");
+    say!("mallocspy: {message}");
     ExitCode::from(code)
 }
 
@@ -41,7 +41,7 @@ pub fn run_preloaded(
         preload.push(existing);
     }
     if let Some(why) = out_of_reach(Path::new(&program[0])) {
-        eprintln!("mallocspy: warning: '{}' {why}; it runs unspied", program[0].to_string_lossy());
+        say!("mallocspy: warning: '{}' {why}; it runs unspied", program[0].to_string_lossy());
     }
     let mut child = Command::new(&program[0]);
     child.args(&program[1..]).env("LD_PRELOAD", preload).env("MALLOCSPY_OPTIONS", options.join(":"));

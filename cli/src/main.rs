@@ -4,6 +4,15 @@
 //! forwards its exit status; the report is written by each process of the program itself, at
 //! its exit (see the `mallocspy` crate).
 
+/// `eprintln!` that drops the line when stderr refuses it (a full disk, a closed pipe):
+/// `eprintln!` panics then, and `mallocspy record` lost the program's exit status to the panic.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod launch;
 mod record;
 mod report;

@@ -89,8 +89,8 @@ pub fn record(args: RecordArgs) -> ExitCode {
         trace = own;
     }
     match std::fs::metadata(&trace) {
-        Ok(m) => eprintln!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
-        Err(e) => eprintln!("mallocspy: no trace at {trace}: {e}"),
+        Ok(m) => say!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
+        Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
     }
     launch::forward(status)
 }

@@ -134,7 +134,7 @@ pub fn report(args: ReportArgs) -> ExitCode {
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            eprintln!("mallocspy report: {message}");
+            say!("mallocspy report: {message}");
             ExitCode::FAILURE
         }
     }
@@ -152,12 +152,9 @@ fn run(args: &ReportArgs) -> Result<(), String> {
         if args.format == Format::Timeline { Symbols::default() } else { Symbols::resolve(&profile, &mut progress) };
     progress.finish();
     if let Some(offset) = profile.truncated_at {
-        eprintln!(
-            "mallocspy report: warning: {} is cut at offset {offset}; reporting the events before it",
-            path.display()
-        );
+        say!("mallocspy report: warning: {} is cut at offset {offset}; reporting the events before it", path.display());
     } else if profile.end_ns.is_none() {
-        eprintln!(
+        say!(
             "mallocspy report: warning: {} has no end record: the program did not exit normally; reporting the events it has",
             path.display()
         );
