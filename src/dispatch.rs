@@ -25,11 +25,11 @@ use crate::deferred::DeferredFrees;
 use crate::gate::{self, Gate};
 use crate::heap::Heap;
 use crate::live_table::{LiveTable, Lookup};
-use crate::os;
 use crate::registry::{Registry, SpyCell, SpyRef};
 use crate::spy::{Call, DidAlloc, Entry, MallocSpy, SpyError};
 use crate::threads::{self, InFlight};
 use crate::tls::{self, ThreadState};
+use crate::{os, sink};
 
 /// Which real function serves an allocating call.
 #[derive(Clone, Copy)]
@@ -641,7 +641,7 @@ impl<H: Heap> Interposer<H> {
         let aligned_ok = keeps_alignment(ptr, real.ptr, req.align);
         if !aligned_ok || !self.spied.insert(ptr as usize, req.size) {
             if aligned_ok {
-                os::write_all(2, b"mallocspy: cannot map memory for the live-block table; serving unspied\n");
+                sink::to_stderr(b"mallocspy: cannot map memory for the live-block table; serving unspied\n");
             } else {
                 cell.report_misaligned();
             }
@@ -875,7 +875,7 @@ impl<H: Heap> Interposer<H> {
         if !self.spied.insert(new as usize, size) {
             // No memory for the table: the block keeps the spy's layout but can no longer be
             // freed through it. Leak rather than corrupt.
-            os::write_all(2, b"mallocspy: cannot map memory for the live-block table; a block will leak\n");
+            sink::to_stderr(b"mallocspy: cannot map memory for the live-block table; a block will leak\n");
         }
         self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: new, failed: false });
         os::set_errno(saved);

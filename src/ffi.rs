@@ -278,8 +278,7 @@ impl Remote {
             Err(payload) => {
                 core::mem::forget(payload);
                 if !remote.poisoned.swap(true, Ordering::Relaxed) {
-                    crate::os::write_all(
-                        2,
+                    crate::sink::to_stderr(
                         b"mallocspy: the registered spy panicked; it is revoked and the program goes on unspied\n",
                     );
                     (remote.api.revoke_spy)();

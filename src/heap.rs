@@ -15,7 +15,7 @@ use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering, fence};
 
-use crate::{bootstrap, os};
+use crate::{bootstrap, os, sink};
 
 /// The allocator underneath the spy. Implementations have the C functions' semantics.
 ///
@@ -269,7 +269,7 @@ impl NextHeap {
                 } else {
                     self.state.store(FAILED, Ordering::Release);
                     let msg = b"mallocspy: cannot find the real allocator (dlsym RTLD_NEXT malloc failed); serving from a static arena\n";
-                    os::write_all(2, msg);
+                    sink::to_stderr(msg);
                     None
                 }
             }

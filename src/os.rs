@@ -110,26 +110,25 @@ pub(crate) fn close(fd: c_int) {
 
 /// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes. Preserves `errno`.
 /// Returns false when the descriptor refuses the data.
-pub(crate) fn write_all(fd: c_int, mut bytes: &[u8]) -> bool {
+pub(crate) fn write_all(fd: c_int, bytes: &[u8]) -> bool {
     let saved = errno();
-    let mut ok = true;
-    while !bytes.is_empty() {
-        let n = write(fd, bytes);
-        if n < 0 {
-            if errno() == libc::EINTR {
-                continue;
-            }
-            ok = false;
-            break;
-        }
-        if n == 0 {
-            ok = false;
-            break;
-        }
-        bytes = &bytes[n as usize..];
-    }
+    let ok = write_whole(fd, bytes).is_ok();
     set_errno(saved);
     ok
+}
+
+/// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes; on failure the error
+/// number (`ENOSPC` for a write that wrote nothing).
+pub(crate) fn write_whole(fd: c_int, mut bytes: &[u8]) -> Result<(), c_int> {
+    while !bytes.is_empty() {
+        match write(fd, bytes) {
+            n if n > 0 => bytes = &bytes[n as usize..],
+            0 => return Err(libc::ENOSPC),
+            _ if errno() == libc::EINTR => {}
+            _ => return Err(errno()),
+        }
+    }
+    Ok(())
 }
 
 /// Monotonic nanoseconds.

@@ -40,7 +40,7 @@ static REPORTED: AtomicBool = AtomicBool::new(false);
 
 fn say(message: &str) {
     let line = format!("mallocspy: {message}\n");
-    os::write_all(2, line.as_bytes());
+    sink::to_stderr(line.as_bytes());
 }
 
 fn leak<T>(value: T) -> &'static T {
@@ -60,6 +60,10 @@ pub fn init() {
         Err(std::env::VarError::NotPresent) => Options::default(),
         Err(std::env::VarError::NotUnicode(_)) => return say("MALLOCSPY_OPTIONS is not valid UTF-8; running unspied"),
     };
+    if options.spies.is_empty() {
+        // A pure pass-through: no reports, so no report file or copy of stderr either.
+        return;
+    }
     match &options.log_path {
         Some(path) => {
             if let Err(e) = sink::use_path(path) {
@@ -81,9 +85,6 @@ pub fn init() {
             }
         },
     };
-    if options.spies.is_empty() {
-        return;
-    }
     pool::set_limit(options.max_memory);
     let builtins = Builtins {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),

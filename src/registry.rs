@@ -15,7 +15,7 @@ use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::spy::{MallocSpy, Role, SpyError};
 use crate::sync::SpinLock;
-use crate::{os, threads};
+use crate::{sink, threads};
 
 /// A spy to register: owned (dropped when the registration ends) or static (the built-in
 /// spies, which outlive it for their exit reports).
@@ -80,8 +80,7 @@ impl SpyCell {
                 // The payload's own Drop could panic again; a few leaked bytes are the safe side.
                 core::mem::forget(payload);
                 if !self.panic_reported.swap(true, Ordering::Relaxed) {
-                    os::write_all(
-                        2,
+                    sink::to_stderr(
                         b"mallocspy: the registered spy panicked; it is revoked and the program goes on unspied\n",
                     );
                 }
@@ -93,8 +92,7 @@ impl SpyCell {
     /// Reports once that the spy returned a pointer weaker aligned than the caller is owed.
     pub(crate) fn report_misaligned(&self) {
         if !self.misalign_reported.swap(true, Ordering::Relaxed) {
-            os::write_all(
-                2,
+            sink::to_stderr(
                 b"mallocspy: the registered spy returned a misaligned pointer; such allocations are served unspied\n",
             );
         }
@@ -208,7 +206,7 @@ impl Registry {
         // hook that could still hold a reference.
         let cell = unsafe { Box::from_raw(ptr) };
         if std::panic::catch_unwind(AssertUnwindSafe(move || drop(cell))).is_err() {
-            os::write_all(2, b"mallocspy: the revoked spy panicked while being dropped\n");
+            sink::to_stderr(b"mallocspy: the revoked spy panicked while being dropped\n");
         }
     }
 

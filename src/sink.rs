@@ -6,9 +6,15 @@
 //! descriptor is checked to still be the file it was. If the program closed or replaced it
 //! (daemons and `closefrom`-style loops close every descriptor they did not open), the
 //! `log_path` file is opened again; a duplicate of stderr cannot be, and the report then goes
-//! to the program's current stderr rather than into a file of the program's.
+//! to descriptor 2 if that is still the stderr the process started with. Never to whatever
+//! else has the number: a program started with stderr closed gives descriptor 2 to the first
+//! file it opens, and a report there would be written into the program's own file.
+//!
+//! The child of a `fork` gives up the duplicate of stderr and writes to descriptor 2 (on the
+//! same condition): a daemon that points 0-2 at `/dev/null` would otherwise hold its
+//! caller's pipe open for its whole life, and `x=$(program 2>&1)` would wait for it.
 
-use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::ffi::CString;
 
 use crate::os;
@@ -17,6 +23,16 @@ use crate::os;
 static FD: AtomicI32 = AtomicI32::new(-1);
 static DEV: AtomicU64 = AtomicU64::new(0);
 static INO: AtomicU64 = AtomicU64::new(0);
+
+/// What descriptor 2 was when the reports' destination was chosen: [`STDERR_UNSEEN`] (never
+/// chosen: the library used without the preload), [`STDERR_CLOSED`], or [`STDERR_OPEN`] with
+/// its identity in `STDERR_DEV` and `STDERR_INO`.
+static STDERR: AtomicU8 = AtomicU8::new(STDERR_UNSEEN);
+static STDERR_DEV: AtomicU64 = AtomicU64::new(0);
+static STDERR_INO: AtomicU64 = AtomicU64::new(0);
+const STDERR_UNSEEN: u8 = 0;
+const STDERR_CLOSED: u8 = 1;
+const STDERR_OPEN: u8 = 2;
 
 /// `log_path` as given (with `%p`), for the child of a fork to open its own file.
 static TEMPLATE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
@@ -83,15 +99,38 @@ fn install(fd: i32) {
 /// Opens `path` for writing at a high descriptor number: appending, or truncating it.
 pub(crate) fn open_path(path: &str, append: bool) -> Result<i32, String> {
     let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
-    open_c(&c, append).ok_or_else(|| std::io::Error::last_os_error().to_string())
+    open_c(&c, append).ok_or_else(|| open_error(&c))
+}
+
+/// Why [`open_c`] failed on `path`, in words.
+fn open_error(path: &CString) -> String {
+    let error = std::io::Error::last_os_error();
+    // SAFETY: stat is plain data, valid when zeroed; stat only writes it.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: path is NUL-terminated and st a valid out-pointer.
+    let fifo = unsafe { libc::stat(path.as_ptr(), &mut st) } == 0 && st.st_mode & libc::S_IFMT == libc::S_IFIFO;
+    match error.raw_os_error() {
+        Some(libc::ENXIO) if fifo => "a FIFO that nothing reads".to_string(),
+        _ => error.to_string(),
+    }
 }
 
 /// [`open_path`] without allocating.
+///
+/// Opened non-blocking, because opening a FIFO for writing waits for a reader: a path naming
+/// one that nobody reads would hang the program in its start-up. Such an open fails (`ENXIO`)
+/// instead; one with a reader gets blocking writes back.
 fn open_c(path: &CString, append: bool) -> Option<i32> {
     let mode = if append { libc::O_APPEND } else { libc::O_TRUNC };
+    let flags = libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC | libc::O_NONBLOCK | mode;
     // SAFETY: path is NUL-terminated; the flags and mode are plain integers.
-    let fd = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC | mode, 0o644) };
-    (fd >= 0).then(|| move_high(fd))
+    let fd = unsafe { libc::open(path.as_ptr(), flags, 0o644) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: fcntl on the descriptor just opened.
+    unsafe { libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) & !libc::O_NONBLOCK) };
+    Some(move_high(fd))
 }
 
 /// Opens this process's log file (from [`use_path`]) for the reports, appending.
@@ -102,7 +141,7 @@ fn use_log_file(path: String) -> Result<(), String> {
         _ => path,
     };
     let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
-    let fd = open_c(&c, true).ok_or_else(|| std::io::Error::last_os_error().to_string())?;
+    let fd = open_c(&c, true).ok_or_else(|| open_error(&c))?;
     let old = FD.swap(-1, Ordering::AcqRel);
     install(fd);
     if old >= 0 && old != fd {
@@ -125,8 +164,38 @@ fn reopen_log_file() -> bool {
     true
 }
 
+/// Notes what descriptor 2 is now, at start-up: the stderr that reports may fall back to.
+fn note_stderr() {
+    match identity(2) {
+        Some((dev, ino)) => {
+            STDERR_DEV.store(dev, Ordering::Relaxed);
+            STDERR_INO.store(ino, Ordering::Relaxed);
+            STDERR.store(STDERR_OPEN, Ordering::Release);
+        }
+        None => STDERR.store(STDERR_CLOSED, Ordering::Release),
+    }
+}
+
+/// Whether descriptor 2 is the stderr the process started with (or was never noted).
+fn stderr_is_original() -> bool {
+    match STDERR.load(Ordering::Acquire) {
+        STDERR_UNSEEN => true,
+        STDERR_OPEN => identity(2) == Some((STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed))),
+        _ => false,
+    }
+}
+
+/// Writes `bytes` to descriptor 2 if it is still the process's stderr. For lines that are
+/// not reports (warnings), which go to stderr even with a `log_path`.
+pub(crate) fn to_stderr(bytes: &[u8]) {
+    if stderr_is_original() {
+        os::write_all(2, bytes);
+    }
+}
+
 /// Duplicates stderr for the reports.
 pub(crate) fn use_stderr() {
+    note_stderr();
     // SAFETY: fcntl on fd 2; a closed stderr makes it fail harmlessly.
     let fd = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 0) };
     if fd >= 0 {
@@ -137,6 +206,7 @@ pub(crate) fn use_stderr() {
 /// Opens `log_path` (`%p` = pid) for the reports, appending. On failure the reports go to
 /// stderr and the error is returned for a one-line message.
 pub(crate) fn use_path(template: &str) -> Result<(), String> {
+    note_stderr();
     let path = expand(template, os::getpid());
     match use_log_file(path.clone()) {
         Ok(()) => {
@@ -152,14 +222,22 @@ pub(crate) fn use_path(template: &str) -> Result<(), String> {
     }
 }
 
-/// Child side of `fork`: a `%p` path names a file of its own.
+/// Child side of `fork`: a `%p` path names a file of its own; the duplicate of stderr is
+/// given up (see the module's docs).
 pub(crate) fn after_fork_child() {
     let template = TEMPLATE.try_lock().ok().and_then(|t| t.clone());
-    if let Some(template) = template
-        && template.contains("%p")
-    {
-        // On failure the child writes to the parent's file.
-        let _ = use_log_file(expand(&template, os::getpid()));
+    match template {
+        Some(template) if template.contains("%p") => {
+            // On failure the child writes to the parent's file.
+            let _ = use_log_file(expand(&template, os::getpid()));
+        }
+        Some(_) => {}
+        None => {
+            let fd = FD.swap(-1, Ordering::AcqRel);
+            if still_ours(fd) {
+                os::close(fd);
+            }
+        }
     }
 }
 
@@ -175,7 +253,7 @@ pub(crate) fn write(bytes: &[u8]) {
         fd = FD.load(Ordering::Acquire);
     }
     if !(still_ours(fd) && os::write_all(fd, bytes)) {
-        os::write_all(2, bytes);
+        to_stderr(bytes);
     }
 }
 

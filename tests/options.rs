@@ -109,3 +109,93 @@ fn unset_options_track_leaks_as_a_preloaded_lsan_would() {
     assert_eq!(out.stdout, run(Mode::Native, &mut ls()).stdout);
     assert!(text(&out.stderr).contains("LEAK SUMMARY:"), "{}", text(&out.stderr));
 }
+
+/// A program started with stderr closed: its first file gets descriptor 2, and the report at
+/// exit, which has no stderr to go to, must not go into that file.
+#[test]
+fn a_program_started_without_stderr_gets_no_report_in_its_own_files() {
+    use std::os::unix::process::CommandExt;
+    let program = c_program("report_into_first_file.c");
+    let dir = tempfile::tempdir().unwrap();
+    for mode in Mode::ALL {
+        let file = dir.path().join("program.out");
+        let mut cmd = Command::new(&program);
+        cmd.arg(&file);
+        // SAFETY: between fork and exec: close() is async-signal-safe and allocates nothing.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::close(2);
+                Ok(())
+            });
+        }
+        let out = run(mode, &mut cmd);
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "descriptor 2\n"), "{mode:?}");
+        let written = std::fs::read_to_string(&file).unwrap();
+        assert_eq!(written, "the program's own line\n", "{mode:?}: the program's file holds only its own line");
+    }
+}
+
+/// A program that leaves a daemon behind (a child in a session of its own, descriptors 0-2 on
+/// /dev/null): its caller, reading the program's stdout and stderr to end of file, gets the
+/// end when the program exits, not when the daemon does. The daemon must not hold a copy of
+/// the caller's stderr.
+#[test]
+fn a_daemon_left_behind_does_not_hold_its_callers_stderr_open() {
+    let program = c_program("daemon_child.c");
+    let dir = tempfile::tempdir().unwrap();
+    for (i, mode) in Mode::ALL.into_iter().enumerate() {
+        let (log, release) = (dir.path().join(format!("daemon{i}")), dir.path().join(format!("release{i}")));
+        // Reads both pipes to their end, then waits for the program.
+        let out = run(mode, Command::new(&program).arg(&log).arg(&release));
+        let seen_at_end = std::fs::read_to_string(&log).unwrap();
+        std::fs::write(&release, "").unwrap();
+        for _ in 0..1000 {
+            if std::fs::read_to_string(&log).unwrap().contains("left") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "parent done\n"), "{mode:?}");
+        assert_eq!(
+            seen_at_end, "daemon\n",
+            "{mode:?}: the caller saw the end of the output only when the daemon had left"
+        );
+    }
+}
+
+/// A log or trace path naming a FIFO that nothing reads: opening it for writing would wait for
+/// a reader, in the program's start-up, forever. It is one line instead, and the program runs.
+#[test]
+fn a_fifo_that_nothing_reads_is_one_line_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    let status = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(status.success());
+    for (options, what) in [("spy=count:log_path", "log_path"), ("spy=ticks:trace", "trace")] {
+        let mut child = Command::new("ls")
+            .arg("/")
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format!("{options}={}", fifo.display()))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{what}: the program ran to its end");
+        assert_eq!(out.stdout, run(Mode::Native, &mut ls()).stdout, "{what}");
+        let first = text(&out.stderr).lines().next().unwrap_or_default().to_string();
+        assert_eq!(
+            first,
+            format!(
+                "mallocspy: cannot open {what} '{}': a FIFO that nothing reads; {}",
+                fifo.display(),
+                if what == "trace" { "sampling without a trace" } else { "reports go to stderr" }
+            )
+        );
+    }
+}

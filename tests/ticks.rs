@@ -345,6 +345,33 @@ fn record_reports_bad_arguments_and_missing_programs() {
     let out = record(dir.path(), &["--interval", "lots"], &["true"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("'lots' is not a size"), "{}", text(&out.stderr));
+    // An --output the trace cannot be written to is refused before the program runs.
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let file = dir.path().join("file");
+    std::fs::write(&file, "").unwrap();
+    for output in [
+        dir.path().join("no/such/dir/t.trace"),
+        dir.path().to_path_buf(),
+        "/dev/full".into(),
+        fifo,
+        file.join("t.%p.trace"),
+    ] {
+        let out = Command::new(mallocspy())
+            .arg("record")
+            .arg("-o")
+            .arg(&output)
+            .args(["--", "echo", "ran"])
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(2), ""), "{}: {stderr}", output.display());
+        assert!(
+            stderr.starts_with(&format!("mallocspy: cannot write --output '{}': ", output.display()))
+                && stderr.lines().count() == 1,
+            "{stderr}"
+        );
+    }
     let out = record(dir.path(), &[], &["/no/such/program"]);
     assert_eq!(out.status.code(), Some(127));
     assert_eq!(text(&out.stderr).lines().count(), 1, "{}", text(&out.stderr));
@@ -373,6 +400,24 @@ fn record_reports_bad_arguments_and_missing_programs() {
     std::fs::write(&garbage, [7u8; 100]).unwrap();
     let status = Command::new(mallocspy()).arg("report").arg(&garbage).stderr(full()).status().unwrap();
     assert_eq!(status.code(), Some(1));
+}
+
+/// A trace whose writes fail (a full disk: here `/dev/full`) is not cut silently: the
+/// program runs on, and says at its exit where the trace stops and why.
+#[test]
+fn a_trace_the_disk_refuses_is_said_at_exit() {
+    let native = Command::new("ls").arg("/").output().unwrap();
+    let out = Command::new("ls")
+        .arg("/")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "spy=ticks:trace=/dev/full")
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), &out.stdout), (Some(0), &native.stdout));
+    assert_eq!(
+        text(&out.stderr),
+        "mallocspy: the trace stops at byte 0, where writing it failed: No space left on device (os error 28)\n"
+    );
 }
 
 /// The writer is a process of its own: the traced program has exactly its own threads (a

@@ -1,7 +1,9 @@
 //! `mallocspy record`.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::fs::OpenOptions;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
@@ -58,6 +60,35 @@ fn parse_interval(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("'{text}' is not a size from 1 byte to 4 EiB (e.g. 102400, 100k, 1m)"))
 }
 
+/// Whether the trace `output` (absolute, `%p` unexpanded) can be written, asked before the
+/// program runs: the program's writer could only say so on the program's stderr, and the run
+/// would be lost. Only regular files: a FIFO or a device (`/dev/full`) is not a trace.
+fn check_output(output: &str) -> Result<(), String> {
+    let path = Path::new(output);
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("{} is not a directory", dir.display())),
+        Err(e) => return Err(format!("{}: {e}", dir.display())),
+    }
+    // With %p the file is each process's own: ask the directory instead.
+    let file = if output.contains("%p") {
+        dir.join(format!(".mallocspy-record-{}", std::process::id()))
+    } else {
+        path.to_path_buf()
+    };
+    match std::fs::metadata(&file) {
+        Ok(m) if m.is_dir() => Err("it is a directory".into()),
+        Ok(m) if !m.is_file() => Err("it is not a regular file".into()),
+        Ok(_) => OpenOptions::new().append(true).open(&file).map(drop).map_err(|e| e.to_string()),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            OpenOptions::new().write(true).create_new(true).open(&file).map_err(|e| e.to_string())?;
+            std::fs::remove_file(&file).map_err(|e| e.to_string())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 pub fn record(args: RecordArgs) -> ExitCode {
     let output = match std::path::absolute(&args.output) {
         Ok(p) => p.display().to_string(),
@@ -65,6 +96,9 @@ pub fn record(args: RecordArgs) -> ExitCode {
     };
     if output.contains(':') {
         return fail(&format!("--output '{output}' contains ':', which MALLOCSPY_OPTIONS cannot carry"), 2);
+    }
+    if let Err(why) = check_output(&output) {
+        return fail(&format!("cannot write --output '{output}': {why}"), 2);
     }
     let sampling = match args.sampling {
         SamplingArg::Poisson => "poisson",

@@ -211,6 +211,39 @@ fn every_format_writes_its_output_file() {
     assert!(text.contains(type_name_of_val(&parse_row)));
 }
 
+/// `--output` naming the trace itself (directly or by a symbolic link) is refused: the report
+/// would replace the recording. A report is renamed into place whole, leaving nothing beside
+/// it; a device that refuses it is one line.
+#[test]
+fn the_output_never_replaces_the_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = trace(&events());
+    let path = write(dir.path(), "ok.trace", &bytes);
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&path, &link).unwrap();
+    for output in [&path, &link] {
+        let out = mallocspy(&["--output", output.to_str().unwrap(), path.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(
+            stderr_lines(&out),
+            [format!(
+                "mallocspy report: {}: this is the trace being reported; give another --output",
+                output.display()
+            )]
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "the trace is as it was");
+    }
+    let report = dir.path().join("report.txt");
+    let out = mallocspy(&["--output", report.to_str().unwrap(), path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8(std::fs::read(&report).unwrap()).unwrap().contains(type_name_of_val(&parse_row)));
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names.len(), 3, "the trace, the link and the report: {names:?}");
+    let out = mallocspy(&["--output", "/dev/full", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(stderr_lines(&out), ["mallocspy report: /dev/full: No space left on device (os error 28)"]);
+}
+
 #[test]
 fn a_timeline_of_a_trace_without_heap_statistics_is_one_error_line() {
     let dir = tempfile::tempdir().unwrap();

@@ -41,6 +41,10 @@ struct Control {
     idle: AtomicU32,
     /// Where the consumer has finished with the messages it popped (a position, as `tail`).
     done: AtomicUsize,
+    /// The error number of the consumer's first failed write of the trace (0: none), and the
+    /// bytes of the trace written before it: for the program to say at exit.
+    write_error: AtomicU32,
+    written_before_error: AtomicU64,
 }
 
 /// A queue in memory shared with the writer process.
@@ -275,6 +279,18 @@ impl Ring {
     /// Whether the consumer has dealt with every message before position `claimed`.
     pub(crate) fn done(&self, claimed: usize) -> bool {
         self.control().done.load(Ordering::Acquire) >= claimed
+    }
+
+    /// Consumer: the trace could not be written past `written` bytes, for error `errno`.
+    pub(crate) fn note_write_error(&self, errno: i32, written: u64) {
+        self.control().written_before_error.store(written, Ordering::Relaxed);
+        self.control().write_error.store(errno as u32, Ordering::Release);
+    }
+
+    /// Producer: the error of the consumer's failed write, if any, and the bytes written before it.
+    pub(crate) fn write_error(&self) -> Option<(i32, u64)> {
+        let errno = self.control().write_error.load(Ordering::Acquire) as i32;
+        (errno != 0).then(|| (errno, self.control().written_before_error.load(Ordering::Relaxed)))
     }
 
     /// Whether a message waits for the consumer.

@@ -74,7 +74,11 @@ struct State {
     /// The traced process.
     pid: u32,
     fd: i32,
+    /// Bytes of the trace written so far.
+    written: u64,
     buf: Vec<u8>,
+    /// The queue, shared with the program.
+    ring: &'static Ring,
     /// Stacks whose frames are written.
     stacks: HashSet<u64>,
     modules: Vec<Module>,
@@ -201,10 +205,16 @@ impl Writer {
     }
 
     fn flush(&self, st: &mut State) {
-        if st.fd >= 0 && !st.buf.is_empty() && !os::write_all(st.fd, &st.buf) {
-            // A full disk: stop writing, the program goes on.
-            close(st.fd);
-            st.fd = -1;
+        if st.fd >= 0 && !st.buf.is_empty() {
+            match os::write_whole(st.fd, &st.buf) {
+                Ok(()) => st.written += st.buf.len() as u64,
+                Err(errno) => {
+                    // A full disk: stop writing, the program goes on and says so at its exit.
+                    st.ring.note_write_error(errno, st.written);
+                    close(st.fd);
+                    st.fd = -1;
+                }
+            }
         }
         st.buf.clear();
     }
@@ -280,7 +290,7 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
-    fn serve(&self, header: &Header, trace_fd: i32, socket: i32, ring: &Ring) -> ! {
+    fn serve(&self, header: &Header, trace_fd: i32, socket: i32, ring: &'static Ring) -> ! {
         tls::state().depth.set(1);
         // SAFETY: plain system calls on this process: a session of its own, every signal
         // blocked (it leaves when the program's end closes), a name for `ps`.
@@ -295,7 +305,9 @@ impl Writer {
         let mut st = State {
             pid: header.pid,
             fd: trace_fd,
+            written: 0,
             buf: Vec::with_capacity(1 << 16),
+            ring,
             stacks: HashSet::new(),
             modules: Vec::new(),
             elf: modules::ElfCache::default(),
@@ -407,6 +419,18 @@ impl Writer {
         let Some(ring) = (unsafe { self.ring.swap(core::ptr::null_mut(), Ordering::AcqRel).as_ref() }) else {
             return false;
         };
+        self.end_and_wait(fd, ring);
+        if let Some((errno, written)) = ring.write_error() {
+            let error = std::io::Error::from_raw_os_error(errno);
+            sink::write(
+                format!("mallocspy: the trace stops at byte {written}, where writing it failed: {error}\n").as_bytes(),
+            );
+        }
+        true
+    }
+
+    /// Queues the end message and waits (bounded) for the writer to have written it.
+    fn end_and_wait(&self, fd: i32, ring: &Ring) {
         let end = message::end(self.spy.elapsed_ns());
         let mut tries = 0;
         while !ring.push_one(&end).queued() && tries < 1000 {
@@ -429,7 +453,7 @@ impl Writer {
                 // SAFETY: nanosleep with a valid request.
                 unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
             }
-            return true;
+            return;
         }
         ring.take_idle();
         // SAFETY: one byte to our own socket.
@@ -445,7 +469,6 @@ impl Writer {
             waited += 100;
         }
         close(fd);
-        true
     }
 
     /// Before the program unmaps a library (`dlclose`): waits until the writer has dealt
@@ -501,7 +524,7 @@ impl Writer {
         match self.launch() {
             Ok(ring) => self.spy.set_ring(Some(ring)),
             Err(e) => {
-                os::write_all(2, format!("mallocspy: {e}; the child runs without a trace\n").as_bytes());
+                sink::to_stderr(format!("mallocspy: {e}; the child runs without a trace\n").as_bytes());
             }
         }
     }

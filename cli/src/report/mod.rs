@@ -143,6 +143,9 @@ pub fn report(args: ReportArgs) -> ExitCode {
 fn run(args: &ReportArgs) -> Result<(), String> {
     let path = &args.trace;
     let failed = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    if let Some(file) = &args.output {
+        refuse_the_trace(file, path)?;
+    }
     let bytes = std::fs::read(path).map_err(|e| failed(&e))?;
     let mut progress = Progress::new();
     let profile = profile::read(&bytes, &mut progress).map_err(|e| failed(&e))?;
@@ -162,7 +165,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     let report = Report::new(path, &profile, &symbols, args.top);
     let out = report.render(args.format).map_err(|e| failed(&e))?;
     match &args.output {
-        Some(file) => std::fs::write(file, out).map_err(|e| format!("{}: {e}", file.display())),
+        Some(file) => write_output(file, path, &out),
         None => {
             let mut stdout = io::stdout().lock();
             match stdout.write_all(&out).and_then(|()| stdout.flush()) {
@@ -171,5 +174,44 @@ fn run(args: &ReportArgs) -> Result<(), String> {
                 result => result.map_err(|e| format!("stdout: {e}")),
             }
         }
+    }
+}
+
+/// Writes the report to `file`: never over the trace it was read from, and whole or not at
+/// all (into a new file beside it, renamed over it when complete: a full disk leaves the old
+/// report as it was). A FIFO or a device (`/dev/stdout`) is written to directly.
+fn write_output(file: &Path, trace: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let failed = |e: &dyn std::fmt::Display| format!("{}: {e}", file.display());
+    refuse_the_trace(file, trace)?;
+    if std::fs::metadata(file).is_ok_and(|m| !m.is_file()) {
+        return std::fs::write(file, bytes).map_err(|e| failed(&e));
+    }
+    // A symbolic link keeps naming the file it named.
+    let target = file.canonicalize().unwrap_or_else(|_| file.to_path_buf());
+    let mut new = target.clone().into_os_string();
+    new.push(format!(".mallocspy-{}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(&new)
+        .and_then(|mut f| f.write_all(bytes))
+        .and_then(|()| std::fs::rename(&new, &target));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&new);
+    }
+    written.map_err(|e| failed(&e))
+}
+
+/// Refuses an `--output` that is the trace itself (by another name too): the report would
+/// replace the only copy of the recording.
+fn refuse_the_trace(file: &Path, trace: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(file), std::fs::metadata(trace)) {
+        (Ok(out), Ok(input)) if (out.dev(), out.ino()) == (input.dev(), input.ino()) => {
+            Err(format!("{}: this is the trace being reported; give another --output", file.display()))
+        }
+        _ => Ok(()),
     }
 }
