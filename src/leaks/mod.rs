@@ -13,7 +13,7 @@ pub(crate) use report::StackOptions;
 pub use report::{LeakRecord, LeakReport, Summary, Tally, grouped};
 pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
-pub use symbols::Frame;
+pub use symbols::{Frame, demangle};
 
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};

@@ -21,6 +21,17 @@ pub struct Frame {
     pub module: Option<String>,
 }
 
+/// A symbol table's name, demangled if it is mangled: C++ and legacy Rust names start with
+/// `_Z`, Rust v0 names with `_R`. Any other name is a C function's, as written: the C++
+/// demangler would read a short one as a type's code (`f` as `float`).
+pub fn demangle(name: &str) -> String {
+    if name.starts_with("_Z") || name.starts_with("_R") {
+        addr2line::demangle_auto(name.into(), None).into_owned()
+    } else {
+        name.to_owned()
+    }
+}
+
 /// Resolves addresses, remembering each answer.
 #[derive(Default)]
 pub(crate) struct Symbolizer {
@@ -227,7 +238,7 @@ impl Symbolizer {
                 if frames.last().is_none_or(|f| f.function.is_none())
                     && let Some(name) = loader.find_symbol(probe)
                 {
-                    let name = addr2line::demangle_auto(name.into(), None).into_owned();
+                    let name = demangle(name);
                     match frames.last_mut() {
                         Some(last) => last.function = Some(name),
                         None => frames.push(frame(Some(name), None, None)),
@@ -268,6 +279,17 @@ impl Symbolizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_mangled_names_are_demangled() {
+        // Short C names are valid C++ type codes: `f` is `float`, `i` is `int`, `Pc` is `char*`.
+        for c_name in ["f", "i", "Pc", "main", "sqlite3_malloc", "__libc_start_main"] {
+            assert_eq!(demangle(c_name), c_name);
+        }
+        assert_eq!(demangle("_Z3fooi"), "foo(int)");
+        assert_eq!(demangle("_ZN5tokio4task5spawn17h0123456789abcdefE"), "tokio::task::spawn");
+        assert_eq!(demangle("_RNvCs1234_7mycrate3foo"), "mycrate::foo");
+    }
 
     #[test]
     fn only_a_stack_ending_in_the_entry_point_loses_the_start_up_frames() {
