@@ -345,6 +345,7 @@ fn record_reports_bad_arguments_and_missing_programs() {
     let out = record(dir.path(), &["--interval", "lots"], &["true"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("'lots' is not a size"), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr).lines().count(), 1, "{}", text(&out.stderr));
     // An --output the trace cannot be written to is refused before the program runs.
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());

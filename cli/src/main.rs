@@ -44,10 +44,30 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version, asked for or for want of a command: as clap prints them.
+        Err(e) if !e.use_stderr() || e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            e.exit()
+        }
+        Err(e) => return launch::fail(&one_line(&e.render().to_string()), 2),
+    };
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Record(args) => record::record(args),
         Command::Report(args) => report::report(args),
     }
+}
+
+/// clap's error in one line: its message and value lists, without the usage and the hint
+/// that follow (`--help` gives those).
+fn one_line(rendered: &str) -> String {
+    let message: Vec<&str> = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect();
+    let message = message.join(" ");
+    format!("{}; see --help", message.strip_prefix("error: ").unwrap_or(&message))
 }

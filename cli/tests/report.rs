@@ -189,6 +189,22 @@ fn random_bytes_and_missing_files_are_one_error_line_and_status_1() {
     assert!(lines[0].starts_with(&format!("mallocspy report: {}: No such file", missing.display())), "{lines:?}");
 }
 
+/// A malformed command line is one line too (clap's usage and hint would follow it), status 2.
+#[test]
+fn a_malformed_command_line_is_one_line_and_status_2() {
+    for (args, line) in [
+        (
+            &["--format", "svg", "x.trace"][..],
+            "mallocspy: invalid value 'svg' for '--format <FORMAT>' [possible values: text, json, pprof, folded, flamegraph, timeline]; see --help",
+        ),
+        (&[][..], "mallocspy: the following required arguments were not provided: <TRACE>; see --help"),
+        (&["--top"][..], "mallocspy: a value is required for '--top <N>' but none was supplied; see --help"),
+    ] {
+        let out = mallocspy(args);
+        assert_eq!((out.status.code(), stderr_lines(&out)), (Some(2), vec![line.to_string()]), "{args:?}");
+    }
+}
+
 #[test]
 fn every_format_writes_its_output_file() {
     let dir = tempfile::tempdir().unwrap();
