@@ -339,6 +339,38 @@ fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs(
     }
 }
 
+/// Without `%p` too, a child forked without `exec` writes a trace of its own, `PATH.PID`, as
+/// `record --help` says (it wrote none, and its summary line told it to give `trace=PATH`).
+#[test]
+fn without_pid_in_the_path_a_forked_child_writes_path_dot_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("fork.trace");
+    let script = "import os, sys\n\
+                  pid = os.fork()\n\
+                  if pid == 0:\n    x = [bytearray(65536) for _ in range(200)]\n    sys.exit(0)\n\
+                  os.waitpid(pid, 0)\n\
+                  print(pid)\n";
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--output", shared.to_str().unwrap(), "--"])
+        .args([python().to_str().unwrap(), "-c", script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("give trace=PATH"), "{}", text(&out.stderr));
+    let child = text(&out.stdout).trim().to_owned();
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    assert_eq!(names, ["fork.trace".to_string(), format!("fork.trace.{child}")]);
+    let bytes = std::fs::read(dir.path().join(&names[1])).unwrap();
+    let mut reader = Reader::new(&bytes).unwrap();
+    let events: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+    assert_eq!(reader.header().pid.to_string(), child);
+    assert!(matches!(events.last(), Some(Event::End { .. })), "the child's trace ends whole");
+    let ticks = events.iter().filter(|e| matches!(e, Event::Tick(_))).count();
+    assert!(ticks >= 50, "the child's 13 MiB sampled every 4 KiB: {ticks} ticks");
+}
+
 #[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();
@@ -401,6 +433,29 @@ fn record_reports_bad_arguments_and_missing_programs() {
     std::fs::write(&garbage, [7u8; 100]).unwrap();
     let status = Command::new(mallocspy()).arg("report").arg(&garbage).stderr(full()).status().unwrap();
     assert_eq!(status.code(), Some(1));
+}
+
+/// A forked child samples bytes of its own. On its parent's generator state it sampled the
+/// very allocations its parent sampled, and a server's workers, forked in a row, each other's:
+/// their estimates moved together instead of averaging out.
+#[test]
+fn forked_children_sample_other_allocations_than_their_parent() {
+    // The ticks spy alone (the gate counts for it), with a seed, and with another spy.
+    for seed in ["", ":sample_seed=7", ",count"] {
+        let out = Command::new(c_program("fork_samples.c"))
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format!("spy=ticks{seed}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        let mut picks: Vec<&str> = stdout.lines().map(|l| l.split_once(": ").map_or("", |(_, p)| p)).collect();
+        assert_eq!(picks.len(), 3, "{stdout}");
+        assert!(picks.iter().all(|p| p.split(' ').count() == 8), "{stdout}");
+        picks.sort();
+        picks.dedup();
+        assert_eq!(picks.len(), 3, "parent and children sampled the same allocations{seed}:\n{stdout}");
+    }
 }
 
 /// A trace whose writes fail (a full disk: here `/dev/full`) is not cut silently: the

@@ -232,6 +232,8 @@ pub(crate) struct TickSpy {
     sampled: SampledBlocks<Sample>,
     /// The epoch of the gate opened for this spy (0: none, when it is one of several spies).
     gate_epoch: AtomicU32,
+    /// Mixed into the generators' seed: 0, or the pid of a forked child (see `after_fork_child`).
+    fork_salt: AtomicU64,
     pub(crate) stacks: Stacks,
     estimates: Estimates,
     /// Frees of threads without a record (none inside the shim's hooks), and their share of
@@ -317,6 +319,7 @@ impl TickSpy {
             per_thread: ThreadRecords::new()?,
             sampled: SampledBlocks::new()?,
             gate_epoch: AtomicU32::new(0),
+            fork_salt: AtomicU64::new(0),
             stacks: Stacks::new(),
             estimates: Estimates::default(),
             frees_elsewhere: AtomicU64::new(0),
@@ -395,7 +398,7 @@ impl TickSpy {
         if ts.tick_record.get() != &t.counters as *const TickCounters as usize || ts.tick_seen.get() != epoch {
             // SAFETY: the calling thread owns the record (its slot), inside its hook.
             let own = unsafe { t.own.get() };
-            own.rng = thread_seed(self.config.seed, index);
+            own.rng = thread_seed(self.config.seed ^ self.fork_salt.load(Ordering::Relaxed), index);
             for until in &ts.tick_until {
                 until.set(match self.config.sampling {
                     Sampling::Poisson => gap(&mut own.rng, self.config.interval),
@@ -700,6 +703,15 @@ impl TickSpy {
         let live = at_least_zero(self.live_sums().0.into_iter().fold(0, u64::wrapping_add));
         self.estimates.live.store(live, Ordering::Relaxed);
         self.estimates.peak_live.store(live, Ordering::Relaxed);
+        // Its samples are its own: going on from its parent's generator and countdown, it
+        // sampled the very allocations its parent sampled, and the workers a server forks in
+        // a row each other's, so that their estimates moved together instead of averaging out.
+        // Its thread starts them afresh at its next allocation (see `mine`), on a seed of its
+        // own (with `sample_seed` too).
+        self.fork_salt.store(u64::from(os::getpid()), Ordering::Relaxed);
+        let ts = tls::state();
+        ts.tick_record.set(0);
+        ts.tick_seen.set(0);
     }
 
     /// The thread of slot `index` is leaving (its key destructor runs); the slot's next owner,

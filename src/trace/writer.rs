@@ -508,9 +508,8 @@ impl Writer {
         }
     }
 
-    /// Child side of `fork`: the parent's writer is the parent's. With `%p` in the path the
-    /// child gets a writer and a trace of its own; without, it stops tracing (the file is
-    /// the parent's).
+    /// Child side of `fork`: the parent's writer is the parent's; the child gets a writer and
+    /// a trace of its own (without `%p` in the path, `PATH.PID`: see [`open`]).
     pub(crate) fn after_fork_child(&'static self) {
         let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
         if is_our_socket(fd) {
@@ -518,9 +517,6 @@ impl Writer {
             close(fd);
         }
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
-        if !self.template.contains("%p") {
-            return;
-        }
         match self.launch() {
             Ok(ring) => self.spy.set_ring(Some(ring)),
             Err(e) => {
