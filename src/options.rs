@@ -150,6 +150,34 @@ impl std::error::Error for OptionsError {}
 /// interval of 2^63 or more wrapped to a negative one (every allocation sampled).
 pub const MAX_SAMPLE_INTERVAL: usize = 1 << 62;
 
+/// A `log_path` or `trace` path for process `pid`: `%p` is replaced with the pid and `%%`
+/// with `%`; any other `%` stays.
+pub fn expand_path(template: &str, pid: u32) -> String {
+    let mut out = String::with_capacity(template.len() + 8);
+    let mut chars = template.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('p') => out.push_str(&pid.to_string()),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// Whether `template` names each process's own file (holds a `%p` that `%%` does not escape).
+pub fn names_pid(template: &str) -> bool {
+    expand_path(template, 1) != expand_path(template, 2)
+}
+
 /// Parses a byte count with an optional `k`, `m` or `g` suffix (powers of 1024).
 pub fn parse_size(value: &str) -> Option<usize> {
     let v = value.trim().to_ascii_lowercase();
@@ -275,6 +303,14 @@ fn parse_spies(value: &str) -> Result<SpySet, OptionsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_expand_pid_and_percent() {
+        assert_eq!(expand_path("/tmp/r.%p.log", 42), "/tmp/r.42.log");
+        assert_eq!(expand_path("100%%-%p-%x%", 7), "100%-7-%x%");
+        assert!(names_pid("t.%p") && names_pid("%%%p"));
+        assert!(!names_pid("t.trace") && !names_pid("t.%%p") && !names_pid("%"));
+    }
 
     #[test]
     fn parses_every_key() {

@@ -17,6 +17,7 @@
 use core::sync::atomic::{AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::ffi::CString;
 
+use crate::options::{expand_path, names_pid};
 use crate::os;
 
 /// The report descriptor, or -1.
@@ -39,28 +40,6 @@ static TEMPLATE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 /// The log file of this process (`log_path` expanded), to open again if the program closes
 /// its descriptor. Made when the file is first opened, so that reopening does not allocate.
 static PATH: std::sync::Mutex<Option<CString>> = std::sync::Mutex::new(None);
-
-/// Replaces `%p` with the process id (and `%%` with `%`).
-pub(crate) fn expand(template: &str, pid: u32) -> String {
-    let mut out = String::with_capacity(template.len() + 8);
-    let mut chars = template.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('p') => out.push_str(&pid.to_string()),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
-}
 
 fn identity(fd: i32) -> Option<(u64, u64)> {
     // SAFETY: stat is plain data, valid when zeroed; fstat only writes it.
@@ -207,7 +186,7 @@ pub(crate) fn use_stderr() {
 /// stderr and the error is returned for a one-line message.
 pub(crate) fn use_path(template: &str) -> Result<(), String> {
     note_stderr();
-    let path = expand(template, os::getpid());
+    let path = expand_path(template, os::getpid());
     match use_log_file(path.clone()) {
         Ok(()) => {
             if let Ok(mut t) = TEMPLATE.lock() {
@@ -227,9 +206,9 @@ pub(crate) fn use_path(template: &str) -> Result<(), String> {
 pub(crate) fn after_fork_child() {
     let template = TEMPLATE.try_lock().ok().and_then(|t| t.clone());
     match template {
-        Some(template) if template.contains("%p") => {
+        Some(template) if names_pid(&template) => {
             // On failure the child writes to the parent's file.
-            let _ = use_log_file(expand(&template, os::getpid()));
+            let _ = use_log_file(expand_path(&template, os::getpid()));
         }
         Some(_) => {}
         None => {
@@ -254,16 +233,5 @@ pub(crate) fn write(bytes: &[u8]) {
     }
     if !(still_ours(fd) && os::write_all(fd, bytes)) {
         to_stderr(bytes);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn expands_pid_and_percent() {
-        assert_eq!(expand("/tmp/r.%p.log", 42), "/tmp/r.42.log");
-        assert_eq!(expand("100%%-%p-%x%", 7), "100%-7-%x%");
     }
 }

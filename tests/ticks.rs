@@ -405,6 +405,23 @@ fn record_reports_bad_arguments_and_missing_programs() {
             "{stderr}"
         );
     }
+    // MALLOCSPY_OPTIONS trims white space from its values: such a path would name another file.
+    let spaced = dir.path().join("t.trace ");
+    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&spaced).args(["--", "true"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        format!(
+            "mallocspy: --output '{}' holds ':' or ends in white space, which MALLOCSPY_OPTIONS cannot carry\n",
+            spaced.display()
+        )
+    );
+    // `%%` is a `%` for `record` as for the program: the trace it names is the one written.
+    let percent = dir.path().join("a%%p.trace");
+    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&percent).args(["--", "true"]).output().unwrap();
+    let written = dir.path().join("a%p.trace");
+    assert!(text(&out.stderr).contains(&format!(" in {} (", written.display())), "{}", text(&out.stderr));
+    assert!(written.exists());
     let out = record(dir.path(), &[], &["/no/such/program"]);
     assert_eq!(out.status.code(), Some(127));
     assert_eq!(text(&out.stderr).lines().count(), 1, "{}", text(&out.stderr));

@@ -8,6 +8,8 @@ use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
 
+use mallocspy::options::{expand_path, names_pid};
+
 use crate::launch::{self, fail};
 
 pub const EXAMPLES: &str = "Examples:
@@ -72,7 +74,7 @@ fn check_output(output: &str) -> Result<(), String> {
         Err(e) => return Err(format!("{}: {e}", dir.display())),
     }
     // With %p the file is each process's own: ask the directory instead.
-    let file = if output.contains("%p") {
+    let file = if names_pid(output) {
         dir.join(format!(".mallocspy-record-{}", std::process::id()))
     } else {
         path.to_path_buf()
@@ -89,13 +91,34 @@ fn check_output(output: &str) -> Result<(), String> {
     }
 }
 
+/// Of `candidates`, the trace that process `pid` ended with: the one whose header names it
+/// and started last. A program that `exec`s keeps its pid, and without %p each image may
+/// write either file (TRACE when it is free, TRACE.PID when an earlier image's writer still
+/// holds it); the image that ran last is the program the user asked for. The first candidate
+/// when none is readable.
+fn last_trace_of<const N: usize>(pid: u32, candidates: [String; N]) -> String {
+    use std::io::Read;
+    let started = |path: &String| -> Option<u64> {
+        // The header is at the start; a command line longer than this is not one to expect.
+        let mut start = Vec::new();
+        std::fs::File::open(path).ok()?.take(1 << 20).read_to_end(&mut start).ok()?;
+        let reader = mallocspy::trace::Reader::new(&start).ok()?;
+        (reader.header().pid == pid).then_some(reader.header().start_unix_ns)
+    };
+    let latest = candidates.iter().filter_map(|c| Some((started(c)?, c))).max().map(|(_, c)| c.clone());
+    latest.unwrap_or_else(|| candidates[0].clone())
+}
+
 pub fn record(args: RecordArgs) -> ExitCode {
     let output = match std::path::absolute(&args.output) {
         Ok(p) => p.display().to_string(),
         Err(e) => return fail(&format!("bad --output '{}': {e}", args.output), 2),
     };
-    if output.contains(':') {
-        return fail(&format!("--output '{output}' contains ':', which MALLOCSPY_OPTIONS cannot carry"), 2);
+    if output.contains(':') || output.trim_end() != output {
+        return fail(
+            &format!("--output '{output}' holds ':' or ends in white space, which MALLOCSPY_OPTIONS cannot carry"),
+            2,
+        );
     }
     if let Err(why) = check_output(&output) {
         return fail(&format!("cannot write --output '{output}': {why}"), 2);
@@ -116,15 +139,41 @@ pub fn record(args: RecordArgs) -> ExitCode {
         Ok(done) => done,
         Err(code) => return code,
     };
-    let mut trace = output.replace("%p", &pid.to_string());
-    // Without %p, the program writes TRACE.PID when another run's writer holds TRACE.
-    let own = format!("{trace}.{pid}");
-    if !output.contains("%p") && std::path::Path::new(&own).exists() {
-        trace = own;
-    }
+    let trace = expand_path(&output, pid);
+    // Without %p, the program writes TRACE.PID when another process's writer holds TRACE.
+    let trace = if names_pid(&output) { trace } else { last_trace_of(pid, [trace.clone(), format!("{trace}.{pid}")]) };
     match std::fs::metadata(&trace) {
         Ok(m) => say!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
         Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
     }
     launch::forward(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mallocspy::trace::{Header, write_header};
+
+    #[test]
+    fn the_trace_named_is_the_last_image_of_the_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, pid: u32, start_unix_ns: u64| {
+            let mut bytes = Vec::new();
+            write_header(&mut bytes, &Header { pid, start_unix_ns, ..Header::default() });
+            let path = dir.path().join(name).display().to_string();
+            std::fs::write(&path, bytes).unwrap();
+            path
+        };
+        // An exec chain: the first image took TRACE, the second found it held and wrote
+        // TRACE.7, the third found it free again and took TRACE over.
+        let (trace, own) = (write("t", 7, 300), write("t.7", 7, 200));
+        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), trace);
+        let own = write("t.7", 7, 400);
+        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), own);
+        // Another process's trace in TRACE, or none at all.
+        let trace = write("t", 8, 900);
+        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), own);
+        let missing = dir.path().join("none").display().to_string();
+        assert_eq!(last_trace_of(7, [missing.clone(), format!("{missing}.7")]), missing);
+    }
 }

@@ -32,7 +32,7 @@ use super::message;
 use super::ring::Ring;
 use super::{Event, Header, Module, modules, write_event, write_header};
 use crate::spies::ticks::TickSpy;
-use crate::{os, sink, tls};
+use crate::{options, os, sink, tls};
 
 /// Slots of the queue (64 bytes each).
 const QUEUE_SLOTS: usize = 1 << 15;
@@ -127,8 +127,8 @@ fn unix_now_ns() -> u64 {
 /// that program's children) writes `PATH.PID` instead of clobbering it.
 fn open(template: &str) -> Result<i32, String> {
     let pid = os::getpid();
-    let path = sink::expand(template, pid);
-    if template.contains("%p") {
+    let path = options::expand_path(template, pid);
+    if options::names_pid(template) {
         return replace(&path);
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
@@ -639,7 +639,7 @@ mod tests {
         assert!(os::write_all(before_exec, b" and the last ones"));
         close(before_exec);
         close(after_exec);
-        let path = sink::expand(template, os::getpid());
+        let path = options::expand_path(template, os::getpid());
         assert_eq!(std::fs::read(path).unwrap(), b"new");
     }
 
