@@ -260,18 +260,29 @@ fn the_output_never_replaces_the_trace() {
     assert_eq!(stderr_lines(&out), ["mallocspy report: /dev/full: No space left on device (os error 28)"]);
 }
 
+/// A trace without heap statistics (one cut before the first) still has a timeline: the live
+/// heap replayed from its ticks and frees, without the allocator's line. One with no ticks
+/// either is one error line.
 #[test]
-fn a_timeline_of_a_trace_without_heap_statistics_is_one_error_line() {
+fn a_timeline_without_heap_statistics_is_replayed_from_the_ticks() {
     let dir = tempfile::tempdir().unwrap();
     let events: Vec<Event> = events().into_iter().filter(|e| !matches!(e, Event::HeapStats(_))).collect();
     let path = write(dir.path(), "nostats.trace", &trace(&events));
+    let out = mallocspy(&["--format", "timeline", path.to_str().unwrap()]);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
+    let svg = String::from_utf8(out.stdout).unwrap();
+    // Ticks of 1000 bytes at 10 and 20 ns, the first freed at 30, another at 40: 2000 at most.
+    assert!(svg.contains(">peak 1.95 KiB at 20 ns</text>"), "{svg}");
+    assert!(svg.contains("replayed from the ticks and frees") && !svg.contains("allocator: in use"), "{svg}");
+    let events: Vec<Event> = events.into_iter().filter(|e| !matches!(e, Event::Tick(_) | Event::Free { .. })).collect();
+    let path = write(dir.path(), "noticks.trace", &trace(&events));
     let out = mallocspy(&["--format", "timeline", path.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert!(out.stdout.is_empty());
     assert_eq!(
         stderr_lines(&out),
         [format!(
-            "mallocspy report: {}: the trace has no heap statistics events to draw a timeline from",
+            "mallocspy report: {}: the trace has no heap statistics events or ticks to draw a timeline from",
             path.display()
         )]
     );

@@ -118,8 +118,8 @@ impl<'a> Report<'a> {
                 return Err("the trace has no sampled allocations to draw a flame graph of".into());
             }
             Format::Flamegraph => flame::write_flamegraph(self, &mut out),
-            Format::Timeline if self.profile.heap_stats.is_empty() => {
-                return Err("the trace has no heap statistics events to draw a timeline from".into());
+            Format::Timeline if self.profile.heap_stats.is_empty() && self.profile.replayed_live.is_empty() => {
+                return Err("the trace has no heap statistics events or ticks to draw a timeline from".into());
             }
             Format::Timeline => timeline::write(self, &mut out),
         };

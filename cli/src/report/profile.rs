@@ -90,6 +90,9 @@ pub struct Profile {
     pub stacks: Vec<StackStats>,
     /// The heap statistics events, in order.
     pub heap_stats: Vec<HeapStats>,
+    /// Without heap statistics events (a trace cut before the first): the estimated live
+    /// bytes per kind replayed from the ticks and frees, `(time, bytes)` after each.
+    pub replayed_live: Vec<(u64, [u64; 3])>,
     /// All ticks together.
     pub allocated: Figures,
     /// Sampled blocks not freed by the end.
@@ -147,6 +150,7 @@ pub fn read(bytes: &[u8], progress: &mut Progress) -> Result<Profile, TraceError
 /// A sampled block that is live.
 struct Live {
     stack: usize,
+    kind: usize,
     figures: Figures,
 }
 
@@ -198,6 +202,7 @@ pub struct Aggregator {
     ranges_stale: bool,
     live: IdMap<Live>,
     live_bytes: u64,
+    live_kinds: [u64; 3],
     /// Per stack, the changes since the last peak, and the stacks they touched: a new peak
     /// brings `live_at_peak` up to date from them, so the figures at the peak take one pass
     /// over the events and memory per stack, not per event.
@@ -216,6 +221,7 @@ impl Aggregator {
             ranges_stale: false,
             live: IdMap::default(),
             live_bytes: 0,
+            live_kinds: [0; 3],
             since_peak: Vec::new(),
             touched: Vec::new(),
         }
@@ -246,14 +252,19 @@ impl Aggregator {
                 self.since_peak.push(SincePeak::default());
             }
             Event::Tick(tick) => self.tick(&tick),
-            Event::Free { address, .. } => match self.live.remove(&address) {
+            Event::Free { time_ns, address, .. } => match self.live.remove(&address) {
                 Some(block) => {
                     self.profile.frees += 1;
                     self.release(block);
+                    self.replay(time_ns);
                 }
                 None => self.profile.unmatched_frees += 1,
             },
-            Event::HeapStats(stats) => self.profile.heap_stats.push(stats),
+            Event::HeapStats(stats) => {
+                // The statistics draw the timeline: the replay was only for want of them.
+                self.profile.replayed_live = Vec::new();
+                self.profile.heap_stats.push(stats);
+            }
             Event::ThreadStart { .. } => self.profile.threads += 1,
             Event::ThreadExit { .. } => {}
             Event::Lost { events, .. } => self.profile.lost_events = self.profile.lost_events.saturating_add(events),
@@ -298,13 +309,16 @@ impl Aggregator {
         if let Some(old) = self.live.remove(&tick.address) {
             self.release(old);
         }
+        let kind = usize::from(tick.kind).min(2);
         let s = &mut self.profile.stacks[stack];
         s.allocated.add(figures);
-        s.kind_bytes[usize::from(tick.kind).min(2)] += tick.weight;
+        s.kind_bytes[kind] += tick.weight;
         s.live_at_end.add(figures);
         self.profile.allocated.add(figures);
-        self.live.insert(tick.address, Live { stack, figures });
+        self.live.insert(tick.address, Live { stack, kind, figures });
         self.live_bytes = self.live_bytes.saturating_add(figures.bytes);
+        self.live_kinds[kind] = self.live_kinds[kind].saturating_add(figures.bytes);
+        self.replay(tick.time_ns);
         self.changed(stack, figures, true);
         // Only allocations raise the live heap, so only they can make a new peak.
         if self.live_bytes > self.profile.peak.live_bytes {
@@ -339,7 +353,15 @@ impl Aggregator {
     fn release(&mut self, block: Live) {
         self.profile.stacks[block.stack].live_at_end.sub(block.figures);
         self.live_bytes = self.live_bytes.saturating_sub(block.figures.bytes);
+        self.live_kinds[block.kind] = self.live_kinds[block.kind].saturating_sub(block.figures.bytes);
         self.changed(block.stack, block.figures, false);
+    }
+
+    /// Notes the live heap per kind at `time_ns`, until the first heap statistics event.
+    fn replay(&mut self, time_ns: u64) {
+        if self.profile.heap_stats.is_empty() {
+            self.profile.replayed_live.push((time_ns, self.live_kinds));
+        }
     }
 
     /// The profile of the events taken in.

@@ -193,13 +193,13 @@ fn trace_of(events: &[Event]) -> Vec<u8> {
 fn formats_without_their_data_fail_with_one_line() {
     let events: Vec<Event> = testing::events(&testing::this_executable())
         .into_iter()
-        .filter(|e| !matches!(e, Event::HeapStats(_)))
+        .filter(|e| !matches!(e, Event::HeapStats(_) | Event::Tick(_) | Event::Free { .. }))
         .collect();
     let (profile, symbols) = load(&trace_of(&events));
     let report = Report::new(Path::new("t"), &profile, &symbols, 20);
     assert_eq!(
         report.render(Format::Timeline).unwrap_err(),
-        "the trace has no heap statistics events to draw a timeline from"
+        "the trace has no heap statistics events or ticks to draw a timeline from"
     );
     let (profile, symbols) = load(&trace_of(&[]));
     let report = Report::new(Path::new("t"), &profile, &symbols, 20);

@@ -4,14 +4,16 @@
 //! large, aligned: stacked areas, whose top is the estimated live heap) and the allocator's own
 //! view (`mallinfo2`'s in-use arena bytes plus its mmapped blocks: a dashed line), so that the
 //! sampled estimate can be read against what the allocator holds. The top of the stack is marked
-//! at its peak.
+//! at its peak. A trace without heap statistics (cut before the first) is drawn from the live
+//! heap replayed from its ticks and frees, without the allocator's line.
 
 use std::fmt::Write as _;
 use std::io::{self, Write};
 
-use mallocspy::trace::{HeapStats, Kind};
+use mallocspy::trace::Kind;
 
 use super::Report;
+use super::profile::Profile;
 use super::text;
 use super::units;
 
@@ -106,7 +108,8 @@ struct Point {
     time_ns: u64,
     seconds: f64,
     kinds: [u64; 3],
-    allocator: u64,
+    /// The allocator's in-use and mmapped bytes, where known.
+    allocator: Option<u64>,
 }
 
 impl Point {
@@ -115,16 +118,20 @@ impl Point {
     }
 }
 
-fn points(stats: &[HeapStats]) -> Vec<Point> {
-    let mut points: Vec<Point> = stats
-        .iter()
-        .map(|s| Point {
-            time_ns: s.time_ns,
-            seconds: s.time_ns as f64 / 1e9,
-            kinds: Kind::ALL.map(|k| s.kinds[k as usize].live_bytes),
-            allocator: s.in_use_bytes.saturating_add(s.mmapped_bytes),
-        })
-        .collect();
+fn points(profile: &Profile) -> Vec<Point> {
+    let point = |time_ns: u64, kinds, allocator| Point { time_ns, seconds: time_ns as f64 / 1e9, kinds, allocator };
+    let mut points: Vec<Point> = if profile.heap_stats.is_empty() {
+        profile.replayed_live.iter().map(|&(time_ns, kinds)| point(time_ns, kinds, None)).collect()
+    } else {
+        let stats = &profile.heap_stats;
+        stats
+            .iter()
+            .map(|s| {
+                let allocator = s.in_use_bytes.saturating_add(s.mmapped_bytes);
+                point(s.time_ns, Kind::ALL.map(|k| s.kinds[k as usize].live_bytes), Some(allocator))
+            })
+            .collect()
+    };
     // Events from several threads may arrive slightly out of order.
     points.sort_by_key(|p| p.time_ns);
     points
@@ -133,16 +140,18 @@ fn points(stats: &[HeapStats]) -> Vec<Point> {
 /// Writes the chart.
 ///
 /// # Errors
-/// Those of `out`, and `InvalidData` when the trace has no heap statistics (the caller checks first).
+/// Those of `out`, and `InvalidData` when the trace has neither heap statistics nor ticks
+/// (the caller checks first).
 pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let p = report.profile;
-    let points = points(&p.heap_stats);
+    let points = points(p);
     let Some(peak) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events"));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events or ticks"));
     };
+    let allocator_known = !p.heap_stats.is_empty();
     let last_seconds = points.last().map_or(0.0, |p| p.seconds);
     let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
-    let bytes_max = points.iter().map(|p| p.total().max(p.allocator)).max().unwrap_or(0);
+    let bytes_max = points.iter().map(|p| p.total().max(p.allocator.unwrap_or(0))).max().unwrap_or(0);
     let space = Axis::bytes(bytes_max);
     let x = |seconds: f64| LEFT + time.fraction(seconds) * (RIGHT - LEFT);
     let y = |bytes: u64| BOTTOM - space.fraction(bytes as f64) * (BOTTOM - TOP);
@@ -163,9 +172,14 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         WIDTH / 2.0,
         escape(&title)
     );
+    let subtitle = if allocator_known {
+        "dashed: the allocator's in-use and mmapped bytes"
+    } else {
+        "replayed from the ticks and frees: the trace has no heap statistics events"
+    };
     let _ = writeln!(
         svg,
-        r##"<text x="{}" y="48" fill="#555555" text-anchor="middle">estimated from sampled allocations by mallocspy (pid {}); dashed: the allocator's in-use and mmapped bytes</text>"##,
+        r##"<text x="{}" y="48" fill="#555555" text-anchor="middle">estimated from sampled allocations by mallocspy (pid {}); {subtitle}</text>"##,
         WIDTH / 2.0,
         p.header.pid
     );
@@ -222,12 +236,15 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             Kind::ALL[k].name()
         );
     }
-    let line: Vec<String> = points.iter().map(|p| format!("{:.1},{:.1}", x(p.seconds), y(p.allocator))).collect();
-    let _ = writeln!(
-        svg,
-        r#"<polyline points="{}" fill="none" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"#,
-        line.join(" ")
-    );
+    if allocator_known {
+        let line: Vec<String> =
+            points.iter().filter_map(|p| Some(format!("{:.1},{:.1}", x(p.seconds), y(p.allocator?)))).collect();
+        let _ = writeln!(
+            svg,
+            r#"<polyline points="{}" fill="none" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"#,
+            line.join(" ")
+        );
+    }
     let _ = writeln!(
         svg,
         r##"<rect x="{LEFT}" y="{TOP}" width="{}" height="{}" fill="none" stroke="#888888"/>"##,
@@ -250,14 +267,16 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         );
         lx += 19.0 + 7.0 * text.len() as f64 + 24.0;
     }
-    let _ = writeln!(
-        svg,
-        r#"<line x1="{lx}" y1="{}" x2="{}" y2="{}" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/><text x="{}" y="{ly}">allocator: in use + mmapped</text>"#,
-        ly - 4.0,
-        lx + 14.0,
-        ly - 4.0,
-        lx + 19.0
-    );
+    if allocator_known {
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{lx}" y1="{}" x2="{}" y2="{}" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/><text x="{}" y="{ly}">allocator: in use + mmapped</text>"#,
+            ly - 4.0,
+            lx + 14.0,
+            ly - 4.0,
+            lx + 19.0
+        );
+    }
 
     // The peak: a dot on the top of the stack, and its label beside it, kept inside the plot.
     let (px, py) = (x(peak.seconds), y(peak.total()));
