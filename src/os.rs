@@ -118,14 +118,15 @@ pub(crate) fn write_all(fd: c_int, bytes: &[u8]) -> bool {
 }
 
 /// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes; on failure the error
-/// number (`ENOSPC` for a write that wrote nothing).
-pub(crate) fn write_whole(fd: c_int, mut bytes: &[u8]) -> Result<(), c_int> {
-    while !bytes.is_empty() {
-        match write(fd, bytes) {
-            n if n > 0 => bytes = &bytes[n as usize..],
-            0 => return Err(libc::ENOSPC),
+/// number (`ENOSPC` for a write that wrote nothing) and the bytes written before it.
+pub(crate) fn write_whole(fd: c_int, bytes: &[u8]) -> Result<(), (c_int, usize)> {
+    let mut done = 0;
+    while done < bytes.len() {
+        match write(fd, &bytes[done..]) {
+            n if n > 0 => done += n as usize,
+            0 => return Err((libc::ENOSPC, done)),
             _ if errno() == libc::EINTR => {}
-            _ => return Err(errno()),
+            _ => return Err((errno(), done)),
         }
     }
     Ok(())

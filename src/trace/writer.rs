@@ -208,9 +208,9 @@ impl Writer {
         if st.fd >= 0 && !st.buf.is_empty() {
             match os::write_whole(st.fd, &st.buf) {
                 Ok(()) => st.written += st.buf.len() as u64,
-                Err(errno) => {
+                Err((errno, done)) => {
                     // A full disk: stop writing, the program goes on and says so at its exit.
-                    st.ring.note_write_error(errno, st.written);
+                    st.ring.note_write_error(errno, st.written + done as u64);
                     close(st.fd);
                     st.fd = -1;
                 }
