@@ -10,9 +10,12 @@
 //! else has the number: a program started with stderr closed gives descriptor 2 to the first
 //! file it opens, and a report there would be written into the program's own file.
 //!
-//! The child of a `fork` gives up the duplicate of stderr and writes to descriptor 2 (on the
-//! same condition): a daemon that points 0-2 at `/dev/null` would otherwise hold its
-//! caller's pipe open for its whole life, and `x=$(program 2>&1)` would wait for it.
+//! The child of a `fork` gives up the duplicate of stderr when its descriptor 2 is still that
+//! stderr, and writes there: a daemon that points 0-2 at `/dev/null` after forking would
+//! otherwise hold its caller's pipe open for its whole life, and `x=$(program 2>&1)` would
+//! wait for it. A child whose parent had already moved descriptor 2 elsewhere (a server that
+//! sends its stderr to a log and forks its workers) keeps the duplicate: it is its only way
+//! to the stderr the reports belong on.
 
 use core::sync::atomic::{AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::ffi::CString;
@@ -211,12 +214,13 @@ pub(crate) fn after_fork_child() {
             let _ = use_log_file(expand_path(&template, os::getpid()));
         }
         Some(_) => {}
-        None => {
+        None if STDERR.load(Ordering::Acquire) == STDERR_OPEN && stderr_is_original() => {
             let fd = FD.swap(-1, Ordering::AcqRel);
             if still_ours(fd) {
                 os::close(fd);
             }
         }
+        None => {}
     }
 }
 

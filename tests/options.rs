@@ -199,3 +199,19 @@ fn a_fifo_that_nothing_reads_is_one_line_not_a_hang() {
         );
     }
 }
+
+/// A server that sends its stderr to a log before forking its workers: a worker's leak report
+/// goes where the server's does, to the stderr the program was started with (the worker keeps
+/// mallocspy's copy of it), not into the program's log and not nowhere.
+#[test]
+fn a_worker_forked_after_stderr_was_redirected_reports_to_the_original_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("server.log");
+    let out = run(Mode::Shim(""), Command::new(c_program("redirected_fork.c")).arg(&log));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "served\n"));
+    let stderr = text(&out.stderr);
+    for lost in ["123 bytes in 1 blocks are definitely lost", "456 bytes in 1 blocks are definitely lost"] {
+        assert!(stderr.contains(lost), "{lost}: {stderr}");
+    }
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "", "nothing of ours in the program's log");
+}

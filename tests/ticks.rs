@@ -371,6 +371,45 @@ fn without_pid_in_the_path_a_forked_child_writes_path_dot_pid() {
     assert!(ticks >= 50, "the child's 13 MiB sampled every 4 KiB: {ticks} ticks");
 }
 
+/// Without `%p`, a process forked after its grandparent's trace is finished (its writer gone,
+/// the path no longer locked) writes `PATH.PID` all the same: it took the path and truncated
+/// the finished trace, and `record` then named the grandchild's trace as the program's.
+#[test]
+fn without_pid_in_the_path_a_late_fork_leaves_the_finished_trace_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (shared, done) = (dir.path().join("t.trace"), dir.path().join("done"));
+    let out = Command::new(mallocspy())
+        .args(["record", "--output", shared.to_str().unwrap(), "--"])
+        .arg(c_program("orphan_forks.c"))
+        .arg(&done)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let mut finished = String::new();
+    for _ in 0..2000 {
+        finished = std::fs::read_to_string(&done).unwrap_or_default();
+        if !finished.is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let child = text(&out.stdout).trim().strip_prefix("child ").unwrap().to_owned();
+    let grandchild = finished.trim().strip_prefix("done ").unwrap_or_else(|| panic!("{finished:?}")).to_owned();
+    let header_pid = |path: &Path| Reader::new(&std::fs::read(path).unwrap()).unwrap().header().pid;
+    let program = header_pid(&shared);
+    assert!(
+        text(&out.stderr).contains(&format!("trace of {program} in {} (", shared.display())),
+        "{}",
+        text(&out.stderr)
+    );
+    let events: Vec<Event> = Reader::new(&std::fs::read(&shared).unwrap()).unwrap().map(Result::unwrap).collect();
+    assert!(matches!(events.last(), Some(Event::End { .. })), "the program's trace is whole");
+    for pid in [child, grandchild] {
+        let own = dir.path().join(format!("t.trace.{pid}"));
+        assert_eq!(header_pid(&own).to_string(), pid, "{}", own.display());
+    }
+}
+
 #[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();
@@ -422,6 +461,16 @@ fn record_reports_bad_arguments_and_missing_programs() {
     let written = dir.path().join("a%p.trace");
     assert!(text(&out.stderr).contains(&format!(" in {} (", written.display())), "{}", text(&out.stderr));
     assert!(written.exists());
+    std::fs::create_dir(dir.path().join("50%")).unwrap();
+    let out = Command::new(mallocspy())
+        .arg("record")
+        .arg("-o")
+        .arg(dir.path().join("50%%/t.trace"))
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "the directory is 50%: {}", text(&out.stderr));
+    assert!(dir.path().join("50%/t.trace").exists());
     let out = record(dir.path(), &[], &["/no/such/program"]);
     assert_eq!(out.status.code(), Some(127));
     assert_eq!(text(&out.stderr).lines().count(), 1, "{}", text(&out.stderr));

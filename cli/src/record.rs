@@ -66,7 +66,9 @@ fn parse_interval(text: &str) -> Result<u64, String> {
 /// program runs: the program's writer could only say so on the program's stderr, and the run
 /// would be lost. Only regular files: a FIFO or a device (`/dev/full`) is not a trace.
 fn check_output(output: &str) -> Result<(), String> {
-    let path = Path::new(output);
+    // As the program will read it (`%%` is `%`); any pid will do for the directory.
+    let expanded = expand_path(output, std::process::id());
+    let path = Path::new(&expanded);
     let dir = path.parent().unwrap_or(Path::new("/"));
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => {}
@@ -94,9 +96,10 @@ fn check_output(output: &str) -> Result<(), String> {
 /// Of `candidates`, the trace that process `pid` ended with: the one whose header names it
 /// and started last. A program that `exec`s keeps its pid, and without %p each image may
 /// write either file (TRACE when it is free, TRACE.PID when an earlier image's writer still
-/// holds it); the image that ran last is the program the user asked for. The first candidate
-/// when none is readable.
-fn last_trace_of<const N: usize>(pid: u32, candidates: [String; N]) -> String {
+/// holds it); the image that ran last is the program the user asked for. `None` when no
+/// candidate is a trace of `pid` (TRACE may be another process's: a child's, when the
+/// program failed to open it).
+fn last_trace_of<const N: usize>(pid: u32, candidates: [String; N]) -> Option<String> {
     use std::io::Read;
     let started = |path: &String| -> Option<u64> {
         // The header is at the start; a command line longer than this is not one to expect.
@@ -105,8 +108,7 @@ fn last_trace_of<const N: usize>(pid: u32, candidates: [String; N]) -> String {
         let reader = mallocspy::trace::Reader::new(&start).ok()?;
         (reader.header().pid == pid).then_some(reader.header().start_unix_ns)
     };
-    let latest = candidates.iter().filter_map(|c| Some((started(c)?, c))).max().map(|(_, c)| c.clone());
-    latest.unwrap_or_else(|| candidates[0].clone())
+    candidates.iter().filter_map(|c| Some((started(c)?, c))).max().map(|(_, c)| c.clone())
 }
 
 pub fn record(args: RecordArgs) -> ExitCode {
@@ -141,7 +143,18 @@ pub fn record(args: RecordArgs) -> ExitCode {
     };
     let trace = expand_path(&output, pid);
     // Without %p, the program writes TRACE.PID when another process's writer holds TRACE.
-    let trace = if names_pid(&output) { trace } else { last_trace_of(pid, [trace.clone(), format!("{trace}.{pid}")]) };
+    let trace = if names_pid(&output) {
+        trace
+    } else {
+        let own = format!("{trace}.{pid}");
+        match last_trace_of(pid, [trace.clone(), own.clone()]) {
+            Some(found) => found,
+            None => {
+                say!("mallocspy: no trace of {pid} in {trace} or {own}");
+                return launch::forward(status);
+            }
+        }
+    };
     match std::fs::metadata(&trace) {
         Ok(m) => say!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
         Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
@@ -167,13 +180,14 @@ mod tests {
         // An exec chain: the first image took TRACE, the second found it held and wrote
         // TRACE.7, the third found it free again and took TRACE over.
         let (trace, own) = (write("t", 7, 300), write("t.7", 7, 200));
-        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), trace);
+        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), Some(trace.clone()));
         let own = write("t.7", 7, 400);
-        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), own);
+        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), Some(own.clone()));
         // Another process's trace in TRACE, or none at all.
         let trace = write("t", 8, 900);
-        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), own);
+        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), Some(own));
+        assert_eq!(last_trace_of(9, [trace]), None);
         let missing = dir.path().join("none").display().to_string();
-        assert_eq!(last_trace_of(7, [missing.clone(), format!("{missing}.7")]), missing);
+        assert_eq!(last_trace_of(7, [missing.clone(), format!("{missing}.7")]), None);
     }
 }

@@ -124,12 +124,16 @@ fn unix_now_ns() -> u64 {
 ///
 /// Without `%p` the path is shared by every process of the run: the first one takes it, and
 /// a process that finds it locked by another's writer (a child that `exec`s a program, and
-/// that program's children) writes `PATH.PID` instead of clobbering it.
-fn open(template: &str) -> Result<i32, String> {
+/// that program's children) writes `PATH.PID` instead of clobbering it. A `forked` child
+/// always does: its parent's trace is there, whose writer may have finished already.
+fn open(template: &str, forked: bool) -> Result<i32, String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
     if options::names_pid(template) {
         return replace(&path);
+    }
+    if forked {
+        return replace(&format!("{path}.{pid}"));
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
     if locked_by_another(fd) {
@@ -353,10 +357,11 @@ impl Writer {
         }
     }
 
-    /// Opens the trace, makes a queue and forks the writer process for this process.
-    fn launch(&self) -> Result<&'static Ring, String> {
+    /// Opens the trace (`forked`: in the child of a fork; see [`open`]), makes a queue and
+    /// forks the writer process for this process.
+    fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
         let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
-        let trace_fd = open(&self.template)?;
+        let trace_fd = open(&self.template, forked)?;
         let ring: &'static Ring = match Ring::new_shared(QUEUE_SLOTS) {
             Some(r) => Box::leak(Box::new(r)),
             None => {
@@ -517,7 +522,7 @@ impl Writer {
             close(fd);
         }
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
-        match self.launch() {
+        match self.launch(true) {
             Ok(ring) => self.spy.set_ring(Some(ring)),
             Err(e) => {
                 sink::to_stderr(format!("mallocspy: {e}; the child runs without a trace\n").as_bytes());
@@ -616,7 +621,7 @@ pub(crate) fn start(
     if WRITER.set(writer).is_err() {
         return Err("a trace writer already runs".into());
     }
-    let ring = writer.launch()?;
+    let ring = writer.launch(false)?;
     spy.set_ring(Some(ring));
     Ok(writer)
 }
@@ -630,10 +635,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("t.%p.trace");
         let template = template.to_str().unwrap();
-        let before_exec = open(template).unwrap();
+        let before_exec = open(template, false).unwrap();
         assert!(os::write_all(before_exec, b"old image's header and events"));
         // The image after exec opens the same path (same pid) and writes its trace ...
-        let after_exec = open(template).unwrap();
+        let after_exec = open(template, false).unwrap();
         assert!(os::write_all(after_exec, b"new"));
         // ... while the old image's writer flushes its last events.
         assert!(os::write_all(before_exec, b" and the last ones"));
@@ -648,10 +653,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("shared.trace");
         let template = template.to_str().unwrap();
-        let first = open(template).unwrap();
+        let first = open(template, false).unwrap();
         assert!(os::write_all(first, b"first"));
         // A second process (an exec'd child) finds the path locked: it takes PATH.PID.
-        let second = open(template).unwrap();
+        let second = open(template, false).unwrap();
         assert!(os::write_all(second, b"second"));
         let own = format!("{template}.{}", os::getpid());
         assert_eq!(std::fs::read(template).unwrap(), b"first");
@@ -659,9 +664,15 @@ mod tests {
         // Once the first writer is done, the path is free for the next run, and truncated.
         close(first);
         close(second);
-        let third = open(template).unwrap();
+        let third = open(template, false).unwrap();
         assert!(os::write_all(third, b"3"));
         close(third);
         assert_eq!(std::fs::read(template).unwrap(), b"3");
+        // A forked child takes PATH.PID even when PATH is free: its parent's trace is there.
+        let child = open(template, true).unwrap();
+        assert!(os::write_all(child, b"child"));
+        close(child);
+        assert_eq!(std::fs::read(template).unwrap(), b"3");
+        assert_eq!(std::fs::read(&own).unwrap(), b"child");
     }
 }

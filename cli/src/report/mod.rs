@@ -177,31 +177,12 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     }
 }
 
-/// Writes the report to `file`: never over the trace it was read from, and whole or not at
-/// all (into a new file beside it, renamed over it when complete: a full disk leaves the old
-/// report as it was). A FIFO or a device (`/dev/stdout`) is written to directly.
+/// Writes the report to `file`, never over the trace it was read from. In place, as
+/// `std::fs::write` does: a symbolic link, `/dev/stdout`, the file's mode and its hard links
+/// keep what they were (a new file renamed over it would replace each).
 fn write_output(file: &Path, trace: &Path, bytes: &[u8]) -> Result<(), String> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let failed = |e: &dyn std::fmt::Display| format!("{}: {e}", file.display());
     refuse_the_trace(file, trace)?;
-    if std::fs::metadata(file).is_ok_and(|m| !m.is_file()) {
-        return std::fs::write(file, bytes).map_err(|e| failed(&e));
-    }
-    // A symbolic link keeps naming the file it named.
-    let target = file.canonicalize().unwrap_or_else(|_| file.to_path_buf());
-    let mut new = target.clone().into_os_string();
-    new.push(format!(".mallocspy-{}", std::process::id()));
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o666)
-        .open(&new)
-        .and_then(|mut f| f.write_all(bytes))
-        .and_then(|()| std::fs::rename(&new, &target));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&new);
-    }
-    written.map_err(|e| failed(&e))
+    std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", file.display()))
 }
 
 /// Refuses an `--output` that is the trace itself (by another name too): the report would
