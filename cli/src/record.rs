@@ -99,7 +99,7 @@ fn check_output(output: &str) -> Result<(), String> {
 /// holds it); the image that ran last is the program the user asked for. `None` when no
 /// candidate is a trace of `pid` (TRACE may be another process's: a child's, when the
 /// program failed to open it).
-fn last_trace_of<const N: usize>(pid: u32, candidates: [String; N]) -> Option<String> {
+fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
     use std::io::Read;
     let started = |path: &String| -> Option<u64> {
         // The header is at the start; a command line longer than this is not one to expect.
@@ -147,7 +147,7 @@ pub fn record(args: RecordArgs) -> ExitCode {
         trace
     } else {
         let own = format!("{trace}.{pid}");
-        match last_trace_of(pid, [trace.clone(), own.clone()]) {
+        match last_trace_of(pid, &[trace.clone(), own.clone()]) {
             Some(found) => found,
             None => {
                 say!("mallocspy: no trace of {pid} in {trace} or {own}");
@@ -180,14 +180,14 @@ mod tests {
         // An exec chain: the first image took TRACE, the second found it held and wrote
         // TRACE.7, the third found it free again and took TRACE over.
         let (trace, own) = (write("t", 7, 300), write("t.7", 7, 200));
-        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), Some(trace.clone()));
+        assert_eq!(last_trace_of(7, &[trace.clone(), own.clone()]), Some(trace.clone()));
         let own = write("t.7", 7, 400);
-        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), Some(own.clone()));
+        assert_eq!(last_trace_of(7, &[trace.clone(), own.clone()]), Some(own.clone()));
         // Another process's trace in TRACE, or none at all.
         let trace = write("t", 8, 900);
-        assert_eq!(last_trace_of(7, [trace.clone(), own.clone()]), Some(own));
-        assert_eq!(last_trace_of(9, [trace]), None);
+        assert_eq!(last_trace_of(7, &[trace.clone(), own.clone()]), Some(own));
+        assert_eq!(last_trace_of(9, &[trace]), None);
         let missing = dir.path().join("none").display().to_string();
-        assert_eq!(last_trace_of(7, [missing.clone(), format!("{missing}.7")]), None);
+        assert_eq!(last_trace_of(7, &[missing.clone(), format!("{missing}.7")]), None);
     }
 }

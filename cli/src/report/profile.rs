@@ -201,7 +201,7 @@ pub struct Aggregator {
     ranges: Vec<(u64, u64, usize)>,
     ranges_stale: bool,
     live: IdMap<Live>,
-    live_bytes: u64,
+    /// The live sampled bytes per kind (small, large, aligned).
     live_kinds: [u64; 3],
     /// Per stack, the changes since the last peak, and the stacks they touched: a new peak
     /// brings `live_at_peak` up to date from them, so the figures at the peak take one pass
@@ -220,7 +220,6 @@ impl Aggregator {
             ranges: Vec::new(),
             ranges_stale: false,
             live: IdMap::default(),
-            live_bytes: 0,
             live_kinds: [0; 3],
             since_peak: Vec::new(),
             touched: Vec::new(),
@@ -316,13 +315,13 @@ impl Aggregator {
         s.live_at_end.add(figures);
         self.profile.allocated.add(figures);
         self.live.insert(tick.address, Live { stack, kind, figures });
-        self.live_bytes = self.live_bytes.saturating_add(figures.bytes);
         self.live_kinds[kind] = self.live_kinds[kind].saturating_add(figures.bytes);
         self.replay(tick.time_ns);
         self.changed(stack, figures, true);
         // Only allocations raise the live heap, so only they can make a new peak.
-        if self.live_bytes > self.profile.peak.live_bytes {
-            self.profile.peak = Peak { live_bytes: self.live_bytes, time_ns: tick.time_ns };
+        let live_bytes = self.live_kinds.iter().sum();
+        if live_bytes > self.profile.peak.live_bytes {
+            self.profile.peak = Peak { live_bytes, time_ns: tick.time_ns };
             for stack in self.touched.drain(..) {
                 let change = std::mem::take(&mut self.since_peak[stack]);
                 let at_peak = &mut self.profile.stacks[stack].live_at_peak;
@@ -352,7 +351,6 @@ impl Aggregator {
 
     fn release(&mut self, block: Live) {
         self.profile.stacks[block.stack].live_at_end.sub(block.figures);
-        self.live_bytes = self.live_bytes.saturating_sub(block.figures.bytes);
         self.live_kinds[block.kind] = self.live_kinds[block.kind].saturating_sub(block.figures.bytes);
         self.changed(block.stack, block.figures, false);
     }
