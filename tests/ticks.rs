@@ -307,6 +307,62 @@ fn a_forked_childs_times_and_totals_count_from_its_fork() {
     assert!((12..40).contains(&child_mib), "the child's 13 MiB and a little of Python's, not its parent's: {ends:?}");
 }
 
+/// A forked child's trace starts with the sampled blocks it inherited: its frees of them
+/// match, and its report counts them live (a preforked worker's heap is mostly its parent's),
+/// under a site of their own that names the parent.
+#[test]
+fn a_forked_childs_trace_holds_the_sampled_blocks_it_inherited() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "import os\n\
+                  kept = [bytearray(4096) for _ in range(3000)]\n\
+                  pid = os.fork()\n\
+                  if pid == 0:\n    del kept[::2]\n    os._exit(0)\n\
+                  os.waitpid(pid, 0)\n\
+                  print(os.getpid())\n";
+    // Every allocation sampled: the child inherits tens of thousands, more than the queue holds.
+    let out = record(dir.path(), &["--interval", "1"], &[python().to_str().unwrap(), "-c", script]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let parent: u32 = text(&out.stdout).trim().parse().unwrap();
+    let child = traces(dir.path())
+        .into_iter()
+        .find(|f| !f.to_str().unwrap().contains(&format!(".{parent}.")))
+        .expect("the child's trace");
+    let bytes = std::fs::read(&child).unwrap();
+    let events: Vec<Event> = Reader::new(&bytes).unwrap().map(Result::unwrap).collect();
+    let mut live = HashSet::new();
+    let (mut inherited, mut own, mut frees, mut unmatched, mut lost) = (0, 0, 0, 0, 0);
+    for e in &events {
+        match *e {
+            Event::Inherited { parent: p, address, size, .. } => {
+                assert_eq!(p, parent);
+                assert!(own == 0 && frees == 0, "inherited blocks come first");
+                inherited += u64::from(size == 4097);
+                live.insert(address);
+            }
+            Event::Tick(ref t) => {
+                own += 1;
+                live.insert(t.address);
+            }
+            Event::Free { address, .. } => {
+                frees += 1;
+                unmatched += u64::from(!live.remove(&address));
+            }
+            Event::Lost { events, .. } => lost += events,
+            _ => {}
+        }
+    }
+    assert_eq!(lost, 0);
+    assert!(inherited >= 3000, "the 3000 bytearrays the child inherited: {inherited}");
+    assert!(frees >= 1500, "the child freed half of them: {frees}");
+    assert_eq!(unmatched, 0, "every free of the child matches a block it holds");
+    let report = Command::new(mallocspy()).args(["report", "--format", "text"]).arg(&child).output().unwrap();
+    let report = text(&report.stdout);
+    let site = format!("[inherited from pid {parent} at fork]");
+    let live_table = report.split("by live bytes at peak").nth(1).unwrap();
+    assert!(live_table.contains(&site), "{report}");
+    assert!(report.contains(&format!("from pid {parent} (estimated")), "{report}");
+}
+
 #[test]
 fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs() {
     let dir = tempfile::tempdir().unwrap();

@@ -98,9 +98,14 @@ impl<V: Copy> SampledBlocks<V> {
     }
 
     fn bucket(&self, ptr: usize) -> &Bucket<V> {
-        // SAFETY: bit_of(ptr) < gate::BITS, so the index is below BUCKETS, within the lease
-        // (zeroed: a valid bucket).
-        unsafe { &*self.buckets.as_ptr().add(gate::bit_of(ptr) / BITS_PER_BUCKET) }
+        self.bucket_at(gate::bit_of(ptr) / BITS_PER_BUCKET)
+    }
+
+    fn bucket_at(&self, index: usize) -> &Bucket<V> {
+        debug_assert!(index < BUCKETS);
+        // SAFETY: every caller's index is below BUCKETS (from a bit below gate::BITS), within
+        // the lease (zeroed: a valid bucket).
+        unsafe { &*self.buckets.as_ptr().add(index) }
     }
 
     /// Starts loading the line of `ptr`'s bucket, for an insert or remove to come.
@@ -170,6 +175,22 @@ impl<V: Copy> SampledBlocks<V> {
             }
         }
         Some(value)
+    }
+
+    /// Calls `f` on every block of the set and its value, bucket by bucket under its lock (the
+    /// bitmap says which buckets may hold any). `f` must not touch the set.
+    pub(crate) fn for_each(&self, mut f: impl FnMut(usize, V)) {
+        for w in 0..gate::BITS / 64 {
+            let word = self.word(w * 64).load(Ordering::Relaxed);
+            for b in (0..64 / BITS_PER_BUCKET).filter(|b| word & bucket_mask(*b) != 0) {
+                let bucket = self.bucket_at(w * 64 / BITS_PER_BUCKET + b);
+                let _guard = bucket.lock.lock();
+                // SAFETY: the bucket's lock is held.
+                let slots = unsafe { &*bucket.slots.get() };
+                slots.iter().filter(|s| s.key != EMPTY).for_each(|s| f(s.key, s.value));
+            }
+        }
+        self.overflow.for_each(f);
     }
 
     /// Child side of `fork`. The buckets' locks need nothing: no other thread is inside a
@@ -265,6 +286,24 @@ mod tests {
         s.insert(blocks[0], 0);
         s.remove(blocks[0]);
         assert!(s.may_hold(other));
+    }
+
+    #[test]
+    fn every_block_is_visited_once_slots_and_overflow_alike() {
+        let s = SampledBlocks::<u64>::new().unwrap();
+        let mut blocks: Vec<usize> = (0..5).map(|i| on_bit(32 + i, i)).collect();
+        blocks.extend([on_bit(0, 0), on_bit(63, 1), on_bit(64, 0), on_bit(gate::BITS - 1, 2)]);
+        for (i, &p) in blocks.iter().enumerate() {
+            s.insert(p, i as u64);
+        }
+        s.remove(blocks[1]);
+        let mut seen = Vec::new();
+        s.for_each(|p, v| seen.push((p, v)));
+        seen.sort_unstable();
+        let mut want: Vec<(usize, u64)> =
+            blocks.iter().enumerate().filter(|&(i, _)| i != 1).map(|(i, &p)| (p, i as u64)).collect();
+        want.sort_unstable();
+        assert_eq!(seen, want);
     }
 
     #[test]

@@ -714,6 +714,27 @@ impl TickSpy {
         ts.tick_seen.set(0);
     }
 
+    /// Child side of `fork`, its writer started on `ring`: the sampled blocks it inherited go
+    /// first in its trace, so that their frees match and its live heap is whole. A sample
+    /// keeps no stack: their stacks are in the parent's trace. The queue may fill here (a
+    /// server's heap may hold tens of thousands of samples), and the child waits for room
+    /// rather than drop them: a second at most in all, should its writer not drain.
+    pub(crate) fn send_inherited(&self, ring: &Ring) {
+        let parent = os::getppid();
+        let mut waited_ms = 0;
+        self.sampled.for_each(|ptr, s| {
+            let message = message::inherited(parent, (s.size_kind & 3) as u8, s.size_kind >> 2, ptr as u64, s.weight);
+            while !ring.has_room(1) && waited_ms < 1000 {
+                waited_ms += 1;
+                writer::wake();
+                let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+                // SAFETY: nanosleep with a valid request.
+                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+            }
+            Self::sent(ring.push_one(&message));
+        });
+    }
+
     /// The thread of slot `index` is leaving (its key destructor runs); the slot's next owner,
     /// another thread, sends its own start.
     pub(crate) fn thread_exit(&self, index: u32) {

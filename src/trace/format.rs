@@ -29,6 +29,7 @@ const TAG_THREAD_START: u8 = 8;
 const TAG_THREAD_EXIT: u8 = 9;
 const TAG_LOST: u8 = 10;
 const TAG_END: u8 = 11;
+const TAG_INHERITED: u8 = 12;
 
 /// How allocations are chosen for a tick.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -215,6 +216,21 @@ pub enum Event {
     },
     /// A sampled allocation.
     Tick(Tick),
+    /// A sampled block live in the parent when this process was forked: live here too, but
+    /// not allocated here (its stack is in the parent's trace). They come before the child's
+    /// own events.
+    Inherited {
+        /// The parent's pid.
+        parent: u32,
+        /// small, large or aligned.
+        kind: u8,
+        /// Bytes its allocation asked for.
+        size: u64,
+        /// The block's address.
+        address: u64,
+        /// Bytes its sample stands for.
+        weight: u64,
+    },
     /// A sampled block was freed (or moved by `realloc`).
     Free {
         /// Nanoseconds since the start.
@@ -346,6 +362,11 @@ pub fn write_event(out: &mut Vec<u8>, e: &Event) {
         }),
         Event::Tick(t) => record(out, TAG_TICK, |o| {
             for v in [t.time_ns, t.thread as u64, t.kind as u64, t.entry as u64, t.size, t.address, t.weight, t.stack] {
+                put(o, v);
+            }
+        }),
+        Event::Inherited { parent, kind, size, address, weight } => record(out, TAG_INHERITED, |o| {
+            for v in [*parent as u64, *kind as u64, *size, *address, *weight] {
                 put(o, v);
             }
         }),
@@ -537,6 +558,14 @@ fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> 
             })
         }
         TAG_FREE => Event::Free { time_ns: f.int()?, thread: f.int_u32()?, address: f.int()? },
+        TAG_INHERITED => {
+            let parent = f.int_u32()?;
+            let kind = f.int()?;
+            if Kind::from_index(kind).is_none() {
+                return Err(f.error(format!("unknown allocation kind {kind}")));
+            }
+            Event::Inherited { parent, kind: kind as u8, size: f.int()?, address: f.int()?, weight: f.int()? }
+        }
         TAG_HEAP_STATS => {
             let mut s = HeapStats { time_ns: f.int()?, ..HeapStats::default() };
             for k in &mut s.kinds {
@@ -702,6 +731,13 @@ mod tests {
                     ranges: vec![(0x5555_0000_1000, 0x5555_0002_0000)],
                     build_id: vec![0xab, 0xcd],
                 },
+            },
+            Event::Inherited {
+                parent: 4241,
+                kind: Kind::Aligned as u8,
+                size: 64,
+                address: 0x7f00_0000_1000,
+                weight: 102_400,
             },
             Event::ThreadStart { time_ns: 2, thread: 0, tid: 4242 },
             Event::Stack { id: 1, frames: vec![0x5555_0000_1234, 0x7fff_0000_0010, 0x5555_0000_1000] },

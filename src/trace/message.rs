@@ -15,6 +15,7 @@ const THREAD_START: u64 = 3;
 const THREAD_EXIT: u64 = 4;
 const STATS: u64 = 5;
 const END: u64 = 6;
+const INHERITED: u64 = 7;
 
 /// Words of a tick before its frames.
 const TICK_WORDS: usize = 7;
@@ -48,6 +49,11 @@ pub(crate) fn tick(t: &Tick, frame_count: usize) -> [u64; TICK_WORDS] {
 
 pub(crate) fn free(time_ns: u64, thread: u32, address: u64) -> [u64; 4] {
     encode(FREE, [0, thread as u64, time_ns, address])
+}
+
+/// A block sampled in the parent, live in the child of a `fork` (see [`Event::Inherited`]).
+pub(crate) fn inherited(parent: u32, kind: u8, size: u64, address: u64, weight: u64) -> [u64; 6] {
+    encode(INHERITED, [0, parent as u64, kind as u64, size, address, weight])
 }
 
 pub(crate) fn thread_start(time_ns: u64, thread: u32, tid: u32) -> [u64; 4] {
@@ -103,6 +109,9 @@ pub(crate) fn decode(words: &[u64]) -> Option<(Event, Vec<u64>)> {
             return Some((Event::Tick(tick), w.get(TICK_WORDS..TICK_WORDS + frames)?.to_vec()));
         }
         FREE if len == 4 => Event::Free { thread: thread(1), time_ns: w[2], address: w[3] },
+        INHERITED if len == 6 => {
+            Event::Inherited { parent: thread(1), kind: w[2] as u8, size: w[3], address: w[4], weight: w[5] }
+        }
         THREAD_START if len == 4 => Event::ThreadStart { thread: thread(1), time_ns: w[2], tid: w[3] as u32 },
         THREAD_EXIT if len == 3 => Event::ThreadExit { thread: thread(1), time_ns: w[2] },
         STATS if len == STATS_WORDS => {
@@ -144,6 +153,10 @@ mod tests {
         assert_eq!(
             through_words(&free(1, 2, 3), &[]),
             Some((Event::Free { time_ns: 1, thread: 2, address: 3 }, vec![]))
+        );
+        assert_eq!(
+            through_words(&inherited(1, 2, 3, 4, 5), &[]),
+            Some((Event::Inherited { parent: 1, kind: 2, size: 3, address: 4, weight: 5 }, vec![]))
         );
         assert_eq!(
             through_words(&thread_start(1, 2, 3), &[]),

@@ -270,6 +270,13 @@ impl Ring {
         self.control().done.store(self.control().tail.load(Ordering::Relaxed), Ordering::Release);
     }
 
+    /// Whether `n` more slots are free by the consumer's last report (its `done`): a producer
+    /// with many messages and the time to wait for room waits rather than drop them.
+    pub(crate) fn has_room(&self, n: usize) -> bool {
+        let c = self.control();
+        c.head.load(Ordering::Acquire).wrapping_sub(c.done.load(Ordering::Acquire)) + n <= self.mask + 1
+    }
+
     /// Producer: the position after the last message claimed so far, to compare with
     /// [`Ring::done`] later.
     pub(crate) fn claimed(&self) -> usize {
@@ -385,6 +392,21 @@ mod tests {
         assert!(!ring.done(claimed), "popped but not yet dealt with");
         ring.mark_done();
         assert!(ring.done(claimed));
+    }
+
+    #[test]
+    fn room_is_what_the_consumer_has_dealt_with() {
+        let ring = Ring::new_shared(32).unwrap();
+        assert!(ring.has_room(32) && !ring.has_room(33));
+        for i in 0..32 {
+            assert!(ring.push(&[2, i], &[]).queued());
+        }
+        assert!(!ring.has_room(1), "full");
+        let mut out = Vec::new();
+        assert!(ring.pop(&mut out, first_word_count));
+        assert!(!ring.has_room(1), "popped but not yet dealt with");
+        ring.mark_done();
+        assert!(ring.has_room(1) && !ring.has_room(2));
     }
 
     #[test]

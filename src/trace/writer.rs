@@ -523,7 +523,10 @@ impl Writer {
         }
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
         match self.launch(true) {
-            Ok(ring) => self.spy.set_ring(Some(ring)),
+            Ok(ring) => {
+                self.spy.send_inherited(ring);
+                self.spy.set_ring(Some(ring));
+            }
             Err(e) => {
                 sink::to_stderr(format!("mallocspy: {e}; the child runs without a trace\n").as_bytes());
             }

@@ -32,8 +32,16 @@ struct Json<'a> {
     allocated: JsonFigures,
     peak: JsonPeak,
     live_at_end: JsonFigures,
+    /// A forked child's: the sampled blocks live in its parent at the fork.
+    inherited: Option<JsonInherited>,
     top_by_bytes_allocated: Vec<JsonSite<'a>>,
     top_by_live_at_peak: Vec<JsonSite<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonInherited {
+    parent: u32,
+    at_fork: JsonFigures,
 }
 
 #[derive(Serialize)]
@@ -168,7 +176,13 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         allocated: p.allocated.into(),
         peak: JsonPeak { live_bytes: p.peak.live_bytes, time_ns: p.peak.time_ns },
         live_at_end: p.live_at_end.into(),
-        top_by_bytes_allocated: sites.iter().take(report.top).map(|s| site(report, s)).collect(),
+        inherited: p.inherited.map(|i| JsonInherited { parent: i.parent, at_fork: i.at_fork.into() }),
+        top_by_bytes_allocated: sites
+            .iter()
+            .filter(|s| s.allocated.samples > 0)
+            .take(report.top)
+            .map(|s| site(report, s))
+            .collect(),
         top_by_live_at_peak: top_live_at_peak(&sites, report.top).into_iter().map(|s| site(report, s)).collect(),
     };
     serde_json::to_writer(&mut *out, &json)?;

@@ -114,6 +114,21 @@ pub struct Profile {
     pub last_time_ns: u64,
     /// Where the file is cut inside a record, if it is.
     pub truncated_at: Option<u64>,
+    /// The trace of a forked child: its parent's pid and the pseudo-stack (an index into
+    /// [`Profile::stacks`], without frames) of the sampled blocks it inherited, live here too.
+    pub inherited: Option<Inherited>,
+}
+
+/// The sampled blocks a forked child inherited from its parent.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Inherited {
+    /// The parent's pid (its trace has their stacks).
+    pub parent: u32,
+    /// Their pseudo-stack in [`Profile::stacks`]: what of them was live at the peak and at
+    /// the end.
+    pub stack: usize,
+    /// All of them, live at the fork.
+    pub at_fork: Figures,
 }
 
 impl Profile {
@@ -251,6 +266,11 @@ impl Aggregator {
                 self.since_peak.push(SincePeak::default());
             }
             Event::Tick(tick) => self.tick(&tick),
+            Event::Inherited { parent, kind, size, address, weight } => {
+                let figures = Figures { bytes: weight, objects: weight as f64 / size.max(1) as f64, samples: 1 };
+                let stack = self.inherited_stack(parent, figures);
+                self.born(address, Live { stack, kind: usize::from(kind).min(2), figures }, 0);
+            }
             Event::Free { time_ns, address, .. } => match self.live.remove(&address) {
                 Some(block) => {
                     self.profile.frees += 1;
@@ -301,27 +321,44 @@ impl Aggregator {
         i
     }
 
+    /// The pseudo-stack of the inherited blocks, made at the first of them.
+    fn inherited_stack(&mut self, parent: u32, figures: Figures) -> usize {
+        let inherited = self.profile.inherited.get_or_insert_with(|| {
+            self.profile.stacks.push(StackStats { id: u64::MAX, ..StackStats::default() });
+            self.since_peak.push(SincePeak::default());
+            Inherited { parent, stack: self.profile.stacks.len() - 1, at_fork: Figures::default() }
+        });
+        inherited.at_fork.add(figures);
+        inherited.stack
+    }
+
     fn tick(&mut self, tick: &Tick) {
         let stack = self.stack_of(tick.stack);
         let figures = Figures::of(tick);
-        // The allocator never hands out a live block twice: the free of the old one was lost.
-        if let Some(old) = self.live.remove(&tick.address) {
-            self.release(old);
-        }
         let kind = usize::from(tick.kind).min(2);
         let s = &mut self.profile.stacks[stack];
         s.allocated.add(figures);
         s.kind_bytes[kind] += tick.weight;
-        s.live_at_end.add(figures);
         self.profile.allocated.add(figures);
-        self.live.insert(tick.address, Live { stack, kind, figures });
+        self.born(tick.address, Live { stack, kind, figures }, tick.time_ns);
+    }
+
+    /// A sampled block at `address` is live from `time_ns`.
+    fn born(&mut self, address: u64, block: Live, time_ns: u64) {
+        // The allocator never hands out a live block twice: the free of the old one was lost.
+        if let Some(old) = self.live.remove(&address) {
+            self.release(old);
+        }
+        let (stack, kind, figures) = (block.stack, block.kind, block.figures);
+        self.profile.stacks[stack].live_at_end.add(figures);
+        self.live.insert(address, block);
         self.live_kinds[kind] = self.live_kinds[kind].saturating_add(figures.bytes);
-        self.replay(tick.time_ns);
+        self.replay(time_ns);
         self.changed(stack, figures, true);
-        // Only allocations raise the live heap, so only they can make a new peak.
+        // Only new blocks raise the live heap, so only they can make a new peak.
         let live_bytes = self.live_kinds.iter().sum();
         if live_bytes > self.profile.peak.live_bytes {
-            self.profile.peak = Peak { live_bytes, time_ns: tick.time_ns };
+            self.profile.peak = Peak { live_bytes, time_ns };
             for stack in self.touched.drain(..) {
                 let change = std::mem::take(&mut self.since_peak[stack]);
                 let at_peak = &mut self.profile.stacks[stack].live_at_peak;
@@ -381,7 +418,7 @@ fn time_of(event: &Event) -> Option<u64> {
         | Event::Lost { time_ns, .. }
         | Event::End { time_ns } => Some(time_ns),
         Event::Tick(Tick { time_ns, .. }) | Event::HeapStats(HeapStats { time_ns, .. }) => Some(time_ns),
-        Event::Stack { .. } => None,
+        Event::Stack { .. } | Event::Inherited { .. } => None,
     }
 }
 
@@ -422,6 +459,25 @@ mod tests {
         assert!((p.stacks[1].allocated.objects - 10.0).abs() < 1e-9);
         assert_eq!(p.allocated.bytes, 2540);
         assert_eq!(p.allocated.samples, 3);
+    }
+
+    #[test]
+    fn inherited_blocks_are_live_not_allocated_and_their_frees_match() {
+        let inherited = |address, weight| Event::Inherited { parent: 7, kind: 0, size: 100, address, weight };
+        let p = aggregate(vec![
+            inherited(0xa0, 1000),
+            inherited(0xb0, 500),
+            Event::Stack { id: 1, frames: vec![0x1000] },
+            free(1, 0xa0),
+            tick(2, 0xc0, 100, 200, 1),
+        ]);
+        let i = p.inherited.expect("inherited blocks");
+        assert_eq!((i.parent, i.at_fork.bytes, i.at_fork.samples), (7, 1500, 2));
+        assert_eq!((p.allocated.bytes, p.frees, p.unmatched_frees), (200, 1, 0));
+        assert_eq!(p.peak, Peak { live_bytes: 1500, time_ns: 0 });
+        let s = &p.stacks[i.stack];
+        assert_eq!((s.allocated.samples, s.live_at_peak.bytes, s.live_at_end.bytes), (0, 1500, 500));
+        assert_eq!(p.live_at_end.bytes, 700);
     }
 
     #[test]

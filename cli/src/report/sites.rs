@@ -131,16 +131,23 @@ pub struct Site<'a> {
     pub stacks: Vec<usize>,
 }
 
-/// Every site of the profile, most bytes allocated first.
+/// Every site of the profile, most bytes allocated first; a forked child's inherited blocks
+/// make a site of their own, which allocated nothing.
 pub fn sites<'a>(profile: &Profile, symbols: &'a Symbols) -> Vec<Site<'a>> {
     let mut by_label: HashMap<String, usize> = HashMap::new();
     let mut sites: Vec<Site<'a>> = Vec::new();
+    let inherited = profile.inherited.filter(|i| i.at_fork.samples > 0);
     for (i, stack) in profile.stacks.iter().enumerate() {
-        if stack.allocated.samples == 0 {
-            continue;
-        }
-        let frame = site_of(stack, symbols);
-        let label = label(frame, symbols);
+        let (frame, label) = match inherited {
+            Some(inherited) if inherited.stack == i => {
+                (None, format!("[inherited from pid {} at fork]", inherited.parent))
+            }
+            _ if stack.allocated.samples == 0 => continue,
+            _ => {
+                let frame = site_of(stack, symbols);
+                (frame, label(frame, symbols))
+            }
+        };
         let at = *by_label.entry(label.clone()).or_insert_with(|| {
             sites.push(Site {
                 label,

@@ -68,9 +68,11 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     writeln!(out, "  pid          {}", h.pid)?;
     writeln!(out, "  duration     {}", units::duration(p.duration_ns()))?;
     writeln!(out, "  sampling     {}", sampling(report))?;
+    let inherited =
+        p.inherited.map_or(String::new(), |i| format!(" and {} inherited", units::count(i.at_fork.samples)));
     writeln!(
         out,
-        "  ticks        {} samples, {} of them freed",
+        "  ticks        {} samples{inherited}, {} of them freed",
         units::count(p.allocated.samples),
         units::count(p.frees)
     )?;
@@ -80,7 +82,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         units::bytes(p.allocated.bytes),
         units::objects(p.allocated.objects)
     )?;
-    if p.allocated.samples > 0 {
+    if p.allocated.samples > 0 || p.inherited.is_some() {
         writeln!(
             out,
             "  peak live    {} at {} (estimated)",
@@ -88,6 +90,15 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             units::duration(p.peak.time_ns)
         )?;
         writeln!(out, "  live at end  {} (estimated)", units::bytes(p.live_at_end.bytes))?;
+    }
+    if let Some(inherited) = p.inherited {
+        writeln!(
+            out,
+            "  inherited    {} in {} objects live at the fork, from pid {} (estimated; their stacks are in its trace)",
+            units::bytes(inherited.at_fork.bytes),
+            units::objects(inherited.at_fork.objects),
+            inherited.parent
+        )?;
     }
     if p.lost_events > 0 {
         writeln!(
@@ -100,13 +111,13 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
 
     let sites = report.sites();
     let total = p.allocated.bytes;
-    let top: Vec<&Site<'_>> = sites.iter().take(report.top).collect();
+    let top: Vec<&Site<'_>> = sites.iter().filter(|s| s.allocated.samples > 0).take(report.top).collect();
     writeln!(out, "Top allocation sites by estimated bytes allocated")?;
     table(out, &top, total, |s| s.allocated.bytes, |s| (s.allocated.objects, s.allocated.samples))?;
     writeln!(out)?;
 
     let live = top_live_at_peak(&sites, report.top);
-    if p.allocated.samples == 0 {
+    if p.peak.live_bytes == 0 {
         writeln!(out, "Top allocation sites by live bytes at peak")?;
     } else {
         writeln!(
