@@ -189,6 +189,51 @@ fn random_bytes_and_missing_files_are_one_error_line_and_status_1() {
     assert!(lines[0].starts_with(&format!("mallocspy report: {}: No such file", missing.display())), "{lines:?}");
 }
 
+/// A device is refused at once (`/dev/zero` never ends), and a module path that names
+/// something other than a file (a FIFO: opening it would wait for a writer forever) is left
+/// unsymbolized; a trace read from a pipe, as `<(zcat t.gz)` gives it, reports.
+#[test]
+fn devices_and_fifos_never_hang_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = mallocspy(&["/dev/zero"]);
+    assert_eq!(
+        (out.status.code(), stderr_lines(&out)),
+        (Some(1), vec!["mallocspy report: /dev/zero: a device, not a trace".to_string()])
+    );
+
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let mut fifo_module = events();
+    let Event::ModuleLoad { module, .. } = &mut fifo_module[0] else { panic!("a module first") };
+    module.path = fifo.to_str().unwrap().into();
+    module.build_id.clear();
+    let path = write(dir.path(), "fifo-module.trace", &trace(&fifo_module));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mallocspy"))
+        .args(["report", path.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed().as_secs() > 20 {
+            child.kill().unwrap();
+            panic!("the report waits on the module's FIFO");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("fifo+0x"), "unsymbolized, by module and offset");
+
+    let ok = write(dir.path(), "ok.trace", &trace(&events()));
+    let piped = Command::new("sh")
+        .arg("-c")
+        .arg(format!("cat '{}' | '{}' report /dev/stdin", ok.display(), env!("CARGO_BIN_EXE_mallocspy")))
+        .output()
+        .unwrap();
+    assert!(piped.status.success(), "{piped:?}");
+}
+
 /// A malformed command line is one line too (clap's usage and hint would follow it), status 2.
 #[test]
 fn a_malformed_command_line_is_one_line_and_status_2() {

@@ -31,6 +31,29 @@ const TAG_LOST: u8 = 10;
 const TAG_END: u8 = 11;
 const TAG_INHERITED: u8 = 12;
 
+/// Most frames of a stack record: what a tick can carry, with room to spare.
+pub const MAX_FRAMES: usize = 1024;
+const _: () = assert!(super::message::MAX_FRAMES <= MAX_FRAMES);
+
+/// The longest payload a record of `tag` can have: a record claiming more is damaged, not
+/// cut (a flipped bit in a length would otherwise pass for the end of the file).
+fn max_payload(tag: u8) -> u64 {
+    /// The longest varint.
+    const INT: u64 = 10;
+    match tag {
+        TAG_TICK => 8 * INT,
+        TAG_FREE | TAG_THREAD_START => 3 * INT,
+        TAG_MODULE_UNLOAD | TAG_THREAD_EXIT | TAG_LOST => 2 * INT,
+        TAG_END => INT,
+        TAG_INHERITED => 5 * INT,
+        TAG_HEAP_STATS => 20 * INT,
+        TAG_STACK => (2 + MAX_FRAMES as u64) * INT,
+        // A path, its executable ranges and a build id; a command line (the kernel allows a
+        // few megabytes of arguments); records of later versions.
+        _ => 64 << 20,
+    }
+}
+
 /// How allocations are chosen for a tick.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Sampling {
@@ -186,7 +209,7 @@ pub struct HeapStats {
 impl HeapStats {
     /// Estimated live bytes over all kinds.
     pub fn live_bytes(&self) -> u64 {
-        self.kinds.iter().map(|k| k.live_bytes).sum()
+        self.kinds.iter().fold(0, |sum: u64, k| sum.saturating_add(k.live_bytes))
     }
 }
 
@@ -445,6 +468,11 @@ impl<'a> Fields<'a> {
                 return Err(self.error("a number runs past the end of its record"));
             };
             self.at += 1;
+            // The tenth byte holds the 64th bit only.
+            if shift == 63 && b > 1 {
+                self.at -= 10;
+                return Err(self.error("a number longer than 64 bits"));
+            }
             v |= ((b & 0x7f) as u64) << shift;
             if b & 0x80 == 0 {
                 return Ok(v);
@@ -460,9 +488,13 @@ impl<'a> Fields<'a> {
     }
 
     fn bytes(&mut self) -> Result<&'a [u8], TraceError> {
+        let at = self.at;
         let len = self.int()? as usize;
         let end = self.at.checked_add(len).filter(|&e| e <= self.bytes.len());
-        let Some(end) = end else { return Err(self.error("a string runs past the end of its record")) };
+        let Some(end) = end else {
+            self.at = at;
+            return Err(self.error("a string runs past the end of its record"));
+        };
         let b = &self.bytes[self.at..end];
         self.at = end;
         Ok(b)
@@ -477,8 +509,10 @@ impl<'a> Fields<'a> {
 
     /// A count of items that each take at least `min_bytes`, checked against what is left.
     fn count(&mut self, min_bytes: usize) -> Result<usize, TraceError> {
+        let at = self.at;
         let n = self.int()?;
         if n.saturating_mul(min_bytes as u64) > (self.bytes.len() - self.at) as u64 {
+            self.at = at;
             return Err(self.error(format!("a count of {n} items that do not fit in the record")));
         }
         Ok(n as usize)
@@ -526,7 +560,12 @@ fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> 
         TAG_MODULE_UNLOAD => Event::ModuleUnload { time_ns: f.int()?, id: f.int()? },
         TAG_STACK => {
             let id = f.int()?;
+            let at = f.at;
             let n = f.count(1)?;
+            if n > MAX_FRAMES {
+                f.at = at;
+                return Err(f.error(format!("a stack of {n} frames (at most {MAX_FRAMES})")));
+            }
             let mut frames = Vec::with_capacity(n);
             let mut prev = 0u64;
             for _ in 0..n {
@@ -628,8 +667,13 @@ impl<'a> Reader<'a> {
         }
         let mut reader = Reader { bytes, at: 20, header: Header::default(), truncated: None, failed: false };
         match reader.raw() {
-            Some(Ok((TAG_HEADER, mut f))) => reader.header = read_header(&mut f)?,
-            Some(Ok((_, f))) => return Err(TraceError { offset: f.base - 1, what: "no header record".into() }),
+            Some(Ok((TAG_HEADER, mut f))) => {
+                reader.header = read_header(&mut f)?;
+                if f.at != f.bytes.len() {
+                    return Err(f.error("a header longer than its fields"));
+                }
+            }
+            Some(Ok(_)) => return Err(err(20, "no header record")),
             Some(Err(e)) => return Err(e),
             None => return Err(err(20, "the file ends before its header is whole")),
         }
@@ -665,6 +709,12 @@ impl<'a> Reader<'a> {
             }
             Err(e) => return Some(Err(e)),
         };
+        if len > max_payload(tag) {
+            return Some(Err(TraceError {
+                offset: start as u64 + 1,
+                what: format!("a record of tag {tag} claiming {len} bytes (at most {})", max_payload(tag)),
+            }));
+        }
         let payload = start + 1 + len_field.at;
         let end = (payload as u64).checked_add(len).filter(|&e| e <= self.bytes.len() as u64);
         let Some(end) = end else {
@@ -831,6 +881,54 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Damage that a cut cannot explain is an error naming where it is, not a quiet end.
+    #[test]
+    fn damage_is_told_from_a_cut() {
+        let error = |file: &[u8]| match Reader::new(file) {
+            Err(e) => e.to_string(),
+            Ok(reader) => reader.filter_map(Result::err).map(|e| e.to_string()).collect::<Vec<_>>().join("|"),
+        };
+        let mut header = Vec::new();
+        write_header(&mut header, &Header::default());
+        // A tick's length claiming more than its eight numbers can take, the file going on.
+        let mut file = header.clone();
+        let tick = file.len();
+        write_event(&mut file, &Event::End { time_ns: 1 });
+        file[tick] = TAG_TICK;
+        file[tick + 1] = 0x95;
+        file.extend_from_slice(&[7; 300]);
+        assert_eq!(
+            error(&file),
+            format!(
+                "not a readable mallocspy trace: a record of tag 5 claiming 149 bytes (at most 80) at offset {}",
+                tick + 1
+            )
+        );
+        // Bytes after the header's fields.
+        let mut file = header.clone();
+        file[21] += 1;
+        file.push(0);
+        assert_eq!(
+            error(&file),
+            format!("not a readable mallocspy trace: a header longer than its fields at offset {}", header.len())
+        );
+        // Another record where the header should be.
+        let mut file = header.clone();
+        file[20] = TAG_END;
+        assert_eq!(error(&file), "not a readable mallocspy trace: no header record at offset 20");
+        // A number of more than 64 bits.
+        let mut file = header.clone();
+        file.extend_from_slice(&[TAG_END, 10, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02]);
+        assert_eq!(
+            error(&file),
+            format!("not a readable mallocspy trace: a number longer than 64 bits at offset {}", header.len() + 2)
+        );
+        // A stack deeper than any tick carries.
+        let mut file = header.clone();
+        write_event(&mut file, &Event::Stack { id: 1, frames: vec![0x1000; MAX_FRAMES + 1] });
+        assert!(error(&file).contains("a stack of 1025 frames (at most 1024)"), "{}", error(&file));
     }
 
     #[test]

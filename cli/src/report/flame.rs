@@ -23,7 +23,8 @@ pub fn lines(report: &Report<'_>) -> Vec<String> {
         if names.is_empty() {
             names.push("[stack not recorded]".into());
         }
-        *folded.entry(names.join(";")).or_default() += stack.allocated.bytes;
+        let bytes: &mut u64 = folded.entry(names.join(";")).or_default();
+        *bytes = bytes.saturating_add(stack.allocated.bytes);
     }
     folded.into_iter().map(|(stack, bytes)| format!("{stack} {bytes}")).collect()
 }

@@ -24,6 +24,7 @@ mod timeline;
 mod units;
 
 use std::io::{self, Write};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -145,6 +146,10 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     let failed = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
     if let Some(file) = &args.output {
         refuse_the_trace(file, path)?;
+    }
+    // A FIFO is read (a shell's `<(zcat trace.gz)` is one); a device never ends or is no file.
+    if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
+        return Err(failed(&"a device, not a trace"));
     }
     let bytes = std::fs::read(path).map_err(|e| failed(&e))?;
     let mut progress = Progress::new();

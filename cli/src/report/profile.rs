@@ -338,7 +338,7 @@ impl Aggregator {
         let kind = usize::from(tick.kind).min(2);
         let s = &mut self.profile.stacks[stack];
         s.allocated.add(figures);
-        s.kind_bytes[kind] += tick.weight;
+        s.kind_bytes[kind] = s.kind_bytes[kind].saturating_add(tick.weight);
         self.profile.allocated.add(figures);
         self.born(tick.address, Live { stack, kind, figures }, tick.time_ns);
     }
@@ -356,7 +356,7 @@ impl Aggregator {
         self.replay(time_ns);
         self.changed(stack, figures, true);
         // Only new blocks raise the live heap, so only they can make a new peak.
-        let live_bytes = self.live_kinds.iter().sum();
+        let live_bytes = self.live_kinds.iter().fold(0, |sum: u64, &k| sum.saturating_add(k));
         if live_bytes > self.profile.peak.live_bytes {
             self.profile.peak = Peak { live_bytes, time_ns };
             for stack in self.touched.drain(..) {

@@ -59,8 +59,13 @@ impl Symbols {
     pub fn resolve(profile: &Profile, progress: &mut Progress) -> Symbols {
         let module_names: Vec<String> = profile.modules.iter().map(|m| file_name(&m.path).to_owned()).collect();
         let mut frames: Vec<RawFrame> = profile.stacks.iter().flat_map(|s| s.frames.iter().copied()).collect();
-        // Grouped by module: each module's debug information is opened, used and dropped in turn.
-        frames.sort_unstable_by_key(|f| (f.module, f.address));
+        // Grouped by file: each file's debug information is opened, used and dropped in turn,
+        // once for all its loads (a library loaded and unloaded a thousand times).
+        let mut first_load: HashMap<(&str, &[u8]), usize> = HashMap::new();
+        let file_of: Vec<usize> = (profile.modules.iter().enumerate())
+            .map(|(i, m)| *first_load.entry((m.path.as_str(), m.build_id.as_slice())).or_insert(i))
+            .collect();
+        frames.sort_unstable_by_key(|f| (f.module.map(|m| file_of[m]), f.address, f.module));
         frames.dedup();
         progress.stage("symbolizing", frames.len() as u64);
         let mut locations = HashMap::with_capacity(frames.len());
@@ -75,8 +80,8 @@ impl Symbols {
                 continue;
             };
             let module = &profile.modules[m];
-            if open.as_ref().is_none_or(|(i, _)| *i != m) {
-                open = Some((m, DebugInfo::open(module)));
+            if open.as_ref().is_none_or(|(file, _)| *file != file_of[m]) {
+                open = Some((file_of[m], DebugInfo::open(module)));
             }
             let debug = &open.as_ref().expect("opened above").1;
             // A return address follows the call: the call's line is one byte earlier.
@@ -148,6 +153,10 @@ struct ElfFacts {
 impl ElfFacts {
     /// Reads only the headers and notes it needs (a library may be hundreds of megabytes).
     fn read(path: &Path) -> Option<ElfFacts> {
+        // A path the trace names may be anything now: a FIFO or a terminal would block the open.
+        if !path.is_file() {
+            return None;
+        }
         let cache = object::ReadCache::new(File::open(path).ok()?);
         let file = object::File::parse(&cache).ok()?;
         // A separate debug file keeps the sections' headers with no contents (NOBITS): DWARF

@@ -112,9 +112,14 @@ struct Point {
     allocator: Option<u64>,
 }
 
+/// A damaged trace's figures may reach 2^64 together: they stop there, not wrap to a small one.
+fn saturating_sum(values: &[u64]) -> u64 {
+    values.iter().fold(0, |sum, &v| sum.saturating_add(v))
+}
+
 impl Point {
     fn total(&self) -> u64 {
-        self.kinds.iter().sum()
+        saturating_sum(&self.kinds)
     }
 }
 
@@ -219,10 +224,11 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
 
     // The kinds, stacked: each area between the running sums below and with it.
     for (k, color) in KIND_COLORS.iter().enumerate() {
-        let below = |p: &Point| p.kinds[..k].iter().sum::<u64>();
+        let below = |p: &Point| saturating_sum(&p.kinds[..k]);
+        let with = |p: &Point| saturating_sum(&p.kinds[..=k]);
         let mut d = String::new();
         for (i, p) in points.iter().enumerate() {
-            let _ = write!(d, "{}{:.1},{:.1} ", if i == 0 { "M" } else { "L" }, x(p.seconds), y(below(p) + p.kinds[k]));
+            let _ = write!(d, "{}{:.1},{:.1} ", if i == 0 { "M" } else { "L" }, x(p.seconds), y(with(p)));
         }
         for p in points.iter().rev() {
             let _ = write!(d, "L{:.1},{:.1} ", x(p.seconds), y(below(p)));
