@@ -55,7 +55,7 @@ fn identity(fd: i32) -> Option<(u64, u64)> {
 }
 
 /// Moves `fd` to a high descriptor number, close-on-exec.
-fn move_high(fd: i32) -> i32 {
+pub(crate) fn move_high(fd: i32) -> i32 {
     // SAFETY: rlimit is plain data; getrlimit only writes it.
     let mut lim: libc::rlimit = unsafe { core::mem::zeroed() };
     // SAFETY: lim is a valid out-pointer.

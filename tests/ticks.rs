@@ -307,6 +307,30 @@ fn a_forked_childs_times_and_totals_count_from_its_fork() {
     assert!((12..40).contains(&child_mib), "the child's 13 MiB and a little of Python's, not its parent's: {ends:?}");
 }
 
+/// The writer's socket stays out of the program's way under a low descriptor limit, as the copy
+/// of stderr does: the program's first file is still descriptor 3.
+#[test]
+fn under_a_low_descriptor_limit_the_program_still_gets_the_lowest_descriptors() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    for limit in [256, 512] {
+        let mut cmd = Command::new(python());
+        cmd.args(["-c", "import os; print(os.open('/dev/null', os.O_RDONLY))"])
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", dir.path().join("t.%p").display()));
+        // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
+        unsafe {
+            cmd.pre_exec(move || {
+                let lim = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+                libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+                Ok(())
+            })
+        };
+        let out = cmd.output().unwrap();
+        assert_eq!(text(&out.stdout), "3\n", "ulimit -n {limit}: {}", text(&out.stderr));
+    }
+}
+
 /// A forked child's trace starts with the sampled blocks it inherited: its frees of them
 /// match, and its report counts them live (a preforked worker's heap is mostly its parent's),
 /// under a site of their own that names the parent.

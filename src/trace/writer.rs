@@ -394,16 +394,10 @@ impl Writer {
         // SAFETY: reaps the short-lived middle process, our child (it may already have been
         // reaped if the program ignores SIGCHLD: then this fails, harmlessly).
         unsafe { while libc::waitpid(child, core::ptr::null_mut(), 0) < 0 && os::errno() == libc::EINTR {} }
-        // Out of the way of the descriptors the program numbers from the bottom up.
+        // Out of the way of the descriptors the program numbers from the bottom up, however
+        // low its limit.
+        let ours = sink::move_high(ours);
         // SAFETY: fcntl/fstat on our own descriptor.
-        let ours = match unsafe { libc::fcntl(ours, libc::F_DUPFD_CLOEXEC, 512) } {
-            fd if fd >= 0 => {
-                close(ours);
-                fd
-            }
-            _ => ours,
-        };
-        // SAFETY: as above.
         unsafe {
             libc::fcntl(ours, libc::F_SETFL, libc::O_NONBLOCK);
             let mut st: libc::stat = core::mem::zeroed();
