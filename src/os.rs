@@ -112,9 +112,43 @@ pub(crate) fn close(fd: c_int) {
 /// Returns false when the descriptor refuses the data.
 pub(crate) fn write_all(fd: c_int, bytes: &[u8]) -> bool {
     let saved = errno();
-    let ok = write_whole(fd, bytes).is_ok();
+    let ok = if is_pipe(fd) {
+        // Processes writing reports to one pipe at once (`make -j`, `xargs -P` into a log):
+        // a write of at most PIPE_BUF bytes is never mixed with another's, so whole lines go
+        // a few kilobytes at a time, and no line is spliced into another's.
+        line_chunks(bytes, libc::PIPE_BUF).all(|chunk| write_whole(fd, chunk).is_ok())
+    } else {
+        // A file appends each write whole: the report stays in one piece.
+        write_whole(fd, bytes).is_ok()
+    };
     set_errno(saved);
     ok
+}
+
+fn is_pipe(fd: c_int) -> bool {
+    // SAFETY: stat is plain data; fstat only writes it.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: a valid out-pointer; a bad descriptor only fails.
+    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFIFO }
+}
+
+/// `bytes` in pieces of at most `max` bytes that end at line ends, but for a line longer than
+/// `max`, which is a piece of its own.
+fn line_chunks(bytes: &[u8], max: usize) -> impl Iterator<Item = &[u8]> {
+    let mut rest = bytes;
+    core::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let line_end = |from: &[u8]| from.iter().position(|&b| b == b'\n').map_or(from.len(), |i| i + 1);
+        let mut end = line_end(rest);
+        while end < rest.len() && end + line_end(&rest[end..]) <= max {
+            end += line_end(&rest[end..]);
+        }
+        let (chunk, tail) = rest.split_at(end);
+        rest = tail;
+        Some(chunk)
+    })
 }
 
 /// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes; on failure the error
@@ -268,6 +302,17 @@ mod tests {
         // SAFETY: any address and a valid out-pointer.
         assert_ne!(unsafe { libc::dladdr(addr, &mut info) }, 0);
         info.dli_fbase as usize
+    }
+
+    #[test]
+    fn pipe_writes_are_whole_lines_of_at_most_the_atomic_size() {
+        fn chunks(text: &str, max: usize) -> Vec<&str> {
+            line_chunks(text.as_bytes(), max).map(|c| std::str::from_utf8(c).unwrap()).collect()
+        }
+        assert_eq!(chunks("ab\ncd\nef\n", 6), ["ab\ncd\n", "ef\n"]);
+        assert_eq!(chunks("ab\ncd\nef", 5), ["ab\n", "cd\nef"]);
+        assert_eq!(chunks("a very long line\nx\n", 4), ["a very long line\n", "x\n"]);
+        assert_eq!(chunks("", 4), Vec::<&str>::new());
     }
 
     #[test]
