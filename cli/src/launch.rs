@@ -1,10 +1,10 @@
 //! Running a program with the shim preloaded, for `run` and `record`.
 
 use std::ffi::OsString;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 
 /// Prints `mallocspy: MESSAGE` and gives `code`.
 pub fn fail(message: &str, code: u8) -> ExitCode {
@@ -45,6 +45,19 @@ pub fn run_preloaded(
     }
     let mut child = Command::new(&program[0]);
     child.args(&program[1..]).env("LD_PRELOAD", preload).env("MALLOCSPY_OPTIONS", options.join(":"));
+    let closed = CLOSED_AT_START.load(Ordering::Relaxed);
+    if closed != 0 {
+        // SAFETY: the closure only calls close, which is async-signal-safe, on descriptors the
+        // child does not otherwise use (Rust's runtime opened /dev/null there for us).
+        unsafe {
+            child.pre_exec(move || {
+                (0..3).filter(|fd| closed & 1 << fd != 0).for_each(|fd| {
+                    libc::close(fd);
+                });
+                Ok(())
+            })
+        };
+    }
     let mut child = child.spawn().map_err(|e| {
         let code = if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 };
         fail(&format!("cannot run '{}': {e}", program[0].to_string_lossy()), code)
@@ -52,6 +65,22 @@ pub fn run_preloaded(
     let pid = child.id();
     relay_signals_to(pid);
     child.wait().map(|status| (pid, status)).map_err(|e| fail(&format!("cannot wait for the program: {e}"), 2))
+}
+
+/// Which of descriptors 0, 1 and 2 were closed when this process started (bit `n` for `n`):
+/// Rust's runtime opens `/dev/null` on them before `main`, and the program must start with
+/// them closed, as it would natively (`echo hi >&-` fails; a program's first `open` gets 0).
+static CLOSED_AT_START: AtomicU8 = AtomicU8::new(0);
+
+/// Runs before Rust's runtime, as a constructor: notes [`CLOSED_AT_START`].
+#[used]
+#[unsafe(link_section = ".init_array")]
+static NOTE_CLOSED_AT_START: extern "C" fn() = note_closed_at_start;
+
+extern "C" fn note_closed_at_start() {
+    // SAFETY: F_GETFD only reads the descriptor table; a closed descriptor fails with EBADF.
+    let closed = (0..3).filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0).fold(0, |m, fd| m | 1 << fd);
+    CLOSED_AT_START.store(closed, Ordering::Relaxed);
 }
 
 /// The program `run_preloaded` waits for, for [`relay`].
