@@ -76,6 +76,7 @@ impl Drop for Depth {
     #[inline]
     fn drop(&mut self) {
         self.0.depth.set(0);
+        crate::ending_signals::after_hook();
     }
 }
 

@@ -16,7 +16,7 @@
 //! `KeyboardInterrupt`.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
 
 use crate::os;
 
@@ -76,10 +76,41 @@ pub(crate) fn enable() {
     }
 }
 
-/// The handler: the reports, then the end the signal would have brought.
+/// A signal that came while its thread was inside a hook, for the hook's end to take.
+static DEFERRED: AtomicI32 = AtomicI32::new(0);
+
+/// The handler: the reports, then the end the signal would have brought. Inside a hook of
+/// this thread, which holds locks and half-made changes every report needs, that waits for
+/// the hook's end ([`after_hook`]): a program stopped in a loop of allocations is mostly there.
 extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
     // SA_RESETHAND has made the action the default again: a second signal ends the
     // process at once, should the report wait on a lock the interrupted code holds.
+    if crate::tls::state().depth.get() != 0 && !crate::preload::reporting() {
+        DEFERRED.store(signal, Ordering::Relaxed);
+        return;
+    }
+    end_by(signal);
+}
+
+/// Where a hook's depth is back to 0: ends the process by the signal that came during it.
+#[inline(always)]
+pub(crate) fn after_hook() {
+    if DEFERRED.load(Ordering::Relaxed) != 0 {
+        take_deferred();
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn take_deferred() {
+    match DEFERRED.swap(0, Ordering::Relaxed) {
+        0 => {}
+        signal => end_by(signal),
+    }
+}
+
+/// The reports, then the end `signal` brings by default.
+fn end_by(signal: c_int) -> ! {
     crate::preload::report_at_signal(signal);
     // SAFETY: zero is a valid sigaction, here SIG_DFL with an empty mask; the set is ours.
     unsafe {

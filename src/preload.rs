@@ -304,6 +304,11 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
 /// The signal ending the process, whose handler writes the reports (0: none).
 static ENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
 
+/// Whether this process's exit reports have begun.
+pub(crate) fn reporting() -> bool {
+    REPORTED.load(Ordering::Relaxed)
+}
+
 /// From the handler of a signal that ends the process ([`crate::ending_signals`]): every
 /// report, once per process, with a note of the signal. The process then dies of it, not of
 /// `exitcode`: whoever sent it sees what they expect.

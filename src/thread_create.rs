@@ -57,6 +57,9 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
     let depth = ts.depth.replace(1);
     crate::unwind::note_thread_start();
     ts.depth.set(depth);
+    if depth == 0 {
+        crate::ending_signals::after_hook();
+    }
     // SAFETY: the routine and argument the program gave pthread_create. Nothing of this frame
     // needs dropping, so pthread_exit may unwind through it.
     unsafe { routine(arg) }

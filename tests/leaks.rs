@@ -628,6 +628,70 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
     assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
 }
 
+/// A signal that lands inside an allocator call, where a program busy allocating mostly is,
+/// still gets the report: the call ends first (it holds what the report needs).
+#[test]
+fn a_signal_that_lands_inside_an_allocator_call_still_gets_the_report() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("ending_signal.c");
+    for round in 0..10 {
+        let out = signalled(&program, &["churn"], JSON_REPORT, libc::SIGTERM, None);
+        assert_eq!(out.status.signal(), Some(libc::SIGTERM), "round {round}: {}", text(&out.stderr));
+        let report = json_report(&out);
+        assert_eq!(
+            report["summary"]["definitely_lost"],
+            serde_json::json!({"blocks": 1, "bytes": 4096}),
+            "round {round}"
+        );
+    }
+}
+
+/// `mallocspy run` starts the program with the descriptors it was given: one closed stays
+/// closed (Rust's runtime opens `/dev/null` on a closed 0, 1 or 2 for the command itself).
+#[test]
+fn a_program_run_with_stdout_closed_finds_it_closed() {
+    use std::os::unix::process::CommandExt;
+    let closed_stdout = |cmd: &mut Command| -> Output {
+        // SAFETY: close is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::close(1);
+                Ok(())
+            })
+        };
+        cmd.output().unwrap()
+    };
+    let native = closed_stdout(Command::new("/bin/echo").arg("hi"));
+    assert_eq!(native.status.code(), Some(1), "echo fails to write: {}", text(&native.stderr));
+    let out = closed_stdout(Command::new(mallocspy()).args(["run", "--", "/bin/echo", "hi"]));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("write error"), "{}", text(&out.stderr));
+}
+
+/// Processes reporting into one pipe at once (`make -j`, `xargs -P` into a log) never splice a
+/// line of one report into another's: a write of whole lines within PIPE_BUF is never mixed.
+#[test]
+fn reports_of_processes_sharing_a_pipe_keep_their_lines_whole() {
+    let is_report_line = |line: &str| {
+        line.strip_prefix("==")
+            .and_then(|rest| rest.split_once("=="))
+            .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+    };
+    for round in 0..3 {
+        let out = Command::new("sh")
+            .args(["-c", "for i in 1 2 3 4 5 6 7 8; do perl -e 1 & done; wait"])
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", "spy=leaks")
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let stderr = text(&out.stderr);
+        assert_eq!(stderr.matches("LEAK SUMMARY").count(), 9, "the shell's and eight perls' reports");
+        let spliced: Vec<&str> = stderr.lines().filter(|l| !is_report_line(l)).collect();
+        assert!(spliced.is_empty(), "round {round}: {spliced:?}");
+    }
+}
+
 /// What the program sees of the actions of those signals is what it would see natively: the
 /// default; its own handler runs instead of the report's; a signal ignored at start stays
 /// ignored.

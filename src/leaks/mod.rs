@@ -234,5 +234,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         notes,
     );
     ts.depth.set(depth);
+    if depth == 0 {
+        crate::ending_signals::after_hook();
+    }
     report
 }
