@@ -186,10 +186,19 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             "{untracked} allocation(s) were not tracked: mallocspy's memory limit (max_memory) was reached"
         ));
     }
-    let classified: Vec<Classified> = blocks
+    let mut classified: Vec<Classified> = blocks
         .iter()
         .zip(scratch.kinds())
         .map(|((_, r), kind)| Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind })
+        .collect();
+    // The other threads ran on between the snapshot and their stop: a block one of them freed
+    // meanwhile has no pointer left and would be called lost. A lost block is the program's
+    // only while its record is still the one taken (a free is applied before the next record).
+    tracker.apply_all_pending();
+    let freed_meanwhile: Vec<bool> = blocks
+        .iter()
+        .zip(&classified)
+        .map(|((addr, r), c)| c.kind != LeakKind::StillReachable && tracker.live.get(*addr as usize) != Some(*r))
         .collect();
     let stats = tracker.stats();
     let retained = if reachable_stacks {
@@ -224,6 +233,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     } else {
         None
     };
+    let mut freed = freed_meanwhile.into_iter();
+    classified.retain(|_| !freed.next().unwrap_or(false));
     let report = report::build(
         os::getpid(),
         &classified,

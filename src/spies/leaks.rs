@@ -37,7 +37,7 @@ const S_STACK_TID: usize = 5;
 const S_HAD_RECORD: usize = 6;
 
 /// What is known of a live block.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Record {
     /// Size in the high 56 bits, entry point in the low 8.
     size_entry: u64,
