@@ -95,8 +95,16 @@ fn module_of(addr: u64) -> Option<String> {
 /// `dladdr1`'s request for the symbol table entry (`<dlfcn.h>`'s `RTLD_DL_SYMENT`).
 const RTLD_DL_SYMENT: libc::c_int = 1;
 
-/// The exported function of the library holding `addr` whose code covers it, and its address.
-fn exported_function(addr: u64) -> Option<(String, u64)> {
+/// What `dladdr1` finds for an address: the nearest dynamic symbol at or below it (its name,
+/// start and size) and the load address of its library.
+struct DynamicSymbol {
+    name: Option<String>,
+    start: u64,
+    size: u64,
+    base: u64,
+}
+
+fn dynamic_symbol(addr: u64) -> Option<DynamicSymbol> {
     // SAFETY: Dl_info is plain data; dladdr1 writes it and a pointer to the symbol's entry.
     let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
     let mut symbol: *const libc::Elf64_Sym = core::ptr::null();
@@ -104,15 +112,21 @@ fn exported_function(addr: u64) -> Option<(String, u64)> {
     // (read-only, mapped) symbol table.
     let found =
         unsafe { libc::dladdr1(addr as *const libc::c_void, &mut info, (&raw mut symbol).cast(), RTLD_DL_SYMENT) };
-    if found == 0 || symbol.is_null() || info.dli_sname.is_null() {
+    if found == 0 || symbol.is_null() {
         return None;
     }
+    // SAFETY: dladdr returns a NUL-terminated name owned by the loader, or null.
+    let name =
+        (!info.dli_sname.is_null()).then(|| unsafe { CStr::from_ptr(info.dli_sname) }.to_string_lossy().into_owned());
     // SAFETY: dladdr1 pointed `symbol` at the symbol's entry in the library's mapped table.
     let size = unsafe { (*symbol).st_size };
-    let start = info.dli_saddr as u64;
-    // SAFETY: dladdr returns a NUL-terminated name owned by the loader.
-    let name = unsafe { CStr::from_ptr(info.dli_sname) }.to_string_lossy().into_owned();
-    (addr.wrapping_sub(start) < size).then_some((name, start))
+    Some(DynamicSymbol { name, start: info.dli_saddr as u64, size, base: info.dli_fbase as u64 })
+}
+
+/// The exported function of the library holding `addr` whose code covers it, and its address.
+fn exported_function(addr: u64) -> Option<(String, u64)> {
+    let symbol = dynamic_symbol(addr)?;
+    (addr.wrapping_sub(symbol.start) < symbol.size).then_some((symbol.name?, symbol.start))
 }
 
 /// The address of `name` in the loaded library at `path`.
@@ -151,22 +165,12 @@ fn c_library_frame(addr: u64, module: &Option<String>) -> Option<Frame> {
 /// The code of `__libc_start_main` (`[start, end)`) and the load address of its library.
 fn libc_start_main() -> Option<(u64, u64, u64)> {
     // SAFETY: the name is NUL-terminated; dlsym only looks it up.
-    let start = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__libc_start_main".as_ptr()) };
-    if start.is_null() {
+    let start = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__libc_start_main".as_ptr()) } as u64;
+    if start == 0 {
         return None;
     }
-    // SAFETY: Dl_info is plain data; dladdr1 writes it and a pointer to the symbol's entry.
-    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
-    let mut symbol: *const libc::Elf64_Sym = core::ptr::null();
-    // SAFETY: any address may be asked about; `symbol` receives a pointer into the loader's
-    // (read-only, mapped) symbol table.
-    let found = unsafe { libc::dladdr1(start, &mut info, (&raw mut symbol).cast(), RTLD_DL_SYMENT) };
-    if found == 0 || symbol.is_null() {
-        return None;
-    }
-    // SAFETY: dladdr1 pointed `symbol` at the symbol's entry in the library's mapped table.
-    let size = unsafe { (*symbol).st_size }.max(1);
-    Some((start as u64, start as u64 + size, info.dli_fbase as u64))
+    let symbol = dynamic_symbol(start)?;
+    Some((start, start + symbol.size.max(1), symbol.base))
 }
 
 /// Where the C library's start-up lies, below `main`: the program's entry point (`_start`),
