@@ -59,14 +59,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// clap's error in one line: its message and value lists, without the usage and the hint
-/// that follow (`--help` gives those).
+/// clap's error in one line: its message and value lists, and its tips in parentheses,
+/// without the usage and the hint that follow (`--help` gives those).
 fn one_line(rendered: &str) -> String {
-    let message: Vec<&str> = rendered
+    let message: Vec<String> = rendered
         .lines()
         .map(str::trim)
         .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
         .filter(|l| !l.is_empty())
+        .map(|l| if l.starts_with("tip:") { format!("({l})") } else { l.to_string() })
         .collect();
     let message = message.join(" ");
     format!("{}; see --help", message.strip_prefix("error: ").unwrap_or(&message))

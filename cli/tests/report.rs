@@ -244,6 +244,10 @@ fn a_malformed_command_line_is_one_line_and_status_2() {
         ),
         (&[][..], "mallocspy: the following required arguments were not provided: <TRACE>; see --help"),
         (&["--top"][..], "mallocspy: a value is required for '--top <N>' but none was supplied; see --help"),
+        (
+            &["--frobnicate", "x.trace"][..],
+            "mallocspy: unexpected argument '--frobnicate' found (tip: a similar argument exists: '--format'); see --help",
+        ),
     ] {
         let out = mallocspy(args);
         assert_eq!((out.status.code(), stderr_lines(&out)), (Some(2), vec![line.to_string()]), "{args:?}");
