@@ -234,6 +234,64 @@ fn devices_and_fifos_never_hang_the_report() {
     assert!(piped.status.success(), "{piped:?}");
 }
 
+/// A trace of many modules, each loaded, used by a stack and unloaded (a long-running program
+/// that loads plugins, or a crafted file), is reported in seconds: the modules' ranges are
+/// kept in order as they come and go, not sorted again for each stack.
+#[test]
+fn a_trace_of_many_modules_coming_and_going_is_reported_in_seconds() {
+    const MODULES: u64 = 40_000;
+    let dir = tempfile::tempdir().unwrap();
+    let mut events = Vec::new();
+    for i in 0..MODULES {
+        // Scattered over the address space, four ranges each: what sorting finds slowest.
+        let start = 0x10_0000_0000 + (i * 7919 % MODULES) * 0x10_0000;
+        let module = Module {
+            id: i,
+            path: format!("/nonexistent/plugin{i}.so"),
+            base: start,
+            ranges: (0..4).map(|r| (start + r * 0x2000, start + r * 0x2000 + 0x1000)).collect(),
+            build_id: Vec::new(),
+        };
+        events.push(Event::ModuleLoad { time_ns: i, module });
+        events.push(Event::Stack { id: i + 1, frames: vec![start + 0x10] });
+        events.push(Event::Tick(Tick {
+            time_ns: i,
+            size: 64,
+            address: i * 64,
+            weight: 100,
+            stack: i + 1,
+            ..Tick::default()
+        }));
+        if i % 2 == 1 {
+            events.push(Event::ModuleUnload { time_ns: i, id: i });
+        }
+    }
+    events.push(Event::End { time_ns: MODULES });
+    let path = write(dir.path(), "plugins.trace", &trace(&events));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mallocspy"))
+        .args(["report", "--format", "json", path.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed().as_secs() > 30 {
+            child.kill().unwrap();
+            panic!("the report of {MODULES} modules took more than 30 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["ticks"], MODULES);
+    // Every frame is found in its module (a site of its own, each of one sample).
+    for site in json["top_by_bytes_allocated"].as_array().unwrap() {
+        assert_eq!(site["allocated"]["bytes"], 100, "{site}");
+        assert!(site["module"].as_str().unwrap_or_default().starts_with("/nonexistent/plugin"), "{site}");
+    }
+}
+
 /// A malformed command line is one line too (clap's usage and hint would follow it), status 2.
 #[test]
 fn a_malformed_command_line_is_one_line_and_status_2() {

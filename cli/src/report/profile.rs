@@ -6,7 +6,7 @@
 //! block; the live heap is replayed from both to find its largest moment (the peak) and what was
 //! live then, per stack.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use mallocspy::trace::{Event, Header, HeapStats, Module, Reader, Tick, TraceError};
 
@@ -209,12 +209,14 @@ type IdMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
 pub struct Aggregator {
     profile: Profile,
     stack_index: IdMap<usize>,
-    /// Indices of the modules loaded now.
-    loaded: Vec<usize>,
-    /// `(start, end, module)` of the loaded modules' ranges, sorted; rebuilt after loads and
-    /// unloads (rare), before the next stack needs it.
-    ranges: Vec<(u64, u64, usize)>,
-    ranges_stale: bool,
+    /// The indices of the modules loaded now, by their id (an id loaded twice without an
+    /// unload, in a damaged trace, has both).
+    loaded: IdMap<Vec<usize>>,
+    /// The loaded modules' ranges: start, to end and module index. Kept in order as modules
+    /// come and go, so that a load, an unload or a frame's lookup costs a logarithm of the
+    /// ranges (sorting them all again for each stack after a load was quadratic: a trace of
+    /// 40,000 plugins took over 30 s).
+    ranges: BTreeMap<u64, (u64, usize)>,
     live: IdMap<Live>,
     /// The live sampled bytes per kind (small, large, aligned).
     live_kinds: [u64; 3],
@@ -231,9 +233,8 @@ impl Aggregator {
         Aggregator {
             profile: Profile { header, ..Profile::default() },
             stack_index: IdMap::default(),
-            loaded: Vec::new(),
-            ranges: Vec::new(),
-            ranges_stale: false,
+            loaded: IdMap::default(),
+            ranges: BTreeMap::new(),
             live: IdMap::default(),
             live_kinds: [0; 3],
             since_peak: Vec::new(),
@@ -248,14 +249,21 @@ impl Aggregator {
         }
         match event {
             Event::ModuleLoad { module, .. } => {
-                self.loaded.push(self.profile.modules.len());
+                let index = self.profile.modules.len();
+                // A range starting where another does replaces it: the older module must
+                // have been unmapped for the newer one to be mapped there.
+                self.ranges.extend(module.ranges.iter().map(|&(start, end)| (start, (end, index))));
+                self.loaded.entry(module.id).or_default().push(index);
                 self.profile.modules.push(module);
-                self.ranges_stale = true;
             }
             Event::ModuleUnload { id, .. } => {
-                let modules = &self.profile.modules;
-                self.loaded.retain(|&i| modules[i].id != id);
-                self.ranges_stale = true;
+                for index in self.loaded.remove(&id).unwrap_or_default() {
+                    for &(start, _) in &self.profile.modules[index].ranges {
+                        if self.ranges.get(&start).is_some_and(|&(_, m)| m == index) {
+                            self.ranges.remove(&start);
+                        }
+                    }
+                }
             }
             Event::Stack { id, frames } => {
                 let frames = frames.into_iter().map(|address| RawFrame { address, module: self.module_at(address) });
@@ -292,20 +300,11 @@ impl Aggregator {
     }
 
     /// The loaded module whose executable ranges hold return address `address`.
-    fn module_at(&mut self, address: u64) -> Option<usize> {
-        if self.ranges_stale {
-            self.ranges.clear();
-            for &m in &self.loaded {
-                self.ranges.extend(self.profile.modules[m].ranges.iter().map(|&(s, e)| (s, e, m)));
-            }
-            self.ranges.sort_unstable();
-            self.ranges_stale = false;
-        }
+    fn module_at(&self, address: u64) -> Option<usize> {
         // A return address follows its call: a call that ends a function (to a function that does not
         // return) leaves one just past the range, so look up the call's own last byte.
         let at = address.checked_sub(1)?;
-        let i = self.ranges.partition_point(|r| r.0 <= at).checked_sub(1)?;
-        let (_, end, module) = self.ranges[i];
+        let (_, &(end, module)) = self.ranges.range(..=at).next_back()?;
         (at < end).then_some(module)
     }
 
