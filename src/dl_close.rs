@@ -5,7 +5,8 @@
 //! library that allocates and is unloaded at once would be gone from the map by the time its
 //! stacks are read: the trace would name none of its functions. The wrapper lets the writer
 //! catch up first (heaptrack's preload library wraps `dlclose` for the same reason, to
-//! refresh its module list). The leak tracker notes what the call unloads
+//! refresh its module list), and after the call it reads them again, so that the trace says
+//! when the library went. The leak tracker notes what the call unloads
 //! ([`crate::leaks::unloaded`]).
 
 use core::ffi::{c_int, c_void};
@@ -35,6 +36,11 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
     let status = unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) };
     if let Some(closing) = closing {
         crate::leaks::unloaded::after_dlclose(closing);
+    }
+    if status == 0
+        && let Some(writer) = crate::trace::writer::writer()
+    {
+        writer.after_unload();
     }
     status
 }

@@ -702,9 +702,10 @@ fn the_trace_is_whole_when_the_program_closes_every_descriptor() {
     assert!(ticks >= 190, "the 200 blocks of 1 MiB allocated after the close were sampled: {ticks} ticks");
 }
 
-/// A library loaded and unloaded while the program runs is in the trace, named in the
-/// report, also when `main` has already ended by `pthread_exit` (the process's
-/// `/proc/PID/maps` then reads empty, and only its live threads' maps say what is loaded).
+/// A library loaded and unloaded while the program runs is in the trace, its unload too,
+/// and named in the report, also when `main` has already ended by `pthread_exit` (the
+/// process's `/proc/PID/maps` then reads empty, and only its live threads' maps say what is
+/// loaded).
 #[test]
 fn a_library_loaded_during_the_run_is_named_even_after_main_exits() {
     let program = c_program("late_main.c");
@@ -717,6 +718,18 @@ fn a_library_loaded_during_the_run_is_named_even_after_main_exits() {
         assert!(out.status.success(), "{mode:?}: {}", text(&out.stderr));
         assert!(text(&out.stdout).starts_with("late library: "), "{mode:?}: {}", text(&out.stdout));
         let trace = &traces(dir.path())[0];
+        let bytes = std::fs::read(trace).unwrap();
+        let events: Vec<Event> = Reader::new(&bytes).unwrap().map(Result::unwrap).collect();
+        let loaded = events.iter().find_map(|e| match e {
+            Event::ModuleLoad { module, .. } if module.path.ends_with("late_lib.so") => Some(module.id),
+            _ => None,
+        });
+        let loaded = loaded.unwrap_or_else(|| panic!("{mode:?}: the library's load is in the trace"));
+        // No stack follows the `dlclose`: the unload is written because it was one.
+        assert!(
+            events.iter().any(|e| matches!(e, Event::ModuleUnload { id, .. } if *id == loaded)),
+            "{mode:?}: the library's unload is in the trace"
+        );
         let report = Command::new(mallocspy()).args(["report", "--format", "text"]).arg(trace).output().unwrap();
         assert!(report.status.success(), "{}", text(&report.stderr));
         let report = text(&report.stdout);

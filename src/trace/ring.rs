@@ -45,6 +45,9 @@ struct Control {
     /// bytes of the trace written before it: for the program to say at exit.
     write_error: AtomicU32,
     written_before_error: AtomicU64,
+    /// When the program last unloaded a library (ns since its start, at least 1), until the
+    /// consumer takes it (0).
+    unloaded_ns: AtomicU64,
 }
 
 /// A queue in memory shared with the writer process.
@@ -306,6 +309,17 @@ impl Ring {
         self.sequence(position) == position + 1
     }
 
+    /// Producer: the program unloaded a library at `time_ns`. A mark rather than a message,
+    /// which the next `dlclose` would wait for the consumer to deal with ([`Ring::done`]).
+    pub(crate) fn note_unloaded(&self, time_ns: u64) {
+        self.control().unloaded_ns.store(time_ns.max(1), Ordering::Release);
+    }
+
+    /// Consumer: when the program last unloaded a library, if it did since the last call.
+    pub(crate) fn take_unloaded(&self) -> Option<u64> {
+        Some(self.control().unloaded_ns.swap(0, Ordering::Acquire)).filter(|&t| t != 0)
+    }
+
     /// Messages dropped since the last call (the queue was full).
     pub(crate) fn take_dropped(&self) -> u64 {
         self.control().dropped.swap(0, Ordering::Relaxed)
@@ -392,6 +406,18 @@ mod tests {
         assert!(!ring.done(claimed), "popped but not yet dealt with");
         ring.mark_done();
         assert!(ring.done(claimed));
+    }
+
+    #[test]
+    fn an_unload_mark_is_taken_once_with_the_latest_time() {
+        let ring = Ring::new_shared(64).unwrap();
+        assert_eq!(ring.take_unloaded(), None);
+        ring.note_unloaded(0);
+        assert_eq!(ring.take_unloaded(), Some(1), "an unload at the start is one too");
+        assert_eq!(ring.take_unloaded(), None);
+        ring.note_unloaded(5);
+        ring.note_unloaded(9);
+        assert_eq!(ring.take_unloaded(), Some(9));
     }
 
     #[test]

@@ -204,7 +204,7 @@ impl Writer {
     /// Writes the header and the modules loaded now.
     fn begin(&self, st: &mut State, header: &Header) {
         write_header(&mut st.buf, header);
-        self.rescan_modules(st);
+        self.rescan_modules(st, self.spy.elapsed_ns());
         self.flush(st);
     }
 
@@ -223,7 +223,9 @@ impl Writer {
         st.buf.clear();
     }
 
-    fn rescan_modules(&self, st: &mut State) {
+    /// Reads the program's modules again: an unload record (at `unloaded_ns`) for each
+    /// module gone, and a load record for each new one.
+    fn rescan_modules(&self, st: &mut State, unloaded_ns: u64) {
         let now = modules::of_process(st.pid, &mut st.elf);
         if now.is_empty() {
             // The program has ended (a live process has its executable mapped at least):
@@ -235,7 +237,7 @@ impl Writer {
         let (kept, gone): (Vec<Module>, Vec<Module>) =
             core::mem::take(&mut st.modules).into_iter().partition(|m| now.iter().any(|n| same(m, n)));
         for m in gone {
-            write_event(&mut st.buf, &Event::ModuleUnload { time_ns, id: m.id });
+            write_event(&mut st.buf, &Event::ModuleUnload { time_ns: unloaded_ns.min(time_ns), id: m.id });
         }
         st.modules = kept;
         for mut m in now {
@@ -260,12 +262,23 @@ impl Writer {
         {
             // Code of a library loaded since the last look: record it before its stack.
             if frames.iter().any(|&pc| !self.known(st, pc)) {
-                self.rescan_modules(st);
+                self.rescan_modules(st, self.spy.elapsed_ns());
             }
             write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
         }
-        st.ended |= matches!(event, Event::End { .. });
+        if matches!(event, Event::End { .. }) {
+            self.note_unloads(st);
+            st.ended = true;
+        }
         write_event(&mut st.buf, &event);
+    }
+
+    /// After the program unloaded libraries (`dlclose`): their unload records, in the trace
+    /// even when no later stack makes the writer read the modules again.
+    fn note_unloads(&self, st: &mut State) {
+        if let Some(unloaded_ns) = st.ring.take_unloaded() {
+            self.rescan_modules(st, unloaded_ns);
+        }
     }
 
     /// Writes what the queue holds (up to the end). Returns the number of messages.
@@ -283,6 +296,9 @@ impl Writer {
             }
             ring.mark_done();
             words.clear();
+        }
+        if !st.ended {
+            self.note_unloads(st);
         }
         let lost = ring.take_dropped();
         if lost > 0 {
@@ -468,6 +484,15 @@ impl Writer {
             waited += 100;
         }
         close(fd);
+    }
+
+    /// After the program unloaded a library (`dlclose` succeeded): the writer reads the
+    /// program's modules again at its next drain, for the unload record. Not waited for.
+    pub(crate) fn after_unload(&self) {
+        // SAFETY: only `launch` and `finish` store here: null or a leaked ring.
+        if let Some(ring) = unsafe { self.ring.load(Ordering::Acquire).as_ref() } {
+            ring.note_unloaded(self.spy.elapsed_ns());
+        }
     }
 
     /// Before the program unmaps a library (`dlclose`): waits until the writer has dealt
