@@ -55,6 +55,14 @@ fn map_anonymous(len: usize, flags: c_int) -> Option<NonNull<u8>> {
 
 static PAGE_SIZE: AtomicUsize = AtomicUsize::new(0);
 
+/// Whether the page holding `addr` is mapped (`mincore` fails with ENOMEM on a hole).
+pub(crate) fn is_mapped(addr: usize) -> bool {
+    let page = addr & !(page_size() - 1);
+    let mut resident = 0u8;
+    // SAFETY: mincore writes one byte per page of the one-page range into `resident`.
+    unsafe { libc::mincore(page as *mut c_void, 1, &mut resident) == 0 }
+}
+
 /// The system page size (cached; `getauxval` works before libc is initialised).
 #[inline]
 pub(crate) fn page_size() -> usize {

@@ -113,7 +113,12 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
         ("double-free", "size 64 (in free)"),
         ("invalid-free", "(in free)"),
         ("double-free", "size 20 (in realloc)"),
-        ("5 finding(s): 1 overflow, 1 underflow, 2 double-free, 1 invalid-free", ""),
+        ("heap-buffer-underflow", "(in free)"),
+        ("heap-buffer-underflow", "(in free)"),
+        ("double-free", "size 10 (in free)"),
+        ("invalid-free", "(in free)"),
+        ("invalid-free: not a live block at 0x10000", "(in free)"),
+        ("10 finding(s): 1 overflow, 3 underflow, 3 double-free, 3 invalid-free", ""),
     ];
     assert_eq!(findings.len(), expect.len(), "{findings:#?}");
     for (line, (what, tail)) in findings.iter().zip(expect) {

@@ -1,6 +1,9 @@
 //! `spy=guard`: the IMallocSpy showcase. A header and a trailer canary around every block,
-//! checked when the block is freed or reallocated; double frees and frees of pointers that
-//! are not live blocks are caught before the real allocator sees them.
+//! checked when the block is freed or reallocated. Double frees (a caller pointer freed, or
+//! given up by a `realloc` that moved its block, among the last 65,536) and frees of
+//! pointers that cannot be blocks (misaligned, on the thread's stack, or unmapped) are caught
+//! before the real allocator sees them; any other pointer the guard did not lay out may be a
+//! block of the real heap allocated before it, and goes to the real allocator's own checks.
 //!
 //! Layout of a block (caller's pointer `p`, `size` bytes asked for):
 //!
@@ -9,8 +12,11 @@
 //! | padding (aligned blocks) | size: u64 | tag: u64 | caller's bytes | trailer: u64 |
 //! ```
 //!
-//! `tag` holds the header's offset from the real block (16, or the alignment for aligned
-//! blocks) and a canary mixed with `p`, so a header copied elsewhere does not validate.
+//! The size word also holds, in its top bits, log2 of the header's offset from the real block
+//! (16, or the alignment for aligned blocks); `tag` is a hash of `p` and the size word. A
+//! change to any byte of either word is seen (a zero written just before the block, as
+//! `s[strlen(s) - 1] = 0` on an empty string does, included), the size is trusted only once
+//! the tag vouches for it, and a header copied elsewhere does not validate.
 //! Every finding is one line: what, where, how big; the program goes on where it safely can
 //! (a damaged header means the real block cannot be found, so it is leaked, not freed).
 
@@ -26,7 +32,7 @@ use crate::{pool, sink};
 
 const HEADER: usize = 16;
 const TRAILER: usize = 8;
-const CANARY: u32 = 0x5AFE_C0DE;
+const CANARY: u64 = 0x5AFE_C0DE_0BAD_F00D;
 const TRAILER_CANARY: u64 = 0xDEAD_BEEF_FEED_FACE;
 /// Largest header offset (alignment) the tag can carry.
 const MAX_OFFSET: usize = 1 << 31;
@@ -37,6 +43,9 @@ const RECENT: usize = 1 << 16;
 const S_SIZE: usize = 0;
 const S_OFFSET: usize = 1;
 const S_KEEP: usize = 2;
+/// The caller's pointer a realloc was given, and its size: freed if the block moves.
+const S_OLD: usize = 3;
+const S_OLD_SIZE: usize = 4;
 
 /// What kind of misuse a finding is.
 #[derive(Clone, Copy)]
@@ -76,8 +85,21 @@ struct Header {
     offset: usize,
 }
 
-fn tag(p: usize, offset: usize) -> u64 {
-    ((offset as u64) << 32) | u64::from(CANARY ^ p as u32)
+/// Where the size word keeps log2 of the header's offset (no block is 2^58 bytes long).
+const SHIFT_AT: u32 = 58;
+
+/// The size word of a block of `size` bytes whose header is `offset` bytes into the real one.
+fn size_word(size: usize, offset: usize) -> u64 {
+    size as u64 | u64::from(offset.trailing_zeros()) << SHIFT_AT
+}
+
+/// The tag of the block at `p` (splitmix64's finalizer): every bit of it depends on every bit
+/// of `p` and of the size word.
+fn tag(p: usize, size_word: u64) -> u64 {
+    let mut z = (p as u64 ^ CANARY) ^ size_word.rotate_left(32);
+    z = (z ^ z >> 30).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ z >> 27).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ z >> 31
 }
 
 fn trailer(p: usize) -> u64 {
@@ -92,8 +114,9 @@ unsafe fn lay_out(p: usize, size: usize, offset: usize) {
     let p8 = p as *mut u8;
     // SAFETY: the caller's guarantee; p is 16-aligned, so the header words are aligned.
     unsafe {
-        (p8.sub(HEADER) as *mut u64).write(size as u64);
-        (p8.sub(8) as *mut u64).write(tag(p, offset));
+        let word = size_word(size, offset);
+        (p8.sub(HEADER) as *mut u64).write(word);
+        (p8.sub(8) as *mut u64).write(tag(p, word));
         (p8.add(size) as *mut u64).write_unaligned(trailer(p));
     }
 }
@@ -105,11 +128,11 @@ unsafe fn lay_out(p: usize, size: usize, offset: usize) {
 unsafe fn read_header(p: usize) -> Option<Header> {
     let p8 = p as *const u8;
     // SAFETY: the caller's guarantee.
-    let (size, tag_word) = unsafe { ((p8.sub(HEADER) as *const u64).read(), (p8.sub(8) as *const u64).read()) };
-    let offset = (tag_word >> 32) as usize;
-    let valid =
-        tag_word as u32 == CANARY ^ p as u32 && offset >= HEADER && offset.is_power_of_two() && offset <= MAX_OFFSET;
-    valid.then_some(Header { size: size as usize, offset })
+    let (word, tag_word) = unsafe { ((p8.sub(HEADER) as *const u64).read(), (p8.sub(8) as *const u64).read()) };
+    let shift = word >> SHIFT_AT;
+    let valid = tag_word == tag(p, word)
+        && (u64::from(HEADER.trailing_zeros())..=u64::from(MAX_OFFSET.trailing_zeros())).contains(&shift);
+    valid.then(|| Header { size: (word & ((1 << SHIFT_AT) - 1)) as usize, offset: 1 << shift })
 }
 
 /// Whether the trailer after a block with an intact header is intact.
@@ -119,6 +142,15 @@ unsafe fn read_header(p: usize) -> Option<Header> {
 unsafe fn trailer_intact(p: usize, size: usize) -> bool {
     // SAFETY: an intact header means the block holds size + TRAILER bytes after p.
     unsafe { ((p as *const u8).add(size) as *const u64).read_unaligned() == trailer(p) }
+}
+
+/// Whether `p` (16-aligned, not a block of the guard's) could be a block of the real heap:
+/// not on the calling thread's stack, and with the 16 bytes the real allocator reads before
+/// it mapped. A pointer elsewhere in a mapping (into the middle of a block, say) still goes
+/// through, to the real allocator's own checks.
+fn could_be_a_block(p: usize) -> bool {
+    let (low, high) = crate::unwind::stack_bounds();
+    p >= HEADER && !(low..high).contains(&(p as u64)) && crate::os::is_mapped(p - HEADER)
 }
 
 /// Header offset for an alignment: the header must end where an aligned pointer can start.
@@ -203,8 +235,9 @@ impl GuardSpy {
     }
 
     /// A pointer the dispatcher does not know as a live spied block: a double free, a
-    /// pointer no block starts at, or a block allocated before the guard (passed through).
-    /// Returns false when the pointer must not reach the real allocator.
+    /// pointer no block starts at, or a block of the real heap the guard did not lay out
+    /// (allocated before it, or from inside a hook: passed through). Returns false when the
+    /// pointer must not reach the real allocator.
     fn check_foreign(&self, p: usize, place: &str) -> bool {
         if !p.is_multiple_of(HEADER) {
             self.report(Finding::InvalidFree, p, None, place);
@@ -212,6 +245,10 @@ impl GuardSpy {
         }
         if let Some(r) = self.recent.get(p) {
             self.report(Finding::DoubleFree, p, Some(r.size), place);
+            return false;
+        }
+        if !could_be_a_block(p) {
+            self.report(Finding::InvalidFree, p, None, place);
             return false;
         }
         true
@@ -249,6 +286,11 @@ impl GuardSpy {
     fn plan(&self, size: usize, offset: usize) -> usize {
         CallScratch::set(S_SIZE, size as u64);
         CallScratch::set(S_OFFSET, offset as u64);
+        // 0, a forced failure, for a size the size word cannot hold: the real allocator
+        // would fail it too.
+        if (size as u64) >> SHIFT_AT != 0 {
+            return 0;
+        }
         offset.checked_add(size).and_then(|n| n.checked_add(TRAILER)).unwrap_or(0)
     }
 }
@@ -295,6 +337,8 @@ impl MallocSpy for GuardSpy {
             // this call is nested, so it goes straight to the real allocator.
             let old = unsafe { libc::malloc_usable_size(request) };
             CallScratch::set(S_KEEP, old.min(size) as u64);
+            CallScratch::set(S_OLD, p as u64);
+            CallScratch::set(S_OLD_SIZE, old as u64);
             let total = self.plan(size, HEADER);
             CallScratch::set(S_OFFSET, 0);
             return (request, total);
@@ -305,6 +349,8 @@ impl MallocSpy for GuardSpy {
         // sit at `offset` in the old block, survive the real copy.
         let total = self.plan(size, header.offset);
         CallScratch::set(S_KEEP, keep as u64);
+        CallScratch::set(S_OLD, p as u64);
+        CallScratch::set(S_OLD_SIZE, header.size as u64);
         ((p - header.offset) as *mut c_void, total)
     }
 
@@ -320,6 +366,11 @@ impl MallocSpy for GuardSpy {
             unsafe { core::ptr::copy((actual as *const u8).add(from), (actual as *mut u8).add(HEADER), keep) };
         }
         CallScratch::set(S_OFFSET, HEADER as u64);
+        let old = CallScratch::get(S_OLD) as usize;
+        if old != actual as usize + HEADER {
+            // The caller's old pointer is no block now: a free of it is a double free.
+            self.remember_freed(old, CallScratch::get(S_OLD_SIZE) as usize);
+        }
         self.finish(actual)
     }
 
@@ -373,6 +424,33 @@ mod tests {
             assert!(!trailer_intact(p, 40));
             *(p as *mut u8).sub(1) ^= 0x80;
             assert!(read_header(p).is_none());
+        }
+    }
+
+    /// Any byte of the header changed, to zero or to another value, is seen: the size too,
+    /// which is not trusted before the tag vouches for it.
+    #[test]
+    fn every_header_byte_is_checked() {
+        let mut buf = vec![0u64; 1536];
+        let base = buf.as_mut_ptr() as usize;
+        for offset in [16, 64, 4096] {
+            let p = (base + offset).next_multiple_of(offset);
+            for byte in 1..=HEADER {
+                for value in [0u8, 0x7f, 0xff] {
+                    // SAFETY: buf holds 12,288 bytes; p is at least `offset` and less than
+                    // 2 * 4096 bytes into it, and the block needs 16 bytes before p and 48 after.
+                    unsafe {
+                        lay_out(p, 40, offset);
+                        assert_eq!(read_header(p).map(|h| (h.size, h.offset)), Some((40, offset)));
+                        let at = (p as *mut u8).sub(byte);
+                        if *at == value {
+                            continue;
+                        }
+                        *at = value;
+                        assert!(read_header(p).is_none(), "byte p-{byte} set to {value:#x}, offset {offset}");
+                    }
+                }
+            }
         }
     }
 }
