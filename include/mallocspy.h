@@ -95,7 +95,13 @@ struct mallocspy_spy_vtable {
     void (*before_release)(void *ctx, int entry, void *ptr, int spied);
     void (*after_call)(void *ctx, const struct mallocspy_call *call);
     void (*release)(void *ctx);
+    /* MALLOCSPY_OBSERVE: the spy only observes (before_release and after_call run, nothing
+     * is changed or recorded, `spied` is always 0, a revoke takes effect at once); 0: it
+     * interposes, like IMallocSpy. */
+    uint32_t flags;
 };
+
+#define MALLOCSPY_OBSERVE 1u
 
 /* Blocks and bytes. */
 struct mallocspy_tally {
@@ -193,6 +199,9 @@ struct mallocspy_api {
     /* Calls `callback` with every heap statistics event (at the first sampled allocation once
      * stats_interval_ms has passed, and at exit), inside the allocator like the tick callback. */
     int32_t (*on_heap_stats)(void (*callback)(const struct mallocspy_heap_stats_event *stats));
+    /* Called by a spy's function, on its thread, when it cannot do its work: what it returns
+     * is not used, the call goes on as without the spy, and the spy is revoked. */
+    void (*spy_failed)(void);
 };
 
 /* The active interposer's API, or NULL when mallocspy is not the process's allocator. */

@@ -439,8 +439,9 @@ impl<H: Heap> Interposer<H> {
         // The gate counts for the sampling spy only: the next spy sees every call.
         self.gate.close();
         // Revoking from inside a spy method: do not wait for ourselves.
-        let me = if tls::state().depth.get() != 0 { threads::current_index() } else { None };
-        self.registry.revoke(|| self.spied.len(), me)
+        let in_hook = tls::state().depth.get() != 0;
+        let me = if in_hook { threads::current_index() } else { None };
+        self.registry.revoke(|| self.spied.len(), in_hook, me)
     }
 
     /// Number of live blocks allocated under the current spy.

@@ -258,6 +258,72 @@ fn revoke_is_deferred_until_the_last_spied_block_is_freed() {
     assert_eq!(ip.revoke(), Ok(()));
 }
 
+/// Revokes itself from its first `pre_alloc`: what it got back, and whether any of its methods
+/// ran after its drop.
+struct SelfRevoking {
+    ip: &'static Interposer<Glibc>,
+    log: Arc<Log>,
+    revoked: Arc<std::sync::Mutex<Option<Result<(), SpyError>>>>,
+}
+
+impl SelfRevoking {
+    fn ran(&self) {
+        if self.log.dropped.load(Ordering::SeqCst) != 0 {
+            self.log.unspied_frees.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for SelfRevoking {
+    fn drop(&mut self) {
+        self.log.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+impl MallocSpy for SelfRevoking {
+    fn pre_alloc(&self, size: usize) -> usize {
+        self.ran();
+        let mut revoked = self.revoked.lock().unwrap();
+        if revoked.is_none() {
+            *revoked = Some(self.ip.revoke());
+        }
+        size
+    }
+    fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
+        self.ran();
+        self.log.post_alloc.fetch_add(1, Ordering::SeqCst);
+        actual
+    }
+}
+
+/// A spy that revokes itself from inside one of its methods, with no block live: the revoke
+/// succeeds, the call's Post method still runs, and the spy is dropped once it is no longer
+/// in use: here after the free of the block that call allocated under it. Never under its
+/// feet: it was dropped inside the revoke, and the Post method then ran on freed memory.
+#[test]
+fn a_spy_revoking_itself_from_its_own_method_is_dropped_once_unused() {
+    let log = Arc::new(Log::default());
+    let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+    let revoked = Arc::new(std::sync::Mutex::new(None));
+    let spy = SelfRevoking { ip, log: log.clone(), revoked: revoked.clone() };
+    ip.register(|| Box::new(spy)).unwrap();
+    let p = ip.malloc(40);
+    assert_eq!(*revoked.lock().unwrap(), Some(Ok(())));
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 1, "the Post method of the call in progress ran");
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 0, "the block that call allocated keeps the spy");
+    let later = ip.malloc(8);
+    assert!(!later.is_null());
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 1, "later calls are not spied");
+    // SAFETY: later is a live real block.
+    unsafe { ip.free(later) };
+    // SAFETY: p is a live spied block.
+    unsafe { ip.free(p) };
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped after the free of that block");
+    assert_eq!(log.unspied_frees.load(Ordering::SeqCst), 0, "no method ran after the drop");
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Ok(()), "the registry is free again");
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 #[test]
 fn a_panicking_spy_is_revoked_and_the_call_still_succeeds() {
     let log = Arc::new(Log::default());

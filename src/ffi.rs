@@ -11,9 +11,8 @@
 
 use core::ffi::{c_int, c_void};
 use core::panic::AssertUnwindSafe;
-use core::sync::atomic::{AtomicBool, Ordering};
 
-use crate::spy::{Call, DidAlloc, Entry, MallocSpy, SpyError};
+use crate::spy::{Call, DidAlloc, Entry, MallocSpy, Role, SpyError};
 
 /// `S_OK`.
 pub const S_OK: i32 = 0;
@@ -69,7 +68,16 @@ pub struct SpyVtable {
     pub after_call: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const Call)>,
     /// Called once when the spy is dropped (after revocation and the last spied free).
     pub release: Option<unsafe extern "C" fn(ctx: *mut c_void)>,
+    /// [`OBSERVE`] for a spy that only observes ([`Role::Observe`]); 0 for one that
+    /// interposes, like IMallocSpy. A table that ends before it (an older header's) is 0.
+    pub flags: u32,
 }
+
+/// [`SpyVtable::flags`]: the spy only observes (`MALLOCSPY_OBSERVE`).
+pub const OBSERVE: u32 = 1;
+
+/// The least size of a usable table: up to `release` (tables from before `flags` included).
+const MIN_VTABLE_SIZE: usize = core::mem::offset_of!(SpyVtable, flags);
 
 /// The functions an interposer exports as `mallocspy_api_v1` (`struct mallocspy_api`).
 #[repr(C)]
@@ -99,11 +107,16 @@ pub struct Api {
     pub on_allocation_tick: extern "C" fn(callback: Option<crate::TickCallback>) -> i32,
     /// Sets (or clears) the function called for every heap statistics event.
     pub on_heap_stats: extern "C" fn(callback: Option<crate::trace::StatsCallback>) -> i32,
+    /// Called by a spy's method, on the calling thread, when it cannot do its work (a Rust
+    /// spy of another module that panicked): what the method returns is not used, the call
+    /// goes on as without the spy, and the spy is revoked, as after a panic in-process.
+    pub spy_failed: extern "C" fn(),
 }
 
-/// A spy registered through the C ABI.
+/// A spy registered through the C ABI: a copy of its table (fields past the end of an older
+/// header's table left NULL and 0), and its context.
 struct CSpy {
-    vtable: *const SpyVtable,
+    vtable: SpyVtable,
     ctx: *mut c_void,
 }
 
@@ -115,8 +128,7 @@ unsafe impl Sync for CSpy {}
 
 impl CSpy {
     fn v(&self) -> &SpyVtable {
-        // SAFETY: validated at registration; the registrant keeps the table alive until release.
-        unsafe { &*self.vtable }
+        &self.vtable
     }
 }
 
@@ -217,6 +229,9 @@ impl MallocSpy for CSpy {
             unsafe { f(self.ctx, call) }
         }
     }
+    fn role(&self) -> Role {
+        if self.v().flags & OBSERVE != 0 { Role::Observe } else { Role::Interpose }
+    }
 }
 
 impl Drop for CSpy {
@@ -233,9 +248,13 @@ impl Drop for CSpy {
 /// # Safety
 /// `vtable` is NULL or points to a readable table.
 pub(crate) unsafe fn validate(vtable: *const SpyVtable) -> Result<(), SpyError> {
-    // SAFETY: the caller's guarantee: NULL or a readable table.
-    let Some(v) = (unsafe { vtable.as_ref() }) else { return Err(SpyError::InvalidArgument) };
-    if v.version != ABI_VERSION || (v.size as usize) < core::mem::size_of::<SpyVtable>() {
+    if vtable.is_null() {
+        return Err(SpyError::InvalidArgument);
+    }
+    // SAFETY: the caller's guarantee: a readable table, its first two words at least (an
+    // older header's table is shorter than ours: no reference to the whole is made).
+    let (version, size) = unsafe { ((*vtable).version, (*vtable).size) };
+    if version != ABI_VERSION || (size as usize) < MIN_VTABLE_SIZE {
         return Err(SpyError::InvalidArgument);
     }
     Ok(())
@@ -247,6 +266,18 @@ pub(crate) unsafe fn validate(vtable: *const SpyVtable) -> Result<(), SpyError> 
 /// `vtable` passed [`validate`], and it and `ctx` live until the table's `release` is called;
 /// its functions honour the header's contract.
 pub(crate) unsafe fn c_spy(vtable: *const SpyVtable, ctx: *mut c_void) -> Box<dyn MallocSpy> {
+    // SAFETY: validated: at least MIN_VTABLE_SIZE readable bytes, the whole table when its
+    // size says so.
+    let size = unsafe { (*vtable).size } as usize;
+    let bytes =
+        if size >= core::mem::size_of::<SpyVtable>() { core::mem::size_of::<SpyVtable>() } else { MIN_VTABLE_SIZE };
+    let mut copy = core::mem::MaybeUninit::<SpyVtable>::zeroed();
+    // SAFETY: `bytes` are readable at `vtable` (above) and fit the copy; all zeroes is a valid
+    // table (NULL members, no flags), and the copied prefix holds the caller's valid fields.
+    let vtable = unsafe {
+        core::ptr::copy_nonoverlapping(vtable.cast::<u8>(), copy.as_mut_ptr().cast::<u8>(), bytes);
+        copy.assume_init()
+    };
     Box::new(CSpy { vtable, ctx })
 }
 
@@ -260,16 +291,18 @@ pub(crate) fn status(r: Result<(), SpyError>) -> i32 {
 
 // ---- a Rust spy seen through the C ABI --------------------------------------------------------
 
-/// What a remote registry holds for a Rust spy of this module: the spy, and the API to revoke
-/// it if it panics.
+/// What a remote registry holds for a Rust spy of this module: the spy, and the API to say
+/// that it panicked.
 struct Remote {
     spy: Box<dyn MallocSpy>,
     api: &'static Api,
-    poisoned: AtomicBool,
 }
 
 impl Remote {
-    /// Runs `f` on the spy; a panic is reported once, revokes the spy, and yields `fallback`.
+    /// Runs `f` on the spy. A panic yields `fallback` and is told to the registry
+    /// (`spy_failed`), which then ignores the answer, as it does after a panic in-process:
+    /// a fallback taken for the spy's answer (an allocation's size without the header its
+    /// Post method then lays out) corrupted the heap.
     fn run<R>(ctx: *mut c_void, fallback: R, f: impl FnOnce(&dyn MallocSpy) -> R) -> R {
         // SAFETY: ctx is the Box<Remote> leaked by `register_remote`, alive until `release`.
         let remote = unsafe { &*(ctx as *const Remote) };
@@ -277,12 +310,7 @@ impl Remote {
             Ok(r) => r,
             Err(payload) => {
                 core::mem::forget(payload);
-                if !remote.poisoned.swap(true, Ordering::Relaxed) {
-                    crate::sink::to_stderr(
-                        b"mallocspy: the registered spy panicked; it is revoked and the program goes on unspied\n",
-                    );
-                    (remote.api.revoke_spy)();
-                }
+                (remote.api.spy_failed)();
                 fallback
             }
         }
@@ -362,38 +390,50 @@ unsafe extern "C" fn tr_release(ctx: *mut c_void) {
     let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(remote)));
 }
 
-static REMOTE_VTABLE: SpyVtable = SpyVtable {
-    version: ABI_VERSION,
-    size: core::mem::size_of::<SpyVtable>() as u32,
-    pre_alloc: Some(tr_pre_alloc),
-    post_alloc: Some(tr_post_alloc),
-    pre_alloc_aligned: Some(tr_pre_alloc_aligned),
-    post_alloc_aligned: Some(tr_post_alloc_aligned),
-    pre_free: Some(tr_pre_free),
-    post_free: Some(tr_post_free),
-    pre_realloc: Some(tr_pre_realloc),
-    post_realloc: Some(tr_post_realloc),
-    pre_get_size: Some(tr_pre_get_size),
-    post_get_size: Some(tr_post_get_size),
-    pre_did_alloc: Some(tr_pre_did_alloc),
-    post_did_alloc: Some(tr_post_did_alloc),
-    pre_heap_minimize: Some(tr_pre_heap_minimize),
-    post_heap_minimize: Some(tr_post_heap_minimize),
-    before_release: Some(tr_before_release),
-    after_call: Some(tr_after_call),
-    release: Some(tr_release),
-};
+/// The table of a remote Rust spy whose role has `flags`.
+const fn remote_vtable_with(flags: u32) -> SpyVtable {
+    SpyVtable {
+        version: ABI_VERSION,
+        size: core::mem::size_of::<SpyVtable>() as u32,
+        pre_alloc: Some(tr_pre_alloc),
+        post_alloc: Some(tr_post_alloc),
+        pre_alloc_aligned: Some(tr_pre_alloc_aligned),
+        post_alloc_aligned: Some(tr_post_alloc_aligned),
+        pre_free: Some(tr_pre_free),
+        post_free: Some(tr_post_free),
+        pre_realloc: Some(tr_pre_realloc),
+        post_realloc: Some(tr_post_realloc),
+        pre_get_size: Some(tr_pre_get_size),
+        post_get_size: Some(tr_post_get_size),
+        pre_did_alloc: Some(tr_pre_did_alloc),
+        post_did_alloc: Some(tr_post_did_alloc),
+        pre_heap_minimize: Some(tr_pre_heap_minimize),
+        post_heap_minimize: Some(tr_post_heap_minimize),
+        before_release: Some(tr_before_release),
+        after_call: Some(tr_after_call),
+        release: Some(tr_release),
+        flags,
+    }
+}
 
-/// The table that carries this module's Rust spies to another module's registry.
-pub(crate) fn remote_vtable() -> &'static SpyVtable {
-    &REMOTE_VTABLE
+static REMOTE_VTABLE: SpyVtable = remote_vtable_with(0);
+static REMOTE_OBSERVER_VTABLE: SpyVtable = remote_vtable_with(OBSERVE);
+
+/// The table that carries this module's Rust spies of `role` to another module's registry.
+pub(crate) fn remote_vtable(role: Role) -> &'static SpyVtable {
+    match role {
+        Role::Interpose => &REMOTE_VTABLE,
+        Role::Observe => &REMOTE_OBSERVER_VTABLE,
+    }
 }
 
 /// Registers a Rust spy with the registry behind `api` (another module's).
 pub(crate) fn register_remote(api: &'static Api, spy: Box<dyn MallocSpy>) -> Result<(), SpyError> {
-    let ctx = Box::into_raw(Box::new(Remote { spy, api, poisoned: AtomicBool::new(false) })) as *mut c_void;
+    // Asked once, as the registry asks a spy of its own.
+    let vtable = remote_vtable(spy.role());
+    let ctx = Box::into_raw(Box::new(Remote { spy, api })) as *mut c_void;
     // SAFETY: the table is static and the context lives until tr_release.
-    let status = unsafe { (api.register_spy)(remote_vtable(), ctx) };
+    let status = unsafe { (api.register_spy)(vtable, ctx) };
     let result = SpyError::from_status(status);
     if result.is_err() {
         // Not registered: nobody else will release the context.
@@ -401,4 +441,39 @@ pub(crate) fn register_remote(api: &'static Api, spy: Box<dyn MallocSpy>) -> Res
         drop(unsafe { Box::from_raw(ctx as *mut Remote) });
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table of an older header, which ends before `flags`, is still a spy that interposes;
+    /// one that says `MALLOCSPY_OBSERVE` observes; a shorter or foreign one is refused.
+    #[test]
+    fn tables_with_and_without_flags() {
+        let mut table = remote_vtable_with(OBSERVE);
+        table.release = None;
+        // SAFETY: a whole, readable table.
+        let spy = unsafe {
+            validate(&table).unwrap();
+            c_spy(&table, core::ptr::null_mut())
+        };
+        assert_eq!(spy.role(), Role::Observe);
+        table.size = MIN_VTABLE_SIZE as u32;
+        // SAFETY: as above; its size says it ends before `flags`.
+        let spy = unsafe {
+            validate(&table).unwrap();
+            c_spy(&table, core::ptr::null_mut())
+        };
+        assert_eq!(spy.role(), Role::Interpose, "flags past the table's end are not read");
+        table.size -= 8;
+        // SAFETY: as above.
+        assert_eq!(unsafe { validate(&table) }, Err(SpyError::InvalidArgument));
+        table.size = MIN_VTABLE_SIZE as u32;
+        table.version = ABI_VERSION + 1;
+        // SAFETY: as above.
+        assert_eq!(unsafe { validate(&table) }, Err(SpyError::InvalidArgument));
+        // SAFETY: NULL is allowed.
+        assert_eq!(unsafe { validate(core::ptr::null()) }, Err(SpyError::InvalidArgument));
+    }
 }

@@ -193,6 +193,10 @@ extern "C" fn api_on_heap_stats(callback: Option<crate::trace::StatsCallback>) -
     }
 }
 
+extern "C" fn api_spy_failed() {
+    crate::tls::state().spy_failed.set(1);
+}
+
 /// This module's API table, for the Rust API when this module is the interposer.
 pub(crate) static LOCAL_API: Api = API;
 
@@ -211,4 +215,5 @@ pub const API: Api = Api {
     tracker_memory: api_tracker_memory,
     on_allocation_tick: api_on_allocation_tick,
     on_heap_stats: api_on_heap_stats,
+    spy_failed: api_spy_failed,
 };

@@ -15,7 +15,7 @@ use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::spy::{MallocSpy, Role, SpyError};
 use crate::sync::SpinLock;
-use crate::{sink, threads};
+use crate::{sink, threads, tls};
 
 /// A spy to register: owned (dropped when the registration ends) or static (the built-in
 /// spies, which outlive it for their exit reports).
@@ -75,6 +75,16 @@ impl SpyCell {
         // SAFETY: the spy lives as long as the cell (static, or freed by the cell's drop).
         let spy = unsafe { &*self.spy };
         match std::panic::catch_unwind(AssertUnwindSafe(|| f(spy))) {
+            // A spy behind the C ABI (a Rust one in another module included, whose panic was
+            // caught there) says it failed through the API: as a panic, its answer is unusable.
+            Ok(_) if tls::state().spy_failed.replace(0) != 0 => {
+                if !self.panic_reported.swap(true, Ordering::Relaxed) {
+                    sink::to_stderr(
+                        b"mallocspy: the registered spy failed; it is revoked and the program goes on unspied\n",
+                    );
+                }
+                Err(Panicked)
+            }
             Ok(r) => Ok(r),
             Err(payload) => {
                 // The payload's own Drop could panic again; a few leaked bytes are the safe side.
@@ -156,15 +166,21 @@ impl Registry {
         Ok(())
     }
 
-    /// Revokes the registered spy. `live` counts the blocks allocated under it; `me` is the
-    /// caller's thread slot when it is inside a hook.
-    pub(crate) fn revoke(&self, live: impl Fn() -> usize, me: Option<u32>) -> Result<(), SpyError> {
+    /// Revokes the registered spy. `live` counts the blocks allocated under it; `in_hook`
+    /// says the caller is inside a hook (one of the spy's methods, or a callback it runs),
+    /// `me` is then its thread slot.
+    pub(crate) fn revoke(&self, live: impl Fn() -> usize, in_hook: bool, me: Option<u32>) -> Result<(), SpyError> {
         let _guard = self.lock.lock();
         let Some(cell) = self.current() else { return Err(SpyError::NotRegistered) };
         if !cell.is_active() {
             return Err(SpyError::NotRegistered);
         }
         self.disable(cell, me);
+        if in_hook {
+            // The hook in progress still uses the spy (its Post method may follow): the spy is
+            // dropped when that hook ends (`Interposer::retire`), not here under its feet.
+            return if live() == 0 { Ok(()) } else { Err(SpyError::AccessDenied) };
+        }
         let cell: *const SpyCell = cell;
         self.retire_if_unused(cell, &live, me);
         if core::ptr::eq(self.cell.load(Ordering::Acquire), cell) { Err(SpyError::AccessDenied) } else { Ok(()) }

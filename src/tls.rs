@@ -62,6 +62,9 @@ pub(crate) struct ThreadState {
     pub stack_low: Cell<u64>,
     /// Scratch words for the spy, private to the call in progress.
     pub scratch: [Cell<u64>; SCRATCH_WORDS],
+    /// Set (1) by a spy's method that could not do its work (`mallocspy_api.spy_failed`),
+    /// taken by the dispatcher when the method returns.
+    pub spy_failed: Cell<u32>,
 }
 
 /// Offset of `ThreadState::entry_sp` in the block (for the trampolines' assembly).

@@ -51,6 +51,19 @@ fn a_rust_program_registers_through_the_preloaded_shim() {
     assert_all_ok("spies registry", &run(PASS_THROUGH, Command::new(&program).arg("registry")));
 }
 
+/// Through the shim as in-process: a spy that revokes itself from inside its own method is
+/// dropped once, after its last use (it was dropped inside the revoke, and the rest of the
+/// call ran on freed memory), and an observer keeps its role (the shim took every remote spy
+/// for one that interposes).
+#[test]
+fn through_the_shim_a_spy_may_revoke_itself_and_an_observer_keeps_its_role() {
+    let program = rust_program("spies", "spies");
+    let out = run(PASS_THROUGH, Command::new(&program).arg("api"));
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert_eq!(stdout.lines().filter(|l| l.ends_with(": ok")).count(), 8, "{stdout}");
+}
+
 #[test]
 fn a_rust_program_is_its_own_interposer_and_sees_strdup() {
     let program = rust_program("interposer", "rust-interposer");
