@@ -125,7 +125,7 @@ fn blocks_allocated_by_constructors_before_ours_stay_usable() {
 fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     let program = c_program("guard_findings.c");
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
-    assert_eq!(text(&out.stdout), "realloc of a freed block -> NULL\nsurvived\n");
+    assert_eq!(text(&out.stdout), "realloc of a freed block -> NULL\nusable size of a freed block: 0\nsurvived\n");
     assert_eq!(out.status.code(), Some(0));
     let findings: Vec<String> =
         text(&out.stderr).lines().filter(|l| l.starts_with("mallocspy: guard:")).map(String::from).collect();
@@ -140,7 +140,8 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
         ("double-free", "size 10 (in free)"),
         ("invalid-free", "(in free)"),
         ("invalid-free: not a live block at 0x10000", "(in free)"),
-        ("10 finding(s): 1 overflow, 3 underflow, 3 double-free, 3 invalid-free", ""),
+        ("double-free", "size 10 (in realloc)"),
+        ("11 finding(s): 1 overflow, 3 underflow, 4 double-free, 3 invalid-free", ""),
     ];
     assert_eq!(findings.len(), expect.len(), "{findings:#?}");
     for (line, (what, tail)) in findings.iter().zip(expect) {

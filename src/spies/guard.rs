@@ -27,7 +27,7 @@ use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::line::Line;
 use crate::live_table::LiveTable;
-use crate::spy::{CallScratch, MallocSpy};
+use crate::spy::{CallScratch, Entry, MallocSpy};
 use crate::{pool, sink};
 
 const HEADER: usize = 16;
@@ -46,6 +46,8 @@ const S_KEEP: usize = 2;
 /// The caller's pointer a realloc was given, and its size: freed if the block moves.
 const S_OLD: usize = 3;
 const S_OLD_SIZE: usize = 4;
+/// The entry point of a release (a free, or a realloc to 0 that frees), for the findings.
+const S_ENTRY: usize = 5;
 
 /// What kind of misuse a finding is.
 #[derive(Clone, Copy)]
@@ -312,12 +314,21 @@ impl MallocSpy for GuardSpy {
         self.finish(actual)
     }
 
+    fn before_release(&self, entry: Entry, _ptr: *mut c_void, _spied: bool) {
+        CallScratch::set(S_ENTRY, entry as u64);
+    }
+
     fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
         let p = request as usize;
+        let place = match CallScratch::get(S_ENTRY) {
+            e if e == Entry::Realloc as u64 => "realloc",
+            e if e == Entry::Reallocarray as u64 => "reallocarray",
+            _ => "free",
+        };
         if !spied {
-            return if self.check_foreign(p, "free") { request } else { core::ptr::null_mut() };
+            return if self.check_foreign(p, place) { request } else { core::ptr::null_mut() };
         }
-        match self.check_spied(p, "free") {
+        match self.check_spied(p, place) {
             Some(header) => {
                 self.remember_freed(p, header.size);
                 (p - header.offset) as *mut c_void
@@ -376,7 +387,9 @@ impl MallocSpy for GuardSpy {
 
     fn pre_get_size(&self, request: *mut c_void, spied: bool) -> *mut c_void {
         if !spied {
-            return request;
+            // A block of ours already freed: its real block's header is the guard's, which
+            // the real allocator would take for a chunk size. Measured as NULL is: 0.
+            return if self.recent.get(request as usize).is_some() { core::ptr::null_mut() } else { request };
         }
         let p = request as usize;
         // SAFETY: spied blocks were laid out by this spy.
