@@ -132,6 +132,31 @@ fn a_cut_trace_gives_a_warning_and_the_report_of_what_is_before_the_cut() {
     assert!(String::from_utf8(out.stdout).unwrap().contains(type_name_of_val(&parse_row)));
 }
 
+/// A trace whose last blocks are zeros (the file system gave the file room the writer never
+/// filled: a crash of the machine) is cut where the zeros start. Before, each zero byte read
+/// as a record of an unknown tag, skipped: a gigabyte of them took a minute and the report
+/// said nothing.
+#[test]
+fn a_trace_ending_in_zeros_is_cut_where_they_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut events = events();
+    events.pop();
+    let mut file = trace(&events);
+    let zeros_at = file.len();
+    file.resize(zeros_at + (1 << 20), 0);
+    let path = write(dir.path(), "zeros.trace", &file);
+    let out = mallocspy(&[path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        stderr_lines(&out),
+        [format!(
+            "mallocspy report: warning: {} is cut at offset {zeros_at}; reporting the events before it",
+            path.display()
+        )]
+    );
+    assert!(String::from_utf8(out.stdout).unwrap().contains(type_name_of_val(&parse_row)));
+}
+
 #[test]
 fn a_trace_without_its_end_record_gives_a_warning_and_a_report() {
     let dir = tempfile::tempdir().unwrap();

@@ -9,7 +9,9 @@
 //! string and byte string a varint length and its bytes. A record is whole or absent: a file
 //! cut anywhere reads up to its last whole record. A reader skips tags it does not know, so
 //! later versions may add records; a changed meaning of an existing record bumps
-//! [`VERSION`]. The first record is always [`Header`].
+//! [`VERSION`]. The first record is always [`Header`]. No record has tag 0: a zero byte
+//! where a record starts is a file not fully written (a crash can leave its last blocks
+//! zero-filled), read as a cut there rather than as records of an unknown tag, one per byte.
 
 use std::fmt;
 
@@ -700,6 +702,10 @@ impl<'a> Reader<'a> {
     fn raw(&mut self) -> Option<Result<(u8, Fields<'a>), TraceError>> {
         let start = self.at;
         let &tag = self.bytes.get(start)?;
+        if tag == 0 {
+            self.truncated = Some(start as u64);
+            return None;
+        }
         let mut len_field = Fields { bytes: &self.bytes[start + 1..], at: 0, base: start as u64 + 1 };
         let len = match len_field.int() {
             Ok(len) => len,
@@ -858,6 +864,19 @@ mod tests {
         for cut in 0..header_end {
             assert!(Reader::new(&file[..cut]).is_err(), "header cut at {cut}");
         }
+    }
+
+    /// A tail of zeros (blocks the file system allocated but the writer never filled) ends
+    /// the trace where it starts, as a cut does.
+    #[test]
+    fn a_tail_of_zeros_is_read_as_a_cut() {
+        let (mut file, events) = sample_file();
+        let end = file.len();
+        file.resize(end + (1 << 16), 0);
+        let mut reader = Reader::new(&file).unwrap();
+        let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        assert_eq!(read, events);
+        assert_eq!(reader.truncated(), Some(end as u64));
     }
 
     #[test]

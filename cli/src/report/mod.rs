@@ -9,6 +9,7 @@
 //! a pure function of those.
 
 mod flame;
+mod input;
 mod json;
 mod pprof;
 mod profile;
@@ -151,7 +152,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
         return Err(failed(&"a device, not a trace"));
     }
-    let bytes = std::fs::read(path).map_err(|e| failed(&e))?;
+    let bytes = input::load(path).map_err(|e| failed(&e))?;
     let mut progress = Progress::new();
     let profile = profile::read(&bytes, &mut progress).map_err(|e| failed(&e))?;
     drop(bytes);

@@ -1,0 +1,69 @@
+//! The trace's bytes: a regular file is mapped, not copied (a recording of an hour of a busy
+//! program is gigabytes); anything else (a FIFO, `<(zcat trace.gz)`) is read whole.
+
+use std::ffi::c_int;
+use std::fs::File;
+use std::io::{self, Read};
+use std::ops::Deref;
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// A trace's bytes, mapped or read.
+pub enum TraceBytes {
+    Mapped(memmap2::Mmap),
+    Read(Vec<u8>),
+}
+
+impl Deref for TraceBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            TraceBytes::Mapped(map) => map,
+            TraceBytes::Read(bytes) => bytes,
+        }
+    }
+}
+
+/// The line written if the mapped file shrinks under us (another `record` over it).
+static SHRANK: OnceLock<Vec<u8>> = OnceLock::new();
+
+/// Opens `path` and maps or reads it.
+pub fn load(path: &Path) -> io::Result<TraceBytes> {
+    let mut file = File::open(path)?;
+    let meta = file.metadata()?;
+    if meta.is_file() && meta.len() > 0 {
+        on_shrink(path);
+        // SAFETY: a read-only private map of a regular file. The file may change under it:
+        // what the reader reads is then what the file holds (a trace still being written is
+        // read up to where it was), and a page past a new, shorter end raises SIGBUS, which
+        // `on_shrink` turns into one line and status 1.
+        return Ok(TraceBytes::Mapped(unsafe { memmap2::Mmap::map(&file)? }));
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(TraceBytes::Read(bytes))
+}
+
+/// A SIGBUS while the map is read means the file was cut shorter meanwhile: say so and leave,
+/// rather than die of the signal.
+fn on_shrink(path: &Path) {
+    let _ = SHRANK
+        .set(format!("mallocspy report: {}: the file got shorter while it was read\n", path.display()).into_bytes());
+    extern "C" fn shrank(_: c_int) {
+        if let Some(line) = SHRANK.get() {
+            // SAFETY: write(2) and _exit(2) are async-signal-safe; the line is a finished,
+            // never freed buffer.
+            unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+        }
+        // SAFETY: as above.
+        unsafe { libc::_exit(1) };
+    }
+    // SAFETY: a plain handler for SIGBUS, installed before any page of the map is read.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = shrank as extern "C" fn(c_int) as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut());
+    }
+}
