@@ -34,8 +34,9 @@ const HEADER: usize = 16;
 const TRAILER: usize = 8;
 const CANARY: u64 = 0x5AFE_C0DE_0BAD_F00D;
 const TRAILER_CANARY: u64 = 0xDEAD_BEEF_FEED_FACE;
-/// Largest header offset (alignment) the tag can carry.
-const MAX_OFFSET: usize = 1 << 31;
+/// Largest header offset (alignment): the most an x86-64 address space can honour (the size
+/// word's top bits hold its log2). A larger alignment the real allocator fails anyway.
+const MAX_OFFSET: usize = 1 << 47;
 /// Recently freed blocks remembered for double-free detection.
 const RECENT: usize = 1 << 16;
 
@@ -89,6 +90,7 @@ struct Header {
 
 /// Where the size word keeps log2 of the header's offset (no block is 2^58 bytes long).
 const SHIFT_AT: u32 = 58;
+const _: () = assert!(MAX_OFFSET.trailing_zeros() < 1 << (64 - SHIFT_AT));
 
 /// The size word of a block of `size` bytes whose header is `offset` bytes into the real one.
 fn size_word(size: usize, offset: usize) -> u64 {
@@ -420,6 +422,9 @@ mod tests {
         assert_eq!(offset_for(8), 16);
         assert_eq!(offset_for(64), 64);
         assert_eq!(offset_for(48), 64);
+        // Above 2 GiB too: memalign(4 GiB, 16) was served unspied, with a message blaming
+        // the spy for a misaligned pointer.
+        assert_eq!(offset_for(1 << 32), 1 << 32);
         assert_eq!(offset_for(usize::MAX), 16);
     }
 
