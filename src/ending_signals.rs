@@ -9,14 +9,16 @@
 //! and the `signal` family (`bsd_signal`, `ssignal`, `sysv_signal`, `sigset`) say the action
 //! is the default while ours is in place; a handler the program sets, or `SIG_IGN`, replaces
 //! ours; setting the default puts ours back. A signal ignored at start (a background job's
-//! `INT`) stays ignored. The handler runs with `SA_RESETHAND | SA_NODEFER`: a second signal
-//! while the report is written ends the process at once, as the first would have natively,
-//! should the report be stuck on a lock the interrupted code holds.
+//! `INT`) stays ignored. A second signal while the report is written ends the process at
+//! once, as the first would have natively, should the report be stuck on a lock the
+//! interrupted code holds; but not one within [`DUPLICATE_NS`] of the first: that is the same
+//! signal come twice (sent to the process and to its group, as `timeout` and `kill -- -PGID`
+//! do, when `mallocspy run` also passes it on), which killed the report half-written.
 //! Python, which installs its own `INT` handler when it finds the default, still raises
 //! `KeyboardInterrupt`.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
 
 use crate::os;
 
@@ -57,7 +59,9 @@ fn arm(signal: c_int) -> bool {
     // SAFETY: zero is a valid sigaction (empty mask, no flags).
     let mut act: libc::sigaction = unsafe { core::mem::zeroed() };
     act.sa_sigaction = on_signal as *const () as usize;
-    act.sa_flags = libc::SA_SIGINFO | libc::SA_RESETHAND | libc::SA_NODEFER;
+    // Not SA_RESETHAND: the handler itself tells a second request from the same signal come
+    // twice. SA_NODEFER: a signal during the report reaches the handler.
+    act.sa_flags = libc::SA_SIGINFO | libc::SA_NODEFER;
     // SAFETY: a valid action whose handler has the SA_SIGINFO signature.
     unsafe { next_sigaction(signal, &act, core::ptr::null_mut()) == 0 }
 }
@@ -79,12 +83,25 @@ pub(crate) fn enable() {
 /// A signal that came while its thread was inside a hook, for the hook's end to take.
 static DEFERRED: AtomicI32 = AtomicI32::new(0);
 
+/// When the first ending signal came (monotonic ns, at least 1), 0 before.
+static FIRST_NS: AtomicU64 = AtomicU64::new(0);
+
+/// A signal this soon after the first is the same one come twice, not a second request.
+const DUPLICATE_NS: u64 = 300_000_000;
+
 /// The handler: the reports, then the end the signal would have brought. Inside a hook of
 /// this thread, which holds locks and half-made changes every report needs, that waits for
 /// the hook's end ([`after_hook`]): a program stopped in a loop of allocations is mostly there.
 extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
-    // SA_RESETHAND has made the action the default again: a second signal ends the
-    // process at once, should the report wait on a lock the interrupted code holds.
+    let now = os::monotonic_ns().max(1);
+    if let Err(first) = FIRST_NS.compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire) {
+        if now.saturating_sub(first) < DUPLICATE_NS {
+            return;
+        }
+        // A second request: end at once, should the report wait on a lock the interrupted
+        // code holds.
+        die_by(signal);
+    }
     if crate::tls::state().depth.get() != 0 && !crate::preload::reporting() {
         DEFERRED.store(signal, Ordering::Relaxed);
         return;
@@ -112,6 +129,11 @@ fn take_deferred() {
 /// The reports, then the end `signal` brings by default.
 fn end_by(signal: c_int) -> ! {
     crate::preload::report_at_signal(signal);
+    die_by(signal)
+}
+
+/// The end `signal` brings by default.
+fn die_by(signal: c_int) -> ! {
     // SAFETY: zero is a valid sigaction, here SIG_DFL with an empty mask; the set is ours.
     unsafe {
         let dfl: libc::sigaction = core::mem::zeroed();

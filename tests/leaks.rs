@@ -662,6 +662,40 @@ fn a_signal_that_lands_inside_an_allocator_call_still_gets_the_report() {
     }
 }
 
+/// The same signal twice in a row (sent to the process and to its group, as `timeout` and
+/// `kill -- -PGID` do while `mallocspy run` also passes it on) is one request: the report is
+/// written whole. The second ended the process half-way through the report.
+#[test]
+fn the_same_signal_twice_still_gets_the_whole_report() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("ending_signal.c");
+    for round in 0..3 {
+        let mut cmd = Command::new(&program);
+        cmd.arg("many").stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        JSON_REPORT.apply(&mut cmd);
+        with_ending_signals_at_default(&mut cmd, None);
+        let mut child = cmd.spawn().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut ready = String::new();
+        stdout.read_line(&mut ready).unwrap();
+        assert_eq!(ready, "ready\n");
+        for _ in 0..2 {
+            // SAFETY: kill has no memory preconditions; the pid is our child's, not yet reaped.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.signal(), Some(libc::SIGTERM), "round {round}: {}", text(&out.stderr));
+        let report = json_report(&out);
+        assert_eq!(
+            report["summary"]["definitely_lost"],
+            serde_json::json!({"blocks": 1, "bytes": 4096}),
+            "round {round}"
+        );
+    }
+}
+
 /// `mallocspy run` starts the program with the descriptors it was given: one closed stays
 /// closed (Rust's runtime opens `/dev/null` on a closed 0, 1 or 2 for the command itself).
 #[test]
