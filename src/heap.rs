@@ -229,6 +229,11 @@ impl NextHeap {
         }
     }
 
+    /// The real `malloc`'s address, once resolved: it tells which module is the allocator.
+    pub(crate) fn real_malloc(&self) -> Option<*const c_void> {
+        self.fns().map(|f| f.malloc as *const c_void)
+    }
+
     /// The resolved functions; `None` while another call on this or another thread is still
     /// resolving them (serve it from the bootstrap arena then).
     #[inline(always)]

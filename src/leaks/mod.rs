@@ -112,7 +112,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let starts: Vec<u64> = spans.iter().map(|s| s.0).collect();
     let heap = Heap::new(&spans);
     let mut scratch = Scratch::for_blocks(spans.len());
-    let modules = roots::module_data(check as *const core::ffi::c_void);
+    let modules = roots::module_data(check as *const core::ffi::c_void, crate::global::GLOBAL.heap.real_malloc());
     let tls_size = roots::static_tls_size();
     let mut maps = Maps::reserve();
     let program_mappings = crate::program_mappings::snapshot();
@@ -169,7 +169,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     }
     let exited = crate::threads::exited_stacks();
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
-    scan::classify(&heap, &regions, &words, &ProcessMemory::new(&maps, buffers), &mut scratch);
+    scan::classify(&heap, &regions, &modules.allocator, &words, &ProcessMemory::new(&maps, buffers), &mut scratch);
     drop(stopped);
     region_kinds.resize(regions.len(), Root::Anonymous);
 

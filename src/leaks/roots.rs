@@ -140,7 +140,8 @@ pub(crate) fn anonymous_roots(
         let holds_block = block_starts.get(block_starts.partition_point(|&b| b < start)).is_some_and(|&b| b < end);
         let holds_stack = stack_pointers.iter().any(|&sp| start <= sp && sp < end);
         let exited_stack = exited.iter().any(|&sp| start <= sp && sp < end && !in_program(sp));
-        let module_data = modules.roots.iter().chain(&modules.own).any(|&(s, e)| start < e && s < end);
+        let module_data =
+            modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
         !holds_block && !holds_stack && !exited_stack && !module_data && !crate::pool::owns(start, end)
     };
     for m in maps.list.iter().filter(|m| m.anonymous_data) {
@@ -381,24 +382,38 @@ impl Drop for ProcessMemory<'_> {
 
 /// The writable segments of the loaded modules.
 pub(crate) struct ModuleData {
-    /// Every module's but mallocspy's own: roots.
+    /// Every module's but mallocspy's own and the real allocator's: roots.
     pub roots: Vec<(u64, u64)>,
+    /// The real allocator's (glibc's, jemalloc's): roots for pointers to a block's start only.
+    /// Its own state points into blocks: glibc's top chunk starts inside the newest block
+    /// whenever that block's size is 1 to 8 bytes past a multiple of 16, which made a lost
+    /// block "possibly lost".
+    pub allocator: Vec<(u64, u64)>,
     /// mallocspy's own: not roots (its tables hold addresses of blocks, not references to
     /// them, and its threads' parked registers are scanned as registers).
     pub own: Vec<(u64, u64)>,
 }
 
-/// The writable segments of every loaded module, `own` being an address in mallocspy's.
-pub(crate) fn module_data(own: *const c_void) -> ModuleData {
+/// The writable segments of every loaded module, `own` being an address in mallocspy's and
+/// `allocator` one in the real allocator's (if known).
+pub(crate) fn module_data(own: *const c_void, allocator: Option<*const c_void>) -> ModuleData {
     // dl_phdr_info's dlpi_addr is the load bias, module_of's the lowest mapped address: for a
     // shared object both are the start of its first segment (p_vaddr 0). None matches MAX.
-    let own = match os::module_of(own) {
+    let base = |addr: *const c_void| match os::module_of(addr) {
         0 => u64::MAX,
         base => base as u64,
     };
-    let mut out = ModuleData { roots: Vec::new(), own: Vec::new() };
+    let own = base(own);
+    let allocator = allocator.map_or(u64::MAX, base);
+    let mut out = ModuleData { roots: Vec::new(), allocator: Vec::new(), own: Vec::new() };
     os::each_module(|m| {
-        let list = if m.bias == own { &mut out.own } else { &mut out.roots };
+        let list = if m.bias == own {
+            &mut out.own
+        } else if m.bias == allocator {
+            &mut out.allocator
+        } else {
+            &mut out.roots
+        };
         list.extend(m.segments(libc::PF_W));
         false
     });

@@ -215,9 +215,13 @@ impl Scratch {
 /// Classifies every block of `heap`, given root regions `[start, end)` and root words (the
 /// registers of stopped threads), into `scratch` (made for this many blocks). Allocates
 /// nothing.
+/// Classifies `heap`'s blocks from the roots: `regions` and the register `words`, and
+/// `start_only` regions, whose pointers into a block's middle do not count (the real
+/// allocator's own state, which points into blocks it manages).
 pub(crate) fn classify(
     heap: &Heap<'_>,
     regions: &[(u64, u64)],
+    start_only: &[(u64, u64)],
     words: &[u64],
     memory: &dyn Memory,
     scratch: &mut Scratch,
@@ -226,29 +230,33 @@ pub(crate) fn classify(
     assert!(scratch.state.len() == n && scratch.leader.len() == n, "scratch made for another heap");
     let Scratch { state, todo, leader, parent, via } = scratch;
     // Marks what the words of `run` point at. `from`: the block holding them, or ROOT; `at`:
-    // the first word's address.
-    let mut mark = |run: &[u64], at: u64, from: u32, definite: bool, state: &mut [u8], todo: &mut Vec<usize>| {
-        for (k, &word) in run.iter().enumerate() {
-            let Some((i, at_start)) = heap.find(word) else { continue };
-            if at_start && definite {
-                if state[i] != REACHABLE {
-                    state[i] = REACHABLE;
-                    parent[i] = from;
-                    via[i] = at + 8 * k as u64;
+    // the first word's address; `interior`: whether a pointer into a block's middle counts.
+    let mut mark =
+        |run: &[u64], at: u64, from: u32, definite: bool, interior: bool, state: &mut [u8], todo: &mut Vec<usize>| {
+            for (k, &word) in run.iter().enumerate() {
+                let Some((i, at_start)) = heap.find(word) else { continue };
+                if at_start && definite {
+                    if state[i] != REACHABLE {
+                        state[i] = REACHABLE;
+                        parent[i] = from;
+                        via[i] = at + 8 * k as u64;
+                        todo.push(i);
+                    }
+                } else if interior && state[i] == UNREACHED {
+                    state[i] = POSSIBLE;
                     todo.push(i);
                 }
-            } else if state[i] == UNREACHED {
-                state[i] = POSSIBLE;
-                todo.push(i);
             }
-        }
-    };
+        };
     for &(start, end) in regions {
-        memory.words(start, end, &mut |at, run| mark(run, at, ROOT, true, state, todo));
+        memory.words(start, end, &mut |at, run| mark(run, at, ROOT, true, true, state, todo));
+    }
+    for &(start, end) in start_only {
+        memory.words(start, end, &mut |at, run| mark(run, at, ROOT, true, false, state, todo));
     }
     for &w in words {
         // A register has no address.
-        mark(&[w], 0, ROOT, true, state, todo);
+        mark(&[w], 0, ROOT, true, true, state, todo);
     }
     // Breadth first, so that each block's parent is on a shortest path from a root (the
     // retention path a report shows). Each block is queued at most twice (possibly, then
@@ -258,7 +266,7 @@ pub(crate) fn classify(
         head += 1;
         let definite = state[i] == REACHABLE;
         let (start, size) = heap.blocks[i];
-        memory.block_words(start, start + size, &mut |at, run| mark(run, at, i as u32, definite, state, todo));
+        memory.block_words(start, start + size, &mut |at, run| mark(run, at, i as u32, definite, true, state, todo));
     }
     todo.clear();
 
@@ -299,7 +307,7 @@ mod tests {
 
     fn scan(blocks: &[(u64, u64)], regions: &[(u64, u64)], words: &[u64], memory: &dyn Memory) -> Scratch {
         let mut scratch = Scratch::for_blocks(blocks.len());
-        classify(&Heap::new(blocks), regions, words, memory, &mut scratch);
+        classify(&Heap::new(blocks), regions, &[], words, memory, &mut scratch);
         scratch
     }
 
@@ -312,6 +320,22 @@ mod tests {
                 f(at, &[w]);
             }
         }
+    }
+
+    /// The real allocator's state points into blocks (glibc's top chunk into the newest one):
+    /// only its pointers to a block's start count.
+    #[test]
+    fn the_allocators_pointers_into_a_block_do_not_make_it_possibly_lost() {
+        let blocks = [(0x1000, 24), (0x2000, 24)];
+        let mut mem = std::collections::BTreeMap::new();
+        mem.insert(0x100, 0x1010); // the allocator's top chunk, inside the first block
+        mem.insert(0x108, 0x2000); // the allocator's pointer to the start of the second
+        let mut scratch = Scratch::for_blocks(blocks.len());
+        classify(&Heap::new(&blocks), &[], &[(0x100, 0x110)], &[], &Toy(mem.clone()), &mut scratch);
+        use LeakKind::*;
+        assert_eq!(scratch.kinds().collect::<Vec<_>>(), [DefinitelyLost, StillReachable]);
+        // The same words from any other root: possibly lost, as before.
+        assert_eq!(run(&blocks, &[(0x100, 0x110)], &[], &Toy(mem)), [PossiblyLost, StillReachable]);
     }
 
     #[test]
