@@ -451,6 +451,33 @@ fn without_pid_in_the_path_a_forked_child_writes_path_dot_pid() {
     assert!(ticks >= 50, "the child's 13 MiB sampled every 4 KiB: {ticks} ticks");
 }
 
+/// Without `%p`, the program a wrapper `exec`s (pyenv's `python3` is a bash script that does)
+/// writes `PATH` itself, replacing the wrapper's trace. It found `PATH` locked by the
+/// wrapper's writer, still finishing, and wrote `PATH.PID`, while `PATH` kept the wrapper's.
+#[test]
+fn without_pid_in_the_path_the_program_an_exec_starts_writes_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("exec.trace");
+    let python = python();
+    let python = python.to_str().unwrap();
+    // Many samples before the exec: the wrapper's writer is still draining them.
+    let wrapper = format!(
+        "import os\nx = [bytearray(4096) for _ in range(20000)]\nos.execv({python:?}, [{python:?}, '-c', 'print(7 * 6)'])"
+    );
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--output", shared.to_str().unwrap(), "--", python, "-c", &wrapper])
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "42\n"), "{}", text(&out.stderr));
+    let names: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["exec.trace"]);
+    let bytes = std::fs::read(&shared).unwrap();
+    let mut reader = Reader::new(&bytes).unwrap();
+    assert_eq!(reader.header().command.last().map(String::as_str), Some("print(7 * 6)"));
+    assert!(matches!(reader.by_ref().map(Result::unwrap).last(), Some(Event::End { .. })), "the trace ends whole");
+}
+
 /// Without `%p`, a process forked after its grandparent's trace is finished (its writer gone,
 /// the path no longer locked) writes `PATH.PID` all the same: it took the path and truncated
 /// the finished trace, and `record` then named the grandchild's trace as the program's.

@@ -13,8 +13,8 @@ use mallocspy::options::{expand_path, names_pid};
 use crate::launch::{self, fail};
 
 pub const EXAMPLES: &str = "Examples:
-  mallocspy record -- sqlite3 db.sqlite '.read x.sql'
-  mallocspy report mallocspy.*.trace                      # top allocation sites
+  mallocspy record -- sqlite3 db.sqlite '.read x.sql'   # names the trace it wrote
+  mallocspy report mallocspy.12345.trace                  # top allocation sites
   mallocspy record --interval 1m --output app.trace -- ./app
   mallocspy report --format flamegraph --output app.svg app.trace
 

@@ -125,7 +125,11 @@ fn unix_now_ns() -> u64 {
 /// Without `%p` the path is shared by every process of the run: the first one takes it, and
 /// a process that finds it locked by another's writer (a child that `exec`s a program, and
 /// that program's children) writes `PATH.PID` instead of clobbering it. A `forked` child
-/// always does: its parent's trace is there, whose writer may have finished already.
+/// always does: its parent's trace is there, whose writer may have finished already. A trace
+/// locked by the writer of this very process's image before an `exec` (its header has our
+/// pid) is replaced as with `%p`: the program a wrapper `exec`s (pyenv's shim of `python3`
+/// is a bash script) is the one asked for, and it wrote `PATH.PID` while `PATH` kept the
+/// wrapper's few milliseconds.
 fn open(template: &str, forked: bool) -> Result<i32, String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
@@ -137,12 +141,22 @@ fn open(template: &str, forked: bool) -> Result<i32, String> {
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
     if locked_by_another(fd) {
+        let before_exec = header_pid(&path) == Some(pid);
         close(fd);
-        return replace(&format!("{path}.{pid}"));
+        return replace(&if before_exec { path } else { format!("{path}.{pid}") });
     }
     // SAFETY: truncating a file we opened for writing.
     unsafe { libc::ftruncate(fd, 0) };
     Ok(fd)
+}
+
+/// The pid in the header of the trace at `path`, if it is one.
+fn header_pid(path: &str) -> Option<u32> {
+    use std::io::Read;
+    // A header is a few hundred bytes: the command line and the options.
+    let mut head = Vec::new();
+    std::fs::File::open(path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
+    super::Reader::new(&head).ok().map(|r| r.header().pid)
 }
 
 /// A new, empty, locked file at `path`, replacing a regular file there (see [`open`]).
