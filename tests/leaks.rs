@@ -711,6 +711,69 @@ fn the_same_signal_twice_still_gets_the_whole_report() {
     }
 }
 
+/// `run --log` and `--suppressions` reach the program as absolute paths (each process resolves
+/// them where it starts, and a program may change directory first: the report went there),
+/// and one holding ':' (the options' separator) is refused in one line before the program
+/// runs (it ran unspied, with no report).
+#[test]
+fn run_paths_are_absolute_and_a_colon_is_refused_before_the_program_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = c_program("lose_one.c");
+    for flag in ["--log", "--suppressions"] {
+        std::fs::write(dir.path().join("a:b"), "").unwrap();
+        let out = Command::new(mallocspy())
+            .current_dir(dir.path())
+            .args(["run", flag, "a:b", "--"])
+            .arg(&program)
+            .arg("10")
+            .output()
+            .unwrap();
+        let lines: Vec<String> = text(&out.stderr).lines().map(String::from).collect();
+        assert_eq!(out.status.code(), Some(2), "{flag}: {lines:?}");
+        assert_eq!(lines.len(), 1, "{flag}: {lines:?}");
+        assert!(lines[0].contains("holds ':'"), "{flag}: {lines:?}");
+    }
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    let out = Command::new(mallocspy())
+        .current_dir(dir.path())
+        .args(["run", "--log", "rel.%p.log", "--", "sh", "-c"])
+        .arg(format!("cd sub && exec '{}' 10", program.display()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let logs = |d: &Path| -> Vec<String> {
+        std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("rel."))
+            .map(|p| std::fs::read_to_string(p).unwrap())
+            .collect()
+    };
+    assert!(logs(&dir.path().join("sub")).is_empty(), "no report in the directory the program moved to");
+    assert!(
+        logs(dir.path()).iter().any(|l| l.contains("definitely lost: 10 bytes in 1 blocks")),
+        "{:?}",
+        logs(dir.path())
+    );
+}
+
+/// A shim whose path holds a space or ':' (LD_PRELOAD splits at both) is refused in one line;
+/// the loader looked for the path's pieces and the program ran unspied.
+#[test]
+fn a_shim_path_that_ld_preload_cannot_carry_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["with space", "with:colon"] {
+        let copy = dir.path().join(name).join("libmallocspy_preload.so");
+        std::fs::create_dir(copy.parent().unwrap()).unwrap();
+        std::fs::copy(shim(), &copy).unwrap();
+        let out =
+            Command::new(mallocspy()).args(["run", "--shim"]).arg(&copy).args(["--", "/bin/true"]).output().unwrap();
+        let lines: Vec<String> = text(&out.stderr).lines().map(String::from).collect();
+        assert_eq!(out.status.code(), Some(2), "{name}: {lines:?}");
+        assert!(lines.len() == 1 && lines[0].contains("which LD_PRELOAD cannot carry"), "{name}: {lines:?}");
+    }
+}
+
 /// `mallocspy run` starts the program with the descriptors it was given: one closed stays
 /// closed (Rust's runtime opens `/dev/null` on a closed 0, 1 or 2 for the command itself).
 #[test]

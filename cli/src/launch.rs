@@ -6,6 +6,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
 use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
 
+/// `path`, given as `flag`, as `MALLOCSPY_OPTIONS` carries it: absolute (each process of the
+/// program resolves it where it starts, and a program may change directory first), and
+/// refused if it holds ':' (the options' separator) or ends in white space (trimmed there);
+/// refused, the program would run unspied.
+pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
+    let absolute = match std::path::absolute(path) {
+        Ok(p) => p.display().to_string(),
+        Err(e) => return Err(fail(&format!("bad {flag} '{}': {e}", path.display()), 2)),
+    };
+    if absolute.contains(':') || absolute.trim_end() != absolute {
+        return Err(fail(
+            &format!("{flag} '{absolute}' holds ':' or ends in white space, which MALLOCSPY_OPTIONS cannot carry"),
+            2,
+        ));
+    }
+    Ok(absolute)
+}
+
 /// Prints `mallocspy: MESSAGE` and gives `code`.
 pub fn fail(message: &str, code: u8) -> ExitCode {
     say!("mallocspy: {message}");
@@ -35,6 +53,16 @@ pub fn run_preloaded(
         return Err(fail(&format!("no shim at '{}'", shim.display()), 2));
     }
     let shim = shim.canonicalize().unwrap_or(shim);
+    if shim.to_string_lossy().contains([' ', ':']) {
+        // LD_PRELOAD splits at both: the loader would look for pieces of the path.
+        return Err(fail(
+            &format!(
+                "the shim's path '{}' holds a space or ':', which LD_PRELOAD cannot carry; install mallocspy elsewhere or give --shim",
+                shim.display()
+            ),
+            2,
+        ));
+    }
     let mut preload = OsString::from(&shim);
     if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
         preload.push(" ");

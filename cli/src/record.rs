@@ -112,16 +112,10 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
 }
 
 pub fn record(args: RecordArgs) -> ExitCode {
-    let output = match std::path::absolute(&args.output) {
-        Ok(p) => p.display().to_string(),
-        Err(e) => return fail(&format!("bad --output '{}': {e}", args.output), 2),
+    let output = match launch::option_path("--output", Path::new(&args.output)) {
+        Ok(output) => output,
+        Err(code) => return code,
     };
-    if output.contains(':') || output.trim_end() != output {
-        return fail(
-            &format!("--output '{output}' holds ':' or ends in white space, which MALLOCSPY_OPTIONS cannot carry"),
-            2,
-        );
-    }
     if let Err(why) = check_output(&output) {
         return fail(&format!("cannot write --output '{output}': {why}"), 2);
     }

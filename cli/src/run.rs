@@ -1,7 +1,7 @@
 //! `mallocspy run`.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Args;
@@ -61,7 +61,10 @@ pub fn run(args: RunArgs) -> ExitCode {
         options.push("show_below_main=1".into());
     }
     if let Some(log) = &args.log {
-        options.push(format!("log_path={log}"));
+        match launch::option_path("--log", Path::new(log)) {
+            Ok(log) => options.push(format!("log_path={log}")),
+            Err(code) => return code,
+        }
     }
     if let Some(code) = args.exitcode {
         options.push(format!("exitcode={code}"));
@@ -75,8 +78,10 @@ pub fn run(args: RunArgs) -> ExitCode {
         if let Err(e) = Suppressions::parse(&text) {
             return fail(&format!("suppressions file '{}': {e}", path.display()), 2);
         }
-        let absolute = path.canonicalize().unwrap_or_else(|_| path.clone());
-        options.push(format!("suppressions={}", absolute.display()));
+        match launch::option_path("--suppressions", &path.canonicalize().unwrap_or_else(|_| path.clone())) {
+            Ok(path) => options.push(format!("suppressions={path}")),
+            Err(code) => return code,
+        }
     }
     match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
         Ok((_, status)) => launch::forward(status),
