@@ -117,10 +117,18 @@ pub(crate) fn close(fd: c_int) {
 }
 
 /// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes. Preserves `errno`.
-/// Returns false when the descriptor refuses the data.
+/// Returns false when the descriptor refuses the data. A pipe or socket whose reader has gone
+/// raises no SIGPIPE: the report is ours, and the program's exit status stays its own
+/// (`mallocspy run -- prog 2>&1 | head -1` ended `prog` by SIGPIPE at its exit report).
 pub(crate) fn write_all(fd: c_int, bytes: &[u8]) -> bool {
     let saved = errno();
-    let ok = if is_pipe(fd) {
+    let ok = without_sigpipe(|| write_all_of(fd, bytes));
+    set_errno(saved);
+    ok
+}
+
+fn write_all_of(fd: c_int, bytes: &[u8]) -> bool {
+    if is_pipe(fd) {
         // Processes writing reports to one pipe at once (`make -j`, `xargs -P` into a log):
         // a write of at most PIPE_BUF bytes is never mixed with another's, so whole lines go
         // a few kilobytes at a time, and no line is spliced into another's.
@@ -128,9 +136,32 @@ pub(crate) fn write_all(fd: c_int, bytes: &[u8]) -> bool {
     } else {
         // A file appends each write whole: the report stays in one piece.
         write_whole(fd, bytes).is_ok()
-    };
-    set_errno(saved);
-    ok
+    }
+}
+
+/// Runs `f` with SIGPIPE blocked on this thread, and takes back a SIGPIPE that `f` raised (one
+/// already pending stays the program's).
+fn without_sigpipe<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: signal sets are plain data set up by sigemptyset/sigaddset; pthread_sigmask,
+    // sigpending and sigtimedwait (with a zero timeout) only read and write them, and are
+    // async-signal-safe, as this runs in signal handlers too.
+    unsafe {
+        let mut pipe: libc::sigset_t = core::mem::zeroed();
+        libc::sigemptyset(&mut pipe);
+        libc::sigaddset(&mut pipe, libc::SIGPIPE);
+        let mut old: libc::sigset_t = core::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, &pipe, &mut old);
+        let mut pending: libc::sigset_t = core::mem::zeroed();
+        libc::sigpending(&mut pending);
+        let was_pending = libc::sigismember(&pending, libc::SIGPIPE) == 1;
+        let r = f();
+        if !was_pending {
+            let now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            libc::sigtimedwait(&pipe, core::ptr::null_mut(), &now);
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
+        r
+    }
 }
 
 fn is_pipe(fd: c_int) -> bool {

@@ -757,6 +757,19 @@ fn run_paths_are_absolute_and_a_colon_is_refused_before_the_program_runs() {
     );
 }
 
+/// A report written into a pipe nobody reads any more raises no SIGPIPE in the program: its exit
+/// status stays its own (`mallocspy run -- prog 2>&1 | head -1` ended `prog` by SIGPIPE).
+#[test]
+fn a_report_into_a_closed_pipe_leaves_the_exit_status_alone() {
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", "sleep 0.3; exit 3"]).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    Mode::Shim("").apply(&mut cmd);
+    let mut child = cmd.spawn().unwrap();
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(3), "{status:?}");
+}
+
 /// A shim whose path holds a space or ':' (LD_PRELOAD splits at both) is refused in one line;
 /// the loader looked for the path's pieces and the program ran unspied.
 #[test]
