@@ -233,8 +233,9 @@ pub extern "C" fn report_at_exit() {
         let c = &spy.config;
         sink::write(
             format!(
-                "mallocspy: ticks: {ticks} samples ({}, every {} bytes on average) of {calls} allocations, \
+                "mallocspy: ticks: {ticks} sample{} ({}, every {} bytes on average) of {calls} allocations, \
                  {bytes} bytes; estimated peak live {} bytes (give trace=PATH to keep the samples)\n",
+                if ticks == 1 { "" } else { "s" },
                 c.sampling.name(),
                 c.interval,
                 stats.peak_live_bytes

@@ -111,6 +111,17 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
     candidates.iter().filter_map(|c| Some((started(c)?, c))).max().map(|(_, c)| c.clone())
 }
 
+/// `path` as a shell reads it back: as is when it has no character a shell treats specially,
+/// else in single quotes (the hint after a trace's name is to be pasted).
+fn shell_quoted(path: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_./%+,:=@-".contains(c);
+    if !path.is_empty() && path.chars().all(plain) {
+        path.to_string()
+    } else {
+        format!("'{}'", path.replace('\'', r"'\''"))
+    }
+}
+
 pub fn record(args: RecordArgs) -> ExitCode {
     let output = match launch::option_path("--output", Path::new(&args.output)) {
         Ok(output) => output,
@@ -150,7 +161,9 @@ pub fn record(args: RecordArgs) -> ExitCode {
         }
     };
     match std::fs::metadata(&trace) {
-        Ok(m) => say!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {trace}", m.len()),
+        Ok(m) => {
+            say!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {}", m.len(), shell_quoted(&trace))
+        }
         Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
     }
     launch::forward(status)
@@ -160,6 +173,13 @@ pub fn record(args: RecordArgs) -> ExitCode {
 mod tests {
     use super::*;
     use mallocspy::trace::{Header, write_header};
+
+    #[test]
+    fn the_hint_quotes_a_path_a_shell_would_split() {
+        assert_eq!(shell_quoted("/tmp/a.trace"), "/tmp/a.trace");
+        assert_eq!(shell_quoted("/tmp/my dir/a.trace"), "'/tmp/my dir/a.trace'");
+        assert_eq!(shell_quoted("/tmp/it's.trace"), r"'/tmp/it'\''s.trace'");
+    }
 
     #[test]
     fn the_trace_named_is_the_last_image_of_the_process() {

@@ -75,8 +75,8 @@ pub struct ReportArgs {
     #[arg(long, short, value_name = "FILE")]
     output: Option<PathBuf>,
     /// Sites in each table of the text and JSON reports.
-    #[arg(long, value_name = "N", default_value_t = 20)]
-    top: usize,
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    top: u32,
     /// The trace, as written by `mallocspy record`.
     #[arg(value_name = "TRACE")]
     trace: PathBuf,
@@ -168,7 +168,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
             path.display()
         );
     }
-    let report = Report::new(path, &profile, &symbols, args.top);
+    let report = Report::new(path, &profile, &symbols, args.top as usize);
     let out = report.render(args.format).map_err(|e| failed(&e))?;
     match &args.output {
         Some(file) => write_output(file, path, &out),

@@ -72,8 +72,9 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         p.inherited.map_or(String::new(), |i| format!(" and {} inherited", units::count(i.at_fork.samples)));
     writeln!(
         out,
-        "  ticks        {} samples{inherited}, {} of them freed",
+        "  ticks        {} sample{}{inherited}, {} of them freed",
         units::count(p.allocated.samples),
+        if p.allocated.samples == 1 { "" } else { "s" },
         units::count(p.frees)
     )?;
     writeln!(
