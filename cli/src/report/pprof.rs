@@ -209,7 +209,25 @@ pub fn profile(report: &Report<'_>) -> Profile {
     let mut locations: Vec<Location> = Vec::new();
     let mut location_ids: HashMap<RawFrame, u64> = HashMap::new();
     let mut samples = Vec::new();
-    for stack in p.stacks.iter().filter(|s| s.allocated.samples > 0) {
+    // A forked child's inherited blocks: live, allocated in the parent (whose trace has their
+    // stacks), under one location named as the text report's site.
+    let inherited = p.inherited.filter(|i| i.at_fork.samples > 0);
+    for (index, stack) in p.stacks.iter().enumerate() {
+        if let Some(i) = inherited.filter(|i| i.stack == index) {
+            let name = strings.get(&format!("[inherited from pid {} at fork]", i.parent));
+            let function_id = functions.len() as u64 + 1;
+            functions.push(Function { id: function_id, name, system_name: name, filename: 0 });
+            let id = locations.len() as u64 + 1;
+            locations.push(Location { id, mapping_id: 0, address: 0, line: vec![Line { function_id, line: 0 }] });
+            samples.push(Sample {
+                location_id: vec![id],
+                value: vec![0, 0, signed(units::rounded(stack.live_at_end.objects)), signed(stack.live_at_end.bytes)],
+            });
+            continue;
+        }
+        if stack.allocated.samples == 0 {
+            continue;
+        }
         let mut location_id = Vec::with_capacity(stack.frames.len());
         for &raw in &stack.frames {
             let next_id = locations.len() as u64 + 1;

@@ -157,6 +157,40 @@ fn pprof_decodes_back_with_the_four_sample_types_and_the_estimates() {
     assert!(p.sample.iter().all(|x| x.location_id.len() == 2));
 }
 
+/// A forked child's inherited blocks are in the profile's `inuse_*` values (live at the end),
+/// under a location named as the text report's site, with nothing allocated: the in-use total
+/// left them out and fell short of the text report's "live at end".
+#[test]
+fn pprof_counts_the_inherited_blocks_in_use() {
+    let mut file = Vec::new();
+    write_header(&mut file, &testing::header());
+    let mut events = testing::events(&testing::this_executable());
+    let end = events.pop().unwrap();
+    events.insert(1, Event::Inherited { parent: 77, kind: 0, size: 100, address: 0xe000, weight: 5000 });
+    events.push(end);
+    for e in &events {
+        write_event(&mut file, e);
+    }
+    let gz = render(&file, Format::Pprof);
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut raw).unwrap();
+    let p = pprof::Profile::decode(&raw[..]).unwrap();
+    let s = |i: i64| p.string_table[i as usize].as_str();
+    let inherited: Vec<&pprof::Sample> = p
+        .sample
+        .iter()
+        .filter(|x| {
+            let location = p.location.iter().find(|l| l.id == x.location_id[0]).unwrap();
+            let function = p.function.iter().find(|f| f.id == location.line[0].function_id).unwrap();
+            s(function.name) == "[inherited from pid 77 at fork]"
+        })
+        .collect();
+    assert_eq!(inherited.len(), 1);
+    assert_eq!(inherited[0].value, [0, 0, 50, 5000]);
+    let in_use: i64 = p.sample.iter().map(|x| x.value[3]).sum();
+    assert_eq!(in_use, 2000 + 5000);
+}
+
 #[test]
 fn the_flame_graph_is_an_svg_of_bytes_allocated() {
     let svg = text(&testing::trace(), Format::Flamegraph);
