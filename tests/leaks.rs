@@ -663,18 +663,19 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
 /// still gets the report: the call ends first (it holds what the report needs).
 #[test]
 fn a_signal_that_lands_inside_an_allocator_call_still_gets_the_report() {
-    use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
     for round in 0..10 {
         let out = signalled(&program, &["churn"], JSON_REPORT, libc::SIGTERM, None);
-        assert_eq!(out.status.signal(), Some(libc::SIGTERM), "round {round}: {}", text(&out.stderr));
-        let report = json_report(&out);
-        assert_eq!(
-            report["summary"]["definitely_lost"],
-            serde_json::json!({"blocks": 1, "bytes": 4096}),
-            "round {round}"
-        );
+        assert_ended_by_term_with_its_lost_block(&out, round);
     }
+}
+
+/// `ending_signal.c` died of SIGTERM after its whole report: the one block it lost is there.
+fn assert_ended_by_term_with_its_lost_block(out: &Output, round: usize) {
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGTERM), "round {round}: {}", text(&out.stderr));
+    let report = json_report(out);
+    assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 4096}), "round {round}");
 }
 
 /// The same signal twice in a row (sent to the process and to its group, as `timeout` and
@@ -683,7 +684,6 @@ fn a_signal_that_lands_inside_an_allocator_call_still_gets_the_report() {
 #[test]
 fn the_same_signal_twice_still_gets_the_whole_report() {
     use std::io::BufRead;
-    use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
     for round in 0..3 {
         let mut cmd = Command::new(&program);
@@ -700,14 +700,7 @@ fn the_same_signal_twice_still_gets_the_whole_report() {
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let out = child.wait_with_output().unwrap();
-        assert_eq!(out.status.signal(), Some(libc::SIGTERM), "round {round}: {}", text(&out.stderr));
-        let report = json_report(&out);
-        assert_eq!(
-            report["summary"]["definitely_lost"],
-            serde_json::json!({"blocks": 1, "bytes": 4096}),
-            "round {round}"
-        );
+        assert_ended_by_term_with_its_lost_block(&child.wait_with_output().unwrap(), round);
     }
 }
 
