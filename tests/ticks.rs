@@ -934,7 +934,8 @@ fn a_max_memory_too_small_is_said_and_the_allocations_it_leaves_out_are_named() 
     };
     // The summary's "of N allocations", and the N of "N allocation(s) were not counted".
     let counted = |stderr: &str| -> u64 {
-        let summary = stderr.lines().find(|l| l.starts_with("mallocspy: ticks: ") && l.contains(" samples ("));
+        // "1 sample (" or "N samples (".
+        let summary = stderr.lines().find(|l| l.starts_with("mallocspy: ticks: ") && l.contains(" allocations, "));
         summary.and_then(|l| l.split(" of ").nth(1)?.split_whitespace().next()?.parse().ok()).unwrap_or(0)
     };
     let uncounted = |stderr: &str| -> u64 {
