@@ -198,7 +198,10 @@ pub fn fini() {
 
 /// Writes every report, once per process. Runs last at exit, or from `_exit`.
 pub extern "C" fn report_at_exit() {
-    let caller = Caller::here();
+    let mut caller = Caller::here();
+    // A report for an ending signal may come at the end of the hook the signal interrupted
+    // (`ending_signals::after_hook`), with that call's block only in its frames.
+    caller.outside_hooks = ENDING_SIGNAL.load(Ordering::Relaxed) == 0;
     if OWNER.load(Ordering::Relaxed) != os::getpid() || REPORTED.swap(true, Ordering::AcqRel) {
         return;
     }

@@ -316,6 +316,19 @@ fn the_newest_block_lost_is_definitely_lost_whatever_its_size() {
     }
 }
 
+/// Blocks lost by the program's last calls are definitely lost, as memcheck says, though the
+/// program scrubs nothing: the check scans the exiting thread from its first live frame of the
+/// program (`_start`'s, once `main` has returned), not through `exit`'s frames, whose unwritten
+/// words still held the shim's copies of those pointers (one of the three was "still
+/// reachable"; at -O0, `p = malloc(100); p = 0;` was).
+#[test]
+fn blocks_lost_by_the_last_calls_are_definitely_lost_without_a_scrub() {
+    let out = run(JSON_REPORT, &mut Command::new(c_program("last_calls.c")));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "100\n116\n132\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 3, "bytes": 348}), "{report}");
+}
+
 /// A block whose only pointer was left on the stack of a thread that has exited is lost, as
 /// memcheck says: glibc keeps that stack mapped for a thread to come, but nothing there is live.
 #[test]

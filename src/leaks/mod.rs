@@ -66,22 +66,28 @@ fn short_path(path: &str) -> &str {
 pub(crate) struct Caller {
     pub sp: u64,
     pub regs: [u64; 6],
+    /// Where the registers were read (for a walk out of that frame).
+    pub pc: u64,
+    /// The report is not written from inside a hook (an ending signal's report may be: the
+    /// interrupted call's frames then hold its block).
+    pub outside_hooks: bool,
 }
 
 impl Caller {
     /// The calling function's view. Always inlined, so that it is the caller's stack pointer.
     #[inline(always)]
     pub(crate) fn here() -> Self {
-        let (sp, rbx, rbp, r12, r13, r14, r15): (u64, u64, u64, u64, u64, u64, u64);
+        let (sp, rbx, rbp, r12, r13, r14, r15, pc): (u64, u64, u64, u64, u64, u64, u64, u64);
         // SAFETY: reads registers.
         unsafe {
             core::arch::asm!(
                 "mov {}, rsp", "mov {}, rbx", "mov {}, rbp", "mov {}, r12", "mov {}, r13", "mov {}, r14", "mov {}, r15",
-                out(reg) sp, out(reg) rbx, out(reg) rbp, out(reg) r12, out(reg) r13, out(reg) r14, out(reg) r15,
+                "lea {}, [rip]",
+                out(reg) sp, out(reg) rbx, out(reg) rbp, out(reg) r12, out(reg) r13, out(reg) r14, out(reg) r15, out(reg) pc,
                 options(nomem, nostack, preserves_flags)
             )
         };
-        Self { sp, regs: [rbx, rbp, r12, r13, r14, r15] }
+        Self { sp, regs: [rbx, rbp, r12, r13, r14, r15], pc, outside_hooks: true }
     }
 }
 
@@ -89,6 +95,38 @@ impl Caller {
 const RED_ZONE: u64 = 128;
 /// The thread control block above a thread pointer (glibc's `struct pthread`), rounded up.
 const TCB: u64 = 4096;
+
+/// Where the reporting thread's live frames start: at the first frame out from the report that
+/// is the program's (its locals, and those of every frame further out, are live), which is
+/// `_start`'s once `main` has returned, or at the C library's start of the thread when no
+/// frame of the program is left on it. The frames in between, the C library's `exit`, the
+/// loader's and mallocspy's own, reuse the stack where the program's last calls ran, and the
+/// words they never write still hold what those calls left there: the shim's frames of the
+/// program's last allocations kept a lost block "still reachable" (`p = malloc(100); p = 0;`
+/// at -O0). `None` when the walk cannot tell (code it cannot unwind through): scan from the
+/// report's caller then. Not for a report from inside a hook, whose frames hold the block of
+/// the call in progress.
+fn live_frames_start(caller: &Caller) -> Option<u64> {
+    use crate::unwind::WalkOut;
+    if !caller.outside_hooks {
+        return None;
+    }
+    let base = |addr: u64| os::module_of(addr as *const core::ffi::c_void);
+    let own = base(check as *const () as u64);
+    let libc = base(libc::exit as *const () as u64);
+    let loader = roots::loader_text().unwrap_or((0, 0));
+    let walk = crate::unwind::walk_out((caller.pc, caller.sp, caller.regs[1]), |pc, sp| {
+        let module = base(pc);
+        let theirs = module != 0 && module != own && module != libc && !(loader.0 <= pc && pc < loader.1);
+        theirs.then_some(sp)
+    });
+    match walk {
+        WalkOut::Answer(sp) => Some(sp),
+        // The thread's outermost frame, the C library's: nothing of the program's is live.
+        WalkOut::Ends { pc, sp } if base(pc) == libc && libc != 0 => Some(sp),
+        _ => None,
+    }
+}
 
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
 /// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
@@ -145,7 +183,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             kinds.push(Root::Tls(thread));
         }
     };
-    add_thread(caller.sp, own_tp, &mut regions, &mut region_kinds);
+    add_thread(live_frames_start(&caller).unwrap_or(caller.sp), own_tp, &mut regions, &mut region_kinds);
     stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
     words.extend_from_slice(&by_loader);

@@ -140,6 +140,55 @@ pub(crate) fn capture(out: &mut [u64], start: (u64, u64, u64), cache: &mut WalkC
     walk(out, Start { pc, sp, bp, is_return: true }, cache)
 }
 
+/// How [`walk_out`] ended.
+#[derive(Debug, PartialEq)]
+pub(crate) enum WalkOut {
+    /// `visit` answered this.
+    Answer(u64),
+    /// The frame at `pc`, whose stack pointer is `sp`, has no rule to go further: the
+    /// outermost frame (a thread's start, `_start`), or one this unwinder cannot follow (a
+    /// signal trampoline, code without unwind tables).
+    Ends { pc: u64, sp: u64 },
+    /// The stack could not be read further.
+    Lost,
+}
+
+/// Walks the calling thread's stack outward from `start`, a frame in progress (`pc` its
+/// current instruction, with its `sp` and `bp`), calling `visit(pc, sp)` for each frame
+/// further out: a return address, and the stack pointer its function had at the call (its
+/// frame's live words start there). For the leak check, not a hook: it may take the rules'
+/// shared table's lock.
+pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -> Option<u64>) -> WalkOut {
+    let (mut pc, mut sp, mut bp) = start;
+    let (low, high) = (current_sp(), stack_bounds().1);
+    let read = |addr: u64| -> Option<u64> {
+        // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
+        (addr >= low && addr.wrapping_add(8) <= high && addr.is_multiple_of(8))
+            .then(|| unsafe { *(addr as *const u64) })
+    };
+    let rules = rules::Rules::new();
+    let mut recent = rules::Recent::new();
+    let mut first = true;
+    for _ in 0..MAX_WALK {
+        // A return address points after the call: look up the call itself.
+        let (cfa, saved_bp) = match rules.get(&mut recent, if first { pc } else { pc - 1 }) {
+            rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp),
+            rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp),
+            rules::Rule::Stop => return WalkOut::Ends { pc, sp },
+        };
+        let Some(ra) = read(cfa - 8).filter(|&ra| cfa > sp && ra != 0) else { return WalkOut::Lost };
+        if saved_bp != 0 {
+            let Some(saved) = read(cfa - saved_bp as u64) else { return WalkOut::Lost };
+            bp = saved;
+        }
+        (pc, sp, first) = (ra, cfa, false);
+        if let Some(answer) = visit(pc, sp) {
+            return WalkOut::Answer(answer);
+        }
+    }
+    WalkOut::Lost
+}
+
 /// Forgets the last walk (the hook's stack could not be walked).
 pub(crate) fn no_walk(cache: &mut WalkCache) {
     cache.prev.forget();

@@ -131,7 +131,6 @@ pub(crate) struct Recent {
 }
 
 impl Recent {
-    #[cfg(test)]
     pub(crate) const fn new() -> Self {
         Self { sets: [[(0, 0); 2]; RECENT_SETS] }
     }
