@@ -156,8 +156,8 @@ pub(crate) enum WalkOut {
 /// Walks the calling thread's stack outward from `start`, a frame in progress (`pc` its
 /// current instruction, with its `sp` and `bp`), calling `visit(pc, sp)` for each frame
 /// further out: a return address, and the stack pointer its function had at the call (its
-/// frame's live words start there). For the leak check, not a hook: it may take the rules'
-/// shared table's lock.
+/// frame's live words start there). For the leak check: the rules come from the shared table
+/// as a hook's walk takes them (without locks), not from the walk cache.
 pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -> Option<u64>) -> WalkOut {
     let (mut pc, mut sp, mut bp) = start;
     let (low, high) = (current_sp(), stack_bounds().1);
@@ -176,7 +176,10 @@ pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -
             rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp),
             rules::Rule::Stop => return WalkOut::Ends { pc, sp },
         };
-        let Some(ra) = read(cfa - 8).filter(|&ra| cfa > sp && ra != 0) else { return WalkOut::Lost };
+        if cfa <= sp {
+            return WalkOut::Lost;
+        }
+        let Some(ra) = read(cfa - 8).filter(|&ra| ra != 0) else { return WalkOut::Lost };
         if saved_bp != 0 {
             let Some(saved) = read(cfa - saved_bp as u64) else { return WalkOut::Lost };
             bp = saved;
