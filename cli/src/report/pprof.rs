@@ -214,7 +214,7 @@ pub fn profile(report: &Report<'_>) -> Profile {
     let inherited = p.inherited.filter(|i| i.at_fork.samples > 0);
     for (index, stack) in p.stacks.iter().enumerate() {
         if let Some(i) = inherited.filter(|i| i.stack == index) {
-            let name = strings.get(&format!("[inherited from pid {} at fork]", i.parent));
+            let name = strings.get(&super::sites::inherited_label(i.parent));
             let function_id = functions.len() as u64 + 1;
             functions.push(Function { id: function_id, name, system_name: name, filename: 0 });
             let id = locations.len() as u64 + 1;

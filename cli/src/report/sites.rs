@@ -131,6 +131,11 @@ pub struct Site<'a> {
     pub stacks: Vec<usize>,
 }
 
+/// The site of a forked child's inherited blocks, whose stacks are in the parent's trace.
+pub fn inherited_label(parent: u32) -> String {
+    format!("[inherited from pid {parent} at fork]")
+}
+
 /// Every site of the profile, most bytes allocated first; a forked child's inherited blocks
 /// make a site of their own, which allocated nothing.
 pub fn sites<'a>(profile: &Profile, symbols: &'a Symbols) -> Vec<Site<'a>> {
@@ -139,9 +144,7 @@ pub fn sites<'a>(profile: &Profile, symbols: &'a Symbols) -> Vec<Site<'a>> {
     let inherited = profile.inherited.filter(|i| i.at_fork.samples > 0);
     for (i, stack) in profile.stacks.iter().enumerate() {
         let (frame, label) = match inherited {
-            Some(inherited) if inherited.stack == i => {
-                (None, format!("[inherited from pid {} at fork]", inherited.parent))
-            }
+            Some(inherited) if inherited.stack == i => (None, inherited_label(inherited.parent)),
             _ if stack.allocated.samples == 0 => continue,
             _ => {
                 let frame = site_of(stack, symbols);
