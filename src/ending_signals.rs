@@ -92,7 +92,7 @@ const DUPLICATE_NS: u64 = 300_000_000;
 /// The handler: the reports, then the end the signal would have brought. Inside a hook of
 /// this thread, which holds locks and half-made changes every report needs, that waits for
 /// the hook's end ([`after_hook`]): a program stopped in a loop of allocations is mostly there.
-extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *mut c_void) {
+extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, context: *mut c_void) {
     let now = os::monotonic_ns().max(1);
     if let Err(first) = FIRST_NS.compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire) {
         if now.saturating_sub(first) < DUPLICATE_NS {
@@ -106,7 +106,10 @@ extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, _context: *m
         DEFERRED.store(signal, Ordering::Relaxed);
         return;
     }
-    end_by(signal);
+    // SAFETY: an SA_SIGINFO handler's third argument is the interrupted context, a
+    // `ucontext_t` the kernel wrote on this stack, valid while the handler runs.
+    let interrupted = unsafe { (context as *const libc::ucontext_t).as_ref() }.map(crate::leaks::Caller::interrupted);
+    end_by(signal, interrupted);
 }
 
 /// Where a hook's depth is back to 0: ends the process by the signal that came during it.
@@ -122,13 +125,14 @@ pub(crate) fn after_hook() {
 fn take_deferred() {
     match DEFERRED.swap(0, Ordering::Relaxed) {
         0 => {}
-        signal => end_by(signal),
+        signal => end_by(signal, None),
     }
 }
 
-/// The reports, then the end `signal` brings by default.
-fn end_by(signal: c_int) -> ! {
-    crate::preload::report_at_signal(signal);
+/// The reports, then the end `signal` brings by default. `interrupted`: the program's context
+/// the signal interrupted, when the handler runs there.
+fn end_by(signal: c_int, interrupted: Option<crate::leaks::Caller>) -> ! {
+    crate::preload::report_at_signal(signal, interrupted);
     die_by(signal)
 }
 

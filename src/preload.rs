@@ -198,10 +198,11 @@ pub fn fini() {
 
 /// Writes every report, once per process. Runs last at exit, or from `_exit`.
 pub extern "C" fn report_at_exit() {
-    let mut caller = Caller::here();
-    // A report for an ending signal may come at the end of the hook the signal interrupted
-    // (`ending_signals::after_hook`), with that call's block only in its frames.
-    caller.outside_hooks = ENDING_SIGNAL.load(Ordering::Relaxed) == 0;
+    report_all(Caller::here());
+}
+
+/// Every report, once per process, the leak check's scan of this thread starting at `caller`.
+fn report_all(caller: Caller) {
     if OWNER.load(Ordering::Relaxed) != os::getpid() || REPORTED.swap(true, Ordering::AcqRel) {
         return;
     }
@@ -316,9 +317,12 @@ pub(crate) fn reporting() -> bool {
 /// From the handler of a signal that ends the process ([`crate::ending_signals`]): every
 /// report, once per process, with a note of the signal. The process then dies of it, not of
 /// `exitcode`: whoever sent it sees what they expect.
-pub(crate) fn report_at_signal(signal: core::ffi::c_int) {
+/// `interrupted`: the program's context the signal interrupted, when the handler runs there;
+/// `None` at the end of the hook the signal interrupted (`ending_signals::after_hook`), whose
+/// frames hold that call's block.
+pub(crate) fn report_at_signal(signal: core::ffi::c_int, interrupted: Option<Caller>) {
     ENDING_SIGNAL.store(signal, Ordering::Relaxed);
-    report_at_exit();
+    report_all(interrupted.unwrap_or(Caller { skip_to_program: false, ..Caller::here() }));
 }
 
 /// `_exit` and `_Exit`: report, then leave.

@@ -672,6 +672,18 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
     assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
 }
 
+/// The report at an ending signal scans the thread from where the signal interrupted it: the
+/// handler's frames below reuse the stack where the program's earlier calls ran, and the
+/// copies of a lost block's address those left there made it "still reachable".
+#[test]
+fn a_lost_block_whose_address_lingers_in_dead_frames_is_lost_at_a_signal() {
+    let program = c_program("ending_signal.c");
+    for round in 0..3 {
+        let out = signalled(&program, &["stale"], JSON_REPORT, libc::SIGTERM, None);
+        assert_ended_by_term_with_its_lost_block(&out, round);
+    }
+}
+
 /// A signal that lands inside an allocator call, where a program busy allocating mostly is,
 /// still gets the report: the call ends first (it holds what the report needs).
 #[test]

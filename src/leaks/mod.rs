@@ -59,18 +59,24 @@ fn short_path(path: &str) -> &str {
     cut.nth(1).map_or(path, |i| &path[i..])
 }
 
-/// Registers of the reporting thread that may hold the program's pointers (callee-saved:
-/// rbx, rbp, r12-r15), and its stack pointer, taken where the report starts so that the
-/// report's own frames are not scanned.
+/// Where the reporting thread's scan starts: its stack pointer and the registers that may
+/// hold the program's pointers, taken where the report starts so that the report's own
+/// frames are not scanned, or where an ending signal interrupted the program.
 #[derive(Clone, Copy)]
 pub(crate) struct Caller {
     pub sp: u64,
-    pub regs: [u64; 6],
-    /// Where the registers were read (for a walk out of that frame).
+    /// Of the report's caller, the callee-saved ones (rbx, rbp, r12-r15; the rest 0); of an
+    /// interrupted context, all sixteen.
+    pub regs: [u64; 16],
+    /// Where the registers were read, and the frame pointer there (for a walk out of that
+    /// frame).
     pub pc: u64,
-    /// The report is not written from inside a hook (an ending signal's report may be: the
-    /// interrupted call's frames then hold its block).
-    pub outside_hooks: bool,
+    pub bp: u64,
+    /// The frames between here and the program's first are dead to the program (`exit`'s, the
+    /// loader's and mallocspy's own): the scan starts at the program's. Not so at the end of
+    /// a hook an ending signal interrupted, whose frames hold that call's block, nor in the
+    /// context a signal interrupted, whose frames are all live.
+    pub skip_to_program: bool,
 }
 
 impl Caller {
@@ -87,7 +93,24 @@ impl Caller {
                 options(nomem, nostack, preserves_flags)
             )
         };
-        Self { sp, regs: [rbx, rbp, r12, r13, r14, r15], pc, outside_hooks: true }
+        let mut regs = [0; 16];
+        regs[..6].copy_from_slice(&[rbx, rbp, r12, r13, r14, r15]);
+        Self { sp, regs, pc, bp: rbp, skip_to_program: true }
+    }
+
+    /// The program's context that a signal interrupted, as its handler got it: what the
+    /// program had live is there and in the frames from its stack pointer out. The handler's
+    /// frames below reuse the stack where the program's earlier calls ran, and scanning them
+    /// found what those calls left (the lost block of an allocation returned long before).
+    pub(crate) fn interrupted(context: &libc::ucontext_t) -> Self {
+        let gregs = &context.uc_mcontext.gregs;
+        let mut regs = [0; 16];
+        // R8 to RSP, in the kernel's order: every general register.
+        for (r, &g) in regs.iter_mut().zip(&gregs[..16]) {
+            *r = g as u64;
+        }
+        let at = |reg: libc::c_int| gregs[reg as usize] as u64;
+        Self { sp: at(libc::REG_RSP), regs, pc: at(libc::REG_RIP), bp: at(libc::REG_RBP), skip_to_program: false }
     }
 }
 
@@ -104,18 +127,18 @@ const TCB: u64 = 4096;
 /// words they never write still hold what those calls left there: the shim's frames of the
 /// program's last allocations kept a lost block "still reachable" (`p = malloc(100); p = 0;`
 /// at -O0). `None` when the walk cannot tell (code it cannot unwind through): scan from the
-/// report's caller then. Not for a report from inside a hook, whose frames hold the block of
-/// the call in progress.
+/// report's caller then. Only for a caller whose frames up to the program's are dead
+/// ([`Caller::skip_to_program`]).
 fn live_frames_start(caller: &Caller) -> Option<u64> {
     use crate::unwind::WalkOut;
-    if !caller.outside_hooks {
+    if !caller.skip_to_program {
         return None;
     }
     let base = |addr: u64| os::module_of(addr as *const core::ffi::c_void);
     let own = base(check as *const () as u64);
     let libc = base(libc::exit as *const () as u64);
     let loader = roots::loader_text().unwrap_or((0, 0));
-    let walk = crate::unwind::walk_out((caller.pc, caller.sp, caller.regs[1]), |pc, sp| {
+    let walk = crate::unwind::walk_out((caller.pc, caller.sp, caller.bp), |pc, sp| {
         let module = base(pc);
         let theirs = module != 0 && module != own && module != libc && !(loader.0 <= pc && pc < loader.1);
         theirs.then_some(sp)
@@ -158,7 +181,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         Vec::with_capacity(modules.roots.len() + 2 * 4096 + 4 + maps.list.capacity() + program_mappings.len());
     let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4097);
-    let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + 8 + blocks.len());
+    let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + caller.regs.len() + blocks.len());
     let own_tp = os::thread_pointer();
     let loader = roots::loader_text().unwrap_or((0, 0));
     let by_loader: Vec<u64> = blocks
