@@ -170,6 +170,24 @@ fn a_trace_without_its_end_record_gives_a_warning_and_a_report() {
     assert!(lines[0].contains("has no end record: the program did not exit normally"), "{lines:?}");
     let folded = String::from_utf8(out.stdout).unwrap();
     assert_eq!(folded, format!("{};{} 3000\n", type_name_of_val(&load_table), type_name_of_val(&parse_row)));
+
+    // While its writer holds the file (an exclusive flock, as mallocspy's writer keeps one
+    // until it closes the trace), the program is still running: no end record yet is no news.
+    let writer = std::fs::File::open(&path).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor `writer` owns.
+    assert_eq!(unsafe { libc::flock(writer.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+    let out = mallocspy(&["--format", "folded", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let lines = stderr_lines(&out);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains("is still being written (its program is running)"), "{lines:?}");
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), folded);
+    // The report let go of the file at once: a new writer finds it free.
+    drop(writer);
+    let again = std::fs::File::open(&path).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::flock(again.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
 }
 
 #[test]

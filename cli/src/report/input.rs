@@ -28,9 +28,18 @@ impl Deref for TraceBytes {
 /// The line written if the mapped file shrinks under us (another `record` over it).
 static SHRANK: OnceLock<Vec<u8>> = OnceLock::new();
 
+/// A trace as read.
+pub struct Loaded {
+    pub bytes: TraceBytes,
+    /// A writer held the file when it was opened: its program is still running, and the
+    /// trace is read as far as it was written.
+    pub being_written: bool,
+}
+
 /// Opens `path` and maps or reads it.
-pub fn load(path: &Path) -> io::Result<TraceBytes> {
+pub fn load(path: &Path) -> io::Result<Loaded> {
     let mut file = File::open(path)?;
+    let being_written = locked_by_writer(&file);
     let meta = file.metadata()?;
     if meta.is_file() && meta.len() > 0 {
         on_shrink(path);
@@ -38,11 +47,28 @@ pub fn load(path: &Path) -> io::Result<TraceBytes> {
         // what the reader reads is then what the file holds (a trace still being written is
         // read up to where it was), and a page past a new, shorter end raises SIGBUS, which
         // `on_shrink` turns into one line and status 1.
-        return Ok(TraceBytes::Mapped(unsafe { memmap2::Mmap::map(&file)? }));
+        let bytes = TraceBytes::Mapped(unsafe { memmap2::Mmap::map(&file)? });
+        return Ok(Loaded { bytes, being_written });
     }
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    Ok(TraceBytes::Read(bytes))
+    Ok(Loaded { bytes: TraceBytes::Read(bytes), being_written })
+}
+
+/// Whether a trace writer holds `file`: mallocspy's writer keeps an exclusive `flock` on its
+/// trace until it closes it (`src/trace/writer.rs`). A shared lock taken here is let go at
+/// once, so that a `record` started meanwhile still finds the file free.
+fn locked_by_writer(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: flock on a descriptor `file` owns and keeps open across both calls.
+    unsafe {
+        if libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) == 0 {
+            libc::flock(fd, libc::LOCK_UN);
+            return false;
+        }
+    }
+    io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
 }
 
 /// A SIGBUS while the map is read means the file was cut shorter meanwhile: say so and leave,

@@ -152,15 +152,20 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
         return Err(failed(&"a device, not a trace"));
     }
-    let bytes = input::load(path).map_err(|e| failed(&e))?;
+    let input = input::load(path).map_err(|e| failed(&e))?;
     let mut progress = Progress::new();
-    let profile = profile::read(&bytes, &mut progress).map_err(|e| failed(&e))?;
-    drop(bytes);
+    let profile = profile::read(&input.bytes, &mut progress).map_err(|e| failed(&e))?;
+    drop(input.bytes);
     // The timeline needs no symbols, and symbolizing may be the slow part.
     let symbols =
         if args.format == Format::Timeline { Symbols::default() } else { Symbols::resolve(&profile, &mut progress) };
     progress.finish();
-    if let Some(offset) = profile.truncated_at {
+    if input.being_written && profile.end_ns.is_none() {
+        say!(
+            "mallocspy report: warning: {} is still being written (its program is running); reporting the events written so far",
+            path.display()
+        );
+    } else if let Some(offset) = profile.truncated_at {
         say!("mallocspy report: warning: {} is cut at offset {offset}; reporting the events before it", path.display());
     } else if profile.end_ns.is_none() {
         say!(
