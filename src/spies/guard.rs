@@ -16,7 +16,9 @@
 //! (16, or the alignment for aligned blocks); `tag` is a hash of `p` and the size word. A
 //! change to any byte of either word is seen (a zero written just before the block, as
 //! `s[strlen(s) - 1] = 0` on an empty string does, included), the size is trusted only once
-//! the tag vouches for it, and a header copied elsewhere does not validate.
+//! the tag vouches for it, and a header copied elsewhere does not validate. Every byte of the
+//! tag and of the trailer has its top bit set: a byte of ASCII text or a zero written over one
+//! is always seen; another byte is missed only when it happens to be the value already there.
 //! Every finding is one line: what, where, how big; the program goes on where it safely can
 //! (a damaged header means the real block cannot be found, so it is leaked, not freed).
 
@@ -97,17 +99,29 @@ fn size_word(size: usize, offset: usize) -> u64 {
     size as u64 | u64::from(offset.trailing_zeros()) << SHIFT_AT
 }
 
-/// The tag of the block at `p` (splitmix64's finalizer): every bit of it depends on every bit
-/// of `p` and of the size word.
-fn tag(p: usize, size_word: u64) -> u64 {
-    let mut z = (p as u64 ^ CANARY) ^ size_word.rotate_left(32);
+/// The top bit of every byte of a canary word.
+const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+
+/// splitmix64's finalizer: every bit of the result depends on every bit of `z`.
+fn mix(mut z: u64) -> u64 {
     z = (z ^ z >> 30).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ z >> 27).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ z >> 31
 }
 
+/// The tag of the block at `p`: a hash of `p` and of the size word, with the top bit of every
+/// byte set, so that a byte of text or a zero written over it is always seen. With a byte of
+/// the hash there, one in 256 such writes found the very value already in place ('u' written
+/// at `p[-1]` went unseen in one CI run).
+fn tag(p: usize, size_word: u64) -> u64 {
+    mix((p as u64 ^ CANARY) ^ size_word.rotate_left(32)) | HIGH_BITS
+}
+
+/// The trailer after the block at `p`: a hash of `p`, every byte's top bit set as the tag's
+/// are. (`TRAILER_CANARY ^ p` gave the first byte one of 16 values ending in 0xE, so a string
+/// overflowing by an `n` or a `.` went unseen once in 16 blocks.)
 fn trailer(p: usize) -> u64 {
-    TRAILER_CANARY ^ p as u64
+    mix(p as u64 ^ TRAILER_CANARY) | HIGH_BITS
 }
 
 /// Writes the header and trailer of the block whose caller pointer is `p`.
@@ -442,6 +456,36 @@ mod tests {
             assert!(!trailer_intact(p, 40));
             *(p as *mut u8).sub(1) ^= 0x80;
             assert!(read_header(p).is_none());
+        }
+    }
+
+    /// A byte of text or a zero written into the tag or the trailer is seen whatever the
+    /// block's address: before, a write that found its own value in place went unseen.
+    #[test]
+    fn text_and_zeros_over_a_canary_are_always_seen() {
+        let mut buf = vec![0u64; 64];
+        let base = (buf.as_mut_ptr() as usize).next_multiple_of(16);
+        for block in 0..20_000usize {
+            // Addresses of blocks spread over the address space, as many as the hash sees.
+            let p = (block.wrapping_mul(0x9E37_79B9_7F4A_7C15) & 0x7fff_ffff_fff0) | 0x10;
+            let (tag_bytes, trailer_bytes) = (tag(p, size_word(40, 16)).to_le_bytes(), trailer(p).to_le_bytes());
+            for value in 0..0x80u8 {
+                assert!(!tag_bytes.contains(&value) && !trailer_bytes.contains(&value), "{value:#x} at {p:#x}");
+            }
+        }
+        // And through the checks themselves, at a real block.
+        let p = base + 16;
+        for value in [0u8, b'u', b'n', b'.'] {
+            // SAFETY: buf holds 512 bytes; p lies 16 to 24 bytes into it, and the block needs
+            // 16 bytes before p and 48 after.
+            unsafe {
+                lay_out(p, 40, 16);
+                *(p as *mut u8).add(40) = value;
+                assert!(!trailer_intact(p, 40), "{value:#x} after the block");
+                lay_out(p, 40, 16);
+                *(p as *mut u8).sub(1) = value;
+                assert!(read_header(p).is_none(), "{value:#x} before the block");
+            }
         }
     }
 
