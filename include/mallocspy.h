@@ -193,7 +193,8 @@ struct mallocspy_api {
     int32_t (*leak_check)(struct mallocspy_leak_summary *out);
     int32_t (*tracker_memory)(struct mallocspy_tracker_memory *out);
     /* The ticks spy (spy=ticks): calls `callback` for every sampled allocation, inside the
-     * allocator (its allocations go straight to the real allocator; it must not block).
+     * allocator (its allocations go straight to the real allocator, neither sampled nor
+     * counted; a sampled block it frees ends its sample; it must not block).
      * NULL clears it. S_OK, or E_OBJNOTREG when no ticks spy runs. */
     int32_t (*on_allocation_tick)(void (*callback)(const struct mallocspy_allocation_tick *tick));
     /* Calls `callback` with every heap statistics event (at the first sampled allocation once

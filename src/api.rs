@@ -149,9 +149,11 @@ fn api_table() -> Result<&'static ffi::Api, SpyError> {
 /// [`start_allocation_ticks`]); `None` stops the calls.
 ///
 /// The callback runs **inside the allocator**, on the allocating thread, right after the
-/// sampled allocation: its own allocations go straight to the real allocator (unsampled, no
-/// recursion), but it must not block, and it must be quick (it runs once per ~interval bytes
-/// allocated). The frames it is shown are valid only during the call.
+/// sampled allocation: its own allocations go straight to the real allocator (neither sampled
+/// nor counted in the totals, no recursion), and a sampled block it frees or reallocates ends
+/// its sample as any free does. It must not block, and it must be quick (it runs once per
+/// ~interval bytes allocated). It must not panic either: a panic cannot leave an `extern "C"`
+/// function, and aborts the process. The frames it is shown are valid only during the call.
 ///
 /// # Errors
 /// [`SpyError::NotRegistered`] when no ticks spy runs; [`SpyError::NotInterposed`].

@@ -739,8 +739,11 @@ impl<H: Heap> Interposer<H> {
             return;
         }
         match self.spied.try_get(ptr as usize) {
-            // SAFETY: unspied: a real block.
-            Lookup::Absent => unsafe { self.heap.free(ptr) },
+            Lookup::Absent => {
+                crate::spies::ticks::released_unseen(ptr as usize);
+                // SAFETY: unspied: a real block.
+                unsafe { self.heap.free(ptr) }
+            }
             Lookup::Found(_) | Lookup::Busy => {
                 self.deferred.push(ptr);
             }
@@ -891,8 +894,14 @@ impl<H: Heap> Interposer<H> {
     /// `ptr` is a live block of this allocator.
     unsafe fn realloc_nested(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
         match self.spied.try_get(ptr as usize) {
-            // SAFETY: unspied: a real block.
-            Lookup::Absent => unsafe { self.heap.realloc(ptr, size) },
+            Lookup::Absent => {
+                // SAFETY: unspied: a real block.
+                let new = unsafe { self.heap.realloc(ptr, size) };
+                if !new.is_null() || size == 0 {
+                    crate::spies::ticks::released_unseen(ptr as usize);
+                }
+                new
+            }
             Lookup::Found(old) => {
                 if size == 0 && self.heap.realloc_zero_frees() {
                     self.deferred.push(ptr);

@@ -234,6 +234,8 @@ pub(crate) struct TickSpy {
     gate_epoch: AtomicU32,
     /// Mixed into the generators' seed: 0, or the pid of a forked child (see `after_fork_child`).
     fork_salt: AtomicU64,
+    /// Threads started on a generator so far: each draws from a stream of its own (see `mine`).
+    streams: AtomicU64,
     pub(crate) stacks: Stacks,
     estimates: Estimates,
     /// Frees of threads without a record (none inside the shim's hooks), and their share of
@@ -275,11 +277,11 @@ fn next_random(state: &mut u64) -> u64 {
     x.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
-/// The generator state of thread slot `index` under `seed`: splitmix64 of the two, so that
-/// every bit of the seed counts (`sample_seed=2` and `3` once gave the same samples) and no
-/// two threads share a stream.
-fn thread_seed(seed: u64, index: u32) -> u64 {
-    let mut z = seed.wrapping_add((index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+/// The generator state of the thread given `stream` under `seed`: splitmix64 of the two, so
+/// that every bit of the seed counts (`sample_seed=2` and `3` once gave the same samples) and
+/// no two threads share a stream.
+fn thread_seed(seed: u64, stream: u64) -> u64 {
+    let mut z = seed.wrapping_add(stream.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     // xorshift's one forbidden state.
@@ -320,6 +322,7 @@ impl TickSpy {
             sampled: SampledBlocks::new()?,
             gate_epoch: AtomicU32::new(0),
             fork_salt: AtomicU64::new(0),
+            streams: AtomicU64::new(0),
             stacks: Stacks::new(),
             estimates: Estimates::default(),
             frees_elsewhere: AtomicU64::new(0),
@@ -398,7 +401,11 @@ impl TickSpy {
         if ts.tick_record.get() != &t.counters as *const TickCounters as usize || ts.tick_seen.get() != epoch {
             // SAFETY: the calling thread owns the record (its slot), inside its hook.
             let own = unsafe { t.own.get() };
-            own.rng = thread_seed(self.config.seed ^ self.fork_salt.load(Ordering::Relaxed), index);
+            // A stream per thread, not per slot: a thread that took over the slot of one that
+            // ended replayed that one's gaps, and sampled the very allocations it had (a
+            // thread pool's or a thread-per-request server's estimates then moved together).
+            let stream = self.streams.fetch_add(1, Ordering::Relaxed);
+            own.rng = thread_seed(self.config.seed ^ self.fork_salt.load(Ordering::Relaxed), stream);
             for until in &ts.tick_until {
                 until.set(match self.config.sampling {
                     Sampling::Poisson => gap(&mut own.rng, self.config.interval),
@@ -828,6 +835,18 @@ pub(crate) fn set_spy(spy: &'static TickSpy) {
 /// The process's ticks spy, if one was started in this module.
 pub(crate) fn spy() -> Option<&'static TickSpy> {
     SPY.get().copied()
+}
+
+/// A block freed (or moved by `realloc`) where no spy sees it: by a tick or statistics
+/// callback, which runs inside the allocator, or by a thread without a slot. If it was
+/// sampled, its sample ends here, or it stayed live in the estimates for good. Only the
+/// sampled set's atomics and the queue are touched, as a free of a thread without a record
+/// touches them: safe wherever the allocator may be called.
+#[inline]
+pub(crate) fn released_unseen(ptr: usize) {
+    if let Some(spy) = spy() {
+        spy.released(ptr, None);
+    }
 }
 
 /// Asks for the line where the process's ticks spy would keep `ptr`: for a free the gate
