@@ -30,12 +30,20 @@ struct Json<'a> {
     frees: u64,
     unmatched_frees: u64,
     allocated: JsonFigures,
+    /// The exact totals of the newest heap statistics event, if the trace has one.
+    counted: Option<JsonCounted>,
     peak: JsonPeak,
     live_at_end: JsonFigures,
     /// A forked child's: the sampled blocks live in its parent at the fork.
     inherited: Option<JsonInherited>,
     top_by_bytes_allocated: Vec<JsonSite<'a>>,
     top_by_live_at_peak: Vec<JsonSite<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonCounted {
+    calls: u64,
+    bytes: u64,
 }
 
 #[derive(Serialize)]
@@ -174,6 +182,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         frees: p.frees,
         unmatched_frees: p.unmatched_frees,
         allocated: p.allocated.into(),
+        counted: p.counted().map(|(calls, bytes)| JsonCounted { calls, bytes }),
         peak: JsonPeak { live_bytes: p.peak.live_bytes, time_ns: p.peak.time_ns },
         live_at_end: p.live_at_end.into(),
         inherited: p.inherited.map(|i| JsonInherited { parent: i.parent, at_fork: i.at_fork.into() }),

@@ -136,6 +136,15 @@ impl Profile {
     pub fn duration_ns(&self) -> u64 {
         self.end_ns.unwrap_or(self.last_time_ns).max(self.last_time_ns)
     }
+
+    /// The exact totals, `(allocation calls, bytes)`, of the newest heap statistics event (they
+    /// only grow); `None` without one. Where the estimate falls short, they do not: in tick
+    /// mode each thread's bytes since its last tick are in no tick (a thread pool's threads
+    /// that end before their first tick leave an estimate of nothing).
+    pub fn counted(&self) -> Option<(u64, u64)> {
+        let last = self.heap_stats.iter().max_by_key(|s| s.time_ns)?;
+        Some(last.kinds.iter().fold((0, 0), |(calls, bytes), k| (calls + k.allocs, bytes + k.bytes)))
+    }
 }
 
 /// Reads a whole trace, reporting progress by bytes read.

@@ -5,7 +5,7 @@ use std::any::type_name_of_val;
 use std::io::Read;
 use std::path::Path;
 
-use mallocspy::trace::{Event, Module, write_event, write_header};
+use mallocspy::trace::{Event, HeapStats, Module, write_event, write_header};
 use prost::Message;
 
 use super::profile::{self, Profile};
@@ -212,6 +212,47 @@ fn the_timeline_charts_the_live_heap_and_marks_its_peak() {
     assert_eq!(svg.matches("<path ").count(), 3, "one area per kind");
     assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
     assert!(svg.trim_end().ends_with("</svg>"));
+}
+
+/// Heap statistics whose allocator view is all zero (another allocator served the calls)
+/// draw no allocator line: a flat line at zero said the allocator held nothing.
+#[test]
+fn a_timeline_without_the_allocators_view_draws_no_allocator_line() {
+    let with_view = text(&testing::trace(), Format::Timeline);
+    assert!(with_view.contains("allocator: in use + mmapped") && with_view.contains("<polyline"), "{with_view}");
+    let events: Vec<Event> = testing::events(&testing::this_executable())
+        .into_iter()
+        .map(|e| match e {
+            Event::HeapStats(s) => {
+                Event::HeapStats(HeapStats { arena_bytes: 0, mmapped_bytes: 0, free_bytes: 0, in_use_bytes: 0, ..s })
+            }
+            e => e,
+        })
+        .collect();
+    let svg = text(&trace_of(&events), Format::Timeline);
+    assert!(svg.contains(">peak 2.93 KiB at 25.0 ms</text>"), "{svg}");
+    assert!(!svg.contains("allocator") && !svg.contains("<polyline"), "{svg}");
+}
+
+/// The exact totals of the newest heap statistics are shown beside the estimate: in tick mode
+/// 2000 threads that each ended before their first tick left no tick, and the report said
+/// "allocated 0 B" of a program that allocated 95 MiB.
+#[test]
+fn the_exact_totals_of_the_heap_statistics_are_shown_beside_the_estimate() {
+    let stats = |time_ns, allocs, bytes| {
+        let mut kinds = [mallocspy::trace::KindStats::default(); 3];
+        (kinds[0].allocs, kinds[0].bytes) = (allocs, bytes);
+        Event::HeapStats(HeapStats { time_ns, kinds, ..HeapStats::default() })
+    };
+    // The newest event by time, not the last in the file: threads queue them out of order.
+    let file = trace_of(&[stats(5, 100, 1000), stats(9, 100_002, 100_004_384), stats(7, 90_000, 9_000_000)]);
+    let report = text(&file, Format::Text);
+    assert!(report.contains("  allocated    0 B in 0 objects (estimated)\n"), "{report}");
+    assert!(report.contains("  counted      95.4 MiB in 100,002 allocation calls (exact)\n"), "{report}");
+    let json: serde_json::Value = serde_json::from_str(&text(&file, Format::Json)).unwrap();
+    assert_eq!(json["counted"], serde_json::json!({"calls": 100_002, "bytes": 100_004_384}));
+    let without: serde_json::Value = serde_json::from_str(&text(&trace_of(&[]), Format::Json)).unwrap();
+    assert_eq!(without["counted"], serde_json::Value::Null);
 }
 
 fn trace_of(events: &[Event]) -> Vec<u8> {

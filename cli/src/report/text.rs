@@ -83,6 +83,9 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         units::bytes(p.allocated.bytes),
         units::objects(p.allocated.objects)
     )?;
+    if let Some((calls, bytes)) = p.counted() {
+        writeln!(out, "  counted      {} in {} allocation calls (exact)", units::bytes(bytes), units::count(calls))?;
+    }
     if p.allocated.samples > 0 || p.inherited.is_some() {
         writeln!(
             out,

@@ -129,11 +129,15 @@ fn points(profile: &Profile) -> Vec<Point> {
         profile.replayed_live.iter().map(|&(time_ns, kinds)| point(time_ns, kinds, None)).collect()
     } else {
         let stats = &profile.heap_stats;
+        // All zero: not glibc's view (jemalloc or tcmalloc serves the calls, and glibc's
+        // `mallinfo2` describes an empty heap), or never taken. A flat line at zero beside
+        // megabytes of live heap would say the allocator held nothing.
+        let known = stats.iter().any(|s| s.arena_bytes | s.mmapped_bytes | s.in_use_bytes != 0);
         stats
             .iter()
             .map(|s| {
-                let allocator = s.in_use_bytes.saturating_add(s.mmapped_bytes);
-                point(s.time_ns, Kind::ALL.map(|k| s.kinds[k as usize].live_bytes), Some(allocator))
+                let allocator = known.then(|| s.in_use_bytes.saturating_add(s.mmapped_bytes));
+                point(s.time_ns, Kind::ALL.map(|k| s.kinds[k as usize].live_bytes), allocator)
             })
             .collect()
     };
@@ -153,7 +157,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let Some(peak) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events or ticks"));
     };
-    let allocator_known = !p.heap_stats.is_empty();
+    let allocator_known = points.iter().any(|p| p.allocator.is_some());
     let last_seconds = points.last().map_or(0.0, |p| p.seconds);
     let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
     let bytes_max = points.iter().map(|p| p.total().max(p.allocator.unwrap_or(0))).max().unwrap_or(0);
