@@ -619,8 +619,9 @@ impl TickSpy {
     /// million free chunks (`tests/fixtures/fragmented.c`). The first event takes it; later
     /// ones, the last at exit included, only once the time since it was last taken is
     /// [`MALLINFO_SPACING`] times what it cost then, and repeat its figures in between: after
-    /// the first, it adds at most 0.1% to a run, its end included. Nor is it taken when only
-    /// the exit summary reads the statistics (it does not show it).
+    /// the first, it adds at most 0.1% to a run, its end included; and never again once it
+    /// cost more than [`MALLINFO_BUDGET_NS`] (see [`next_mallinfo_ns`]). Nor is it taken when
+    /// only the exit summary reads the statistics (it does not show it).
     fn allocator_view(&self) -> [u64; 4] {
         let start = self.elapsed_ns();
         if self.listening() && start >= self.mallinfo_next_ns.load(Ordering::Relaxed) {
@@ -630,7 +631,7 @@ impl TickSpy {
             for (slot, v) in self.mallinfo.iter().zip([m.arena, m.hblkhd, m.fordblks, m.uordblks]) {
                 slot.store(v as u64, Ordering::Relaxed);
             }
-            self.mallinfo_next_ns.store(start.saturating_add(cost.saturating_mul(MALLINFO_SPACING)), Ordering::Relaxed);
+            self.mallinfo_next_ns.store(next_mallinfo_ns(start, cost), Ordering::Relaxed);
         }
         self.mallinfo.each_ref().map(|v| v.load(Ordering::Relaxed))
     }
@@ -765,6 +766,24 @@ impl TickSpy {
 /// of python3's.
 const MALLINFO_SPACING: u64 = 1024;
 
+/// The longest `mallinfo2` walk that is taken again: the allocation call that takes the
+/// statistics waits for the whole walk.
+const MALLINFO_BUDGET_NS: u64 = 2_000_000;
+
+/// When the allocator's view may be taken again, after a walk that started at `start_ns` and
+/// took `cost_ns`: [`MALLINFO_SPACING`] times its cost later, or never once a walk took longer
+/// than [`MALLINFO_BUDGET_NS`]. The spacing bounds the walks' share of the run, not one walk: a
+/// heap that fragmented between two walks (five million free chunks) made one `malloc` wait
+/// 70 ms, again every 70 s, against 0.45 ms natively (review helper 11). The view then stays
+/// as that walk found it.
+fn next_mallinfo_ns(start_ns: u64, cost_ns: u64) -> u64 {
+    if cost_ns > MALLINFO_BUDGET_NS {
+        u64::MAX
+    } else {
+        start_ns.saturating_add(cost_ns.saturating_mul(MALLINFO_SPACING))
+    }
+}
+
 /// A sum of wrapping counts, read one after another while threads sample and free: it may miss
 /// a sample whose free it counts, and below zero it is none.
 fn at_least_zero(sum: u64) -> u64 {
@@ -863,6 +882,14 @@ pub(crate) fn prefetch_sampled(ptr: usize) {
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn a_walk_over_budget_is_not_taken_again() {
+        assert_eq!(next_mallinfo_ns(1_000, 1_000), 1_000 + 1_000 * MALLINFO_SPACING);
+        assert_eq!(next_mallinfo_ns(1_000, MALLINFO_BUDGET_NS), 1_000 + MALLINFO_BUDGET_NS * MALLINFO_SPACING);
+        assert_eq!(next_mallinfo_ns(1_000, MALLINFO_BUDGET_NS + 1), u64::MAX);
+        assert_eq!(next_mallinfo_ns(u64::MAX - 5, 10), u64::MAX);
+    }
 
     #[test]
     fn poisson_weights_make_unbiased_estimates() {
