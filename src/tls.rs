@@ -65,6 +65,9 @@ pub(crate) struct ThreadState {
     /// Set (1) by a spy's method that could not do its work (`mallocspy_api.spy_failed`),
     /// taken by the dispatcher when the method returns.
     pub spy_failed: Cell<u32>,
+    /// 1 while a callback of the ticks spy runs on this thread (see
+    /// `spies::ticks::released_unseen`).
+    pub in_tick_callback: Cell<u32>,
 }
 
 /// Offset of `ThreadState::entry_sp` in the block (for the trampolines' assembly).

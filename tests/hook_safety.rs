@@ -81,6 +81,29 @@ fn malloc_and_free_in_signal_handlers() {
     assert_eq!(outputs[0].1.status.code(), Some(0));
 }
 
+/// A signal handler that frees while its thread is inside the ticks spy's sampled set (every
+/// allocation sampled): the free, nested in the hook, must not wait for the lock its own
+/// thread holds. A first version of the nested path's sample ending hung here, every run.
+#[test]
+fn a_signal_handler_that_frees_during_a_sample_does_not_hang() {
+    let program = c_program("signal_frees.c");
+    let mut child = Command::new(&program)
+        .arg("2000000")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "spy=ticks:sample_interval=1")
+        .env("GLIBC_TUNABLES", "glibc.malloc.tcache_count=1000")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout)), (Some(0), "done\n".to_string()), "hung, or died");
+}
+
 #[test]
 fn threads_that_ask_for_their_stack_first_or_leave_by_pthread_exit_or_cancellation() {
     // The JVM's and Rust's threads ask pthread_getattr_np for their stack before anything else;

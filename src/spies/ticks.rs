@@ -515,7 +515,7 @@ impl TickSpy {
                 frames: frames.as_ptr(),
                 frame_count: frames.len(),
             };
-            f(&tick);
+            in_callback(|| f(&tick));
         }
         if let Some(old) = self.sampled.insert(ptr, Sample { weight, size_kind: size << 2 | kind as u64 }) {
             // A block freed before we noticed (cannot happen while frees are seen): drop it.
@@ -592,7 +592,7 @@ impl TickSpy {
         if callback != 0 {
             // SAFETY: only `set_stats_callback` stores here, always a StatsCallback.
             let f: StatsCallback = unsafe { core::mem::transmute::<usize, StatsCallback>(callback) };
-            f(&stats);
+            in_callback(|| f(&stats));
         }
         stats
     }
@@ -856,15 +856,33 @@ pub(crate) fn spy() -> Option<&'static TickSpy> {
     SPY.get().copied()
 }
 
-/// A block freed (or moved by `realloc`) where no spy sees it: by a tick or statistics
-/// callback, which runs inside the allocator, or by a thread without a slot. If it was
-/// sampled, its sample ends here, or it stayed live in the estimates for good. Only the
-/// sampled set's atomics and the queue are touched, as a free of a thread without a record
-/// touches them: safe wherever the allocator may be called.
+/// Runs a program's callback with its thread marked as inside one (see [`released_unseen`]).
+fn in_callback(call: impl FnOnce()) {
+    let ts = tls::state();
+    let outer = ts.in_tick_callback.replace(1);
+    call();
+    ts.in_tick_callback.set(outer);
+}
+
+/// A block freed (or moved by `realloc`) inside the allocator, where no spy sees it: if a tick
+/// or statistics callback freed it, and it was sampled, its sample ends here, or it stayed
+/// live in the estimates for good.
+///
+/// Only from a callback, which runs outside the sampled set's operations: a signal handler's
+/// free may have interrupted one that holds the very lock the sample's end takes (a program
+/// whose handler frees hung for good, spinning on its own lock). The mark is down while the
+/// sample ends, so that a handler's free interrupting this one is skipped too. Frees of
+/// threads without a slot, which also come this way, are not followed.
 #[inline]
 pub(crate) fn released_unseen(ptr: usize) {
+    let ts = tls::state();
+    if ts.in_tick_callback.get() == 0 {
+        return;
+    }
     if let Some(spy) = spy() {
+        ts.in_tick_callback.set(0);
         spy.released(ptr, None);
+        ts.in_tick_callback.set(1);
     }
 }
 
