@@ -64,12 +64,6 @@ pub fn init() {
         // A pure pass-through: no reports, so no report file or copy of stderr either.
         return;
     }
-    if let Some(owner) = malloc_served_elsewhere() {
-        return say(&format!(
-            "malloc resolves to {owner}, not to mallocspy (put mallocspy first in LD_PRELOAD): \
-             no allocation would reach the spies; running unspied"
-        ));
-    }
     match &options.log_path {
         Some(path) => {
             if let Err(e) = sink::use_path(path) {
@@ -169,25 +163,6 @@ fn after_fork_child() {
             }
         }
     }
-}
-
-/// The module the process's `malloc` resolves to, when it is not mallocspy's: another
-/// allocator preloaded before the shim, or the program's own. Its calls never reach the
-/// spies, whose reports would then say that the program allocated nothing.
-fn malloc_served_elsewhere() -> Option<String> {
-    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name.
-    let malloc = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
-    let own = os::module_of(init as *const () as *const core::ffi::c_void);
-    if malloc.is_null() || os::module_of(malloc) == own {
-        return None;
-    }
-    // SAFETY: zero is a valid Dl_info; dladdr fills it for an address of a loaded module.
-    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
-    // SAFETY: as above; dli_fname, when set, is the module's NUL-terminated path.
-    let path = (unsafe { libc::dladdr(malloc, &mut info) } != 0 && !info.dli_fname.is_null())
-        .then(|| unsafe { core::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
-        .filter(|p| !p.is_empty());
-    Some(path.unwrap_or_else(|| "the program's own".to_owned()))
 }
 
 fn tick_config(options: &Options) -> ticks::Config {

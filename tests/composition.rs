@@ -76,29 +76,3 @@ fn over_glibc() {
         assert_eq!(text(&out.stdout), "allocator_owner: glibc ok\n", "{mode:?}: {}", text(&out.stderr));
     }
 }
-
-/// An allocator preloaded before the shim serves every call itself: mallocspy says so in one
-/// line and runs unspied, where its reports said that the program allocated nothing.
-#[test]
-fn an_allocator_preloaded_before_the_shim_is_named_and_nothing_is_reported() {
-    for allocator in [JEMALLOC, TCMALLOC] {
-        require(allocator);
-        for options in ["spy=leaks", "spy=ticks"] {
-            let out = Command::new(c_program("lose_one.c"))
-                .arg("40")
-                .env("LD_PRELOAD", format!("{allocator} {}", shim().display()))
-                .env("MALLOCSPY_OPTIONS", options)
-                .output()
-                .unwrap();
-            assert_eq!(out.status.code(), Some(0), "{allocator} {options}: {}", text(&out.stderr));
-            // That line is all: no report of a program that allocated nothing.
-            let stderr = text(&out.stderr);
-            let lines: Vec<&str> = stderr.lines().collect();
-            let expected = format!("mallocspy: malloc resolves to {allocator}, not to mallocspy (put mallocspy first");
-            assert!(
-                lines.len() == 1 && lines[0].starts_with(&expected) && lines[0].ends_with("; running unspied"),
-                "{lines:?}"
-            );
-        }
-    }
-}
