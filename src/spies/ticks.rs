@@ -625,13 +625,15 @@ impl TickSpy {
     fn allocator_view(&self) -> [u64; 4] {
         let start = self.elapsed_ns();
         if self.listening() && start >= self.mallinfo_next_ns.load(Ordering::Relaxed) {
+            let cpu_start = os::thread_cpu_ns();
             // SAFETY: mallinfo2 only reads the allocator's state (under its own locks).
             let m = unsafe { libc::mallinfo2() };
             let cost = self.elapsed_ns().saturating_sub(start);
+            let cpu_cost = os::thread_cpu_ns().saturating_sub(cpu_start);
             for (slot, v) in self.mallinfo.iter().zip([m.arena, m.hblkhd, m.fordblks, m.uordblks]) {
                 slot.store(v as u64, Ordering::Relaxed);
             }
-            self.mallinfo_next_ns.store(next_mallinfo_ns(start, cost), Ordering::Relaxed);
+            self.mallinfo_next_ns.store(next_mallinfo_ns(start, cost, cpu_cost), Ordering::Relaxed);
         }
         self.mallinfo.each_ref().map(|v| v.load(Ordering::Relaxed))
     }
@@ -771,13 +773,15 @@ const MALLINFO_SPACING: u64 = 1024;
 const MALLINFO_BUDGET_NS: u64 = 2_000_000;
 
 /// When the allocator's view may be taken again, after a walk that started at `start_ns` and
-/// took `cost_ns`: [`MALLINFO_SPACING`] times its cost later, or never once a walk took longer
-/// than [`MALLINFO_BUDGET_NS`]. The spacing bounds the walks' share of the run, not one walk: a
-/// heap that fragmented between two walks (five million free chunks) made one `malloc` wait
-/// 70 ms, again every 70 s, against 0.45 ms natively (review helper 11). The view then stays
-/// as that walk found it.
-fn next_mallinfo_ns(start_ns: u64, cost_ns: u64) -> u64 {
-    if cost_ns > MALLINFO_BUDGET_NS {
+/// took `cost_ns` (`cpu_ns` of them on the thread's CPU): [`MALLINFO_SPACING`] times its cost
+/// later, or never once a walk's own work took longer than [`MALLINFO_BUDGET_NS`]. The spacing
+/// bounds the walks' share of the run, not one walk: a heap that fragmented between two walks
+/// (five million free chunks) made one `malloc` wait 70 ms, again every 70 s, against 0.45 ms
+/// natively (review helper 11). The view then stays as that walk found it. CPU time, not the
+/// clock's: a walk of 0.8 ms pre-empted by another process on its core read over 2 ms, and
+/// froze the view of a heap that went on growing (review helper 12).
+fn next_mallinfo_ns(start_ns: u64, cost_ns: u64, cpu_ns: u64) -> u64 {
+    if cpu_ns > MALLINFO_BUDGET_NS {
         u64::MAX
     } else {
         start_ns.saturating_add(cost_ns.saturating_mul(MALLINFO_SPACING))
@@ -903,10 +907,13 @@ mod tests {
 
     #[test]
     fn a_walk_over_budget_is_not_taken_again() {
-        assert_eq!(next_mallinfo_ns(1_000, 1_000), 1_000 + 1_000 * MALLINFO_SPACING);
-        assert_eq!(next_mallinfo_ns(1_000, MALLINFO_BUDGET_NS), 1_000 + MALLINFO_BUDGET_NS * MALLINFO_SPACING);
-        assert_eq!(next_mallinfo_ns(1_000, MALLINFO_BUDGET_NS + 1), u64::MAX);
-        assert_eq!(next_mallinfo_ns(u64::MAX - 5, 10), u64::MAX);
+        assert_eq!(next_mallinfo_ns(1_000, 1_000, 900), 1_000 + 1_000 * MALLINFO_SPACING);
+        let budget = MALLINFO_BUDGET_NS;
+        assert_eq!(next_mallinfo_ns(1_000, budget, budget), 1_000 + budget * MALLINFO_SPACING);
+        assert_eq!(next_mallinfo_ns(1_000, budget + 1, budget + 1), u64::MAX);
+        // Pre-empted: long by the clock, short on the CPU. Spaced by the clock, not stopped.
+        assert_eq!(next_mallinfo_ns(1_000, 3 * budget, budget / 4), 1_000 + 3 * budget * MALLINFO_SPACING);
+        assert_eq!(next_mallinfo_ns(u64::MAX - 5, 10, 10), u64::MAX);
     }
 
     #[test]
