@@ -17,8 +17,9 @@
 //! change to any byte of either word is seen (a zero written just before the block, as
 //! `s[strlen(s) - 1] = 0` on an empty string does, included), the size is trusted only once
 //! the tag vouches for it, and a header copied elsewhere does not validate. Every byte of the
-//! tag and of the trailer has its top bit set: a byte of ASCII text or a zero written over one
-//! is always seen; another byte is missed only when it happens to be the value already there.
+//! tag and of the trailer is even and from 0x80 up: a zero, a byte of ASCII text, 0xff or any
+//! odd byte written over one is always seen; another byte is missed only when it happens to be
+//! the value already there (one in 64).
 //! Every finding is one line: what, where, how big; the program goes on where it safely can
 //! (a damaged header means the real block cannot be found, so it is leaked, not freed).
 
@@ -99,8 +100,15 @@ fn size_word(size: usize, offset: usize) -> u64 {
     size as u64 | u64::from(offset.trailing_zeros()) << SHIFT_AT
 }
 
-/// The top bit of every byte of a canary word.
-const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+/// Bits set, and bits cleared, in every byte of a canary word: the top bit and the lowest.
+const CANARY_SET: u64 = 0x8080_8080_8080_8080;
+const CANARY_CLEAR: u64 = 0x0101_0101_0101_0101;
+
+/// A hash made a canary: every byte from 0x80 up and even, so that none is a zero, a byte of
+/// ASCII text or 0xff (the fills and overflows most writes past a block are made of).
+fn canary(hash: u64) -> u64 {
+    (hash | CANARY_SET) & !CANARY_CLEAR
+}
 
 /// splitmix64's finalizer: every bit of the result depends on every bit of `z`.
 fn mix(mut z: u64) -> u64 {
@@ -109,19 +117,18 @@ fn mix(mut z: u64) -> u64 {
     z ^ z >> 31
 }
 
-/// The tag of the block at `p`: a hash of `p` and of the size word, with the top bit of every
-/// byte set, so that a byte of text or a zero written over it is always seen. With a byte of
-/// the hash there, one in 256 such writes found the very value already in place ('u' written
-/// at `p[-1]` went unseen in one CI run).
+/// The tag of the block at `p`: a [`canary`] of a hash of `p` and of the size word. With any
+/// byte of the hash there, one in 256 writes found the very value already in place ('u'
+/// written at `p[-1]` went unseen in one CI run).
 fn tag(p: usize, size_word: u64) -> u64 {
-    mix((p as u64 ^ CANARY) ^ size_word.rotate_left(32)) | HIGH_BITS
+    canary(mix((p as u64 ^ CANARY) ^ size_word.rotate_left(32)))
 }
 
-/// The trailer after the block at `p`: a hash of `p`, every byte's top bit set as the tag's
-/// are. (`TRAILER_CANARY ^ p` gave the first byte one of 16 values ending in 0xE, so a string
-/// overflowing by an `n` or a `.` went unseen once in 16 blocks.)
+/// The trailer after the block at `p`: a [`canary`] of a hash of `p`. (`TRAILER_CANARY ^ p`
+/// gave the first byte one of 16 values ending in 0xE, so a string overflowing by an `n` or a
+/// `.` went unseen once in 16 blocks; with only the top bit set, a 0xff fill once in 128.)
 fn trailer(p: usize) -> u64 {
-    mix(p as u64 ^ TRAILER_CANARY) | HIGH_BITS
+    canary(mix(p as u64 ^ TRAILER_CANARY))
 }
 
 /// Writes the header and trailer of the block whose caller pointer is `p`.
@@ -459,8 +466,9 @@ mod tests {
         }
     }
 
-    /// A byte of text or a zero written into the tag or the trailer is seen whatever the
-    /// block's address: before, a write that found its own value in place went unseen.
+    /// A zero, a byte of text, 0xff or any odd byte written into the tag or the trailer is seen
+    /// whatever the block's address: before, a write that found its own value in place went
+    /// unseen.
     #[test]
     fn text_and_zeros_over_a_canary_are_always_seen() {
         let mut buf = vec![0u64; 64];
@@ -469,13 +477,13 @@ mod tests {
             // Addresses of blocks spread over the address space, as many as the hash sees.
             let p = (block.wrapping_mul(0x9E37_79B9_7F4A_7C15) & 0x7fff_ffff_fff0) | 0x10;
             let (tag_bytes, trailer_bytes) = (tag(p, size_word(40, 16)).to_le_bytes(), trailer(p).to_le_bytes());
-            for value in 0..0x80u8 {
+            for value in (0..0x80u8).chain((0x81..=0xff).step_by(2)) {
                 assert!(!tag_bytes.contains(&value) && !trailer_bytes.contains(&value), "{value:#x} at {p:#x}");
             }
         }
         // And through the checks themselves, at a real block.
         let p = base + 16;
-        for value in [0u8, b'u', b'n', b'.'] {
+        for value in [0u8, b'u', b'n', b'.', 0xff] {
             // SAFETY: buf holds 512 bytes; p lies 16 to 24 bytes into it, and the block needs
             // 16 bytes before p and 48 after.
             unsafe {
