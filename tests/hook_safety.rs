@@ -87,7 +87,7 @@ fn malloc_and_free_in_signal_handlers() {
 #[test]
 fn a_signal_handler_that_frees_during_a_sample_does_not_hang() {
     let program = c_program("signal_frees.c");
-    let mut child = Command::new(&program)
+    let child = Command::new(&program)
         .arg("2000000")
         .env("LD_PRELOAD", shim())
         .env("MALLOCSPY_OPTIONS", "spy=ticks:sample_interval=1")
@@ -95,12 +95,7 @@ fn a_signal_handler_that_frees_during_a_sample_does_not_hang() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, std::time::Duration::from_secs(120));
     assert_eq!((out.status.code(), text(&out.stdout)), (Some(0), "done\n".to_string()), "hung, or died");
 }
 

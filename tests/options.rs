@@ -172,7 +172,7 @@ fn a_fifo_that_nothing_reads_is_one_line_not_a_hang() {
     let status = Command::new("mkfifo").arg(&fifo).status().unwrap();
     assert!(status.success());
     for (options, what) in [("spy=count:log_path", "log_path"), ("spy=ticks:trace", "trace")] {
-        let mut child = Command::new("ls")
+        let child = Command::new("ls")
             .arg("/")
             .env("LD_PRELOAD", shim())
             .env("MALLOCSPY_OPTIONS", format!("{options}={}", fifo.display()))
@@ -180,12 +180,7 @@ fn a_fifo_that_nothing_reads_is_one_line_not_a_hang() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        let _ = child.kill();
-        let out = child.wait_with_output().unwrap();
+        let out = output_within(child, std::time::Duration::from_secs(30));
         assert_eq!(out.status.code(), Some(0), "{what}: the program ran to its end");
         assert_eq!(out.stdout, run(Mode::Native, &mut ls()).stdout, "{what}");
         let first = text(&out.stderr).lines().next().unwrap_or_default().to_string();

@@ -205,6 +205,17 @@ impl Mode {
     }
 }
 
+/// Waits for `child` until `limit` has passed, then kills it (a hang fails the caller's
+/// assertions on its status rather than the whole test run); its output.
+pub fn output_within(mut child: std::process::Child, limit: std::time::Duration) -> Output {
+    let deadline = std::time::Instant::now() + limit;
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    child.wait_with_output().unwrap()
+}
+
 /// Runs `cmd` in `mode`.
 pub fn run(mode: Mode, cmd: &mut Command) -> Output {
     mode.apply(cmd);
