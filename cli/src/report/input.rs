@@ -57,7 +57,8 @@ pub fn load(path: &Path) -> io::Result<Loaded> {
 
 /// Whether a trace writer holds `file`: mallocspy's writer keeps an exclusive `flock` on its
 /// trace until it closes it (`src/trace/writer.rs`). A shared lock taken here is let go at
-/// once, so that a `record` started meanwhile still finds the file free.
+/// once; a `record` that opens the same path between the two calls takes it for another
+/// writer's, and writes `PATH.PID` instead.
 fn locked_by_writer(file: &File) -> bool {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
