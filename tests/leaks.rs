@@ -677,20 +677,21 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
 /// copies of a lost block's address those left there made it "still reachable".
 #[test]
 fn a_lost_block_whose_address_lingers_in_dead_frames_is_lost_at_a_signal() {
-    let program = c_program("ending_signal.c");
-    for round in 0..3 {
-        let out = signalled(&program, &["stale"], JSON_REPORT, libc::SIGTERM, None);
-        assert_ended_by_term_with_its_lost_block(&out, round);
-    }
+    term_rounds("stale", 3);
 }
 
 /// A signal that lands inside an allocator call, where a program busy allocating mostly is,
 /// still gets the report: the call ends first (it holds what the report needs).
 #[test]
 fn a_signal_that_lands_inside_an_allocator_call_still_gets_the_report() {
+    term_rounds("churn", 10);
+}
+
+/// `rounds` runs of `ending_signal.c MODE` ended by SIGTERM, each with its whole report.
+fn term_rounds(mode: &str, rounds: usize) {
     let program = c_program("ending_signal.c");
-    for round in 0..10 {
-        let out = signalled(&program, &["churn"], JSON_REPORT, libc::SIGTERM, None);
+    for round in 0..rounds {
+        let out = signalled(&program, &[mode], JSON_REPORT, libc::SIGTERM, None);
         assert_ended_by_term_with_its_lost_block(&out, round);
     }
 }
