@@ -37,6 +37,8 @@ static BUILTINS: OnceLock<Builtins> = OnceLock::new();
 /// The process the reports belong to (a `vfork` child shares our memory but is not us).
 static OWNER: AtomicU32 = AtomicU32::new(0);
 static REPORTED: AtomicBool = AtomicBool::new(false);
+/// The module `malloc` resolved to at start, when not mallocspy's ([`warn_if_bypassed`]).
+static MALLOC_ELSEWHERE: OnceLock<String> = OnceLock::new();
 
 fn say(message: &str) {
     let line = format!("mallocspy: {message}\n");
@@ -63,6 +65,9 @@ pub fn init() {
     if options.spies.is_empty() {
         // A pure pass-through: no reports, so no report file or copy of stderr either.
         return;
+    }
+    if let Some(owner) = malloc_served_elsewhere() {
+        let _ = MALLOC_ELSEWHERE.set(owner);
     }
     match &options.log_path {
         Some(path) => {
@@ -165,6 +170,46 @@ fn after_fork_child() {
     }
 }
 
+/// The module the process's `malloc` resolves to, when it is not mallocspy's: another
+/// allocator preloaded before the shim, a wrapper that passes calls on, or the program's own.
+fn malloc_served_elsewhere() -> Option<String> {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name.
+    let malloc = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
+    let own = os::module_of(init as *const () as *const core::ffi::c_void);
+    if malloc.is_null() || os::module_of(malloc) == own {
+        return None;
+    }
+    // SAFETY: Dl_info is plain data, for which zero is a valid value.
+    let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+    // SAFETY: dladdr only writes `info`, for an address of a loaded module.
+    let found = unsafe { libc::dladdr(malloc, &mut info) } != 0 && !info.dli_fname.is_null();
+    // SAFETY: dladdr set dli_fname to the module's NUL-terminated path, kept while it is loaded.
+    let path = found
+        .then(|| unsafe { core::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
+        .filter(|p| !p.is_empty());
+    Some(path.unwrap_or_else(|| "the program itself".to_owned()))
+}
+
+/// Says, at exit, that the reports saw nothing of the program's heap because its `malloc`
+/// is another module's: an allocator preloaded before the shim serves every call itself, and
+/// the reports would otherwise read as a clean bill ("0 allocs"). Said only when no `malloc`
+/// reached mallocspy: a wrapper that passes calls on to the next `malloc` (heaptrack's
+/// preload, a program's own `malloc`) is spied on as ever. Switching mallocspy off at start
+/// on the lookup alone took such wrappers for allocators.
+fn warn_if_bypassed() {
+    if let Some(owner) = MALLOC_ELSEWHERE.get()
+        && !crate::fast_path::malloc_reached()
+    {
+        sink::write(
+            format!(
+                "mallocspy: no malloc reached mallocspy: malloc resolves to {owner}, ahead of mallocspy \
+                 (put libmallocspy_preload.so first in LD_PRELOAD); the reports below saw none of the program's heap\n"
+            )
+            .as_bytes(),
+        );
+    }
+}
+
 fn tick_config(options: &Options) -> ticks::Config {
     let seed = options.sample_seed.unwrap_or_else(|| os::monotonic_ns() ^ (os::getpid() as u64) << 32);
     ticks::Config {
@@ -222,6 +267,7 @@ fn report_all(caller: Caller) {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
     let Some(b) = BUILTINS.get() else { return };
+    warn_if_bypassed();
     if let Some(count) = b.count {
         sink::write(count.report().as_bytes());
     }

@@ -76,3 +76,38 @@ fn over_glibc() {
         assert_eq!(text(&out.stdout), "allocator_owner: glibc ok\n", "{mode:?}: {}", text(&out.stderr));
     }
 }
+
+/// Another allocator preloaded before the shim serves every call itself: the reports saw
+/// nothing of the program's heap and would read as a clean bill ("0 allocs"), so mallocspy
+/// names that allocator above them. A wrapper preloaded before the shim that passes its calls
+/// on (heaptrack's preload does) is spied on as ever, and nothing is said.
+#[test]
+fn an_allocator_preloaded_before_the_shim_is_named_above_the_empty_reports() {
+    const BYPASSED: &str = "mallocspy: no malloc reached mallocspy: malloc resolves to";
+    let lose_one = c_program("lose_one.c");
+    let preloaded = |first: &Path, options: &str| {
+        Command::new(&lose_one)
+            .arg("40")
+            .env("LD_PRELOAD", format!("{} {}", first.display(), shim().display()))
+            .env("MALLOCSPY_OPTIONS", options)
+            .output()
+            .unwrap()
+    };
+    for allocator in [JEMALLOC, TCMALLOC] {
+        require(allocator);
+        for options in ["spy=leaks", "spy=ticks", "spy=count"] {
+            let out = preloaded(Path::new(allocator), options);
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(0), "{allocator} {options}: {stderr}");
+            let first = stderr.lines().next().unwrap_or_default();
+            assert!(first.starts_with(&format!("{BYPASSED} {allocator}, ahead of mallocspy")), "{options}: {stderr}");
+            assert_eq!(stderr.matches(BYPASSED).count(), 1, "{options}: {stderr}");
+        }
+    }
+    let wrapper = c_library("forwarding_malloc.c");
+    let out = preloaded(&wrapper, "spy=leaks");
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains(BYPASSED), "{stderr}");
+    assert!(stderr.contains("40 bytes in 1 blocks are definitely lost"), "{stderr}");
+}
