@@ -20,6 +20,7 @@
 //! not disturb it); `free` preserves it.
 
 use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicBool, Ordering};
 
 use crate::deferred::DeferredFrees;
 use crate::gate::{self, Gate};
@@ -130,6 +131,8 @@ pub(crate) struct Interposer<H: Heap> {
     deferred: DeferredFrees,
     /// Caller pointer of every block allocated under the spy -> the size the caller may use.
     spied: LiveTable<usize>,
+    /// Whether an allocation ever reached a registered spy ([`Self::reached_a_spy`]).
+    reached: AtomicBool,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -153,6 +156,7 @@ impl<H: Heap> Interposer<H> {
             heap,
             deferred: DeferredFrees::new(),
             spied: LiveTable::new(),
+            reached: AtomicBool::new(false),
         }
     }
 
@@ -571,6 +575,14 @@ impl<H: Heap> Interposer<H> {
         Outcome::failed(err)
     }
 
+    /// Whether an allocation ever reached a registered spy. Every thread's first allocation
+    /// under a spy comes this way, whatever the entry (the gate lets a thread through only
+    /// once the spy has set it up here); none does when another module's malloc family comes
+    /// first in the process's lookup order and serves the calls itself.
+    pub(crate) fn reached_a_spy(&self) -> bool {
+        self.reached.load(Ordering::Relaxed)
+    }
+
     /// An allocating call while a spy may be registered.
     fn alloc(&self, req: AllocRequest) -> Outcome {
         let Some(scope) = Scope::enter() else { return self.real_alloc(&req, req.size) };
@@ -580,6 +592,10 @@ impl<H: Heap> Interposer<H> {
         let Some(cell) = self.registry.current().filter(|c| c.is_active()) else {
             return self.real_alloc(&req, req.size);
         };
+        // Read first: the line stays shared between the threads, written once.
+        if !self.reached.load(Ordering::Relaxed) {
+            self.reached.store(true, Ordering::Relaxed);
+        }
         let out =
             if cell.observes { self.alloc_observed(cell, &scope, &req) } else { self.alloc_with(cell, &scope, &req) };
         self.retire(cell, &scope);

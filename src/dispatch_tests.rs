@@ -185,6 +185,27 @@ fn without_a_spy_everything_passes_through() {
 }
 
 #[test]
+fn any_allocation_under_a_spy_marks_the_interposer_reached_and_none_before() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    let before = ip.malloc(10);
+    assert!(!ip.reached_a_spy(), "no spy yet");
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    // SAFETY: `before` is a live block of this interposer, freed once.
+    unsafe {
+        assert!(ip.malloc_usable_size(before) >= 10);
+        ip.free(before);
+    }
+    assert!(!ip.reached_a_spy(), "neither a free nor a size query is an allocation");
+    // The first allocation of a thread need not be a malloc.
+    let z = ip.calloc(4, 4);
+    assert!(ip.reached_a_spy());
+    // SAFETY: a live block of this interposer.
+    unsafe { ip.free(z) };
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
+#[test]
 fn header_spy_keeps_every_entry_point_correct() {
     let log = Arc::new(Log::default());
     let ip = fresh();

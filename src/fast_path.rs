@@ -24,7 +24,6 @@
 //! `tests/ticks.rs` checks that a traced run's exact totals are what `spy=count` counts.
 
 use core::ffi::c_void;
-use core::sync::atomic::{AtomicBool, Ordering};
 
 use crate::dispatch::Interposer;
 use crate::gate::{self, Gate, TickCounters};
@@ -195,23 +194,8 @@ macro_rules! __fast_path {
     };
 }
 
-/// Whether the process's `malloc` was ever called with a spy registered (see [`malloc_reached`]).
-static MALLOC_REACHED: AtomicBool = AtomicBool::new(false);
-
-/// Whether a call of the process's `malloc` reached this library with a spy registered: the
-/// first such call of every thread comes here (the gate lets a thread through only once a
-/// spy has set it up here). Nothing reaches it when another module's `malloc` comes first in
-/// the process's lookup order and does not pass calls on (`preload.rs` says so at exit).
-pub fn malloc_reached() -> bool {
-    MALLOC_REACHED.load(Ordering::Relaxed)
-}
-
 /// A `malloc` the assembly did not let through, with a spy registered.
 pub extern "C" fn malloc_spied(size: usize) -> *mut c_void {
-    // Read first: the line stays shared between the threads, never written again.
-    if !MALLOC_REACHED.load(Ordering::Relaxed) {
-        MALLOC_REACHED.store(true, Ordering::Relaxed);
-    }
     GLOBAL.malloc_slow(size)
 }
 

@@ -192,17 +192,17 @@ fn malloc_served_elsewhere() -> Option<String> {
 
 /// Says, at exit, that the reports saw nothing of the program's heap because its `malloc`
 /// is another module's: an allocator preloaded before the shim serves every call itself, and
-/// the reports would otherwise read as a clean bill ("0 allocs"). Said only when no `malloc`
-/// reached mallocspy: a wrapper that passes calls on to the next `malloc` (heaptrack's
+/// the reports would otherwise read as a clean bill ("0 allocs"). Said only when no allocation
+/// reached the spies: a wrapper that passes calls on to the next `malloc` (heaptrack's
 /// preload, a program's own `malloc`) is spied on as ever. Switching mallocspy off at start
 /// on the lookup alone took such wrappers for allocators.
 fn warn_if_bypassed() {
     if let Some(owner) = MALLOC_ELSEWHERE.get()
-        && !crate::fast_path::malloc_reached()
+        && !GLOBAL.reached_a_spy()
     {
         sink::write(
             format!(
-                "mallocspy: no malloc reached mallocspy: malloc resolves to {owner}, ahead of mallocspy \
+                "mallocspy: no allocation reached mallocspy: malloc resolves to {owner}, ahead of mallocspy \
                  (put libmallocspy_preload.so first in LD_PRELOAD); the reports below saw none of the program's heap\n"
             )
             .as_bytes(),

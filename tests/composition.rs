@@ -83,7 +83,7 @@ fn over_glibc() {
 /// on (heaptrack's preload does) is spied on as ever, and nothing is said.
 #[test]
 fn an_allocator_preloaded_before_the_shim_is_named_above_the_empty_reports() {
-    const BYPASSED: &str = "mallocspy: no malloc reached mallocspy: malloc resolves to";
+    const BYPASSED: &str = "mallocspy: no allocation reached mallocspy: malloc resolves to";
     let lose_one = c_program("lose_one.c");
     let preloaded = |first: &Path, options: &str| {
         Command::new(&lose_one)
