@@ -37,6 +37,16 @@ const TAG_INHERITED: u8 = 12;
 pub const MAX_FRAMES: usize = 1024;
 const _: () = assert!(super::message::MAX_FRAMES <= MAX_FRAMES);
 
+/// The longest module path: what `open` takes (`PATH_MAX` less its NUL). The writer lists
+/// only modules whose files it opened, and a longer path could not be opened again to
+/// symbolize; the report repeats a module's path in each of its frames.
+pub const MAX_PATH: usize = 4095;
+
+/// Most arguments of a header's command line: more than the kernel passes to a program
+/// (`ARG_MAX`, two megabytes of at least two bytes each, by default); each costs the report
+/// far more memory than its byte in the file.
+pub const MAX_ARGS: usize = 1 << 20;
+
 /// The longest payload a record of `tag` can have: a record claiming more is damaged, not
 /// cut (a flipped bit in a length would otherwise pass for the end of the file).
 fn max_payload(tag: u8) -> u64 {
@@ -523,7 +533,12 @@ impl<'a> Fields<'a> {
 
 fn read_header(f: &mut Fields<'_>) -> Result<Header, TraceError> {
     let pid = f.int_u32()?;
+    let at = f.at;
     let n = f.count(1)?;
+    if n > MAX_ARGS {
+        f.at = at;
+        return Err(f.error(format!("a command line of {n} arguments (at most {MAX_ARGS})")));
+    }
     let command = (0..n).map(|_| f.string()).collect::<Result<_, _>>()?;
     let options = f.string()?;
     let sampling = match f.int()? {
@@ -547,7 +562,12 @@ fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> 
         TAG_MODULE_LOAD => {
             let time_ns = f.int()?;
             let id = f.int()?;
+            let at = f.at;
             let path = f.string()?;
+            if path.len() > MAX_PATH {
+                f.at = at;
+                return Err(f.error(format!("a module path of {} bytes (at most {MAX_PATH})", path.len())));
+            }
             let base = f.int()?;
             let n = f.count(2)?;
             let mut ranges = Vec::with_capacity(n);
@@ -703,6 +723,14 @@ impl<'a> Reader<'a> {
         let start = self.at;
         let &tag = self.bytes.get(start)?;
         if tag == 0 {
+            // A crash can leave the file's tail zero-filled (its size written, its blocks
+            // not): the events end there. A zero tag with data after it is damage, not a cut.
+            if self.bytes[start..].iter().any(|&b| b != 0) {
+                return Some(Err(TraceError {
+                    offset: start as u64,
+                    what: "a record of tag 0 with data after it".into(),
+                }));
+            }
             self.truncated = Some(start as u64);
             return None;
         }
@@ -948,6 +976,27 @@ mod tests {
         let mut file = header.clone();
         write_event(&mut file, &Event::Stack { id: 1, frames: vec![0x1000; MAX_FRAMES + 1] });
         assert!(error(&file).contains("a stack of 1025 frames (at most 1024)"), "{}", error(&file));
+        // A zero where a record starts, with records after it: the events after it are not
+        // dropped as if the file ended there.
+        let mut file = header.clone();
+        write_event(&mut file, &Event::End { time_ns: 1 });
+        let zero = file.len();
+        file.push(0);
+        write_event(&mut file, &Event::End { time_ns: 2 });
+        assert_eq!(
+            error(&file),
+            format!("not a readable mallocspy trace: a record of tag 0 with data after it at offset {zero}")
+        );
+        // A module path longer than any file could be opened by, to be repeated in its frames.
+        let mut file = header.clone();
+        let module =
+            Module { path: format!("/{}", "a".repeat(MAX_PATH)), ranges: vec![(0x1000, 0x2000)], ..Module::default() };
+        write_event(&mut file, &Event::ModuleLoad { time_ns: 1, module });
+        assert!(error(&file).contains("a module path of 4096 bytes (at most 4095)"), "{}", error(&file));
+        // More arguments than a program can be given, each a string the report would make.
+        let mut file = Vec::new();
+        write_header(&mut file, &Header { command: vec![String::new(); MAX_ARGS + 1], ..Header::default() });
+        assert!(error(&file).contains("a command line of 1048577 arguments (at most 1048576)"), "{}", error(&file));
     }
 
     #[test]

@@ -108,7 +108,11 @@ pub(crate) fn writer() -> Option<&'static Writer> {
 
 fn command_line() -> Vec<String> {
     let raw = std::fs::read("/proc/self/cmdline").unwrap_or_default();
-    raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+    raw.split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .take(super::MAX_ARGS)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
 }
 
 fn unix_now_ns() -> u64 {
