@@ -13,6 +13,11 @@ use super::text::title;
 /// One line per distinct stack, `root;...;leaf BYTES`, sorted (inferno requires it of
 /// `from_lines`). Inlined calls are frames of their own; stacks whose names coincide merge.
 pub fn lines(report: &Report<'_>) -> Vec<String> {
+    folded(report).into_iter().map(|(stack, bytes)| format!("{stack} {bytes}")).collect()
+}
+
+/// Each distinct stack's names, root first and joined by `;`, and its bytes.
+fn folded(report: &Report<'_>) -> BTreeMap<String, u64> {
     let mut folded: BTreeMap<String, u64> = BTreeMap::new();
     for stack in report.profile.stacks.iter().filter(|s| s.allocated.bytes > 0) {
         let mut names: Vec<String> = Vec::new();
@@ -26,7 +31,15 @@ pub fn lines(report: &Report<'_>) -> Vec<String> {
         let bytes: &mut u64 = folded.entry(names.join(";")).or_default();
         *bytes = bytes.saturating_add(stack.allocated.bytes);
     }
-    folded.into_iter().map(|(stack, bytes)| format!("{stack} {bytes}")).collect()
+    folded
+}
+
+/// What the counts of a flame graph are divided by so that inferno, which adds them up in a
+/// `usize`, cannot overflow: 1 unless they sum to 2^62 or more, which only a damaged trace's
+/// estimates do (a sum that wrapped drew bars of negative width, or none at all).
+fn divisor(counts: impl Iterator<Item = u64>) -> u64 {
+    let total: u128 = counts.map(u128::from).sum();
+    u64::try_from(total >> 62).map_or(u64::MAX, |d| d.saturating_add(1))
 }
 
 /// A name that cannot break the line's syntax: `;` separates frames (Rust's `[u8; 4]` has
@@ -48,10 +61,14 @@ pub fn write_folded(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> 
 /// # Errors
 /// Those of `out`, and `InvalidData` when no stack allocated anything (the caller checks first).
 pub fn write_flamegraph(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
-    let lines = lines(report);
+    let folded = folded(report);
+    let divisor = divisor(folded.values().copied());
+    let lines: Vec<String> =
+        folded.into_iter().map(|(stack, bytes)| format!("{stack} {}", (bytes / divisor).max(1))).collect();
     let mut options = Options::default();
     options.title = format!("{}: estimated bytes allocated", title(&report.profile.header.command, 80));
-    options.subtitle = Some(format!("mallocspy, pid {}, from sampled allocations", report.profile.header.pid));
+    let scaled = if divisor > 1 { format!(", counts divided by {divisor}") } else { String::new() };
+    options.subtitle = Some(format!("mallocspy, pid {}, from sampled allocations{scaled}", report.profile.header.pid));
     options.count_name = "bytes".into();
     options.colors = Palette::Basic(BasicPalette::Mem);
     flamegraph::from_lines(&mut options, lines.iter().map(String::as_str), out)
@@ -60,6 +77,14 @@ pub fn write_flamegraph(report: &Report<'_>, out: &mut dyn Write) -> io::Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_that_would_overflow_a_usize_are_divided() {
+        assert_eq!(divisor([3, 5].into_iter()), 1);
+        assert_eq!(divisor([(1 << 62) - 1].into_iter()), 1);
+        assert_eq!(divisor([1 << 63, 1 << 63].into_iter()), 5);
+        assert_eq!(divisor([u64::MAX; 4].into_iter()), 16);
+    }
 
     #[test]
     fn names_cannot_split_frames_or_lines() {

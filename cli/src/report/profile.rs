@@ -143,7 +143,10 @@ impl Profile {
     /// that end before their first tick leave an estimate of nothing).
     pub fn counted(&self) -> Option<(u64, u64)> {
         let last = self.heap_stats.iter().max_by_key(|s| s.time_ns)?;
-        Some(last.kinds.iter().fold((0, 0), |(calls, bytes), k| (calls + k.allocs, bytes + k.bytes)))
+        // Saturating: a damaged trace may hold any numbers.
+        Some(last.kinds.iter().fold((0, 0), |(calls, bytes): (u64, u64), k| {
+            (calls.saturating_add(k.allocs), bytes.saturating_add(k.bytes))
+        }))
     }
 }
 

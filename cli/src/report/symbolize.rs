@@ -18,6 +18,7 @@ use object::{Object, ObjectSection};
 
 use super::profile::{Profile, RawFrame};
 use super::progress::Progress;
+use super::text::printable;
 
 /// Where distributions install separate debug files.
 const DEBUG_ROOT: &str = "/usr/lib/debug";
@@ -57,14 +58,10 @@ pub struct Symbols {
 impl Symbols {
     /// Resolves every frame of every stack, opening each module's files once.
     pub fn resolve(profile: &Profile, progress: &mut Progress) -> Symbols {
-        let module_names: Vec<String> = profile.modules.iter().map(|m| file_name(&m.path).to_owned()).collect();
+        // Names as shown: a trace's paths and a file's symbols may hold anything.
+        let module_names: Vec<String> = profile.modules.iter().map(|m| printable(file_name(&m.path))).collect();
         let mut frames: Vec<RawFrame> = profile.stacks.iter().flat_map(|s| s.frames.iter().copied()).collect();
-        // Grouped by file: each file's debug information is opened, used and dropped in turn,
-        // once for all its loads (a library loaded and unloaded a thousand times).
-        let mut first_load: HashMap<(&str, &[u8]), usize> = HashMap::new();
-        let file_of: Vec<usize> = (profile.modules.iter().enumerate())
-            .map(|(i, m)| *first_load.entry((m.path.as_str(), m.build_id.as_slice())).or_insert(i))
-            .collect();
+        let file_of = files_of(&profile.modules);
         frames.sort_unstable_by_key(|f| (f.module.map(|m| file_of[m]), f.address, f.module));
         frames.dedup();
         progress.stage("symbolizing", frames.len() as u64);
@@ -84,18 +81,16 @@ impl Symbols {
                 open = Some((file_of[m], DebugInfo::open(module)));
             }
             let debug = &open.as_ref().expect("opened above").1;
-            // A return address follows the call: the call's line is one byte earlier.
-            let probe = frame.address.wrapping_sub(1).wrapping_sub(module.base);
             let fallback = format!("{}+{:#x}", module_names[m], frame.address.wrapping_sub(module.base));
-            let found = debug.frames(probe);
+            let found = probe_of(frame.address, module.base).map(|probe| debug.frames(probe)).unwrap_or_default();
             let location = if found.is_empty() {
                 Location::unknown(frame, fallback)
             } else {
                 let frames = found
                     .into_iter()
                     .map(|(function, file, line)| SymFrame {
-                        function: function.unwrap_or_else(|| fallback.clone()),
-                        file,
+                        function: function.map_or_else(|| fallback.clone(), |f| printable(&f)),
+                        file: file.map(|f| printable(&f)),
                         line,
                     })
                     .collect();
@@ -116,6 +111,29 @@ impl Symbols {
     pub fn module_name(&self, module: usize) -> &str {
         &self.module_names[module]
     }
+}
+
+/// For each module, the first module of the same file and build: each file's debug
+/// information is opened, used and dropped in turn, once for all its loads (a library loaded
+/// and unloaded a thousand times). A file is known by its canonical path: a damaged or crafted
+/// trace that spelled one file a thousand ways had it parsed a thousand times.
+fn files_of(modules: &[Module]) -> Vec<usize> {
+    let mut first_load: HashMap<(PathBuf, &[u8]), usize> = HashMap::new();
+    let mut canonical: HashMap<&str, PathBuf> = HashMap::new();
+    (modules.iter().enumerate())
+        .map(|(i, m)| {
+            let file = canonical
+                .entry(m.path.as_str())
+                .or_insert_with(|| std::fs::canonicalize(&m.path).unwrap_or_else(|_| PathBuf::from(&m.path)));
+            *first_load.entry((file.clone(), m.build_id.as_slice())).or_insert(i)
+        })
+        .collect()
+}
+
+/// The file address to look up for a return address in a module loaded at `base`: the call's,
+/// one byte earlier. `None` for an address at or below the base, which no call returns to.
+fn probe_of(address: u64, base: u64) -> Option<u64> {
+    address.checked_sub(1)?.checked_sub(base)
 }
 
 impl Location {
@@ -275,5 +293,34 @@ fn open_debug_file(debug: &Path) -> Option<Loader> {
     match sup {
         Some(sup) => Loader::new_with_sup(debug, Some(&sup)).or_else(|_| Loader::new(debug)).ok(),
         None => Loader::new(debug).ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_spelled_two_ways_is_one_file_and_another_build_is_not() {
+        let exe = std::env::current_exe().unwrap().canonicalize().unwrap();
+        let (dir, name) = (exe.parent().unwrap().display().to_string(), exe.file_name().unwrap().to_string_lossy());
+        let module = |path: String, build_id: &[u8]| Module { path, build_id: build_id.to_vec(), ..Module::default() };
+        let modules = [
+            module(exe.display().to_string(), b"a"),
+            module(format!("{dir}/./{name}"), b"a"),
+            module(format!("{dir}//{name}"), b"b"),
+            module("/nonexistent/lib.so".into(), b""),
+            module("/nonexistent/lib.so".into(), b""),
+        ];
+        assert_eq!(files_of(&modules), [0, 0, 2, 3, 3]);
+    }
+
+    #[test]
+    fn an_address_at_or_below_its_modules_base_has_no_probe() {
+        assert_eq!(probe_of(0x1235, 0x1000), Some(0x234));
+        assert_eq!(probe_of(0x1001, 0x1000), Some(0));
+        assert_eq!(probe_of(0x1000, 0x1000), None);
+        assert_eq!(probe_of(0x10, 0x1000), None);
+        assert_eq!(probe_of(0, 0), None);
     }
 }

@@ -323,3 +323,49 @@ fn sites_skip_the_c_runtime_and_missing_or_changed_files_give_module_offsets() {
     let offset = return_address_in(site_two) - rebuilt.base;
     assert_eq!(labels[2], format!("{exe_name}+{offset:#x}"));
 }
+
+/// A damaged or crafted trace's numbers and names cannot make a report that is wrong, unsafe
+/// to show or not well-formed (review helper 13): totals past 2^64 saturate, a flame graph's
+/// counts are divided until inferno can add them, and control characters and noncharacters
+/// are neither written to a terminal nor into an SVG.
+#[test]
+fn damaged_numbers_and_names_make_sound_reports() {
+    let hostile = Module {
+        id: 1,
+        path: "/nonexistent/lib\u{1b}]0;owned\u{7}\u{fffe}.so".into(),
+        base: 0x7f00_0000_0000,
+        ranges: vec![(0x7f00_0000_1000, 0x7f00_0000_9000)],
+        build_id: vec![],
+    };
+    let mut kinds = [mallocspy::trace::KindStats::default(); 3];
+    (kinds[0].allocs, kinds[1].allocs) = (u64::MAX, u64::MAX);
+    (kinds[0].live_bytes, kinds[0].bytes) = (1000, 10);
+    let events = [
+        Event::ModuleLoad { time_ns: 0, module: hostile },
+        Event::Stack { id: 1, frames: vec![0x7f00_0000_1235] },
+        Event::Stack { id: 2, frames: vec![0x7f00_0000_2235] },
+        testing::tick(1, 0xa0, 10, 1 << 63, 1),
+        testing::tick(2, 0xb0, 10, 1 << 63, 2),
+        Event::HeapStats(HeapStats { time_ns: 3, kinds, ..HeapStats::default() }),
+    ];
+    let mut file = Vec::new();
+    let command = vec!["prog\u{fffe}".to_string(), "\u{1b}[2J".to_string()];
+    write_header(&mut file, &mallocspy::trace::Header { command, ..testing::header() });
+    for e in &events {
+        write_event(&mut file, e);
+    }
+    let shown = |s: &str| s.chars().all(|c| c == '\n' || c == '\t' || !super::text::unprintable(c));
+
+    let report = text(&file, Format::Text);
+    assert!(shown(&report), "{report:?}");
+    assert!(report.contains("in 18,446,744,073,709,551,615 allocation calls (exact)"), "{report}");
+    assert!(report.contains("lib\u{fffd}]0;owned\u{fffd}\u{fffd}.so+0x1235"), "{report}");
+    assert!(report.contains("$'prog\\ufffe' $'\\u001b[2J'"), "{report}");
+
+    let svg = text(&file, Format::Flamegraph);
+    assert!(shown(&svg), "{svg:?}");
+    assert!(svg.contains("counts divided by 5"), "{svg}");
+    assert!(!svg.contains("width=\"-"), "{svg}");
+    let svg = text(&file, Format::Timeline);
+    assert!(shown(&svg), "{svg:?}");
+}

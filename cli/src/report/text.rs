@@ -8,8 +8,21 @@ use super::Report;
 use super::sites::{Site, top_live_at_peak};
 use super::units;
 
+/// Whether `c` is unfit to show: a control character (a terminal runs escape sequences) or a
+/// noncharacter (U+FFFE, U+FFFF and the like, which XML forbids). Names in a trace come from
+/// the program and from files on disk, and a damaged trace may hold anything.
+pub fn unprintable(c: char) -> bool {
+    let n = c as u32;
+    c.is_control() || (0xfdd0..=0xfdef).contains(&n) || n & 0xfffe == 0xfffe
+}
+
+/// `name` with each unprintable character replaced by U+FFFD.
+pub fn printable(name: &str) -> String {
+    name.chars().map(|c| if unprintable(c) { char::REPLACEMENT_CHARACTER } else { c }).collect()
+}
+
 /// A command line as a shell would take it back, on one line: arguments with spaces or quotes
-/// in single quotes, with control characters (a `python3 -c` script's newlines) in `$'...'`.
+/// in single quotes, with unprintable characters (a `python3 -c` script's newlines) in `$'...'`.
 pub fn command_line(args: &[String]) -> String {
     if args.is_empty() {
         return "(unknown)".into();
@@ -18,7 +31,7 @@ pub fn command_line(args: &[String]) -> String {
         if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
             return a.clone();
         }
-        if !a.chars().any(char::is_control) {
+        if !a.chars().any(unprintable) {
             return format!("'{}'", a.replace('\'', r"'\''"));
         }
         let mut q = String::from("$'");
@@ -28,7 +41,8 @@ pub fn command_line(args: &[String]) -> String {
                 '\'' => q.push_str(r"\'"),
                 '\n' => q.push_str(r"\n"),
                 '\t' => q.push_str(r"\t"),
-                c if c.is_control() => q.push_str(&format!("\\u{:04x}", c as u32)),
+                c if unprintable(c) && (c as u32) < 0x10000 => q.push_str(&format!("\\u{:04x}", c as u32)),
+                c if unprintable(c) => q.push_str(&format!("\\U{:08x}", c as u32)),
                 c => q.push(c),
             }
         }
@@ -174,5 +188,9 @@ mod tests {
         assert_eq!(command_line(&script), r"python3 -c $'import os\n\tprint(\'\\\')\u0007'");
         assert_eq!(title(&script, 13), "python3 -c $…");
         assert_eq!(title(&script[..1], 12), "python3");
+        // XML forbids noncharacters: a title in an SVG must not carry them.
+        let odd = ["a\u{fffe}", "\u{10ffff}", "\u{fdd0}b"].map(String::from);
+        assert_eq!(command_line(&odd), r"$'a\ufffe' $'\U0010ffff' $'\ufdd0b'");
+        assert_eq!(printable("lib\u{1b}[2J\u{ffff}.so"), "lib\u{fffd}[2J\u{fffd}.so");
     }
 }

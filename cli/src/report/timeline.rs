@@ -39,7 +39,7 @@ fn escape(s: &str) -> String {
             '>' => out.push_str("&gt;"),
             '"' => out.push_str("&quot;"),
             '\'' => out.push_str("&apos;"),
-            c if c.is_control() => out.push(' '),
+            c if text::unprintable(c) => out.push(' '),
             c => out.push(c),
         }
     }
