@@ -160,36 +160,72 @@ pub(crate) enum WalkOut {
 /// as a hook's walk takes them (without locks), not from the walk cache.
 pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -> Option<u64>) -> WalkOut {
     let (mut pc, mut sp, mut bp) = start;
-    let (low, high) = (current_sp(), stack_bounds().1);
-    let read = |addr: u64| -> Option<u64> {
-        // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
-        (addr >= low && addr.wrapping_add(8) <= high && addr.is_multiple_of(8))
-            .then(|| unsafe { *(addr as *const u64) })
-    };
+    let read = stack_reader(current_sp(), stack_bounds().1);
     let rules = rules::Rules::new();
     let mut recent = rules::Recent::new();
     let mut first = true;
     for _ in 0..MAX_WALK {
-        // A return address points after the call: look up the call itself.
-        let (cfa, saved_bp) = match rules.get(&mut recent, if first { pc } else { pc - 1 }) {
-            rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp),
-            rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp),
-            rules::Rule::Stop => return WalkOut::Ends { pc, sp },
+        let frame = match step(&rules, &mut recent, if first { pc } else { pc - 1 }, sp, bp, &read) {
+            Step::Caller(frame) => frame,
+            Step::NoRule => return WalkOut::Ends { pc, sp },
+            Step::Broken => return WalkOut::Lost,
         };
-        if cfa <= sp {
-            return WalkOut::Lost;
-        }
-        let Some(ra) = read(cfa - 8).filter(|&ra| ra != 0) else { return WalkOut::Lost };
-        if saved_bp != 0 {
-            let Some(saved) = read(cfa - saved_bp as u64) else { return WalkOut::Lost };
-            bp = saved;
-        }
-        (pc, sp, first) = (ra, cfa, false);
+        (pc, sp, bp, first) = (frame.ra, frame.cfa, frame.bp, false);
         if let Some(answer) = visit(pc, sp) {
             return WalkOut::Answer(answer);
         }
     }
     WalkOut::Lost
+}
+
+/// Reads a word of the calling thread's stack between `low` (at or below its stack pointer)
+/// and `high` (its end): `None` outside, or unaligned.
+#[inline(always)]
+fn stack_reader(low: u64, high: u64) -> impl Fn(u64) -> Option<u64> {
+    move |addr: u64| {
+        // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
+        (addr >= low && addr.wrapping_add(8) <= high && addr.is_multiple_of(8))
+            .then(|| unsafe { *(addr as *const u64) })
+    }
+}
+
+/// One step of a walk outward, from a frame whose code is at `lookup` (its pc; a return
+/// address less one, the call itself) and whose registers were `sp` and `bp`.
+enum Step {
+    /// The caller's frame: its return address, its CFA and the RBP it has.
+    Caller(Frame),
+    /// No rule goes further: the outermost frame, or code this unwinder cannot follow.
+    NoRule,
+    /// The rule leads nowhere readable: a CFA that does not grow, a word outside the stack,
+    /// a null return address.
+    Broken,
+}
+
+#[inline(always)]
+fn step(
+    rules: &rules::Rules,
+    recent: &mut rules::Recent,
+    lookup: u64,
+    sp: u64,
+    bp: u64,
+    read: &impl Fn(u64) -> Option<u64>,
+) -> Step {
+    let (cfa, saved_bp, rbp_rule) = match rules.get(recent, lookup) {
+        rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp, false),
+        rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp, true),
+        rules::Rule::Stop => return Step::NoRule,
+    };
+    if cfa <= sp {
+        return Step::Broken;
+    }
+    let Some(ra) = read(cfa - 8).filter(|&ra| ra != 0) else { return Step::Broken };
+    let (mut bp, mut bp_slot) = (bp, 0);
+    if saved_bp != 0 {
+        bp_slot = cfa - saved_bp as u64;
+        let Some(saved) = read(bp_slot) else { return Step::Broken };
+        bp = saved;
+    }
+    Step::Caller(Frame { cfa, ra, bp, bp_slot, rbp_rule })
 }
 
 /// Forgets the last walk (the hook's stack could not be walked).
@@ -333,11 +369,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
         prev.forget();
         return 0;
     }
-    let read = |addr: u64| -> Option<u64> {
-        // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
-        (addr >= low && addr.wrapping_add(8) <= high && addr.is_multiple_of(8))
-            .then(|| unsafe { *(addr as *const u64) })
-    };
+    let read = stack_reader(low, high);
     let rules = rules::Rules::new();
     let prev_truncated = prev.truncated;
     let (generation, walker) = (prev.generation, prev.walker);
@@ -351,45 +383,18 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     let mut truncated = true;
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
-        let rule = rules.get(recent, if is_return || walked > 0 { pc - 1 } else { pc });
-        let (cfa, saved_bp, rbp_rule) = match rule {
-            rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp, false),
-            rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp, true),
-            rules::Rule::Stop => {
-                truncated = false;
-                break;
-            }
-        };
-        if cfa <= sp {
-            truncated = false;
-            break;
-        }
-        let Some(ra) = read(cfa - 8) else {
+        let lookup = if is_return || walked > 0 { pc - 1 } else { pc };
+        let Step::Caller(frame) = step(&rules, recent, lookup, sp, bp, &read) else {
             truncated = false;
             break;
         };
-        let mut bp_slot = 0;
-        if saved_bp != 0 {
-            bp_slot = cfa - saved_bp as u64;
-            match read(bp_slot) {
-                Some(v) => bp = v,
-                None => {
-                    truncated = false;
-                    break;
-                }
-            }
-        }
-        if ra == 0 {
-            truncated = false;
-            break;
-        }
-        sp = cfa;
-        pc = ra;
+        let Frame { cfa, ra, .. } = frame;
+        (sp, pc, bp) = (cfa, ra, frame.bp);
         // The previous walk's frame at the same height, if any (CFAs only grow).
         while reusable && j < old.len() && old[j].cfa < cfa {
             j += 1;
         }
-        new[walked] = Frame { cfa, ra, bp, bp_slot, rbp_rule };
+        new[walked] = frame;
         walked += 1;
         out[n] = ra;
         n += 1;
