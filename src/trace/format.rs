@@ -37,9 +37,10 @@ const TAG_INHERITED: u8 = 12;
 pub const MAX_FRAMES: usize = 1024;
 const _: () = assert!(super::message::MAX_FRAMES <= MAX_FRAMES);
 
-/// The longest module path: what `open` takes (`PATH_MAX` less its NUL). The writer lists
-/// only modules whose files it opened, and a longer path could not be opened again to
-/// symbolize; the report repeats a module's path in each of its frames.
+/// The longest module path kept whole: what `open` takes (`PATH_MAX` less its NUL). The
+/// report repeats a module's path in each of its frames, and a longer one could not be opened
+/// to symbolize anyway. The map can show longer ones: a library renamed or deleted
+/// (` (deleted)`) after the writer first read its file.
 pub const MAX_PATH: usize = 4095;
 
 /// Most arguments of a header's command line: more than the kernel passes to a program
@@ -562,11 +563,12 @@ fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> 
         TAG_MODULE_LOAD => {
             let time_ns = f.int()?;
             let id = f.int()?;
-            let at = f.at;
-            let path = f.string()?;
+            let mut path = f.string()?;
             if path.len() > MAX_PATH {
-                f.at = at;
-                return Err(f.error(format!("a module path of {} bytes (at most {MAX_PATH})", path.len())));
+                // Cut, and marked: `…` makes it longer than any path a file can be opened by.
+                let cut = (0..=MAX_PATH).rev().find(|&i| path.is_char_boundary(i)).unwrap_or(0);
+                path.truncate(cut);
+                path.push('…');
             }
             let base = f.int()?;
             let n = f.count(2)?;
@@ -987,12 +989,13 @@ mod tests {
             error(&file),
             format!("not a readable mallocspy trace: a record of tag 0 with data after it at offset {zero}")
         );
-        // A module path longer than any file could be opened by, to be repeated in its frames.
+        // A module path longer than any file can be opened by, to be repeated in its frames, is
+        // cut (a library renamed while it was loaded shows a longer one).
         let mut file = header.clone();
-        let module =
-            Module { path: format!("/{}", "a".repeat(MAX_PATH)), ranges: vec![(0x1000, 0x2000)], ..Module::default() };
+        let module = Module { path: format!("/{}", "é".repeat(MAX_PATH)), ..Module::default() };
         write_event(&mut file, &Event::ModuleLoad { time_ns: 1, module });
-        assert!(error(&file).contains("a module path of 4096 bytes (at most 4095)"), "{}", error(&file));
+        let Some(Ok(Event::ModuleLoad { module, .. })) = Reader::new(&file).unwrap().next() else { panic!("no load") };
+        assert_eq!(module.path, format!("/{}…", "é".repeat((MAX_PATH - 1) / 2)));
         // More arguments than a program can be given, each a string the report would make.
         let mut file = Vec::new();
         write_header(&mut file, &Header { command: vec![String::new(); MAX_ARGS + 1], ..Header::default() });
