@@ -7,6 +7,7 @@
 //! macro here for programs that depend on this crate.
 
 use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::global::GLOBAL;
 
@@ -224,10 +225,35 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     unsafe { GLOBAL.realloc(ptr, size) }
 }
 
+/// The `realloc` that a malloc family ahead of ours in the process's lookup order defines
+/// (another allocator preloaded before the shim), or null: see [`reallocarray`].
+static REALLOC_AHEAD: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// Notes `realloc`, the function the process's `realloc` resolves to, when it is not ours.
+pub(crate) fn note_realloc_ahead(realloc: *mut c_void) {
+    REALLOC_AHEAD.store(realloc, Ordering::Relaxed);
+}
+
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
 pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usize) -> *mut c_void {
+    let ahead = REALLOC_AHEAD.load(Ordering::Relaxed);
+    if !ahead.is_null() {
+        // jemalloc and tcmalloc define no `reallocarray`, so the program's calls come here
+        // even when they serve everything else; glibc's, which they would reach without us,
+        // calls `realloc` by name. Ours took `realloc` from glibc, and handed it jemalloc's
+        // blocks: `sort` crashed. A forwarding wrapper's `realloc` comes back to ours.
+        let Some(bytes) = nmemb.checked_mul(size) else {
+            crate::os::set_errno(libc::ENOMEM);
+            return core::ptr::null_mut();
+        };
+        // SAFETY: a `realloc` of the process, from dlsym: the C signature; the caller's
+        // guarantee for `ptr`.
+        let realloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void = unsafe { core::mem::transmute(ahead) };
+        // SAFETY: as above.
+        return unsafe { realloc(ptr, bytes) };
+    }
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.reallocarray(ptr, nmemb, size) }
 }

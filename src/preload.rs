@@ -54,6 +54,10 @@ fn leak<T>(value: T) -> &'static T {
 pub fn init() {
     GLOBAL.heap.warm_up();
     crate::thread_create::warm_up();
+    // Spied or not: the program's `reallocarray` must reach the allocator ahead of us.
+    if let Some(realloc) = served_elsewhere(c"realloc") {
+        crate::interpose::note_realloc_ahead(realloc);
+    }
     let options = match std::env::var("MALLOCSPY_OPTIONS") {
         Ok(text) => match Options::parse(&text) {
             Ok(o) => o,
@@ -170,14 +174,28 @@ fn after_fork_child() {
     }
 }
 
-/// The module the process's `malloc` resolves to, when it is not mallocspy's: another
-/// allocator preloaded before the shim, a wrapper that passes calls on, or the program's own.
-fn malloc_served_elsewhere() -> Option<String> {
+/// The function `name` resolves to in the process, when it is not mallocspy's: another
+/// allocator's preloaded before the shim, a wrapper's that passes calls on, or the program's
+/// own.
+fn served_elsewhere(name: &core::ffi::CStr) -> Option<*mut core::ffi::c_void> {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name.
-    let malloc = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"malloc".as_ptr()) };
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
     let own = os::module_of(init as *const () as *const core::ffi::c_void);
-    if malloc.is_null() || os::module_of(malloc) == own {
-        return None;
+    (!f.is_null() && os::module_of(f) != own).then_some(f)
+}
+
+/// Where the process's `malloc` resolves, when not to mallocspy (see [`served_elsewhere`]),
+/// and what would bring its calls to mallocspy: said at exit should none come.
+fn malloc_served_elsewhere() -> Option<String> {
+    let malloc = served_elsewhere(c"malloc")?;
+    // The executable's own allocator comes before anything preloaded: no order helps.
+    // SAFETY: getauxval only reads the auxiliary vector the kernel gave the process.
+    let entry = os::module_of(unsafe { libc::getauxval(libc::AT_ENTRY) } as *const core::ffi::c_void);
+    if entry != 0 && os::module_of(malloc) == entry {
+        let exe = std::fs::read_link("/proc/self/exe").map_or_else(|_| "?".into(), |p| p.display().to_string());
+        return Some(format!(
+            "the program's own ({exe}), which no preloaded library comes before: mallocspy cannot see its allocations"
+        ));
     }
     // SAFETY: Dl_info is plain data, for which zero is a valid value.
     let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
@@ -186,28 +204,22 @@ fn malloc_served_elsewhere() -> Option<String> {
     // SAFETY: dladdr set dli_fname to the module's NUL-terminated path, kept while it is loaded.
     let path = found
         .then(|| unsafe { core::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
-        .filter(|p| !p.is_empty());
-    Some(path.unwrap_or_else(|| "the program itself".to_owned()))
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| format!("{malloc:p}"));
+    Some(format!("{path}, ahead of mallocspy (put libmallocspy_preload.so first in LD_PRELOAD)"))
 }
 
-/// Says, at exit, that the reports saw nothing of the program's heap because its `malloc`
-/// is another module's: an allocator preloaded before the shim serves every call itself, and
-/// the reports would otherwise read as a clean bill ("0 allocs"). Said only when no allocation
-/// reached the spies: a wrapper that passes calls on to the next `malloc` (heaptrack's
-/// preload, a program's own `malloc`) is spied on as ever. Switching mallocspy off at start
-/// on the lookup alone took such wrappers for allocators.
-fn warn_if_bypassed() {
-    if let Some(owner) = MALLOC_ELSEWHERE.get()
-        && !GLOBAL.reached_a_spy()
-    {
-        sink::write(
-            format!(
-                "mallocspy: no allocation reached mallocspy: malloc resolves to {owner}, ahead of mallocspy \
-                 (put libmallocspy_preload.so first in LD_PRELOAD); the reports below saw none of the program's heap\n"
-            )
-            .as_bytes(),
-        );
-    }
+/// That the reports saw nothing of the program's heap because its `malloc` is another
+/// module's: an allocator preloaded before the shim serves every call itself, and the reports
+/// would otherwise read as a clean bill ("0 allocs"). Only when no allocation reached the
+/// spies: a wrapper that passes calls on to the next `malloc` (heaptrack's preload, a
+/// program's own `malloc`) is spied on as ever. Switching mallocspy off at start on the lookup
+/// alone took such wrappers for allocators.
+pub(crate) fn bypassed_note() -> Option<String> {
+    let elsewhere = MALLOC_ELSEWHERE.get().filter(|_| !GLOBAL.reached_a_spy())?;
+    Some(format!(
+        "no allocation reached mallocspy: malloc resolves to {elsewhere}; mallocspy saw none of the program's heap"
+    ))
 }
 
 fn tick_config(options: &Options) -> ticks::Config {
@@ -267,7 +279,10 @@ fn report_all(caller: Caller) {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
     let Some(b) = BUILTINS.get() else { return };
-    warn_if_bypassed();
+    // A leak report carries it as a note (its JSON stays JSON); the other reports get a line.
+    if let Some(note) = bypassed_note().filter(|_| b.leaks.is_none()) {
+        sink::write(format!("mallocspy: {note}\n").as_bytes());
+    }
     if let Some(count) = b.count {
         sink::write(count.report().as_bytes());
     }
@@ -338,6 +353,7 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     let reachable_stacks = options.report_format == ReportFormat::Json || options.show_reachable;
     let stacks = StackOptions { suppressions, below_main: options.show_below_main };
     let mut report = leaks::check(tracker, stacks, reachable_stacks, caller);
+    report.notes.extend(bypassed_note());
     let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
     if signal != 0 {
         report

@@ -79,11 +79,12 @@ fn over_glibc() {
 
 /// Another allocator preloaded before the shim serves every call itself: the reports saw
 /// nothing of the program's heap and would read as a clean bill ("0 allocs"), so mallocspy
-/// names that allocator above them. A wrapper preloaded before the shim that passes its calls
-/// on (heaptrack's preload does) is spied on as ever, and nothing is said.
+/// names that allocator: a note of the leak report (its JSON stays JSON), a line above the
+/// others. A wrapper preloaded before the shim that passes its calls on (heaptrack's preload
+/// does) is spied on as ever, and nothing is said; a program's own allocator is named as such.
 #[test]
-fn an_allocator_preloaded_before_the_shim_is_named_above_the_empty_reports() {
-    const BYPASSED: &str = "mallocspy: no allocation reached mallocspy: malloc resolves to";
+fn an_allocator_preloaded_before_the_shim_is_named_beside_the_empty_reports() {
+    const BYPASSED: &str = "no allocation reached mallocspy: malloc resolves to";
     let lose_one = c_program("lose_one.c");
     let preloaded = |first: &Path, options: &str| {
         Command::new(&lose_one)
@@ -95,19 +96,62 @@ fn an_allocator_preloaded_before_the_shim_is_named_above_the_empty_reports() {
     };
     for allocator in [JEMALLOC, TCMALLOC] {
         require(allocator);
-        for options in ["spy=leaks", "spy=ticks", "spy=count"] {
+        let said = format!("{BYPASSED} {allocator}, ahead of mallocspy (put libmallocspy_preload.so first");
+        for options in ["spy=ticks", "spy=count"] {
             let out = preloaded(Path::new(allocator), options);
             let stderr = text(&out.stderr);
             assert_eq!(out.status.code(), Some(0), "{allocator} {options}: {stderr}");
             let first = stderr.lines().next().unwrap_or_default();
-            assert!(first.starts_with(&format!("{BYPASSED} {allocator}, ahead of mallocspy")), "{options}: {stderr}");
+            assert!(first.starts_with(&format!("mallocspy: {said}")), "{options}: {stderr}");
             assert_eq!(stderr.matches(BYPASSED).count(), 1, "{options}: {stderr}");
         }
+        let stderr = text(&preloaded(Path::new(allocator), "spy=leaks").stderr);
+        assert!(stderr.contains("total heap usage: 0 allocs") && stderr.contains(&format!("note: {said}")), "{stderr}");
+        let json: serde_json::Value =
+            serde_json::from_slice(&preloaded(Path::new(allocator), "spy=leaks:report_format=json").stderr).unwrap();
+        assert!(json["notes"][0].as_str().unwrap().starts_with(&said), "{json}");
     }
     let wrapper = c_library("forwarding_malloc.c");
-    let out = preloaded(&wrapper, "spy=leaks");
-    let stderr = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    assert!(!stderr.contains(BYPASSED), "{stderr}");
-    assert!(stderr.contains("40 bytes in 1 blocks are definitely lost"), "{stderr}");
+    for options in ["spy=leaks", "spy=ticks:sample_interval=1g"] {
+        let out = preloaded(&wrapper, options);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        assert!(!stderr.contains(BYPASSED), "{options}: {stderr}");
+    }
+    assert!(text(&preloaded(&wrapper, "spy=leaks").stderr).contains("40 bytes in 1 blocks are definitely lost"));
+    let own = Command::new(c_program("own_allocator.c"))
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "spy=count")
+        .output()
+        .unwrap();
+    assert_eq!(text(&own.stdout), "own_allocator ok\n");
+    assert!(text(&own.stderr).contains("malloc resolves to the program's own ("), "{}", text(&own.stderr));
+}
+
+/// jemalloc and tcmalloc define no `reallocarray`: preloaded before the shim, the program's
+/// calls come to the shim's, which handed their blocks to glibc's `realloc` (`sort` crashed
+/// with a segmentation fault), where glibc's own would call theirs.
+#[test]
+fn reallocarray_reaches_the_allocator_preloaded_before_the_shim() {
+    let input: String = (0..20_000u32).map(|i| format!("{}\n", i.wrapping_mul(2_654_435_761) % 100_000)).collect();
+    let dir = std::env::temp_dir().join(format!("mallocspy-sort-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("in.txt");
+    std::fs::write(&file, input).unwrap();
+    let native = Command::new("sort").arg(&file).output().unwrap();
+    assert!(native.status.success());
+    for allocator in [JEMALLOC, TCMALLOC] {
+        require(allocator);
+        for options in ["", "spy=leaks"] {
+            let out = Command::new("sort")
+                .arg(&file)
+                .env("LD_PRELOAD", format!("{allocator} {}", shim().display()))
+                .env("MALLOCSPY_OPTIONS", options)
+                .output()
+                .unwrap();
+            assert_eq!(out.status.code(), Some(0), "{allocator} {options:?}: {}", text(&out.stderr));
+            assert!(out.stdout == native.stdout, "{allocator} {options:?}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

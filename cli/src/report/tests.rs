@@ -253,6 +253,10 @@ fn the_exact_totals_of_the_heap_statistics_are_shown_beside_the_estimate() {
     assert_eq!(json["counted"], serde_json::json!({"calls": 100_002, "bytes": 100_004_384}));
     let without: serde_json::Value = serde_json::from_str(&text(&trace_of(&[]), Format::Json)).unwrap();
     assert_eq!(without["counted"], serde_json::Value::Null);
+    assert!(!report.contains("no allocation reached mallocspy"), "{report}");
+    // Heap statistics that counted nothing: the program's malloc may not be ours to count.
+    let report = text(&trace_of(&[stats(5, 0, 0)]), Format::Text);
+    assert!(report.contains("  counted      0 B in 0 allocation calls (exact)\n               no allocation reached mallocspy: if the program allocates"), "{report}");
 }
 
 fn trace_of(events: &[Event]) -> Vec<u8> {

@@ -99,6 +99,14 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     )?;
     if let Some((calls, bytes)) = p.counted() {
         writeln!(out, "  counted      {} in {} allocation calls (exact)", units::bytes(bytes), units::count(calls))?;
+        if calls == 0 {
+            // The program said why on its stderr, if another module's `malloc` came first.
+            writeln!(
+                out,
+                "               no allocation reached mallocspy: if the program allocates, its malloc is \
+                 another module's (an allocator preloaded before mallocspy, or its own)"
+            )?;
+        }
     }
     if p.allocated.samples > 0 || p.inherited.is_some() {
         writeln!(
