@@ -260,12 +260,27 @@ fn the_exact_totals_of_the_heap_statistics_are_shown_beside_the_estimate() {
 }
 
 fn trace_of(events: &[Event]) -> Vec<u8> {
+    trace_with(&testing::header(), events)
+}
+
+fn trace_with(header: &mallocspy::trace::Header, events: &[Event]) -> Vec<u8> {
     let mut file = Vec::new();
-    write_header(&mut file, &testing::header());
+    write_header(&mut file, header);
     for e in events {
         write_event(&mut file, e);
     }
     file
+}
+
+/// Module 1, at 0x7f00_0000_0000, whose file is not on this machine.
+fn missing_module(path: &str, build_id: &[u8]) -> Module {
+    Module {
+        id: 1,
+        path: path.into(),
+        base: 0x7f00_0000_0000,
+        ranges: vec![(0x7f00_0000_1000, 0x7f00_0000_9000)],
+        build_id: build_id.to_vec(),
+    }
 }
 
 #[test]
@@ -289,13 +304,7 @@ fn formats_without_their_data_fail_with_one_line() {
 
 #[test]
 fn sites_skip_the_c_runtime_and_missing_or_changed_files_give_module_offsets() {
-    let libc = Module {
-        id: 1,
-        path: "/nonexistent/libc.so.6".into(),
-        base: 0x7f00_0000_0000,
-        ranges: vec![(0x7f00_0000_1000, 0x7f00_0000_9000)],
-        build_id: vec![1, 2, 3],
-    };
+    let libc = missing_module("/nonexistent/libc.so.6", &[1, 2, 3]);
     let mut rebuilt = testing::this_executable();
     rebuilt.id = 2;
     rebuilt.build_id = vec![0xde, 0xad, 0xbe, 0xef];
@@ -334,13 +343,7 @@ fn sites_skip_the_c_runtime_and_missing_or_changed_files_give_module_offsets() {
 /// are neither written to a terminal nor into an SVG.
 #[test]
 fn damaged_numbers_and_names_make_sound_reports() {
-    let hostile = Module {
-        id: 1,
-        path: "/nonexistent/lib\u{1b}]0;owned\u{7}\u{fffe}.so".into(),
-        base: 0x7f00_0000_0000,
-        ranges: vec![(0x7f00_0000_1000, 0x7f00_0000_9000)],
-        build_id: vec![],
-    };
+    let hostile = missing_module("/nonexistent/lib\u{1b}]0;owned\u{7}\u{fffe}.so", &[]);
     let mut kinds = [mallocspy::trace::KindStats::default(); 3];
     (kinds[0].allocs, kinds[1].allocs) = (u64::MAX, u64::MAX);
     (kinds[0].live_bytes, kinds[0].bytes) = (1000, 10);
@@ -352,12 +355,8 @@ fn damaged_numbers_and_names_make_sound_reports() {
         testing::tick(2, 0xb0, 10, 1 << 63, 2),
         Event::HeapStats(HeapStats { time_ns: 3, kinds, ..HeapStats::default() }),
     ];
-    let mut file = Vec::new();
     let command = vec!["prog\u{fffe}".to_string(), "\u{1b}[2J".to_string()];
-    write_header(&mut file, &mallocspy::trace::Header { command, ..testing::header() });
-    for e in &events {
-        write_event(&mut file, e);
-    }
+    let file = trace_with(&mallocspy::trace::Header { command, ..testing::header() }, &events);
     let shown = |s: &str| s.chars().all(|c| c == '\n' || c == '\t' || !super::text::unprintable(c));
 
     let report = text(&file, Format::Text);
