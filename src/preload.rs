@@ -37,7 +37,7 @@ static BUILTINS: OnceLock<Builtins> = OnceLock::new();
 /// The process the reports belong to (a `vfork` child shares our memory but is not us).
 static OWNER: AtomicU32 = AtomicU32::new(0);
 static REPORTED: AtomicBool = AtomicBool::new(false);
-/// The module `malloc` resolved to at start, when not mallocspy's ([`warn_if_bypassed`]).
+/// Where `malloc` resolved at start, when not to mallocspy ([`bypassed_note`]).
 static MALLOC_ELSEWHERE: OnceLock<String> = OnceLock::new();
 
 fn say(message: &str) {
@@ -215,7 +215,7 @@ fn malloc_served_elsewhere() -> Option<String> {
 /// spies: a wrapper that passes calls on to the next `malloc` (heaptrack's preload, a
 /// program's own `malloc`) is spied on as ever. Switching mallocspy off at start on the lookup
 /// alone took such wrappers for allocators.
-pub(crate) fn bypassed_note() -> Option<String> {
+fn bypassed_note() -> Option<String> {
     let elsewhere = MALLOC_ELSEWHERE.get().filter(|_| !GLOBAL.reached_a_spy())?;
     Some(format!(
         "no allocation reached mallocspy: malloc resolves to {elsewhere}; mallocspy saw none of the program's heap"

@@ -565,7 +565,8 @@ fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> 
             let id = f.int()?;
             let mut path = f.string()?;
             if path.len() > MAX_PATH {
-                // Cut, and marked: `…` makes it longer than any path a file can be opened by.
+                // Cut, and marked with `…`: no longer the file's name, its frames are named by
+                // their offsets.
                 let cut = (0..=MAX_PATH).rev().find(|&i| path.is_char_boundary(i)).unwrap_or(0);
                 path.truncate(cut);
                 path.push('…');
