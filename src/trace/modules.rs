@@ -27,9 +27,10 @@ fn build_id(notes: &[u8]) -> Option<Vec<u8>> {
 type ElfFacts = (u64, u64, Vec<u8>);
 
 /// The [`ElfFacts`] of the file at `path`, if it is a 64-bit little-endian ELF file.
-fn elf_facts(path: &str) -> Option<ElfFacts> {
+fn elf_facts(path: &[u8]) -> Option<ElfFacts> {
+    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(path).ok()?;
+    let file = std::fs::File::open(std::ffi::OsStr::from_bytes(path)).ok()?;
     let mut ehdr = [0u8; 64];
     file.read_exact_at(&mut ehdr, 0).ok()?;
     // 64-bit little-endian ELF only (the platforms the interposer is built for).
@@ -70,23 +71,24 @@ struct Mapping<'a> {
     executable: bool,
     offset: u64,
     /// The file's device and inode, as the map gives them.
-    file: (&'a str, u64),
-    path: &'a str,
+    file: (&'a [u8], u64),
+    /// The file's path, as bytes: a path need not be UTF-8.
+    path: &'a [u8],
 }
 
-fn mapping(line: &str) -> Option<Mapping<'_>> {
-    let mut fields = line.splitn(6, ' ');
+fn mapping(line: &[u8]) -> Option<Mapping<'_>> {
+    let mut fields = line.splitn(6, |&c| c == b' ');
     let (range, perms, offset, dev, inode) =
         (fields.next()?, fields.next()?, fields.next()?, fields.next()?, fields.next()?);
-    let path = fields.next()?.trim_start();
-    let (start, end) = range.split_once('-')?;
-    let parse = |h: &str| u64::from_str_radix(h, 16).ok();
+    let path = fields.next()?.trim_ascii_start();
+    let hex = |h: &[u8]| u64::from_str_radix(core::str::from_utf8(h).ok()?, 16).ok();
+    let (start, end) = range.split_at(range.iter().position(|&c| c == b'-')?);
     Some(Mapping {
-        start: parse(start)?,
-        end: parse(end)?,
-        executable: perms.as_bytes().get(2) == Some(&b'x'),
-        offset: parse(offset)?,
-        file: (dev, inode.parse().ok()?),
+        start: hex(start)?,
+        end: hex(&end[1..])?,
+        executable: perms.get(2) == Some(&b'x'),
+        offset: hex(offset)?,
+        file: (dev, core::str::from_utf8(inode).ok()?.parse().ok()?),
         path,
     })
 }
@@ -95,19 +97,20 @@ fn mapping(line: &str) -> Option<Mapping<'_>> {
 /// again each time a stack names unknown code, and a program that loads and unloads a
 /// library in a loop makes it do so at each `dlclose` (see [`crate::dl_close`]).
 #[derive(Default)]
-pub(crate) struct ElfCache(std::collections::HashMap<(String, u64), Option<ElfFacts>>);
+pub(crate) struct ElfCache(std::collections::HashMap<(Vec<u8>, u64), Option<ElfFacts>>);
 
 /// Process `pid`'s memory map. `/proc/PID/maps` is the main thread's view, and it reads
 /// empty once the main thread has ended by `pthread_exit` while others live on; then any
-/// live thread's map is the same map.
-fn maps_of(pid: u32) -> String {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+/// live thread's map is the same map. Bytes, not text: one file mapped under a name that is
+/// not UTF-8 must not hide the others.
+fn maps_of(pid: u32) -> Vec<u8> {
+    let maps = std::fs::read(format!("/proc/{pid}/maps")).unwrap_or_default();
     if !maps.is_empty() {
         return maps;
     }
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return maps };
     tasks
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("maps")).ok())
+        .filter_map(|task| std::fs::read(task.ok()?.path().join("maps")).ok())
         .find(|maps| !maps.is_empty())
         .unwrap_or_default()
 }
@@ -119,15 +122,15 @@ fn maps_of(pid: u32) -> String {
 pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
     let maps = maps_of(pid);
     let mut list: Vec<Module> = Vec::new();
-    let mut seen: Vec<&str> = Vec::new();
-    let lines: Vec<_> = maps.lines().filter_map(mapping).filter(|m| m.path.starts_with('/')).collect();
+    let mut seen: Vec<&[u8]> = Vec::new();
+    let lines: Vec<_> = maps.split(|&c| c == b'\n').filter_map(mapping).filter(|m| m.path.starts_with(b"/")).collect();
     for m in &lines {
         let path = m.path;
         if seen.contains(&path) {
             continue;
         }
         seen.push(path);
-        let key = (m.file.0.to_string(), m.file.1);
+        let key = (m.file.0.to_vec(), m.file.1);
         let facts = cache.0.entry(key).or_insert_with(|| elf_facts(path));
         let Some((vaddr, offset, build_id)) = facts.clone() else { continue };
         let mine = || lines.iter().filter(move |m| m.path == path);
@@ -136,7 +139,10 @@ pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
         if ranges.is_empty() {
             continue;
         }
-        list.push(Module { id: 0, path: path.to_string(), base: first.start.wrapping_sub(vaddr), ranges, build_id });
+        // A path that is not UTF-8 is listed as near as text can say it: the report cannot
+        // open that spelling, and names the module's frames by offset.
+        let path = String::from_utf8_lossy(path).into_owned();
+        list.push(Module { id: 0, path, base: first.start.wrapping_sub(vaddr), ranges, build_id });
     }
     list
 }
@@ -175,5 +181,27 @@ mod tests {
         assert!(of_process(u32::MAX, &mut cache).is_empty(), "no such process: nothing");
         assert_eq!(of_process(std::process::id(), &mut cache), list, "the same again, from the cache");
         assert_eq!(this_executable().as_ref(), Some(exe));
+    }
+
+    #[test]
+    fn a_file_mapped_under_a_name_that_is_not_utf8_hides_no_module() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        // An ELF file (this test program) under a Latin-1 name, mapped as code.
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join(std::ffi::OsStr::from_bytes(b"caf\xe9.so"));
+        std::fs::copy(std::fs::read_link("/proc/self/exe").unwrap(), &odd).unwrap();
+        let file = std::fs::File::open(&odd).unwrap();
+        let (prot, len) = (libc::PROT_READ | libc::PROT_EXEC, 4096);
+        // SAFETY: maps the file's first page privately; unmapped before the test ends.
+        let at = unsafe { libc::mmap(core::ptr::null_mut(), len, prot, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
+        assert_ne!(at, libc::MAP_FAILED);
+        let list = of_process(std::process::id(), &mut ElfCache::default());
+        // SAFETY: the mapping made above, used by nothing else.
+        unsafe { libc::munmap(at, len) };
+        assert!(list.iter().any(|m| m.path.contains("libc.so")), "the other modules are listed: {list:?}");
+        let named = list.iter().find(|m| m.path.ends_with("/caf\u{FFFD}.so")).expect("the odd file, named lossily");
+        assert_eq!(named.ranges, [(at as u64, at as u64 + len as u64)]);
+        assert_eq!(named.base, at as u64, "its first segment lies at file offset 0 and address 0");
     }
 }
