@@ -39,7 +39,7 @@ fn target() -> Result<Target, SpyError> {
 /// incompatible ABI version). A refused spy is dropped.
 pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError> {
     match target()? {
-        Target::Here => global::register_here(move || Box::new(spy)),
+        Target::Here => global::register_here(0, move || Box::new(spy)),
         Target::Remote(api) => ffi::register_remote(api, Box::new(spy)),
     }
 }

@@ -430,22 +430,47 @@ impl<H: Heap> Interposer<H> {
 
     // ---- registration ----------------------------------------------------------------------
 
+    #[cfg(test)]
     pub(crate) fn register(&self, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
-        self.registry.register(|| SpyRef::Owned(make()))
+        self.register_from(0, make)
+    }
+
+    /// Registers a spy whose code is at `code` (see [`SpyCell::code`]).
+    pub(crate) fn register_from(&self, code: usize, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+        self.registry.register(|| SpyRef::Owned(make()), code)
     }
 
     /// Registers a spy that outlives its registration (the built-in spies).
     pub(crate) fn register_static(&self, spy: &'static dyn MallocSpy) -> Result<(), SpyError> {
-        self.registry.register(|| SpyRef::Static(spy))
+        self.registry.register(|| SpyRef::Static(spy), 0)
     }
 
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
         // The gate counts for the sampling spy only: the next spy sees every call.
         self.gate.close();
-        // Revoking from inside a spy method: do not wait for ourselves.
-        let in_hook = tls::state().depth.get() != 0;
-        let me = if in_hook { threads::current_index() } else { None };
-        self.registry.revoke(|| self.spied.len(), in_hook, me)
+        let live = || self.spied.len();
+        let cell = self.registry.claim_revoke()?;
+        if tls::state().depth.get() != 0 {
+            // From inside a spy method: not waiting for ourselves, and leaving the spy to the
+            // hook's end (`retire`), since its Post method may follow.
+            // SAFETY: claimed by this revoke: it lives until settled (see `settle_then`).
+            Registry::settle_then(unsafe { &*cell }, threads::current_index(), || ());
+            return if live() == 0 { Ok(()) } else { Err(SpyError::AccessDenied) };
+        }
+        // In flight from the end of the wait until the spy is retired or left pending, as a
+        // hook is: another thread's free of the spy's last block, which drops it, waits for
+        // this revoke. Not while waiting: two revokers that waited in flight would wait for
+        // each other.
+        // SAFETY: as above.
+        let scope = Registry::settle_then(unsafe { &*cell }, None, Scope::enter);
+        if self.registry.retire_if_unused(cell, &live, None, scope) { Ok(()) } else { Err(SpyError::AccessDenied) }
+    }
+
+    /// [`SpyCell::code`] of the registered (or pending) spy; 0 without one.
+    pub(crate) fn spy_code(&self) -> usize {
+        // In flight while the cell is read, as a hook is: it may be dropped meanwhile.
+        let _scope = Scope::enter();
+        self.registry.current().map_or(0, |c| c.code)
     }
 
     /// Number of live blocks allocated under the current spy.
@@ -502,7 +527,7 @@ impl<H: Heap> Interposer<H> {
         if unsafe { (*cell).is_active() } {
             return;
         }
-        self.registry.retire_if_unused(cell, &|| self.spied.len(), Some(scope.slot()));
+        self.registry.retire_if_unused(cell, &|| self.spied.len(), Some(scope.slot()), ());
     }
 
     /// Whether the current spy has its blocks recorded (an empty table needs no lookups).
@@ -517,19 +542,22 @@ impl<H: Heap> Interposer<H> {
         !ptr.is_null() && self.tracking() && self.spied.get(ptr as usize).is_some()
     }
 
-    /// Removes `ptr` from the blocks recorded for the spy, returning its size if it was one.
+    /// Removes `ptr` from the blocks recorded for `cell`'s spy (the current one, looked up
+    /// before: see [`Self::free_spied`]), returning its size if it was one.
     #[inline(always)]
-    fn take_spied(&self, ptr: *mut c_void) -> Option<usize> {
-        if ptr.is_null() || !self.tracking() { None } else { self.spied.remove(ptr as usize) }
+    fn take_spied(&self, cell: Option<&SpyCell>, ptr: *mut c_void) -> Option<usize> {
+        if ptr.is_null() || cell.is_none_or(|c| c.observes) { None } else { self.spied.remove(ptr as usize) }
     }
 
     /// Finishes frees that were parked by nested calls.
     #[cold]
     fn drain_deferred(&self, scope: &Scope) {
         self.deferred.drain(|ptr| {
-            let spied = self.take_spied(ptr).is_some();
+            // Looked up for each block: releasing the last one may have retired the spy.
+            let cell = self.registry.current();
+            let spied = self.take_spied(cell, ptr).is_some();
             // SAFETY: parked pointers are blocks a caller freed; they are still live until now.
-            unsafe { self.release(scope, Entry::Free, ptr, spied, false) }
+            unsafe { self.release(scope, cell, Entry::Free, ptr, spied, false) }
         });
     }
 
@@ -692,19 +720,35 @@ impl<H: Heap> Interposer<H> {
         if self.deferred.has_pending() {
             self.drain_deferred(&scope);
         }
-        let spied = self.take_spied(ptr).is_some();
+        // The spy is looked up before the block leaves the table. Once it has, another thread's
+        // free of a revoked spy's last block may take the spy out of the registry (and wait for
+        // this hook to end before dropping it); a block the spy laid out must still go back
+        // through it, not to the real allocator at the caller's pointer.
+        let cell = self.registry.current();
+        let spied = self.take_spied(cell, ptr).is_some();
+        #[cfg(test)]
+        tests::after_taking(ptr);
         // SAFETY: the caller's guarantee.
-        unsafe { self.release(&scope, Entry::Free, ptr, spied, true) }
+        unsafe { self.release(&scope, cell, Entry::Free, ptr, spied, true) }
     }
 
-    /// Returns `ptr`, already removed from the spied table (`spied` says whether it was in
-    /// it), to the real allocator through the spy, as `entry` (free, or realloc to 0).
-    /// `observe`: report the call with `after_call` (not for frees parked by nested calls).
+    /// Returns `ptr`, already removed from the spied table of `cell` (the spy current before
+    /// it was; `spied` says whether it was in it), to the real allocator through the spy, as
+    /// `entry` (free, or realloc to 0). `observe`: report the call with `after_call` (not for
+    /// frees parked by nested calls).
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
-    unsafe fn release(&self, scope: &Scope, entry: Entry, ptr: *mut c_void, spied: bool, observe: bool) {
-        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else {
+    unsafe fn release(
+        &self,
+        scope: &Scope,
+        cell: Option<&SpyCell>,
+        entry: Entry,
+        ptr: *mut c_void,
+        spied: bool,
+        observe: bool,
+    ) {
+        let Some(cell) = cell.filter(|c| spied || c.is_active()) else {
             // SAFETY: unspied block: a real block.
             return unsafe { self.heap.free(ptr) };
         };
@@ -782,16 +826,18 @@ impl<H: Heap> Interposer<H> {
         if self.deferred.has_pending() {
             self.drain_deferred(&scope);
         }
-        let old_size = self.take_spied(ptr);
+        // Looked up before the block leaves the table, as in `free_spied`.
+        let cell = self.registry.current();
+        let old_size = self.take_spied(cell, ptr);
         let spied = old_size.is_some();
         if size == 0 && self.heap.realloc_zero_frees() {
             // As the real realloc(p, 0) does: free, return NULL.
             // SAFETY: the caller's guarantee.
-            unsafe { self.release(&scope, entry, ptr, spied, true) };
+            unsafe { self.release(&scope, cell, entry, ptr, spied, true) };
             os::set_errno(saved);
             return null();
         }
-        let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else {
+        let Some(cell) = cell.filter(|c| spied || c.is_active()) else {
             // SAFETY: unspied: a real block.
             return unsafe { self.heap.realloc(ptr, size) };
         };

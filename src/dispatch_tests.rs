@@ -4,7 +4,7 @@
 use super::*;
 use crate::spies::leaks::LeakTracker;
 use crate::spy::CallScratch;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// glibc, called directly.
@@ -276,6 +276,234 @@ fn revoke_is_deferred_until_the_last_spied_block_is_freed() {
     // SAFETY: unspied is a live real block.
     unsafe { ip.free(unspied) };
     assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Ok(()));
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
+/// glibc, keeping the real blocks it handed out: a free of any other pointer is recorded as
+/// wild instead of reaching glibc (where a caller's pointer past a spy's header aborts).
+#[derive(Default)]
+struct Tracked {
+    live: std::sync::Mutex<Vec<usize>>,
+    wild: std::sync::Mutex<Vec<usize>>,
+}
+
+impl Tracked {
+    fn keep(&self, ptr: *mut c_void) -> *mut c_void {
+        self.live.lock().unwrap().push(ptr as usize);
+        ptr
+    }
+}
+
+// SAFETY: glibc's functions, through `Glibc`; a pointer it did not hand out is never passed on.
+unsafe impl Heap for Tracked {
+    fn malloc(&self, size: usize) -> *mut c_void {
+        self.keep(Glibc.malloc(size))
+    }
+    fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
+        self.keep(Glibc.calloc(nmemb, size))
+    }
+    unsafe fn realloc(&self, _ptr: *mut c_void, _size: usize) -> *mut c_void {
+        unreachable!("the tests over this heap do not realloc")
+    }
+    unsafe fn free(&self, ptr: *mut c_void) {
+        let mut live = self.live.lock().unwrap();
+        match live.iter().position(|&p| p == ptr as usize) {
+            // SAFETY: a block glibc handed out, freed once.
+            Some(at) => unsafe { Glibc.free(live.swap_remove(at) as *mut c_void) },
+            None => self.wild.lock().unwrap().push(ptr as usize),
+        }
+    }
+    fn memalign(&self, align: usize, size: usize) -> *mut c_void {
+        self.keep(Glibc.memalign(align, size))
+    }
+    fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
+        self.keep(Glibc.aligned_alloc(align, size))
+    }
+    unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+        let block = self.memalign(align, size);
+        // SAFETY: the caller's guarantee.
+        unsafe { *out = block };
+        if block.is_null() { libc::ENOMEM } else { 0 }
+    }
+    fn valloc(&self, size: usize) -> *mut c_void {
+        self.keep(Glibc.valloc(size))
+    }
+    fn pvalloc(&self, size: usize) -> *mut c_void {
+        self.keep(Glibc.pvalloc(size))
+    }
+    unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {
+        // SAFETY: the caller's guarantee.
+        unsafe { Glibc.usable_size(ptr) }
+    }
+    fn trim(&self, pad: usize) -> c_int {
+        Glibc.trim(pad)
+    }
+    fn realloc_zero_frees(&self) -> bool {
+        true
+    }
+}
+
+/// The block whose free pauses right after taking it out of the spied table (0: none), and
+/// the two sides of the pause: reached, and go on.
+static PAUSE_AT: AtomicUsize = AtomicUsize::new(0);
+static PAUSED: AtomicBool = AtomicBool::new(false);
+static RESUME: AtomicBool = AtomicBool::new(false);
+
+/// Called by `free_spied` between taking a block out of the spied table and releasing it.
+pub(super) fn after_taking(ptr: *mut c_void) {
+    if !ptr.is_null() && PAUSE_AT.load(Ordering::SeqCst) == ptr as usize {
+        PAUSED.store(true, Ordering::SeqCst);
+        while !RESUME.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Waits, a minute at most, for `done`; `false` if it never came.
+fn within_a_minute(done: impl Fn() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while !done() {
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+    true
+}
+
+/// Two threads free a revoked spy's last two blocks at once. The second finds the table empty
+/// and takes the spy out of the registry; the first, which had taken its block out of the
+/// table just before, must still give it back through the spy. It looked the spy up only
+/// after taking the block, found none, and passed the caller's pointer (past the spy's
+/// header) to the real allocator: glibc aborted with `double free or corruption`.
+#[test]
+fn a_block_taken_from_the_table_goes_back_through_its_spy_when_another_free_retires_it() {
+    let log = Arc::new(Log::default());
+    let ip: &'static Interposer<Tracked> = Box::leak(Box::new(Interposer::new(Tracked::default())));
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    let (first, second) = (ip.malloc(24) as usize, ip.malloc(24) as usize);
+    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
+    PAUSE_AT.store(first, Ordering::SeqCst);
+    // SAFETY: a live spied block, freed once.
+    let pausing = std::thread::spawn(move || unsafe { ip.free(first as *mut c_void) });
+    assert!(within_a_minute(|| PAUSED.load(Ordering::SeqCst)));
+    // SAFETY: as above.
+    let retiring = std::thread::spawn(move || unsafe { ip.free(second as *mut c_void) });
+    assert!(within_a_minute(|| ip.registry.is_empty()), "the second free takes the spy out of the registry");
+    RESUME.store(true, Ordering::SeqCst);
+    pausing.join().unwrap();
+    retiring.join().unwrap();
+    PAUSE_AT.store(0, Ordering::SeqCst);
+    assert_eq!(*ip.heap.wild.lock().unwrap(), Vec::<usize>::new(), "no caller's pointer reached the real allocator");
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 2, "both blocks went back through the spy");
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped once, after both");
+    assert!(ip.heap.live.lock().unwrap().is_empty(), "both real blocks freed");
+}
+
+/// Hands over to a successor from its drop (a C spy's `release`): registers `next`, or
+/// revokes whatever is registered, and records the answer.
+struct HandingOver {
+    ip: &'static Interposer<Glibc>,
+    log: Arc<Log>,
+    register_next: bool,
+    answer: Arc<std::sync::Mutex<Option<Result<(), SpyError>>>>,
+}
+
+impl MallocSpy for HandingOver {}
+
+impl Drop for HandingOver {
+    fn drop(&mut self) {
+        let answer = if self.register_next {
+            self.ip.register(|| Box::new(HeaderSpy::new(&self.log)))
+        } else {
+            self.ip.revoke()
+        };
+        *self.answer.lock().unwrap() = Some(answer);
+    }
+}
+
+/// A spy's drop may call the registration API: it ran with the registry's lock held, which
+/// the call took again, and the program hung at its first revoke.
+#[test]
+fn a_spy_dropped_by_a_revoke_may_register_its_successor_or_revoke() {
+    for register_next in [true, false] {
+        let log = Arc::new(Log::default());
+        let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+        let answer = Arc::new(std::sync::Mutex::new(None));
+        let spy = HandingOver { ip, log: log.clone(), register_next, answer: answer.clone() };
+        ip.register(|| Box::new(spy)).unwrap();
+        let revoking = std::thread::spawn(move || ip.revoke());
+        assert!(within_a_minute(|| revoking.is_finished()), "the revoke returns");
+        assert_eq!(revoking.join().unwrap(), Ok(()));
+        let answer = answer.lock().unwrap().take();
+        if register_next {
+            assert_eq!(answer, Some(Ok(())), "the successor is registered");
+            let p = ip.malloc(8);
+            assert_eq!(log.post_alloc.load(Ordering::SeqCst), 1, "and spies");
+            // SAFETY: a live spied block.
+            unsafe { ip.free(p) };
+            assert_eq!(ip.revoke(), Ok(()));
+        } else {
+            assert_eq!(answer, Some(Err(SpyError::NotRegistered)), "nothing is registered any more");
+        }
+    }
+}
+
+/// Calls the registration API from inside its `pre_alloc` once told to, and says when it is
+/// inside.
+struct RevokingInside {
+    ip: &'static Interposer<Glibc>,
+    inside: Arc<AtomicBool>,
+    answer: Arc<std::sync::Mutex<Option<Result<(), SpyError>>>>,
+}
+
+impl MallocSpy for RevokingInside {
+    fn pre_alloc(&self, size: usize) -> usize {
+        if size == 1234 {
+            self.inside.store(true, Ordering::SeqCst);
+            // Until the other thread's revoke has claimed the spy and waits for this call.
+            while self.ip.registry.current().is_some_and(|c| c.is_active()) {
+                std::thread::yield_now();
+            }
+            *self.answer.lock().unwrap() = Some(self.ip.revoke());
+        }
+        size
+    }
+}
+
+/// One thread revokes while another, inside one of the spy's methods, revokes too. The first
+/// waited for the second's call to end while holding the registry's lock, which the second
+/// waited for: both hung.
+#[test]
+fn a_revoke_from_inside_a_spy_method_while_another_thread_revokes_returns() {
+    let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+    let (inside, answer) = (Arc::new(AtomicBool::new(false)), Arc::new(std::sync::Mutex::new(None)));
+    let spy = RevokingInside { ip, inside: inside.clone(), answer: answer.clone() };
+    ip.register(|| Box::new(spy)).unwrap();
+    let allocating = std::thread::spawn(move || ip.malloc(1234) as usize);
+    assert!(within_a_minute(|| inside.load(Ordering::SeqCst)));
+    let revoking = std::thread::spawn(move || ip.revoke());
+    assert!(within_a_minute(|| allocating.is_finished() && revoking.is_finished()), "both return");
+    let block = allocating.join().unwrap();
+    assert_eq!(*answer.lock().unwrap(), Some(Err(SpyError::NotRegistered)), "the other revoke has it");
+    assert_eq!(revoking.join().unwrap(), Err(SpyError::AccessDenied), "the block allocated meanwhile");
+    // SAFETY: a live block allocated under the spy.
+    unsafe { ip.free(block as *mut c_void) };
+    assert!(ip.registry.is_empty());
+}
+
+/// A failure said outside any spy method (`spy_failed` in the C API) blames no later spy: it
+/// revoked the next spy registered at its first call.
+#[test]
+fn a_failure_said_outside_a_spy_method_blames_no_spy() {
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    tls::state().spy_failed.set(1);
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    let p = ip.malloc(8);
+    // SAFETY: a live spied block.
+    unsafe { ip.free(p) };
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 1, "still registered after its first calls");
     assert_eq!(ip.revoke(), Ok(()));
 }
 

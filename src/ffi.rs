@@ -266,6 +266,46 @@ pub(crate) unsafe fn validate(vtable: *const SpyVtable) -> Result<(), SpyError> 
 /// `vtable` passed [`validate`], and it and `ctx` live until the table's `release` is called;
 /// its functions honour the header's contract.
 pub(crate) unsafe fn c_spy(vtable: *const SpyVtable, ctx: *mut c_void) -> Box<dyn MallocSpy> {
+    // SAFETY: the caller's guarantee.
+    Box::new(CSpy { vtable: unsafe { copy_of(vtable) }, ctx })
+}
+
+/// The address of one of a validated C table's functions (0 for a table of none): where the
+/// spy's code lies, for [`crate::registry::SpyCell::code`].
+///
+/// # Safety
+/// `vtable` passed [`validate`].
+pub(crate) unsafe fn code_of(vtable: *const SpyVtable) -> usize {
+    // SAFETY: the caller's guarantee.
+    let v = unsafe { copy_of(vtable) };
+    let functions = [
+        v.pre_alloc.map(|f| f as usize),
+        v.post_alloc.map(|f| f as usize),
+        v.pre_alloc_aligned.map(|f| f as usize),
+        v.post_alloc_aligned.map(|f| f as usize),
+        v.pre_free.map(|f| f as usize),
+        v.post_free.map(|f| f as usize),
+        v.pre_realloc.map(|f| f as usize),
+        v.post_realloc.map(|f| f as usize),
+        v.pre_get_size.map(|f| f as usize),
+        v.post_get_size.map(|f| f as usize),
+        v.pre_did_alloc.map(|f| f as usize),
+        v.post_did_alloc.map(|f| f as usize),
+        v.pre_heap_minimize.map(|f| f as usize),
+        v.post_heap_minimize.map(|f| f as usize),
+        v.before_release.map(|f| f as usize),
+        v.after_call.map(|f| f as usize),
+        v.release.map(|f| f as usize),
+    ];
+    functions.into_iter().flatten().next().unwrap_or(0)
+}
+
+/// The caller's table, as much of it as its size says it has, the rest zero (NULL members, no
+/// flags).
+///
+/// # Safety
+/// `vtable` passed [`validate`].
+unsafe fn copy_of(vtable: *const SpyVtable) -> SpyVtable {
     // SAFETY: validated: at least MIN_VTABLE_SIZE readable bytes, the whole table when its
     // size says so.
     let size = unsafe { (*vtable).size } as usize;
@@ -274,11 +314,10 @@ pub(crate) unsafe fn c_spy(vtable: *const SpyVtable, ctx: *mut c_void) -> Box<dy
     let mut copy = core::mem::MaybeUninit::<SpyVtable>::zeroed();
     // SAFETY: `bytes` are readable at `vtable` (above) and fit the copy; all zeroes is a valid
     // table (NULL members, no flags), and the copied prefix holds the caller's valid fields.
-    let vtable = unsafe {
+    unsafe {
         core::ptr::copy_nonoverlapping(vtable.cast::<u8>(), copy.as_mut_ptr().cast::<u8>(), bytes);
         copy.assume_init()
-    };
-    Box::new(CSpy { vtable, ctx })
+    }
 }
 
 /// Encodes a registration result as a status code.

@@ -32,6 +32,9 @@ pub(crate) struct SpyCell {
     owned: bool,
     /// [`MallocSpy::role`] is [`Role::Observe`] (asked once).
     pub(crate) observes: bool,
+    /// An address in the spy's code when it came through the C ABI (0 otherwise): a
+    /// `dlclose` of the module holding it leaves the module loaded ([`crate::dl_close`]).
+    pub(crate) code: usize,
     /// No new blocks, no calls for unspied blocks: revoked by the program or after a panic.
     revoked: AtomicBool,
     /// The revoke's grace period is over: every allocation that could still add a spied block
@@ -74,6 +77,11 @@ impl SpyCell {
     pub(crate) fn call<R>(&self, f: impl FnOnce(&dyn MallocSpy) -> R) -> Result<R, Panicked> {
         // SAFETY: the spy lives as long as the cell (static, or freed by the cell's drop).
         let spy = unsafe { &*self.spy };
+        if self.owned {
+            // Only a failure said during this call counts: one said outside any spy method (or
+            // in a `release`) would otherwise blame the next call, of this spy or the next one.
+            tls::state().spy_failed.set(0);
+        }
         match std::panic::catch_unwind(AssertUnwindSafe(|| f(spy))) {
             // A spy behind the C ABI (a Rust one in another module included, whose panic was
             // caught there) says it failed through the API: as a panic, its answer is unusable.
@@ -141,9 +149,10 @@ impl Registry {
         unsafe { self.cell.load(Ordering::Acquire).as_ref() }
     }
 
-    /// Registers the spy `make` builds; `make` runs only once the slot is known to be free,
-    /// so a refused spy is never built (a C spy's `release` is not called for nothing).
-    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef) -> Result<(), SpyError> {
+    /// Registers the spy `make` builds, whose code is at `code` (see [`SpyCell::code`]);
+    /// `make` runs only once the slot is known to be free, so a refused spy is never built (a
+    /// C spy's `release` is not called for nothing).
+    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, code: usize) -> Result<(), SpyError> {
         let _guard = self.lock.lock();
         if !self.cell.load(Ordering::Acquire).is_null() {
             return Err(SpyError::AlreadyRegistered);
@@ -158,6 +167,7 @@ impl Registry {
             spy,
             owned,
             observes,
+            code,
             revoked: AtomicBool::new(false),
             settled: AtomicBool::new(false),
             retiring: AtomicBool::new(false),
@@ -168,54 +178,74 @@ impl Registry {
         Ok(())
     }
 
-    /// Revokes the registered spy. `live` counts the blocks allocated under it; `in_hook`
-    /// says the caller is inside a hook (one of the spy's methods, or a callback it runs),
-    /// `me` is then its thread slot.
-    pub(crate) fn revoke(&self, live: impl Fn() -> usize, in_hook: bool, me: Option<u32>) -> Result<(), SpyError> {
+    /// Claims the registered spy for a revoke: new calls stop using it, and the caller is the
+    /// one to settle it (see [`Registry::settle_then`]).
+    ///
+    /// The lock orders revokes against registrations, and is held for that alone: not while
+    /// other threads are waited for (one inside a spy method that calls the API meanwhile
+    /// would wait for the lock in turn), nor while the spy is dropped (its `release` may
+    /// register a successor).
+    pub(crate) fn claim_revoke(&self) -> Result<*const SpyCell, SpyError> {
         let _guard = self.lock.lock();
         let Some(cell) = self.current() else { return Err(SpyError::NotRegistered) };
-        if !cell.is_active() {
+        if cell.revoked.swap(true, Ordering::SeqCst) {
             return Err(SpyError::NotRegistered);
         }
-        self.disable(cell, me);
-        if in_hook {
-            // The hook in progress still uses the spy (its Post method may follow): the spy is
-            // dropped when that hook ends (`Interposer::retire`), not here under its feet.
-            return if live() == 0 { Ok(()) } else { Err(SpyError::AccessDenied) };
-        }
-        let cell: *const SpyCell = cell;
-        self.retire_if_unused(cell, &live, me);
-        if core::ptr::eq(self.cell.load(Ordering::Acquire), cell) { Err(SpyError::AccessDenied) } else { Ok(()) }
+        Ok(cell)
     }
 
-    /// Stops new calls from using `cell` and waits for those in flight. Used by revoke and
-    /// after a panic; the caller then calls [`Registry::retire_if_unused`] once it no longer
-    /// uses `cell`.
+    /// Stops new calls from using `cell` and waits for those in flight. Used after a panic; the
+    /// caller then calls [`Registry::retire_if_unused`] once it no longer uses `cell`.
     pub(crate) fn disable(&self, cell: &SpyCell, me: Option<u32>) {
-        if cell.revoked.swap(true, Ordering::SeqCst) {
-            return;
+        if !cell.revoked.swap(true, Ordering::SeqCst) {
+            Self::settle_then(cell, me, || ());
         }
-        // Allocations that saw the spy active before the store above may still add blocks.
+    }
+
+    /// Waits for the allocations that saw `cell` active before it was revoked, which may still
+    /// add blocks; then runs `enter` and marks the cell settled, after which a live count of
+    /// zero is final and a free of its last block drops it. `enter` is where a caller outside
+    /// any hook marks itself in flight, so that such a drop waits for it to be done with the
+    /// cell; only the caller that revoked the cell may call this, and the cell lives until then.
+    pub(crate) fn settle_then<G>(cell: &SpyCell, me: Option<u32>, enter: impl FnOnce() -> G) -> G {
         threads::quiesce(me);
+        let guard = enter();
         cell.settled.store(true, Ordering::SeqCst);
+        guard
     }
 
     /// Drops `cell` if it is revoked, settled and has no live block. Called after each free
     /// of a spied block while the revoke is pending, and after a panic disabled the spy.
-    /// Nobody may use `cell` afterwards (hence a raw pointer: a reference argument would
-    /// outlive the referent).
-    pub(crate) fn retire_if_unused(&self, cell: *const SpyCell, live: &impl Fn() -> usize, me: Option<u32>) {
+    /// Returns whether the cell is retired (by this call or by another thread's).
+    ///
+    /// The caller is in flight: inside a hook (its slot in `me`), or marked for this call
+    /// alone by `in_flight`, which is dropped (and `me` must then be `None`) once the cell is
+    /// this call's to drop, before waiting for the hooks in flight: two callers in flight that
+    /// each waited for the other would wait forever. The caller must not use `cell` afterwards
+    /// (hence a raw pointer: a reference argument would outlive the referent).
+    pub(crate) fn retire_if_unused<G>(
+        &self,
+        cell: *const SpyCell,
+        live: &impl Fn() -> usize,
+        me: Option<u32>,
+        in_flight: G,
+    ) -> bool {
         {
-            // SAFETY: still registered: retiring is decided below, by one caller only.
+            // SAFETY: a cell is dropped only after a grace period that outlasts the caller,
+            // which is in flight.
             let flags = unsafe { &*cell };
-            if !flags.settled.load(Ordering::SeqCst) || live() != 0 || flags.retiring.swap(true, Ordering::SeqCst) {
-                return;
+            if !flags.settled.load(Ordering::SeqCst) || live() != 0 {
+                return false;
+            }
+            if flags.retiring.swap(true, Ordering::SeqCst) {
+                return true;
             }
         }
         let ptr = cell.cast_mut();
         if self.cell.compare_exchange(ptr, core::ptr::null_mut(), Ordering::AcqRel, Ordering::Acquire).is_err() {
-            return;
+            return true;
         }
+        drop(in_flight);
         // Threads may still be inside the spy's methods (an unspied free that looked before
         // the revoke); wait for them before dropping.
         threads::quiesce(me);
@@ -226,6 +256,7 @@ impl Registry {
         if std::panic::catch_unwind(AssertUnwindSafe(move || drop(cell))).is_err() {
             sink::to_stderr(b"mallocspy: the revoked spy panicked while being dropped\n");
         }
+        true
     }
 
     /// Child side of `fork`: the thread that held the lock does not exist there.

@@ -31,6 +31,28 @@ fn a_dlopened_plugin_registers_the_spy_the_interposer_calls() {
     assert_eq!(text(&out.stdout), "register: 0\nspy saw 1000 mallocs\n", "{}", text(&out.stderr));
 }
 
+/// A plugin unloaded while its spy is registered stays loaded, and that is said: unmapped, its
+/// spy's code was called at the next allocation, and the program died of SIGSEGV inside
+/// `dlclose` (the loader's own `free`).
+#[test]
+fn a_plugin_closed_with_its_spy_registered_stays_loaded() {
+    let host = c_program("plugin_host.c");
+    let plugin = c_library("plugin.c");
+    let out = run(PASS_THROUGH, Command::new(&host).arg("dlclose").arg(&plugin));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(
+        text(&out.stdout),
+        "register: 0\nspy saw 1000 mallocs\ndlclose: 0\nafter dlclose, spy saw 2000 mallocs\n",
+        "{stderr}"
+    );
+    let said = format!(
+        "mallocspy: {} stays loaded: the registered spy or a callback of mallocspy's is in it\n",
+        plugin.display()
+    );
+    assert_eq!(stderr, said);
+}
+
 #[test]
 fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
