@@ -322,9 +322,13 @@ fn report_all(caller: Caller) {
     }
     let Some(tracker) = b.leaks else { return };
     let summary = write_leak_report(tracker, caller);
+    // Not at `_exit`, which skips the program's cleanup: a forked child leaving so must not
+    // flush its parent's buffered output a second time, nor change the status its parent
+    // waits for (LeakSanitizer checks only at `exit`).
     if let Some(code) = b.options.exitcode
         && summary.lost_blocks() > 0
         && ENDING_SIGNAL.load(Ordering::Relaxed) == 0
+        && !LEAVING_BY_EXIT_NOW.load(Ordering::Relaxed)
     {
         // SAFETY: flushes stdio (the program's buffered output must not be lost), then
         // leaves with the leak status, as LSan's exitcode does.
@@ -387,8 +391,12 @@ pub(crate) fn report_at_signal(signal: core::ffi::c_int, interrupted: Option<Cal
     report_all(interrupted.unwrap_or(Caller { skip_to_program: false, ..Caller::here() }));
 }
 
-/// `_exit` and `_Exit`: report, then leave.
+/// The process is leaving by `_exit` or `_Exit` ([`exit_now`]).
+static LEAVING_BY_EXIT_NOW: AtomicBool = AtomicBool::new(false);
+
+/// `_exit` and `_Exit`: report, then leave with the program's status.
 pub fn exit_now(status: core::ffi::c_int) -> ! {
+    LEAVING_BY_EXIT_NOW.store(true, Ordering::Relaxed);
     report_at_exit();
     loop {
         // SAFETY: exit_group ends the process and does not return.

@@ -139,9 +139,20 @@ fn init_tables() -> bool {
 pub(crate) fn current(ts: &ThreadState) -> Option<u32> {
     match ts.slot.get() {
         0 => acquire(ts),
-        NO_SLOT => None,
+        NO_SLOT => {
+            UNSPIED_CALLS.fetch_add(1, Ordering::Relaxed);
+            None
+        }
         index_plus_one => Some(index_plus_one - 1),
     }
+}
+
+/// Calls of threads that got no slot, which went to the real allocator unspied.
+static UNSPIED_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many calls went unspied for want of a slot (see [`current`]), for the reports' notes.
+pub(crate) fn unspied_calls() -> u64 {
+    UNSPIED_CALLS.load(Ordering::Relaxed)
 }
 
 /// The calling thread's slot index if it has one (never acquires). Inside a spied hook of

@@ -255,6 +255,94 @@ fn every_exit_path_writes_the_report() {
     }
 }
 
+/// `exitcode` applies at `exit`, not at `_exit`, which skips the program's cleanup (as
+/// LeakSanitizer, which checks only at `exit`): a forked child leaving by `_exit(0)` flushed
+/// its parent's buffered output a second time and gave its parent 23 for a status.
+#[test]
+fn exitcode_leaves_an_exit_that_skips_cleanup_alone() {
+    let program = c_program("exit_paths.c");
+    let out = run(Mode::Shim("exitcode=23"), Command::new(&program).arg("fork_exit"));
+    assert_eq!(text(&out.stdout), "leaving by fork_exit\nchild status 0\n", "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(23), "the parent's own exit still fails on its leak");
+    let out = run(Mode::Shim("exitcode=23"), Command::new(&program).arg("_exit"));
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("definitely lost: 100 bytes in 1 blocks"), "still reported");
+}
+
+/// A `max_memory` too small for the tracker: every run either tracks all 50 of leaky's
+/// allocations or its report says what it left out. A limit that left the thread no slot gave
+/// "0 allocs" and no leak, without a note.
+#[test]
+fn a_max_memory_too_small_for_the_tracker_is_noted_in_the_report() {
+    let leaky = bench_dir().join("leaky");
+    let (mut unspied, mut untracked) = (0, 0);
+    for limit_k in (1024..4 << 10).step_by(256) {
+        let options = format!("report_format=json:max_memory={limit_k}k");
+        let out = Command::new(&leaky).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output().unwrap();
+        let report = json_report(&out);
+        let notes: Vec<&str> = report["notes"].as_array().unwrap().iter().flat_map(|n| n.as_str()).collect();
+        let tracked = report["summary"]["total_allocs"].as_u64().unwrap();
+        let noted = |what: &str| notes.iter().any(|n| n.contains(what));
+        unspied += usize::from(noted("allocator call(s) went unspied"));
+        untracked += usize::from(noted("allocation(s) were not tracked"));
+        assert!(tracked == 50 || !notes.is_empty(), "limit {limit_k}k: {tracked} of 50 tracked, no note: {report}");
+    }
+    assert!(unspied > 0 && untracked > 0, "the sweep meets a thread with no slot and a full table");
+}
+
+/// `mallocspy run` becomes the program, which then starts as its caller started it: a signal
+/// sent to its process group reaches it once (relayed, it came twice: `timeout` and `kill
+/// -PGID` signal the whole group), an ignored SIGPIPE stays ignored, blocked signals stay
+/// blocked, a script without `#!` runs under /bin/sh, and the caller's MALLOCSPY_OPTIONS
+/// count (after them, run's own).
+#[test]
+fn mallocspy_run_starts_the_program_as_its_caller_would() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let in_bash = |script: &str| {
+        let out = Command::new("bash").args(["-c", script]).env("M", mallocspy()).output().unwrap();
+        (text(&out.stdout), text(&out.stderr))
+    };
+    let counter = "import signal, time\nseen = []\nsignal.signal(signal.SIGTERM, lambda *a: seen.append(1))\n\
+                   print('ready', flush=True)\ntime.sleep(1)\nprint('signals seen:', len(seen))";
+    let mut group = Command::new(mallocspy())
+        .args(["run", "--"])
+        .arg(python())
+        .args(["-c", counter])
+        .process_group(0)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(group.stdout.as_mut().unwrap()), &mut ready).unwrap();
+    assert_eq!(ready, "ready\n");
+    // SAFETY: kill has no memory preconditions; the group is our child's, not yet reaped.
+    assert_eq!(unsafe { libc::kill(-(group.id() as i32), libc::SIGTERM) }, 0);
+    assert_eq!(text(&group.wait_with_output().unwrap().stdout), "signals seen: 1\n");
+
+    let pipe = "trap '' PIPE; $M run -- yes 2>/dev/null | head -1; echo ${PIPESTATUS[*]}";
+    assert_eq!(in_bash(pipe).0, "y\n1 0\n", "yes sees EPIPE and fails, as without mallocspy");
+    let blocked = format!(
+        "import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1}})\n\
+         os.execv({m:?}, [{m:?}, 'run', '--', {py:?}, '-c', 'import signal; print(signal.pthread_sigmask(signal.SIG_BLOCK, []))'])",
+        m = mallocspy().display().to_string(),
+        py = python().display().to_string()
+    );
+    let out = Command::new(python()).args(["-c", &blocked]).output().unwrap();
+    assert_eq!(text(&out.stdout), "{<Signals.SIGUSR1: 10>}\n", "{}", text(&out.stderr));
+    let script = dir.path().join("no-shebang");
+    std::fs::write(&script, "echo from sh\nexit 4\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = Command::new(mallocspy()).args(["run", "--"]).arg(&script).output().unwrap();
+    assert_eq!((text(&out.stdout).as_str(), out.status.code()), ("from sh\n", Some(4)), "{}", text(&out.stderr));
+
+    let options = "MALLOCSPY_OPTIONS=max_memory=64m $M run -- sh -c 'echo $MALLOCSPY_OPTIONS' 2>/dev/null";
+    assert_eq!(in_bash(options).0, "max_memory=64m:spy=leaks:stack_depth=32\n");
+    let (stdout, stderr) = in_bash("MALLOCSPY_OPTIONS=bogus $M run -- echo ran; echo $?");
+    assert_eq!((stdout.as_str(), stderr.as_str()), ("2\n", "mallocspy: MALLOCSPY_OPTIONS: 'bogus' is not key=value\n"));
+}
+
 #[test]
 fn threads_that_block_signals_or_have_exited_are_not_waited_for_and_their_stacks_count() {
     let program = c_program("unstoppable.c");

@@ -23,6 +23,33 @@ fn a_c_program_registers_a_header_spy_through_the_header() {
     assert_eq!(text(&native.stdout).trim(), "no interposer");
 }
 
+/// The README's C spy, as written there, compiled and run through every entry point. The
+/// example it showed had no realloc members: the first `realloc` of a program that copied it
+/// aborted (`realloc(): invalid pointer`).
+#[test]
+fn the_readme_c_spy_runs_every_entry_point() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let section = readme.split("## A spy in C").nth(1).expect("the README's C section");
+    let code = section.split("```c\n").nth(1).and_then(|c| c.split("```\n").next()).expect("its C block");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("readme_spy.c"), code).unwrap();
+    let program = dir.path().join("readme_spy");
+    let status = Command::new("gcc")
+        .args(["-O2", "-g", "-fno-builtin", "-w", "-I"])
+        .arg(root().join("include"))
+        .arg("-I")
+        .arg(dir.path())
+        .arg("-o")
+        .arg(&program)
+        .arg(root().join("tests/fixtures/readme_spy_main.c"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "the README's spy compiles");
+    let out = run(PASS_THROUGH, &mut Command::new(&program));
+    assert_eq!(text(&out.stdout), "ok\n", "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0));
+}
+
 #[test]
 fn a_dlopened_plugin_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");

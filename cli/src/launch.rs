@@ -4,7 +4,8 @@ use std::ffi::OsString;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus};
-use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 /// `path`, given as `flag`, as `MALLOCSPY_OPTIONS` carries it: absolute (each process of the
 /// program resolves it where it starts, and a program may change directory first), and
@@ -46,6 +47,26 @@ pub fn run_preloaded(
     options: &[String],
     program: &[OsString],
 ) -> Result<(u32, ExitStatus), ExitCode> {
+    let mut child = preloaded(shim, options, program)?.spawn().map_err(|e| cannot_run(program, &e))?;
+    let pid = child.id();
+    relay_signals_to(pid);
+    child.wait().map(|status| (pid, status)).map_err(|e| fail(&format!("cannot wait for the program: {e}"), 2))
+}
+
+/// Becomes `program`, as [`run_preloaded`] would run it: for `run`, which has nothing to do
+/// once the program ends (the shim writes the reports). The program is then what its caller
+/// started: signals sent to its process group reach it once, not once more through us, and a
+/// core it dumps is its own. Returns only on failure, with the exit code to leave with.
+pub fn exec_preloaded(shim: Option<&Path>, options: &[String], program: &[OsString]) -> ExitCode {
+    match preloaded(shim, options, program) {
+        Ok(mut command) => cannot_run(program, &command.exec()),
+        Err(code) => code,
+    }
+}
+
+/// `program` as a command with the shim preloaded, `options` (after those of the environment,
+/// which they override) as `MALLOCSPY_OPTIONS`, and the state this process started in.
+fn preloaded(shim: Option<&Path>, options: &[String], program: &[OsString]) -> Result<Command, ExitCode> {
     let Some(shim) = shim.map(Path::to_path_buf).or_else(default_shim) else {
         return Err(fail("cannot find libmallocspy_preload.so next to this executable; give --shim PATH", 2));
     };
@@ -68,47 +89,92 @@ pub fn run_preloaded(
         preload.push(" ");
         preload.push(existing);
     }
+    let options = with_the_environment(options)?;
     if let Some(why) = out_of_reach(Path::new(&program[0])) {
         say!("mallocspy: warning: '{}' {why}; it runs unspied", program[0].to_string_lossy());
     }
-    let mut child = Command::new(&program[0]);
-    child.args(&program[1..]).env("LD_PRELOAD", preload).env("MALLOCSPY_OPTIONS", options.join(":"));
-    let closed = CLOSED_AT_START.load(Ordering::Relaxed);
-    if closed != 0 {
-        // SAFETY: the closure only calls close, which is async-signal-safe, on descriptors the
-        // child does not otherwise use (Rust's runtime opened /dev/null there for us).
-        unsafe {
-            child.pre_exec(move || {
-                (0..3).filter(|fd| closed & 1 << fd != 0).for_each(|fd| {
-                    libc::close(fd);
-                });
-                Ok(())
-            })
-        };
-    }
-    let mut child = child.spawn().map_err(|e| {
-        let code = if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 };
-        fail(&format!("cannot run '{}': {e}", program[0].to_string_lossy()), code)
-    })?;
-    let pid = child.id();
-    relay_signals_to(pid);
-    child.wait().map(|status| (pid, status)).map_err(|e| fail(&format!("cannot wait for the program: {e}"), 2))
+    let mut command = Command::new(&program[0]);
+    command.args(&program[1..]).env("LD_PRELOAD", preload).env("MALLOCSPY_OPTIONS", options);
+    // SAFETY: the closure only calls close, sigaction and sigprocmask, which are
+    // async-signal-safe, with data this process noted before its runtime started.
+    unsafe {
+        command.pre_exec(|| {
+            restore_start_state();
+            Ok(())
+        })
+    };
+    Ok(command)
 }
 
-/// Which of descriptors 0, 1 and 2 were closed when this process started (bit `n` for `n`):
-/// Rust's runtime opens `/dev/null` on them before `main`, and the program must start with
-/// them closed, as it would natively (`echo hi >&-` fails; a program's first `open` gets 0).
-static CLOSED_AT_START: AtomicU8 = AtomicU8::new(0);
+/// `ours` after the user's own `MALLOCSPY_OPTIONS`, which would otherwise be lost (a later
+/// key wins); options the shim would refuse are refused here, before the program runs.
+fn with_the_environment(ours: &[String]) -> Result<String, ExitCode> {
+    let ours = ours.join(":");
+    let Some(theirs) = std::env::var_os("MALLOCSPY_OPTIONS").filter(|o| !o.is_empty()) else { return Ok(ours) };
+    let Some(theirs) = theirs.to_str() else {
+        return Err(fail("MALLOCSPY_OPTIONS is not valid UTF-8", 2));
+    };
+    if let Err(e) = mallocspy::options::Options::parse(theirs) {
+        return Err(fail(&format!("MALLOCSPY_OPTIONS: {e}"), 2));
+    }
+    Ok(format!("{theirs}:{ours}"))
+}
 
-/// Runs before Rust's runtime, as a constructor: notes [`CLOSED_AT_START`].
+/// The exit code for a program that could not be started (127: not found, 126: not
+/// runnable), said.
+fn cannot_run(program: &[OsString], e: &std::io::Error) -> ExitCode {
+    let code = if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 };
+    fail(&format!("cannot run '{}': {e}", program[0].to_string_lossy()), code)
+}
+
+/// What this process started with that Rust's runtime changes before `main` and the program
+/// must start with as it would natively: which of descriptors 0, 1 and 2 were closed (bit `n`
+/// for `n`: the runtime opens `/dev/null` on them, and `echo hi >&-` must fail, a program's
+/// first `open` get 0), whether `SIGPIPE` was ignored (the runtime ignores it, and a spawned
+/// program gets the default: `yes` under `trap '' PIPE` must see EPIPE, not die), and the
+/// signals it had blocked (a spawned program gets none).
+struct StartState {
+    closed: u8,
+    pipe_ignored: bool,
+    blocked: libc::sigset_t,
+}
+
+static START: OnceLock<StartState> = OnceLock::new();
+
+/// Runs before Rust's runtime, as a constructor: notes [`START`].
 #[used]
 #[unsafe(link_section = ".init_array")]
-static NOTE_CLOSED_AT_START: extern "C" fn() = note_closed_at_start;
+static NOTE_START_STATE: extern "C" fn() = note_start_state;
 
-extern "C" fn note_closed_at_start() {
+extern "C" fn note_start_state() {
     // SAFETY: F_GETFD only reads the descriptor table; a closed descriptor fails with EBADF.
     let closed = (0..3).filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0).fold(0, |m, fd| m | 1 << fd);
-    CLOSED_AT_START.store(closed, Ordering::Relaxed);
+    // SAFETY: sigaction and sigprocmask with a null new value only read into plain data.
+    let (pipe, blocked) = unsafe {
+        let mut pipe: libc::sigaction = core::mem::zeroed();
+        let mut blocked: libc::sigset_t = core::mem::zeroed();
+        libc::sigaction(libc::SIGPIPE, core::ptr::null(), &mut pipe);
+        libc::sigprocmask(libc::SIG_BLOCK, core::ptr::null(), &mut blocked);
+        (pipe, blocked)
+    };
+    let _ = START.set(StartState { closed, pipe_ignored: pipe.sa_sigaction == libc::SIG_IGN, blocked });
+}
+
+/// In the child, just before the program is executed: puts back [`START`].
+fn restore_start_state() {
+    let Some(start) = START.get() else { return };
+    (0..3).filter(|fd| start.closed & 1 << fd != 0).for_each(|fd| {
+        // SAFETY: closes a descriptor the child does not otherwise use (the runtime opened
+        // /dev/null there).
+        unsafe { libc::close(fd) };
+    });
+    // SAFETY: setting a disposition and the signal mask this process started with.
+    unsafe {
+        if start.pipe_ignored {
+            libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        }
+        libc::sigprocmask(libc::SIG_SETMASK, &start.blocked, core::ptr::null_mut());
+    }
 }
 
 /// The program `run_preloaded` waits for, for [`relay`].
@@ -188,10 +254,14 @@ pub fn forward(status: ExitStatus) -> ExitCode {
     if let Some(code) = status.code() {
         return ExitCode::from(code as u8);
     }
-    // Killed by a signal: die of the same one, so that our parent sees what happened.
+    // Killed by a signal: die of the same one, so that our parent sees what happened; with no
+    // core of our own, which would overwrite the program's.
     if let Some(signal) = status.signal() {
-        // SAFETY: restoring the default action and raising a signal in our own process.
+        // SAFETY: setting our own core limit, restoring the default action and raising a
+        // signal in our own process.
         unsafe {
+            let none = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            libc::setrlimit(libc::RLIMIT_CORE, &none);
             libc::signal(signal, libc::SIG_DFL);
             libc::raise(signal);
         }

@@ -83,8 +83,5 @@ pub fn run(args: RunArgs) -> ExitCode {
             Err(code) => return code,
         }
     }
-    match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
-        Ok((_, status)) => launch::forward(status),
-        Err(code) => code,
-    }
+    launch::exec_preloaded(args.shim.as_deref(), &options, &args.program)
 }

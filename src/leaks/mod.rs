@@ -247,6 +247,13 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             "{untracked} allocation(s) were not tracked: mallocspy's memory limit (max_memory) was reached"
         ));
     }
+    let unspied = crate::threads::unspied_calls();
+    if unspied > 0 {
+        notes.push(format!(
+            "{unspied} allocator call(s) went unspied: their threads got no slot (mallocspy's memory limit, \
+             max_memory, was reached, or more threads lived at once than it tracks)"
+        ));
+    }
     let mut classified: Vec<Classified> = blocks
         .iter()
         .zip(scratch.kinds())

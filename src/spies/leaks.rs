@@ -376,7 +376,13 @@ impl MallocSpy for LeakTracker {
         if !is_allocation(call.entry) {
             return;
         }
-        let Some(t) = self.mine() else { return };
+        let Some(t) = self.mine() else {
+            // The thread got no record (max_memory was reached): said in the report's note.
+            if !call.failed && !call.result.is_null() {
+                self.untracked.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        };
         let resized = !call.ptr.is_null();
         let had_record = resized && CallScratch::get(S_HAD_RECORD) != 0;
         let old = had_record.then(|| {
