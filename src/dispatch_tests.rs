@@ -492,6 +492,43 @@ fn a_revoke_from_inside_a_spy_method_while_another_thread_revokes_returns() {
     assert!(ip.registry.is_empty());
 }
 
+/// Revokes itself from its `pre_alloc` once the other spy of the pair is inside its own.
+struct MeetingRevoker {
+    ip: &'static Interposer<Glibc>,
+    met: Arc<std::sync::Barrier>,
+}
+
+impl MallocSpy for MeetingRevoker {
+    fn pre_alloc(&self, size: usize) -> usize {
+        if size == 4321 {
+            self.met.wait();
+            let _ = self.ip.revoke();
+        }
+        size
+    }
+}
+
+/// Two threads, each inside a spy method, each revoke that spy at once (two interposers: one
+/// process has one, whose spies follow each other; here they overlap). Each waited for the
+/// other's hook to end, and the other waited for it: both hung.
+#[test]
+fn two_hooks_waiting_for_the_hooks_in_flight_at_once_do_not_wait_for_each_other() {
+    let met = Arc::new(std::sync::Barrier::new(2));
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+            let spy = MeetingRevoker { ip, met: met.clone() };
+            ip.register(|| Box::new(spy)).unwrap();
+            std::thread::spawn(move || ip.malloc(4321) as usize)
+        })
+        .collect();
+    assert!(within_a_minute(|| threads.iter().all(|t| t.is_finished())), "both revokes return");
+    for t in threads {
+        // SAFETY: a live block, allocated under a spy that laid nothing out.
+        unsafe { libc::free(t.join().unwrap() as *mut c_void) };
+    }
+}
+
 /// A failure said outside any spy method (`spy_failed` in the C API) blames no later spy: it
 /// revoked the next spy registered at its first call.
 #[test]

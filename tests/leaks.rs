@@ -255,6 +255,33 @@ fn every_exit_path_writes_the_report() {
     }
 }
 
+/// Memory a program maps for itself is scanned as roots whatever the kernel names it: shared
+/// anonymous memory (`/dev/zero (deleted)` in the map), a mapping of `/dev/zero`, a memfd's.
+/// A block kept only there was called definitely lost; valgrind calls it still reachable.
+#[test]
+fn blocks_kept_in_shared_or_dev_zero_or_memfd_mappings_are_reachable() {
+    let program = c_program("mapped_roots.c");
+    for how in ["shared", "devzero", "memfd"] {
+        let out = run(JSON_REPORT, Command::new(&program).arg(how));
+        assert_eq!(text(&out.stdout), format!("kept in {how} memory\n"), "{}", text(&out.stderr));
+        let s = &json_report(&out)["summary"];
+        assert_eq!(s["definitely_lost"]["blocks"], 0, "{how}: {s}");
+        assert!(s["still_reachable"]["bytes"].as_u64().unwrap() >= 4000, "{how}: {s}");
+    }
+}
+
+/// A thread whose stack is a block of the heap: its stack ends with the block. It was scanned
+/// to the end of the heap's mapping, every block above it a root: the lost block's child was
+/// still reachable instead of indirectly lost.
+#[test]
+fn a_thread_stack_in_a_heap_block_does_not_make_the_heap_above_it_a_root() {
+    let out = run(JSON_REPORT, &mut Command::new(c_program("heap_stack.c")));
+    assert_eq!(text(&out.stdout), "lost two\n", "{}", text(&out.stderr));
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 64}), "{s}");
+    assert_eq!(s["indirectly_lost"], serde_json::json!({"blocks": 1, "bytes": 64}), "{s}");
+}
+
 /// `exitcode` applies at `exit`, not at `_exit`, which skips the program's cleanup (as
 /// LeakSanitizer, which checks only at `exit`): a forked child leaving by `_exit(0)` flushed
 /// its parent's buffered output a second time and gave its parent 23 for a status.

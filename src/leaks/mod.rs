@@ -195,14 +195,26 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     maps.read();
     regions.extend_from_slice(&modules.roots);
     region_kinds.extend(modules.roots.iter().map(|_| Root::Global));
+    // A stack the program gave a thread from the heap (`pthread_attr_setstack` on a block,
+    // a coroutine's) ends with its block, not its mapping: the rest of the heap is not stack,
+    // nor, where glibc put the thread's TLS and control block at its top, TLS.
+    let block_holding = |addr: u64| {
+        let at = spans.partition_point(|s| s.0 <= addr).checked_sub(1)?;
+        let (start, size) = spans[at];
+        (addr < start + size).then_some((start, start + size))
+    };
+    let end_of_block_holding = |addr: u64| block_holding(addr).map(|b| b.1);
     let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
         let thread = kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
         if let Some(end) = maps.end_of(sp) {
+            let end = end_of_block_holding(sp).map_or(end, |block_end| block_end.min(end));
             regions.push((sp.saturating_sub(RED_ZONE), end));
             kinds.push(Root::Stack(thread));
         }
         if tp != 0 {
-            regions.push((tp.saturating_sub(tls_size), tp + TCB));
+            let (start, end) = (tp.saturating_sub(tls_size), tp + TCB);
+            let (start, end) = block_holding(tp).map_or((start, end), |(s, e)| (start.max(s), end.min(e)));
+            regions.push((start, end));
             kinds.push(Root::Tls(thread));
         }
     };

@@ -22,7 +22,8 @@ pub(crate) struct Mapping {
     pub end: u64,
     pub readable: bool,
     /// Writable memory not backed by a file nor special (`[heap]`, `[stack]`, ...): what a
-    /// program maps for itself (arenas, caches, dead threads' stacks), or an allocator's heap.
+    /// program maps for itself (arenas, caches, dead threads' stacks, shared memory; see
+    /// [`anonymous`]), or an allocator's heap.
     pub anonymous_data: bool,
 }
 
@@ -42,6 +43,15 @@ fn parse_hex(s: &[u8]) -> Option<u64> {
         v = v.checked_mul(16)?.checked_add(d as u64)?;
     }
     Some(v)
+}
+
+/// Whether a mapping of this path (as the map names it) is memory the program got for itself
+/// rather than a file's: no path, a name given with `PR_SET_VMA_ANON_NAME` (private or
+/// shared), shared anonymous memory (`/dev/zero (deleted)`), a mapping of `/dev/zero`, a System
+/// V segment, a memfd.
+fn anonymous(path: &[u8]) -> bool {
+    const KINDS: [&[u8]; 5] = [b"[anon:", b"[anon_shmem:", b"/dev/zero", b"/SYSV", b"/memfd:"];
+    path.is_empty() || KINDS.iter().any(|kind| path.starts_with(kind))
 }
 
 impl Maps {
@@ -94,8 +104,7 @@ impl Maps {
             let readable = perms.first() == Some(&b'r') && !special;
             // Fields after the permissions: offset, device, inode, then the path if any.
             let path = fields.filter(|f| !f.is_empty()).nth(3).unwrap_or(b"");
-            let anonymous_data =
-                readable && perms.get(1) == Some(&b'w') && (path.is_empty() || path.starts_with(b"[anon:"));
+            let anonymous_data = readable && perms.get(1) == Some(&b'w') && anonymous(path);
             if path == b"[stack]" {
                 self.main_stack = Some((start, end));
             }
