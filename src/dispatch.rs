@@ -133,6 +133,9 @@ pub(crate) struct Interposer<H: Heap> {
     spied: LiveTable<usize>,
     /// Whether an allocation ever reached a registered spy ([`Self::reached_a_spy`]).
     reached: AtomicBool,
+    /// Whether the program revoked a spy registered as static: the built-in ones, whose
+    /// reports then cover only what came before ([`Self::builtin_revoked`]).
+    builtin_revoked: AtomicBool,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -157,6 +160,7 @@ impl<H: Heap> Interposer<H> {
             deferred: DeferredFrees::new(),
             spied: LiveTable::new(),
             reached: AtomicBool::new(false),
+            builtin_revoked: AtomicBool::new(false),
         }
     }
 
@@ -396,31 +400,35 @@ impl<H: Heap> Interposer<H> {
     /// the caller's pointer; the spy's `pre_did_alloc` is called as the contract says, and its
     /// `post_did_alloc` has the last word.
     pub(crate) fn did_alloc(&self, ptr: *mut c_void) -> DidAlloc {
-        let plain = |spied: bool| {
+        let plain = |p: *mut c_void, spied: bool| {
             if spied {
                 DidAlloc::Yes
-            } else if ptr.is_null() || !(ptr as usize).is_multiple_of(16) {
+            } else if p.is_null() || !(p as usize).is_multiple_of(16) {
                 DidAlloc::No
             } else {
                 DidAlloc::Unknown
             }
         };
         if self.registry.is_empty() || ptr.is_null() {
-            return plain(false);
+            return plain(ptr, false);
         }
         let Some(scope) = Scope::enter() else {
-            return plain(matches!(self.spied.try_get(ptr as usize), Lookup::Found(_)));
+            return plain(ptr, matches!(self.spied.try_get(ptr as usize), Lookup::Found(_)));
         };
         let spied = self.is_spied(ptr);
         let Some(cell) = self.registry.current().filter(|c| !c.observes && (spied || c.is_active())) else {
-            return plain(spied);
+            return plain(ptr, spied);
         };
-        let actual = plain(spied);
         let answer = match cell.call(|spy| spy.pre_did_alloc(ptr, spied)) {
-            Ok(_lookup) => cell.call(|spy| spy.post_did_alloc(ptr, spied, actual)),
-            Err(panicked) => Err(panicked),
+            Ok(lookup) => {
+                // The pointer the spy asks about, as COM's heap looks up what PreDidAlloc
+                // returns (NULL: none).
+                let actual = if lookup == ptr { plain(ptr, spied) } else { plain(lookup, self.is_spied(lookup)) };
+                cell.call(|spy| spy.post_did_alloc(ptr, spied, actual)).map_err(|e| (e, actual))
+            }
+            Err(panicked) => Err((panicked, plain(ptr, spied))),
         };
-        let answer = answer.unwrap_or_else(|_| {
+        let answer = answer.unwrap_or_else(|(_, actual)| {
             self.disable(cell, &scope);
             actual
         });
@@ -450,10 +458,14 @@ impl<H: Heap> Interposer<H> {
         self.gate.close();
         let live = || self.spied.len();
         let cell = self.registry.claim_revoke()?;
+        // SAFETY: claimed by this revoke: it lives until settled (see `settle_then`).
+        if unsafe { &*cell }.is_static() {
+            self.builtin_revoked.store(true, Ordering::Relaxed);
+        }
         if tls::state().depth.get() != 0 {
             // From inside a spy method: not waiting for ourselves, and leaving the spy to the
             // hook's end (`retire`), since its Post method may follow.
-            // SAFETY: claimed by this revoke: it lives until settled (see `settle_then`).
+            // SAFETY: as above.
             Registry::settle_then(unsafe { &*cell }, threads::current_index(), || ());
             return if live() == 0 { Ok(()) } else { Err(SpyError::AccessDenied) };
         }
@@ -609,6 +621,11 @@ impl<H: Heap> Interposer<H> {
     /// first in the process's lookup order and serves the calls itself.
     pub(crate) fn reached_a_spy(&self) -> bool {
         self.reached.load(Ordering::Relaxed)
+    }
+
+    /// Whether a revoke took the built-in spies (see `builtin_revoked`).
+    pub(crate) fn builtin_revoked(&self) -> bool {
+        self.builtin_revoked.load(Ordering::Relaxed)
     }
 
     /// An allocating call while a spy may be registered.

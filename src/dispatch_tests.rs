@@ -529,6 +529,34 @@ fn two_hooks_waiting_for_the_hooks_in_flight_at_once_do_not_wait_for_each_other(
     }
 }
 
+/// Asks `did_alloc` about another pointer than the caller's: the first block it saw, or NULL.
+struct Redirecting {
+    to: AtomicUsize,
+}
+
+impl MallocSpy for Redirecting {
+    fn pre_did_alloc(&self, _request: *mut c_void, _spied: bool) -> *mut c_void {
+        self.to.load(Ordering::SeqCst) as *mut c_void
+    }
+}
+
+/// `pre_did_alloc` says which pointer the lookup is for, as its contract and COM's say: what it
+/// returned was ignored.
+#[test]
+fn did_alloc_looks_up_the_pointer_pre_did_alloc_returns() {
+    let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+    let spy: &'static Redirecting = Box::leak(Box::new(Redirecting { to: AtomicUsize::new(0) }));
+    ip.register_static(spy).unwrap();
+    let block = ip.malloc(32);
+    assert_eq!(ip.did_alloc(block), DidAlloc::No, "NULL: no block");
+    spy.to.store(block as usize, Ordering::SeqCst);
+    let mut local = 0u64;
+    assert_eq!(ip.did_alloc(&mut local as *mut u64 as *mut c_void), DidAlloc::Yes, "the block's answer");
+    // SAFETY: a live block allocated under the spy, which laid nothing out.
+    unsafe { ip.free(block) };
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 /// A failure said outside any spy method (`spy_failed` in the C API) blames no later spy: it
 /// revoked the next spy registered at its first call.
 #[test]

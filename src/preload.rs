@@ -222,6 +222,14 @@ fn bypassed_note() -> Option<String> {
     ))
 }
 
+/// Said when the program revoked the built-in spies (`revoke_spy` in the C API): the reports
+/// cover only what came before.
+fn revoked_note() -> Option<String> {
+    GLOBAL.builtin_revoked().then(|| {
+        "the program revoked mallocspy's spies (revoke_spy): what it did afterwards is not in this report".to_string()
+    })
+}
+
 fn tick_config(options: &Options) -> ticks::Config {
     let seed = options.sample_seed.unwrap_or_else(|| os::monotonic_ns() ^ (os::getpid() as u64) << 32);
     ticks::Config {
@@ -279,8 +287,8 @@ fn report_all(caller: Caller) {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
     let Some(b) = BUILTINS.get() else { return };
-    // A leak report carries it as a note (its JSON stays JSON); the other reports get a line.
-    if let Some(note) = bypassed_note().filter(|_| b.leaks.is_none()) {
+    // A leak report carries these as notes (its JSON stays JSON); the other reports get a line.
+    for note in bypassed_note().into_iter().chain(revoked_note()).filter(|_| b.leaks.is_none()) {
         sink::write(format!("mallocspy: {note}\n").as_bytes());
     }
     if let Some(count) = b.count {
@@ -358,6 +366,7 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     let stacks = StackOptions { suppressions, below_main: options.show_below_main };
     let mut report = leaks::check(tracker, stacks, reachable_stacks, caller);
     report.notes.extend(bypassed_note());
+    report.notes.extend(revoked_note());
     let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
     if signal != 0 {
         report

@@ -65,6 +65,11 @@ impl Drop for SpyCell {
 }
 
 impl SpyCell {
+    /// Whether the spy outlives its registration (the built-in spies).
+    pub(crate) fn is_static(&self) -> bool {
+        !self.owned
+    }
+
     /// Whether new calls may use the spy.
     #[inline]
     pub(crate) fn is_active(&self) -> bool {

@@ -17,7 +17,7 @@
 //! sends its stderr to a log and forks its workers) keeps the duplicate: it is its only way
 //! to the stderr the reports belong on.
 
-use core::sync::atomic::{AtomicI32, AtomicU8, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::ffi::CString;
 
 use crate::options::{expand_path, names_pid};
@@ -235,7 +235,19 @@ pub(crate) fn write(bytes: &[u8]) {
     if !still_ours(fd) && reopen_log_file() {
         fd = FD.load(Ordering::Acquire);
     }
-    if !(still_ours(fd) && os::write_all(fd, bytes)) {
+    if !still_ours(fd) {
+        return to_stderr(bytes);
+    }
+    if !os::write_all(fd, bytes) {
+        // A full disk, or a path that takes no writes (`/dev/full`, a file in /proc): said once,
+        // then the report goes where it would without a log.
+        static SAID: AtomicBool = AtomicBool::new(false);
+        let stderr_copy = STDERR.load(Ordering::Relaxed) == STDERR_OPEN
+            && (DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed))
+                == (STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed));
+        if !stderr_copy && !SAID.swap(true, Ordering::Relaxed) {
+            to_stderr(b"mallocspy: writing to the log failed; the report goes to stderr\n");
+        }
         to_stderr(bytes);
     }
 }

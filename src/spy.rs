@@ -346,7 +346,9 @@ pub trait MallocSpy: Send + Sync {
         actual
     }
 
-    /// Before [`crate::did_alloc`]: returns the pointer to look up.
+    /// Before [`crate::did_alloc`]: returns the pointer to look up among the live blocks,
+    /// which are known by the pointers their callers got (`request` itself, the default, for
+    /// a spy that moves pointers too); NULL for none, whose answer is [`DidAlloc::No`].
     fn pre_did_alloc(&self, request: *mut c_void, spied: bool) -> *mut c_void {
         request
     }

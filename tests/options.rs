@@ -96,6 +96,26 @@ fn an_unwritable_log_path_is_one_line_and_the_report_goes_to_stderr() {
     assert!(count_report(&out.stderr).is_some(), "{stderr}");
 }
 
+/// A log that opens but takes no writes (a full disk; `/dev/full` here): the report goes to
+/// stderr, and that is said once. It went there without a word. (Not `ls`: coreutils close
+/// their stderr at exit.)
+#[test]
+fn a_log_that_refuses_the_report_is_said_and_the_report_goes_to_stderr() {
+    let out = Command::new(bench_dir().join("leaky"))
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "spy=count:log_path=/dev/full")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        stderr.lines().next(),
+        Some("mallocspy: writing to the log failed; the report goes to stderr"),
+        "{stderr}"
+    );
+    assert!(count_report(&out.stderr).is_some(), "{stderr}");
+}
+
 #[test]
 fn spy_none_is_a_pure_pass_through() {
     let out = run(PASS_THROUGH, &mut ls());

@@ -50,6 +50,22 @@ fn the_readme_c_spy_runs_every_entry_point() {
     assert_eq!(out.status.code(), Some(0));
 }
 
+/// A program that revokes mallocspy's own spies gets reports that say so: the leak report
+/// listed the leak before the revoke and not the one after, as if that were all.
+#[test]
+fn reports_say_when_the_program_revoked_the_built_in_spies() {
+    let program = c_program("revoke_builtin.c");
+    let out = run(Mode::Shim("report_format=json"), &mut Command::new(&program));
+    assert_eq!(text(&out.stdout), "revoke: 0\n", "{}", text(&out.stderr));
+    let report = text(&out.stderr);
+    let json: serde_json::Value = serde_json::from_str(report.lines().find(|l| l.starts_with('{')).unwrap()).unwrap();
+    assert_eq!(json["summary"]["definitely_lost"]["bytes"], 111, "{report}");
+    let said = "the program revoked mallocspy's spies (revoke_spy): what it did afterwards is not in this report";
+    assert_eq!(json["notes"], serde_json::json!([said]), "{report}");
+    let out = run(Mode::Shim("spy=count"), &mut Command::new(&program));
+    assert!(text(&out.stderr).contains(&format!("mallocspy: {said}\n")), "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_dlopened_plugin_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
