@@ -11,3 +11,9 @@ pub(crate) mod writer;
 pub use crate::spies::ticks::StatsCallback;
 pub use format::*;
 pub use modules::this_executable;
+
+/// Held by the tests that fork (the child holds a copy of every descriptor, and so every
+/// trace file's lock, until it exits) and by those of the trace file's locking, which a child
+/// of another test running meanwhile made see a free path as taken.
+#[cfg(test)]
+pub(crate) static FORKING_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -158,6 +158,10 @@ pub fn this_executable() -> Option<Module> {
 mod tests {
     use super::*;
 
+    /// Held by the tests that map a file or read the map twice: the map must not change
+    /// between the two readings of one.
+    static MAP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     /// The executable's load bias, as the loader knows it (it lists the executable first).
     fn exe_bias() -> u64 {
         let mut bias = 0u64;
@@ -170,6 +174,7 @@ mod tests {
 
     #[test]
     fn this_test_program_and_libc_are_listed_with_their_code_bias_and_build_id() {
+        let _alone = MAP.lock().unwrap_or_else(|e| e.into_inner());
         let here = of_process as *const () as u64;
         let mut cache = ElfCache::default();
         let list = of_process(std::process::id(), &mut cache);
@@ -185,6 +190,7 @@ mod tests {
 
     #[test]
     fn a_file_mapped_under_a_name_that_is_not_utf8_hides_no_module() {
+        let _alone = MAP.lock().unwrap_or_else(|e| e.into_inner());
         use std::os::fd::AsRawFd;
         use std::os::unix::ffi::OsStrExt;
         // An ELF file (this test program) under a Latin-1 name, mapped as code.

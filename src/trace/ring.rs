@@ -501,6 +501,7 @@ mod tests {
 
     #[test]
     fn a_forked_consumer_sees_what_the_parent_pushes_later() {
+        let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let ring = Ring::new_shared(64).unwrap();
         // SAFETY: the child only spins on the shared ring and leaves with _exit.
         let pid = unsafe { libc::fork() };

@@ -672,6 +672,7 @@ mod tests {
 
     #[test]
     fn a_reopened_trace_is_not_overwritten_by_the_previous_writer() {
+        let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("t.%p.trace");
         let template = template.to_str().unwrap();
@@ -690,6 +691,7 @@ mod tests {
 
     #[test]
     fn a_shared_trace_path_taken_by_a_live_writer_is_left_to_it() {
+        let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("shared.trace");
         let template = template.to_str().unwrap();
