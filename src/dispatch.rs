@@ -635,6 +635,12 @@ impl<H: Heap> Interposer<H> {
             self.drain_deferred(&scope);
         }
         let Some(cell) = self.registry.current().filter(|c| c.is_active()) else {
+            if let Some(revoked) = self.registry.current() {
+                // A revoke from inside a hook leaves the spy to that hook's end, which retires
+                // only the spy the hook used: one revoked from another spy's method (or from a
+                // signal handler) with no block live would stay registered for good.
+                self.retire(revoked, &scope);
+            }
             return self.real_alloc(&req, req.size);
         };
         // Read first: the line stays shared between the threads, written once.

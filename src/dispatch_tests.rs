@@ -166,12 +166,23 @@ impl MallocSpy for HeaderSpy {
     }
 }
 
+/// Held by every test here. Their interposers share the process's thread slots, so a hook of
+/// one test that waits for the hooks in flight (a retire, a revoke from a spy method, a
+/// panic's disable) waits for the other tests' hooks too; two such waits at once, in two
+/// tests, would wait for each other. One process has one interposer, whose spies follow each
+/// other, and does not meet this (see the note on `threads::quiesce`).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn fresh() -> Interposer<Glibc> {
     Interposer::new(Glibc)
 }
 
 #[test]
 fn without_a_spy_everything_passes_through() {
+    let _serial = serial();
     let ip = fresh();
     let p = ip.malloc(100);
     assert!(!p.is_null());
@@ -186,6 +197,7 @@ fn without_a_spy_everything_passes_through() {
 
 #[test]
 fn any_allocation_under_a_spy_marks_the_interposer_reached_and_none_before() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     let before = ip.malloc(10);
@@ -207,6 +219,7 @@ fn any_allocation_under_a_spy_marks_the_interposer_reached_and_none_before() {
 
 #[test]
 fn header_spy_keeps_every_entry_point_correct() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     let before = ip.malloc(10); // allocated before the spy: unspied
@@ -238,6 +251,7 @@ fn header_spy_keeps_every_entry_point_correct() {
 
 #[test]
 fn forced_failure_skips_post_and_sets_enomem() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     ip.register(|| Box::new(HeaderSpy::with(&log, 77, usize::MAX))).unwrap();
@@ -256,6 +270,7 @@ fn forced_failure_skips_post_and_sets_enomem() {
 
 #[test]
 fn revoke_is_deferred_until_the_last_spied_block_is_freed() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
@@ -378,6 +393,7 @@ fn within_a_minute(done: impl Fn() -> bool) -> bool {
 /// header) to the real allocator: glibc aborted with `double free or corruption`.
 #[test]
 fn a_block_taken_from_the_table_goes_back_through_its_spy_when_another_free_retires_it() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip: &'static Interposer<Tracked> = Box::leak(Box::new(Interposer::new(Tracked::default())));
     ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
@@ -426,6 +442,7 @@ impl Drop for HandingOver {
 /// the call took again, and the program hung at its first revoke.
 #[test]
 fn a_spy_dropped_by_a_revoke_may_register_its_successor_or_revoke() {
+    let _serial = serial();
     for register_next in [true, false] {
         let log = Arc::new(Log::default());
         let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
@@ -476,6 +493,7 @@ impl MallocSpy for RevokingInside {
 /// waited for: both hung.
 #[test]
 fn a_revoke_from_inside_a_spy_method_while_another_thread_revokes_returns() {
+    let _serial = serial();
     let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
     let (inside, answer) = (Arc::new(AtomicBool::new(false)), Arc::new(std::sync::Mutex::new(None)));
     let spy = RevokingInside { ip, inside: inside.clone(), answer: answer.clone() };
@@ -492,41 +510,46 @@ fn a_revoke_from_inside_a_spy_method_while_another_thread_revokes_returns() {
     assert!(ip.registry.is_empty());
 }
 
-/// Revokes itself from its `pre_alloc` once the other spy of the pair is inside its own.
-struct MeetingRevoker {
+/// Registers a successor from its drop and revokes it at once: from inside the free that
+/// drops this spy, a hook of this spy's.
+struct RevokingItsSuccessor {
     ip: &'static Interposer<Glibc>,
-    met: Arc<std::sync::Barrier>,
+    log: Arc<Log>,
+    answers: Arc<std::sync::Mutex<Vec<Result<(), SpyError>>>>,
 }
 
-impl MallocSpy for MeetingRevoker {
-    fn pre_alloc(&self, size: usize) -> usize {
-        if size == 4321 {
-            self.met.wait();
-            let _ = self.ip.revoke();
-        }
-        size
+impl MallocSpy for RevokingItsSuccessor {}
+
+impl Drop for RevokingItsSuccessor {
+    fn drop(&mut self) {
+        let registered = self.ip.register(|| Box::new(HeaderSpy::new(&self.log)));
+        let revoked = self.ip.revoke();
+        self.answers.lock().unwrap().extend([registered, revoked]);
     }
 }
 
-/// Two threads, each inside a spy method, each revoke that spy at once (two interposers: one
-/// process has one, whose spies follow each other; here they overlap). Each waited for the
-/// other's hook to end, and the other waited for it: both hung.
+/// A spy revoked from inside a hook of another spy is left to that hook's end, which retires
+/// only its own spy: with no block live, the revoked one stayed registered for good, and every
+/// later registration failed (`E_OBJISREG`). The next spied call now retires it.
 #[test]
-fn two_hooks_waiting_for_the_hooks_in_flight_at_once_do_not_wait_for_each_other() {
-    let met = Arc::new(std::sync::Barrier::new(2));
-    let threads: Vec<_> = (0..2)
-        .map(|_| {
-            let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
-            let spy = MeetingRevoker { ip, met: met.clone() };
-            ip.register(|| Box::new(spy)).unwrap();
-            std::thread::spawn(move || ip.malloc(4321) as usize)
-        })
-        .collect();
-    assert!(within_a_minute(|| threads.iter().all(|t| t.is_finished())), "both revokes return");
-    for t in threads {
-        // SAFETY: a live block, allocated under a spy that laid nothing out.
-        unsafe { libc::free(t.join().unwrap() as *mut c_void) };
-    }
+fn a_spy_revoked_from_another_spys_hook_is_retired_by_the_next_call() {
+    let _serial = serial();
+    let log = Arc::new(Log::default());
+    let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+    let answers = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let spy = RevokingItsSuccessor { ip, log: log.clone(), answers: answers.clone() };
+    ip.register(|| Box::new(spy)).unwrap();
+    let block = ip.malloc(16);
+    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while its block lives");
+    // SAFETY: a live block allocated under the spy, which laid nothing out.
+    unsafe { ip.free(block) };
+    assert_eq!(*answers.lock().unwrap(), [Ok(()), Ok(())], "the successor registered and revoked");
+    let later = ip.malloc(8);
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "the successor is dropped");
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Ok(()), "the registry is free again");
+    // SAFETY: a live real block, allocated while no spy was active.
+    unsafe { ip.free(later) };
+    assert_eq!(ip.revoke(), Ok(()));
 }
 
 /// Asks `did_alloc` about another pointer than the caller's: the first block it saw, or NULL.
@@ -544,6 +567,7 @@ impl MallocSpy for Redirecting {
 /// returned was ignored.
 #[test]
 fn did_alloc_looks_up_the_pointer_pre_did_alloc_returns() {
+    let _serial = serial();
     let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
     let spy: &'static Redirecting = Box::leak(Box::new(Redirecting { to: AtomicUsize::new(0) }));
     ip.register_static(spy).unwrap();
@@ -561,6 +585,7 @@ fn did_alloc_looks_up_the_pointer_pre_did_alloc_returns() {
 /// revoked the next spy registered at its first call.
 #[test]
 fn a_failure_said_outside_a_spy_method_blames_no_spy() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     tls::state().spy_failed.set(1);
@@ -616,6 +641,7 @@ impl MallocSpy for SelfRevoking {
 /// feet: it was dropped inside the revoke, and the Post method then ran on freed memory.
 #[test]
 fn a_spy_revoking_itself_from_its_own_method_is_dropped_once_unused() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
     let revoked = Arc::new(std::sync::Mutex::new(None));
@@ -640,6 +666,7 @@ fn a_spy_revoking_itself_from_its_own_method_is_dropped_once_unused() {
 
 #[test]
 fn a_panicking_spy_is_revoked_and_the_call_still_succeeds() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     ip.register(|| Box::new(HeaderSpy::with(&log, usize::MAX, 33))).unwrap();
@@ -658,6 +685,7 @@ fn a_panicking_spy_is_revoked_and_the_call_still_succeeds() {
 
 #[test]
 fn aligned_allocations_reach_the_spy_and_stay_aligned() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
@@ -685,6 +713,7 @@ fn aligned_allocations_reach_the_spy_and_stay_aligned() {
 
 #[test]
 fn calls_from_inside_a_hook_go_to_the_real_heap_and_spied_frees_wait_for_the_next_hook() {
+    let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
     ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
@@ -723,6 +752,7 @@ fn calls_from_inside_a_hook_go_to_the_real_heap_and_spied_frees_wait_for_the_nex
 
 #[test]
 fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_goes() {
+    let _serial = serial();
     let ip = fresh();
     let tracker: &'static LeakTracker = Box::leak(Box::new(LeakTracker::new(8).unwrap()));
     ip.register_static(tracker).unwrap();
@@ -785,6 +815,7 @@ fn ticks_spy_that_never_samples() -> &'static crate::spies::ticks::TickSpy {
 
 #[test]
 fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
+    let _serial = serial();
     let ip = fresh();
     let ticks = ticks_spy_that_never_samples();
     ip.register_static(ticks).unwrap();
@@ -808,6 +839,7 @@ fn the_sampling_gate_counts_unsampled_calls_and_closes_with_its_spy() {
 
 #[test]
 fn a_reopened_gate_counts_for_the_new_sampling_spy_only() {
+    let _serial = serial();
     let ip = fresh();
     let (first, second) = (ticks_spy_that_never_samples(), ticks_spy_that_never_samples());
     let allocs = |spy: &crate::spies::ticks::TickSpy| spy.stats_now().kinds[0].allocs;

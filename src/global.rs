@@ -200,6 +200,10 @@ const RTLD_DL_LINKMAP: c_int = 2;
 /// The path of the module `handle` names when it holds code mallocspy would call after a
 /// `dlclose` unmapped it: the registered spy's (through the C ABI), or a callback's.
 pub(crate) fn spy_code_in(handle: *mut c_void) -> Option<String> {
+    // SAFETY: dlopen(NULL) gives the program's own handle, which no dlclose unloads.
+    if handle.is_null() || handle == unsafe { libc::dlopen(core::ptr::null(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) } {
+        return None;
+    }
     let callbacks = crate::spies::ticks::spy().map_or([0; 2], |s| s.callbacks());
     [GLOBAL.spy_code()].into_iter().chain(callbacks).filter(|&code| code != 0).find_map(|code| {
         // SAFETY: Dl_info is plain data, for which zero is a valid value.

@@ -32,7 +32,28 @@ pub(crate) fn map(len: usize) -> Option<NonNull<u8>> {
 /// Maps `len` bytes of zeroed anonymous memory shared with the processes forked from now on
 /// (the trace writer); `None` when the kernel refuses.
 pub(crate) fn map_shared(len: usize) -> Option<NonNull<u8>> {
-    map_anonymous(len, libc::MAP_SHARED)
+    let p = map_anonymous(len, libc::MAP_SHARED)?;
+    let start = p.as_ptr() as usize;
+    // A forked child keeps its parents' queues mapped beside its own: a few per process.
+    if let Some(slot) =
+        OWN_SHARED.iter().find(|s| s.0.compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed).is_ok())
+    {
+        slot.1.store(start + len, Ordering::Release);
+    }
+    Some(p)
+}
+
+/// mallocspy's shared mappings (the trace queues, whose slots hold sampled blocks'
+/// addresses): the kernel names them as it names a program's shared anonymous memory, which
+/// the leak scan takes as roots; these it must not.
+static OWN_SHARED: [(AtomicUsize, AtomicUsize); 16] = [const { (AtomicUsize::new(0), AtomicUsize::new(0)) }; 16];
+
+/// Whether `[start, end)` overlaps one of mallocspy's shared mappings (see [`map_shared`]).
+pub(crate) fn owns_shared(start: usize, end: usize) -> bool {
+    OWN_SHARED.iter().any(|(s, e)| {
+        let (s, e) = (s.load(Ordering::Acquire), e.load(Ordering::Acquire));
+        s != 0 && start < e && s < end
+    })
 }
 
 fn map_anonymous(len: usize, flags: c_int) -> Option<NonNull<u8>> {

@@ -49,8 +49,6 @@ struct Slot {
     seq: AtomicU64,
     /// The owner's kernel thread id; 0 while the slot is free. Written under `SLOTS.lock`.
     tid: AtomicU32,
-    /// The owner is waiting in [`quiesce`] from inside a hook.
-    quiescing: AtomicBool,
 }
 
 /// `repr(C)`, one line: what every hook's entry reads (`table`, `forking`, `membarrier`)
@@ -346,17 +344,11 @@ impl Drop for InFlight {
 /// `except` is the caller's own slot when the caller is itself inside a hook. Whatever the
 /// caller stored before the call is visible to every hook entered after it returns.
 ///
-/// Two threads waiting here from inside hooks at the same time do not wait for each other,
-/// or each would wait forever (a hook retiring one spy while another thread's hook disables
-/// the next one after a panic): a thread waiting runs no spy code, and its hook uses only the
-/// spy it waits for, which is never the one the other waits to drop. Any other caller (`fork`
-/// above all, which must not copy a hook's locks held) waits for every hook.
+/// Two threads that wait here from inside hooks at the same time wait for each other forever.
+/// One process meets this only if a hook drops a revoked spy while a hook of the spy registered
+/// after it waits too (that spy revoking itself, or panicking): not handled. Skipping a waiting
+/// thread is not sound: its hook may be inside the very spy being dropped.
 pub(crate) fn quiesce(except: Option<u32>) {
-    let table_ready = !SLOTS.table.load(Ordering::Acquire).is_null();
-    let in_hook = except.filter(|&me| table_ready && slot(me).seq.load(Ordering::Relaxed) & 1 == 1);
-    if let Some(me) = in_hook {
-        slot(me).quiescing.store(true, Ordering::SeqCst);
-    }
     fence(Ordering::SeqCst);
     if SLOTS.membarrier.load(Ordering::Acquire) {
         membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
@@ -374,8 +366,7 @@ pub(crate) fn quiesce(except: Option<u32>) {
         let seq = slot.seq.load(Ordering::Acquire);
         if seq & 1 == 1 {
             let mut spins = 0u32;
-            let waits_too = || in_hook.is_some() && slot.quiescing.load(Ordering::SeqCst);
-            while slot.seq.load(Ordering::Acquire) == seq && !waits_too() {
+            while slot.seq.load(Ordering::Acquire) == seq {
                 spins += 1;
                 if spins < 128 {
                     core::hint::spin_loop();
@@ -384,9 +375,6 @@ pub(crate) fn quiesce(except: Option<u32>) {
                 }
             }
         }
-    }
-    if let Some(me) = in_hook {
-        slot(me).quiescing.store(false, Ordering::Release);
     }
 }
 

@@ -270,6 +270,23 @@ fn blocks_kept_in_shared_or_dev_zero_or_memfd_mappings_are_reachable() {
     }
 }
 
+/// mallocspy's own trace queue, a shared mapping that the kernel names as it names a
+/// program's shared memory, is no root: its slots hold the sampled blocks' addresses, and with
+/// `spy=leaks,ticks` and a trace every sampled leak was called still reachable.
+#[test]
+fn the_trace_queue_holds_no_leak_reachable() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.%p");
+    let options = format!("spy=leaks,ticks:sample_interval=1:report_format=json:trace={}", trace.display());
+    let out = Command::new(bench_dir().join("leaky"))
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 13, "bytes": 11592}), "{s}");
+}
+
 /// A thread whose stack is a block of the heap: its stack ends with the block. It was scanned
 /// to the end of the heap's mapping, every block above it a root: the lost block's child was
 /// still reachable instead of indirectly lost.

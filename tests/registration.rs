@@ -50,6 +50,16 @@ fn the_readme_c_spy_runs_every_entry_point() {
     assert_eq!(out.status.code(), Some(0));
 }
 
+/// A handle no `dlclose` unloads, the program's own (`dlopen(NULL)`), is closed as usual
+/// though the spy's code is in the program: it was refused, with a line saying the program
+/// stays loaded.
+#[test]
+fn closing_the_programs_own_handle_is_not_refused() {
+    let out = run(PASS_THROUGH, &mut Command::new(c_program_with("self_close.c", &["-ldl"])));
+    assert_eq!(text(&out.stdout), "closed: 0\n", "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "");
+}
+
 /// A program that revokes mallocspy's own spies gets reports that say so: the leak report
 /// listed the leak before the revoke and not the one after, as if that were all.
 #[test]

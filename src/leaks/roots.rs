@@ -151,7 +151,12 @@ pub(crate) fn anonymous_roots(
         let exited_stack = exited.iter().any(|&sp| start <= sp && sp < end && !in_program(sp));
         let module_data =
             modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
-        !holds_block && !holds_stack && !exited_stack && !module_data && !crate::pool::owns(start, end)
+        !holds_block
+            && !holds_stack
+            && !exited_stack
+            && !module_data
+            && !crate::pool::owns(start, end)
+            && !os::owns_shared(start as usize, end as usize)
     };
     for m in maps.list.iter().filter(|m| m.anonymous_data) {
         if root(m.start, m.end) {
