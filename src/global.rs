@@ -200,19 +200,21 @@ const RTLD_DL_LINKMAP: c_int = 2;
 /// The path of the module `handle` names when it holds code mallocspy would call after a
 /// `dlclose` unmapped it: the registered spy's (through the C ABI), or a callback's.
 pub(crate) fn spy_code_in(handle: *mut c_void) -> Option<String> {
+    let callbacks = crate::spies::ticks::spy().map_or([0; 2], |s| s.callbacks());
+    let mut codes = [GLOBAL.spy_code()].into_iter().chain(callbacks).filter(|&code| code != 0).peekable();
     // SAFETY: dlopen(NULL) gives the program's own handle, which no dlclose unloads.
-    if handle.is_null() || handle == unsafe { libc::dlopen(core::ptr::null(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) } {
+    let own = || unsafe { libc::dlopen(core::ptr::null(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+    if handle.is_null() || codes.peek().is_none() || handle == own() {
         return None;
     }
-    let callbacks = crate::spies::ticks::spy().map_or([0; 2], |s| s.callbacks());
-    [GLOBAL.spy_code()].into_iter().chain(callbacks).filter(|&code| code != 0).find_map(|code| {
+    codes.find_map(|code| {
         // SAFETY: Dl_info is plain data, for which zero is a valid value.
         let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
         let mut map: *mut c_void = core::ptr::null_mut();
         // SAFETY: dladdr1 with RTLD_DL_LINKMAP writes the info and one pointer; it only looks
         // `code` up among the loaded modules, and the handle is only compared.
         let found = unsafe { libc::dladdr1(code as *const c_void, &mut info, &mut map, RTLD_DL_LINKMAP) } != 0;
-        (found && !handle.is_null() && map == handle && !info.dli_fname.is_null()).then(|| {
+        (found && map == handle && !info.dli_fname.is_null()).then(|| {
             // SAFETY: dladdr1 set a NUL-terminated name.
             unsafe { core::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned()
         })
