@@ -136,6 +136,9 @@ pub(crate) struct Interposer<H: Heap> {
     /// Whether the program revoked a spy registered as static: the built-in ones, whose
     /// reports then cover only what came before ([`Self::builtin_revoked`]).
     builtin_revoked: AtomicBool,
+    /// A revoke from inside a hook left a spy with no live block to that hook's end, which
+    /// retires only the spy the hook used: the next allocation retires it if it is still there.
+    revoked_in_hook: AtomicBool,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -161,6 +164,7 @@ impl<H: Heap> Interposer<H> {
             spied: LiveTable::new(),
             reached: AtomicBool::new(false),
             builtin_revoked: AtomicBool::new(false),
+            revoked_in_hook: AtomicBool::new(false),
         }
     }
 
@@ -467,7 +471,11 @@ impl<H: Heap> Interposer<H> {
             // hook's end (`retire`), since its Post method may follow.
             // SAFETY: as above.
             Registry::settle_then(unsafe { &*cell }, threads::current_index(), || ());
-            return if live() == 0 { Ok(()) } else { Err(SpyError::AccessDenied) };
+            if live() != 0 {
+                return Err(SpyError::AccessDenied);
+            }
+            self.revoked_in_hook.store(true, Ordering::Relaxed);
+            return Ok(());
         }
         // In flight from the end of the wait until the spy is retired or left pending, as a
         // hook is: another thread's free of the spy's last block, which drops it, waits for
@@ -635,10 +643,12 @@ impl<H: Heap> Interposer<H> {
             self.drain_deferred(&scope);
         }
         let Some(cell) = self.registry.current().filter(|c| c.is_active()) else {
-            if let Some(revoked) = self.registry.current() {
-                // A revoke from inside a hook leaves the spy to that hook's end, which retires
-                // only the spy the hook used: one revoked from another spy's method (or from a
-                // signal handler) with no block live would stay registered for good.
+            // One revoked from another spy's method (or from a signal handler) would otherwise
+            // stay registered for good: see `revoked_in_hook`.
+            if self.revoked_in_hook.load(Ordering::Relaxed)
+                && self.revoked_in_hook.swap(false, Ordering::Relaxed)
+                && let Some(revoked) = self.registry.current()
+            {
                 self.retire(revoked, &scope);
             }
             return self.real_alloc(&req, req.size);

@@ -203,11 +203,10 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         let (start, size) = spans[at];
         (addr < start + size).then_some((start, start + size))
     };
-    let end_of_block_holding = |addr: u64| block_holding(addr).map(|b| b.1);
     let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
         let thread = kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
         if let Some(end) = maps.end_of(sp) {
-            let end = end_of_block_holding(sp).map_or(end, |block_end| block_end.min(end));
+            let end = block_holding(sp).map_or(end, |(_, block_end)| block_end.min(end));
             regions.push((sp.saturating_sub(RED_ZONE), end));
             kinds.push(Root::Stack(thread));
         }
