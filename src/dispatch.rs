@@ -20,7 +20,7 @@
 //! not disturb it); `free` preserves it.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicBool, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::deferred::DeferredFrees;
 use crate::gate::{self, Gate};
@@ -139,6 +139,11 @@ pub(crate) struct Interposer<H: Heap> {
     /// A revoke from inside a hook left a spy with no live block to that hook's end, which
     /// retires only the spy the hook used: the next allocation retires it if it is still there.
     revoked_in_hook: AtomicBool,
+    /// Reallocs between taking a spied block out of the table and putting its successor (or
+    /// itself, on failure) in: counted as live blocks, or a revoked spy whose table read empty
+    /// in that window was dropped, and the block the realloc then recorded outlived it (its
+    /// free went to the real allocator past the spy's header).
+    reallocating: AtomicUsize,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -165,6 +170,7 @@ impl<H: Heap> Interposer<H> {
             reached: AtomicBool::new(false),
             builtin_revoked: AtomicBool::new(false),
             revoked_in_hook: AtomicBool::new(false),
+            reallocating: AtomicUsize::new(0),
         }
     }
 
@@ -460,7 +466,7 @@ impl<H: Heap> Interposer<H> {
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
         // The gate counts for the sampling spy only: the next spy sees every call.
         self.gate.close();
-        let live = || self.spied.len();
+        let live = || self.live_blocks();
         let cell = self.registry.claim_revoke()?;
         // SAFETY: claimed by this revoke: it lives until settled (see `settle_then`).
         if unsafe { &*cell }.is_static() {
@@ -491,6 +497,13 @@ impl<H: Heap> Interposer<H> {
         // In flight while the cell is read, as a hook is: it may be dropped meanwhile.
         let _scope = Scope::enter();
         self.registry.current().map_or(0, |c| c.code)
+    }
+
+    /// The blocks a revoked spy still has: those in its table, and those a realloc holds out of
+    /// it. (The table first: a realloc counts itself before it takes its block out.)
+    fn live_blocks(&self) -> usize {
+        let in_table = self.spied.len();
+        in_table + self.reallocating.load(Ordering::SeqCst)
     }
 
     /// Number of live blocks allocated under the current spy.
@@ -547,7 +560,7 @@ impl<H: Heap> Interposer<H> {
         if unsafe { (*cell).is_active() } {
             return;
         }
-        self.registry.retire_if_unused(cell, &|| self.spied.len(), Some(scope.slot()), ());
+        self.registry.retire_if_unused(cell, &|| self.live_blocks(), Some(scope.slot()), ());
     }
 
     /// Whether the current spy has its blocks recorded (an empty table needs no lookups).
@@ -861,7 +874,10 @@ impl<H: Heap> Interposer<H> {
         }
         // Looked up before the block leaves the table, as in `free_spied`.
         let cell = self.registry.current();
+        let held = (size != 0).then(|| Reallocating::new(&self.reallocating));
         let old_size = self.take_spied(cell, ptr);
+        #[cfg(test)]
+        tests::after_taking(ptr);
         let spied = old_size.is_some();
         if size == 0 && self.heap.realloc_zero_frees() {
             // As the real realloc(p, 0) does: free, return NULL.
@@ -881,6 +897,7 @@ impl<H: Heap> Interposer<H> {
             // SAFETY: the caller's guarantee.
             unsafe { self.realloc_with(cell, &scope, entry, ptr, size, old_size, saved) }
         };
+        drop(held);
         self.retire(cell, &scope);
         new
     }
@@ -1076,6 +1093,22 @@ impl<H: Heap> Interposer<H> {
             self.disable(cell, scope);
             recorded.unwrap_or(actual)
         })
+    }
+}
+
+/// A realloc counted in `Interposer::reallocating` while it lives.
+struct Reallocating<'a>(&'a AtomicUsize);
+
+impl<'a> Reallocating<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Reallocating<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

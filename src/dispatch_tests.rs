@@ -317,8 +317,18 @@ unsafe impl Heap for Tracked {
     fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
         self.keep(Glibc.calloc(nmemb, size))
     }
-    unsafe fn realloc(&self, _ptr: *mut c_void, _size: usize) -> *mut c_void {
-        unreachable!("the tests over this heap do not realloc")
+    unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        let mut live = self.live.lock().unwrap();
+        let Some(at) = live.iter().position(|&p| p == ptr as usize) else {
+            self.wild.lock().unwrap().push(ptr as usize);
+            return core::ptr::null_mut();
+        };
+        // SAFETY: a block glibc handed out, live.
+        let moved = unsafe { Glibc.realloc(ptr, size) };
+        if !moved.is_null() {
+            live[at] = moved as usize;
+        }
+        moved
     }
     unsafe fn free(&self, ptr: *mut c_void) {
         let mut live = self.live.lock().unwrap();
@@ -399,6 +409,8 @@ fn a_block_taken_from_the_table_goes_back_through_its_spy_when_another_free_reti
     ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
     let (first, second) = (ip.malloc(24) as usize, ip.malloc(24) as usize);
     assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
+    PAUSED.store(false, Ordering::SeqCst);
+    RESUME.store(false, Ordering::SeqCst);
     PAUSE_AT.store(first, Ordering::SeqCst);
     // SAFETY: a live spied block, freed once.
     let pausing = std::thread::spawn(move || unsafe { ip.free(first as *mut c_void) });
@@ -414,6 +426,43 @@ fn a_block_taken_from_the_table_goes_back_through_its_spy_when_another_free_reti
     assert_eq!(log.spied_frees.load(Ordering::SeqCst), 2, "both blocks went back through the spy");
     assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped once, after both");
     assert!(ip.heap.live.lock().unwrap().is_empty(), "both real blocks freed");
+}
+
+/// A realloc holds a revoked spy's block out of the table while the spy lays out its
+/// successor. Another thread's free of the spy's only other block found the table empty and
+/// dropped the spy; the block the realloc then recorded outlived it, and its free passed the
+/// caller's pointer, past the header, to the real allocator.
+#[test]
+fn a_block_held_by_a_realloc_keeps_its_revoked_spy() {
+    let _serial = serial();
+    let log = Arc::new(Log::default());
+    let ip: &'static Interposer<Tracked> = Box::leak(Box::new(Interposer::new(Tracked::default())));
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    let (moved, freed) = (ip.malloc(24) as usize, ip.malloc(24) as usize);
+    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
+    PAUSED.store(false, Ordering::SeqCst);
+    RESUME.store(false, Ordering::SeqCst);
+    PAUSE_AT.store(moved, Ordering::SeqCst);
+    // SAFETY: a live spied block, reallocated once.
+    let reallocating = std::thread::spawn(move || unsafe { ip.realloc(moved as *mut c_void, 4000) as usize });
+    assert!(within_a_minute(|| PAUSED.load(Ordering::SeqCst)));
+    // SAFETY: a live spied block, freed once.
+    let freeing = std::thread::spawn(move || unsafe { ip.free(freed as *mut c_void) });
+    // The free either returns, the spy kept, or takes the spy out and waits for the realloc.
+    let start = std::time::Instant::now();
+    while !freeing.is_finished() && !ip.registry.is_empty() && start.elapsed().as_secs() < 5 {
+        std::thread::yield_now();
+    }
+    RESUME.store(true, Ordering::SeqCst);
+    let block = reallocating.join().unwrap();
+    freeing.join().unwrap();
+    PAUSE_AT.store(0, Ordering::SeqCst);
+    assert!(!ip.registry.is_empty(), "the realloc's block keeps the spy");
+    // SAFETY: the live block the realloc returned, freed once.
+    unsafe { ip.free(block as *mut c_void) };
+    assert_eq!(*ip.heap.wild.lock().unwrap(), Vec::<usize>::new(), "no caller's pointer reached the real allocator");
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped after the last block");
+    assert!(ip.heap.live.lock().unwrap().is_empty(), "every real block freed");
 }
 
 /// Hands over to a successor from its drop (a C spy's `release`): registers `next`, or
