@@ -559,6 +559,69 @@ fn a_revoke_from_inside_a_spy_method_while_another_thread_revokes_returns() {
     assert!(ip.registry.is_empty());
 }
 
+/// Inside the free of its block `at`, waits until another thread's free has taken this
+/// (revoked) spy out of the registry, then registers a successor and revokes it.
+struct RegisteringWhileRetired {
+    ip: &'static Interposer<Glibc>,
+    log: Arc<Log>,
+    at: Arc<AtomicUsize>,
+    inside: Arc<AtomicBool>,
+    answers: Arc<std::sync::Mutex<Vec<Result<(), SpyError>>>>,
+}
+
+impl MallocSpy for RegisteringWhileRetired {
+    fn pre_free(&self, request: *mut c_void, _spied: bool) -> *mut c_void {
+        if request as usize == self.at.load(Ordering::SeqCst) {
+            self.inside.store(true, Ordering::SeqCst);
+            while !self.ip.registry.is_empty() {
+                std::thread::yield_now();
+            }
+            let registered = self.ip.register(|| Box::new(HeaderSpy::new(&self.log)));
+            let revoked = self.ip.revoke();
+            self.answers.lock().unwrap().extend([registered, revoked]);
+        }
+        request
+    }
+}
+
+/// One thread frees a revoked spy's last block and waits, before dropping it, for the hooks
+/// in flight; one of them, inside the spy's `pre_free`, registered a successor and revoked it,
+/// and waited in turn for the first thread's hook: both hung. A spy being dropped now holds
+/// the registry until the wait is over.
+#[test]
+fn a_spy_registered_while_its_predecessor_is_dropped_cannot_hang_the_dropping_thread() {
+    let _serial = serial();
+    let log = Arc::new(Log::default());
+    let ip: &'static Interposer<Glibc> = Box::leak(Box::new(fresh()));
+    let (at, inside, answers) = (Arc::default(), Arc::new(AtomicBool::new(false)), Arc::default());
+    let spy = RegisteringWhileRetired {
+        ip,
+        log: log.clone(),
+        at: Arc::clone(&at),
+        inside: Arc::clone(&inside),
+        answers: Arc::clone(&answers),
+    };
+    ip.register(|| Box::new(spy)).unwrap();
+    let (last, held) = (ip.malloc(16) as usize, ip.malloc(16) as usize);
+    at.store(held, Ordering::SeqCst);
+    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
+    // SAFETY: live blocks allocated under a spy that laid nothing out, each freed once.
+    let holding = std::thread::spawn(move || unsafe { ip.free(held as *mut c_void) });
+    assert!(within_a_minute(|| inside.load(Ordering::SeqCst)));
+    // SAFETY: as above.
+    let retiring = std::thread::spawn(move || unsafe { ip.free(last as *mut c_void) });
+    assert!(within_a_minute(|| holding.is_finished() && retiring.is_finished()), "neither free hangs");
+    holding.join().unwrap();
+    retiring.join().unwrap();
+    assert_eq!(
+        *answers.lock().unwrap(),
+        [Err(SpyError::AlreadyRegistered), Err(SpyError::NotRegistered)],
+        "no successor while the revoked spy is being dropped"
+    );
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Ok(()), "the registry is free afterwards");
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 /// Registers a successor from its drop and revokes it at once: from inside the free that
 /// drops this spy, a hook of this spy's.
 struct RevokingItsSuccessor {

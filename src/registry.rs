@@ -2,16 +2,19 @@
 //! panic firewall around every call into it.
 //!
 //! `CoRegisterMallocSpy` semantics: registering while a spy is registered (or a revoked one
-//! still has live blocks) fails with [`SpyError::AlreadyRegistered`]; revoking while blocks
+//! still has live blocks, or is still being dropped) fails with
+//! [`SpyError::AlreadyRegistered`]; revoking while blocks
 //! allocated under the spy are live fails with [`SpyError::AccessDenied`] and leaves the revoke
 //! pending: the spy keeps receiving the frees and reallocs of its blocks, and is dropped right
 //! after the last one is freed.
 //!
 //! Dropping must also wait for threads still running the spy's code (a Pre method on another
-//! core): [`threads::quiesce`] provides that grace period.
+//! core): [`threads::quiesce`] provides that grace period. Two threads waiting for it from
+//! inside hooks would wait for each other forever; the registry rules that out (see
+//! [`Registry::retire_if_unused`]).
 
 use core::panic::AssertUnwindSafe;
-use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
 use crate::spy::{MallocSpy, Role, SpyError};
 use crate::sync::SpinLock;
@@ -124,10 +127,16 @@ impl SpyCell {
     }
 }
 
+/// Orders registrations and revokes: one lock for every registry of the process (there is one
+/// but in tests), as they are rare, and a registry's words share the line every call reads.
+static LOCK: SpinLock = SpinLock::new();
+
 /// The process's one registration slot.
 pub(crate) struct Registry {
-    lock: SpinLock,
     cell: AtomicPtr<SpyCell>,
+    /// Retirers between taking their cell out of `cell` and being done waiting for the hooks
+    /// in flight: no spy may be registered meanwhile.
+    retiring: AtomicUsize,
 }
 
 impl Registry {
@@ -136,7 +145,7 @@ impl Registry {
     pub(crate) const CELL_OFFSET: usize = core::mem::offset_of!(Registry, cell);
 
     pub(crate) const fn new() -> Self {
-        Self { lock: SpinLock::new(), cell: AtomicPtr::new(core::ptr::null_mut()) }
+        Self { cell: AtomicPtr::new(core::ptr::null_mut()), retiring: AtomicUsize::new(0) }
     }
 
     /// True when no spy is registered and none is pending: the allocator is a pass-through.
@@ -158,8 +167,8 @@ impl Registry {
     /// `make` runs only once the slot is known to be free, so a refused spy is never built (a
     /// C spy's `release` is not called for nothing).
     pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, code: usize) -> Result<(), SpyError> {
-        let _guard = self.lock.lock();
-        if !self.cell.load(Ordering::Acquire).is_null() {
+        let _guard = LOCK.lock();
+        if !self.cell.load(Ordering::SeqCst).is_null() || self.retiring.load(Ordering::SeqCst) != 0 {
             return Err(SpyError::AlreadyRegistered);
         }
         let (spy, owned): (*const dyn MallocSpy, bool) = match make() {
@@ -191,7 +200,7 @@ impl Registry {
     /// would wait for the lock in turn), nor while the spy is dropped (its `release` may
     /// register a successor).
     pub(crate) fn claim_revoke(&self) -> Result<*const SpyCell, SpyError> {
-        let _guard = self.lock.lock();
+        let _guard = LOCK.lock();
         let Some(cell) = self.current() else { return Err(SpyError::NotRegistered) };
         if cell.revoked.swap(true, Ordering::SeqCst) {
             return Err(SpyError::NotRegistered);
@@ -247,13 +256,25 @@ impl Registry {
             }
         }
         let ptr = cell.cast_mut();
-        if self.cell.compare_exchange(ptr, core::ptr::null_mut(), Ordering::AcqRel, Ordering::Acquire).is_err() {
+        // Counted before the cell leaves the registry, so that a registration that finds the
+        // registry empty also finds the count. A spy registered while this call waits could
+        // revoke itself (or panic) from inside a hook, and wait from there for this caller's
+        // hook, which waits for it: both would hang. The wait below is thus the only one from
+        // inside a hook: the settling of a revoke ends before its cell can retire, and a cell
+        // is claimed and retired once.
+        self.retiring.fetch_add(1, Ordering::SeqCst);
+        let taken = self.cell.compare_exchange(ptr, core::ptr::null_mut(), Ordering::SeqCst, Ordering::Acquire);
+        if taken.is_ok() {
+            drop(in_flight);
+            // Threads may still be inside the spy's methods (an unspied free that looked
+            // before the revoke); wait for them before dropping.
+            threads::quiesce(me);
+        }
+        // Before the drop: the spy's `release` may register its successor.
+        self.retiring.fetch_sub(1, Ordering::SeqCst);
+        if taken.is_err() {
             return true;
         }
-        drop(in_flight);
-        // Threads may still be inside the spy's methods (an unspied free that looked before
-        // the revoke); wait for them before dropping.
-        threads::quiesce(me);
         // SAFETY: `ptr` came from Box::into_raw in register; it is no longer reachable from
         // the registry, `retiring` makes this the only drop, and quiesce has waited out every
         // hook that could still hold a reference.
@@ -266,6 +287,6 @@ impl Registry {
 
     /// Child side of `fork`: the thread that held the lock does not exist there.
     pub(crate) fn force_unlock(&self) {
-        self.lock.force_unlock();
+        LOCK.force_unlock();
     }
 }

@@ -138,8 +138,8 @@ impl DidAlloc {
 /// Why registering or revoking a spy failed. Each mirrors a COM status code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SpyError {
-    /// A spy is already registered, or a revoked one still has live blocks
-    /// (`CO_E_OBJISREG`).
+    /// A spy is already registered, or a revoked one still has live blocks or is being
+    /// dropped on another thread (`CO_E_OBJISREG`).
     AlreadyRegistered,
     /// The argument cannot be a usable spy (`E_INVALIDARG`): from C, a null or malformed
     /// table; from Rust, a spy the active interposer cannot use (an ABI version it does not

@@ -344,10 +344,11 @@ impl Drop for InFlight {
 /// `except` is the caller's own slot when the caller is itself inside a hook. Whatever the
 /// caller stored before the call is visible to every hook entered after it returns.
 ///
-/// Two threads that wait here from inside hooks at the same time wait for each other forever.
-/// One process meets this only if a hook drops a revoked spy while a hook of the spy registered
-/// after it waits too (that spy revoking itself, or panicking): not handled. Skipping a waiting
-/// thread is not sound: its hook may be inside the very spy being dropped.
+/// Two threads that wait here from inside hooks at the same time wait for each other forever,
+/// and skipping a waiting thread is not sound (its hook may be inside the very spy being
+/// dropped): the registry lets only one thread at a time wait from inside a hook (see
+/// [`crate::registry::Registry::retire_if_unused`]); `fork` from inside a spy method is the
+/// one case left out.
 pub(crate) fn quiesce(except: Option<u32>) {
     fence(Ordering::SeqCst);
     if SLOTS.membarrier.load(Ordering::Acquire) {
