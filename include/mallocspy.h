@@ -25,7 +25,8 @@
  *   - Allocations made by the spy itself go straight to the real allocator.
  *   - Functions are called from any thread, concurrently; they must not block.
  *   - `release` is called once, when the spy is dropped: at revoke, or after the last free of
- *     its blocks when the revoke was pending (MALLOCSPY_E_ACCESSDENIED).
+ *     its blocks when the revoke was pending (MALLOCSPY_E_ACCESSDENIED). Until then the
+ *     libraries holding the table's functions and `ctx` stay loaded, even if dlclose'd.
  * NULL members are pass-through.
  */
 #ifndef MALLOCSPY_H
@@ -195,7 +196,8 @@ struct mallocspy_api {
     /* The ticks spy (spy=ticks): calls `callback` for every sampled allocation, inside the
      * allocator (its allocations go straight to the real allocator, neither sampled nor
      * counted; a sampled block it frees ends its sample; it must not block).
-     * NULL clears it. S_OK, or E_OBJNOTREG when no ticks spy runs. */
+     * NULL clears it. S_OK, or E_OBJNOTREG when no ticks spy runs. The library holding
+     * `callback` stays loaded until the process ends. */
     int32_t (*on_allocation_tick)(void (*callback)(const struct mallocspy_allocation_tick *tick));
     /* Calls `callback` with every heap statistics event (at the first sampled allocation once
      * stats_interval_ms has passed, and at exit), inside the allocator like the tick callback. */

@@ -39,7 +39,7 @@ fn target() -> Result<Target, SpyError> {
 /// incompatible ABI version). A refused spy is dropped.
 pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError> {
     match target()? {
-        Target::Here => global::register_here(0, move || Box::new(spy)),
+        Target::Here => global::register_here(crate::pins::Pins::default(), move || Box::new(spy)),
         Target::Remote(api) => ffi::register_remote(api, Box::new(spy)),
     }
 }
@@ -154,6 +154,8 @@ fn api_table() -> Result<&'static ffi::Api, SpyError> {
 /// its sample as any free does. It must not block, and it must be quick (it runs once per
 /// ~interval bytes allocated). It must not panic either: a panic cannot leave an `extern "C"`
 /// function, and aborts the process. The frames it is shown are valid only during the call.
+/// The library holding it stays loaded until the process ends: another thread may be calling
+/// it at any time.
 ///
 /// # Errors
 /// [`SpyError::NotRegistered`] when no ticks spy runs; [`SpyError::NotInterposed`].

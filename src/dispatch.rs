@@ -26,6 +26,7 @@ use crate::deferred::DeferredFrees;
 use crate::gate::{self, Gate};
 use crate::heap::Heap;
 use crate::live_table::{LiveTable, Lookup};
+use crate::pins::Pins;
 use crate::registry::{Registry, SpyCell, SpyRef};
 use crate::spy::{Call, DidAlloc, Entry, MallocSpy, SpyError};
 use crate::threads::{self, InFlight};
@@ -450,17 +451,17 @@ impl<H: Heap> Interposer<H> {
 
     #[cfg(test)]
     pub(crate) fn register(&self, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
-        self.register_from(0, make)
+        self.register_from(Pins::default(), make)
     }
 
-    /// Registers a spy whose code is at `code` (see [`SpyCell::code`]).
-    pub(crate) fn register_from(&self, code: usize, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
-        self.registry.register(|| SpyRef::Owned(make()), code)
+    /// Registers a spy whose modules `pins` keeps loaded while it is registered.
+    pub(crate) fn register_from(&self, pins: Pins, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+        self.registry.register(|| SpyRef::Owned(make()), pins)
     }
 
     /// Registers a spy that outlives its registration (the built-in spies).
     pub(crate) fn register_static(&self, spy: &'static dyn MallocSpy) -> Result<(), SpyError> {
-        self.registry.register(|| SpyRef::Static(spy), 0)
+        self.registry.register(|| SpyRef::Static(spy), Pins::default())
     }
 
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
@@ -490,13 +491,6 @@ impl<H: Heap> Interposer<H> {
         // SAFETY: as above.
         let scope = Registry::settle_then(unsafe { &*cell }, None, Scope::enter);
         if self.registry.retire_if_unused(cell, &live, None, scope) { Ok(()) } else { Err(SpyError::AccessDenied) }
-    }
-
-    /// [`SpyCell::code`] of the registered (or pending) spy; 0 without one.
-    pub(crate) fn spy_code(&self) -> usize {
-        // In flight while the cell is read, as a hook is: it may be dropped meanwhile.
-        let _scope = Scope::enter();
-        self.registry.current().map_or(0, |c| c.code)
     }
 
     /// The blocks a revoked spy still has: those in its table, and those a realloc holds out of

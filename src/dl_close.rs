@@ -21,14 +21,6 @@ static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 /// # Safety
 /// As `dlclose`.
 pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
-    if let Some(path) = crate::global::spy_code_in(handle) {
-        // Unmapped, the spy's (or callback's) code would be called at the next allocation:
-        // the library stays, as if opened with RTLD_NODELETE.
-        let line =
-            format!("mallocspy: {path} stays loaded: the registered spy or a callback of mallocspy's is in it\n");
-        crate::sink::to_stderr(line.as_bytes());
-        return 0;
-    }
     if let Some(writer) = crate::trace::writer::writer() {
         writer.sync_before_unload();
     }

@@ -270,34 +270,34 @@ pub(crate) unsafe fn c_spy(vtable: *const SpyVtable, ctx: *mut c_void) -> Box<dy
     Box::new(CSpy { vtable: unsafe { copy_of(vtable) }, ctx })
 }
 
-/// The address of one of a validated C table's functions (0 for a table of none): where the
-/// spy's code lies, for [`crate::registry::SpyCell::code`].
+/// What of a C spy must stay mapped while it is registered: its table's functions and its
+/// context (see [`crate::pins`]); 0 for each absent function.
 ///
 /// # Safety
 /// `vtable` passed [`validate`].
-pub(crate) unsafe fn code_of(vtable: *const SpyVtable) -> usize {
+pub(crate) unsafe fn addresses_of(vtable: *const SpyVtable, ctx: *mut c_void) -> [usize; 18] {
     // SAFETY: the caller's guarantee.
     let v = unsafe { copy_of(vtable) };
-    let functions = [
-        v.pre_alloc.map(|f| f as usize),
-        v.post_alloc.map(|f| f as usize),
-        v.pre_alloc_aligned.map(|f| f as usize),
-        v.post_alloc_aligned.map(|f| f as usize),
-        v.pre_free.map(|f| f as usize),
-        v.post_free.map(|f| f as usize),
-        v.pre_realloc.map(|f| f as usize),
-        v.post_realloc.map(|f| f as usize),
-        v.pre_get_size.map(|f| f as usize),
-        v.post_get_size.map(|f| f as usize),
-        v.pre_did_alloc.map(|f| f as usize),
-        v.post_did_alloc.map(|f| f as usize),
-        v.pre_heap_minimize.map(|f| f as usize),
-        v.post_heap_minimize.map(|f| f as usize),
-        v.before_release.map(|f| f as usize),
-        v.after_call.map(|f| f as usize),
-        v.release.map(|f| f as usize),
-    ];
-    functions.into_iter().flatten().next().unwrap_or(0)
+    [
+        v.pre_alloc.map_or(0, |f| f as usize),
+        v.post_alloc.map_or(0, |f| f as usize),
+        v.pre_alloc_aligned.map_or(0, |f| f as usize),
+        v.post_alloc_aligned.map_or(0, |f| f as usize),
+        v.pre_free.map_or(0, |f| f as usize),
+        v.post_free.map_or(0, |f| f as usize),
+        v.pre_realloc.map_or(0, |f| f as usize),
+        v.post_realloc.map_or(0, |f| f as usize),
+        v.pre_get_size.map_or(0, |f| f as usize),
+        v.post_get_size.map_or(0, |f| f as usize),
+        v.pre_did_alloc.map_or(0, |f| f as usize),
+        v.post_did_alloc.map_or(0, |f| f as usize),
+        v.pre_heap_minimize.map_or(0, |f| f as usize),
+        v.post_heap_minimize.map_or(0, |f| f as usize),
+        v.before_release.map_or(0, |f| f as usize),
+        v.after_call.map_or(0, |f| f as usize),
+        v.release.map_or(0, |f| f as usize),
+        ctx as usize,
+    ]
 }
 
 /// The caller's table, as much of it as its size says it has, the rest zero (NULL members, no

@@ -6,6 +6,7 @@ use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
 use crate::dispatch::Interposer;
 use crate::ffi::{self, Api, SpyVtable};
 use crate::heap::NextHeap;
+use crate::pins::Pins;
 use crate::spy::{MallocSpy, SpyError};
 use crate::{os, threads, tls};
 
@@ -97,10 +98,10 @@ pub(crate) fn ensure_fork_handlers() {
 }
 
 /// Registers a spy with [`GLOBAL`].
-pub(crate) fn register_here(code: usize, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+pub(crate) fn register_here(pins: Pins, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
     ensure_fork_handlers();
     GLOBAL.heap.warm_up();
-    GLOBAL.register_from(code, make)
+    GLOBAL.register_from(pins, make)
 }
 
 /// Registers a spy that outlives its registration with [`GLOBAL`] (the built-in spies).
@@ -119,7 +120,9 @@ unsafe extern "C" fn api_register(vtable: *const SpyVtable, ctx: *mut c_void) ->
     // SAFETY: the caller's guarantee (header contract): NULL or a table living until release.
     let registered = unsafe { ffi::validate(vtable) }.and_then(|()| {
         // SAFETY: validated; the rest is the caller's guarantee.
-        register_here(unsafe { ffi::code_of(vtable) }, || unsafe { ffi::c_spy(vtable, ctx) })
+        let pins = Pins::of(unsafe { ffi::addresses_of(vtable, ctx) });
+        // SAFETY: as above.
+        register_here(pins, || unsafe { ffi::c_spy(vtable, ctx) })
     });
     ffi::status(registered)
 }
@@ -176,6 +179,8 @@ unsafe extern "C" fn api_tracker_memory(out: *mut crate::TrackerMemory) -> i32 {
 extern "C" fn api_on_allocation_tick(callback: Option<crate::TickCallback>) -> i32 {
     match crate::spies::ticks::spy() {
         Some(spy) => {
+            // A thread may be calling the callback (or its predecessor) at any time.
+            Pins::forever(callback.map_or(0, |f| f as usize));
             spy.set_callback(callback);
             ffi::S_OK
         }
@@ -186,39 +191,13 @@ extern "C" fn api_on_allocation_tick(callback: Option<crate::TickCallback>) -> i
 extern "C" fn api_on_heap_stats(callback: Option<crate::trace::StatsCallback>) -> i32 {
     match crate::spies::ticks::spy() {
         Some(spy) => {
+            // As in `api_on_allocation_tick`.
+            Pins::forever(callback.map_or(0, |f| f as usize));
             spy.set_stats_callback(callback);
             ffi::S_OK
         }
         None => ffi::CO_E_OBJNOTREG,
     }
-}
-
-/// `RTLD_DL_LINKMAP` (`dlfcn.h`), which the libc crate lacks: `dladdr1` then gives the
-/// module's `struct link_map`, which is also what glibc's `dlopen` returns as its handle.
-const RTLD_DL_LINKMAP: c_int = 2;
-
-/// The path of the module `handle` names when it holds code mallocspy would call after a
-/// `dlclose` unmapped it: the registered spy's (through the C ABI), or a callback's.
-pub(crate) fn spy_code_in(handle: *mut c_void) -> Option<String> {
-    let callbacks = crate::spies::ticks::spy().map_or([0; 2], |s| s.callbacks());
-    let mut codes = [GLOBAL.spy_code()].into_iter().chain(callbacks).filter(|&code| code != 0).peekable();
-    // SAFETY: dlopen(NULL) gives the program's own handle, which no dlclose unloads.
-    let own = || unsafe { libc::dlopen(core::ptr::null(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-    if handle.is_null() || codes.peek().is_none() || handle == own() {
-        return None;
-    }
-    codes.find_map(|code| {
-        // SAFETY: Dl_info is plain data, for which zero is a valid value.
-        let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
-        let mut map: *mut c_void = core::ptr::null_mut();
-        // SAFETY: dladdr1 with RTLD_DL_LINKMAP writes the info and one pointer; it only looks
-        // `code` up among the loaded modules, and the handle is only compared.
-        let found = unsafe { libc::dladdr1(code as *const c_void, &mut info, &mut map, RTLD_DL_LINKMAP) } != 0;
-        (found && map == handle && !info.dli_fname.is_null()).then(|| {
-            // SAFETY: dladdr1 set a NUL-terminated name.
-            unsafe { core::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned()
-        })
-    })
 }
 
 extern "C" fn api_spy_failed() {

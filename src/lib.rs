@@ -75,6 +75,7 @@ mod loader;
 pub mod options;
 mod os;
 mod own_heap;
+mod pins;
 mod pool;
 mod prefetch;
 #[doc(hidden)]

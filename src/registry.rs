@@ -16,6 +16,7 @@
 use core::panic::AssertUnwindSafe;
 use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
+use crate::pins::Pins;
 use crate::spy::{MallocSpy, Role, SpyError};
 use crate::sync::SpinLock;
 use crate::{sink, threads, tls};
@@ -35,9 +36,9 @@ pub(crate) struct SpyCell {
     owned: bool,
     /// [`MallocSpy::role`] is [`Role::Observe`] (asked once).
     pub(crate) observes: bool,
-    /// An address in the spy's code when it came through the C ABI (0 otherwise): a
-    /// `dlclose` of the module holding it leaves the module loaded ([`crate::dl_close`]).
-    pub(crate) code: usize,
+    /// The modules of the spy's code, when it came through the C ABI: kept loaded until the
+    /// spy is dropped (a field, so dropped after it: its `release` runs first).
+    _pins: Pins,
     /// No new blocks, no calls for unspied blocks: revoked by the program or after a panic.
     revoked: AtomicBool,
     /// The revoke's grace period is over: every allocation that could still add a spied block
@@ -52,7 +53,8 @@ pub(crate) struct SpyCell {
 /// A spy method panicked; the spy is being disabled.
 pub(crate) struct Panicked;
 
-// SAFETY: the spy is `Send + Sync` (the trait's bounds); the flags are atomics.
+// SAFETY: the spy is `Send + Sync` (the trait's bounds); the flags are atomics; the pins are
+// loader handles, which any thread may close.
 unsafe impl Send for SpyCell {}
 // SAFETY: as above.
 unsafe impl Sync for SpyCell {}
@@ -163,10 +165,10 @@ impl Registry {
         unsafe { self.cell.load(Ordering::Acquire).as_ref() }
     }
 
-    /// Registers the spy `make` builds, whose code is at `code` (see [`SpyCell::code`]);
+    /// Registers the spy `make` builds, whose modules `pins` keeps loaded;
     /// `make` runs only once the slot is known to be free, so a refused spy is never built (a
     /// C spy's `release` is not called for nothing).
-    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, code: usize) -> Result<(), SpyError> {
+    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, pins: Pins) -> Result<(), SpyError> {
         let _guard = LOCK.lock();
         if !self.cell.load(Ordering::SeqCst).is_null() || self.retiring.load(Ordering::SeqCst) != 0 {
             return Err(SpyError::AlreadyRegistered);
@@ -181,7 +183,7 @@ impl Registry {
             spy,
             owned,
             observes,
-            code,
+            _pins: pins,
             revoked: AtomicBool::new(false),
             settled: AtomicBool::new(false),
             retiring: AtomicBool::new(false),

@@ -597,11 +597,6 @@ impl TickSpy {
         stats
     }
 
-    /// The addresses of the tick and statistics callbacks (0 for none).
-    pub(crate) fn callbacks(&self) -> [usize; 2] {
-        [self.callback.load(Ordering::Relaxed), self.stats_callback.load(Ordering::Relaxed)]
-    }
-
     /// Calls `f` with every statistics event from now on.
     pub(crate) fn set_stats_callback(&self, f: Option<StatsCallback>) {
         self.stats_callback.store(f.map_or(0, |f| f as usize), Ordering::Release);

@@ -123,6 +123,16 @@ pub fn c_library(source: &str) -> PathBuf {
     compile(source, &format!("lib{name}.so"), &["-shared", "-fPIC"])
 }
 
+/// A C fixture library `lib<name>.so` that needs the fixture library built from `library`,
+/// which it finds by its run path.
+pub fn c_library_needing(source: &str, library: &str) -> PathBuf {
+    let built = c_library(library);
+    let dir = built.parent().unwrap().display().to_string();
+    let (name, needed) = (source.rsplit_once('.').unwrap().0, library.rsplit_once('.').unwrap().0);
+    let (search, link, run_path) = (format!("-L{dir}"), format!("-l{needed}"), format!("-Wl,-rpath,{dir}"));
+    compile(source, &format!("lib{name}.so"), &["-shared", "-fPIC", &search, "-Wl,--no-as-needed", &link, &run_path])
+}
+
 /// A binary of one of the Rust fixture workspaces under `tests/fixtures/rust/`.
 pub fn rust_program(workspace: &str, bin: &str) -> PathBuf {
     static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
