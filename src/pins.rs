@@ -28,13 +28,8 @@ impl Pins {
     pub(crate) fn of(addresses: impl IntoIterator<Item = usize>) -> Self {
         let mut pins = Pins::default();
         for address in addresses {
-            if let Some(handle) = reference(address) {
-                if pins.0.contains(&handle) {
-                    // SAFETY: `reference` just took this reference, which nothing else uses.
-                    unsafe { crate::dl_close::dlclose(handle.as_ptr()) };
-                } else {
-                    pins.0.push(handle);
-                }
+            if let Some(handle) = reference(address, &pins.0) {
+                pins.0.push(handle);
             }
         }
         pins
@@ -43,7 +38,7 @@ impl Pins {
     /// References the module holding `address` for the rest of the process's life: a
     /// callback's, which a thread may be calling at any time.
     pub(crate) fn forever(address: usize) {
-        reference(address);
+        reference(address, &[]);
     }
 }
 
@@ -56,8 +51,9 @@ impl Drop for Pins {
     }
 }
 
-/// A new reference on the module holding `address`, other than the program itself.
-fn reference(address: usize) -> Option<NonNull<c_void>> {
+/// A new reference on the module holding `address`, unless it is the program itself or one of
+/// `held`.
+fn reference(address: usize, held: &[NonNull<c_void>]) -> Option<NonNull<c_void>> {
     if address == 0 {
         return None;
     }
@@ -67,7 +63,7 @@ fn reference(address: usize) -> Option<NonNull<c_void>> {
     // SAFETY: dladdr1 with RTLD_DL_LINKMAP writes the info and one pointer; it only looks the
     // address up among the loaded modules.
     let found = unsafe { libc::dladdr1(address as *const c_void, &mut info, &mut map, RTLD_DL_LINKMAP) } != 0;
-    if !found || map.is_null() || info.dli_fname.is_null() {
+    if !found || map.is_null() || info.dli_fname.is_null() || held.iter().any(|h| h.as_ptr() == map) {
         return None;
     }
     // SAFETY: dlopen(NULL) gives the program's own handle (its count does not matter: no
