@@ -250,6 +250,12 @@ impl Registry {
             // SAFETY: a cell is dropped only after a grace period that outlasts the caller,
             // which is in flight.
             let flags = unsafe { &*cell };
+            // A free that removed the last block, then read `settled` as false, leaves the
+            // spy to its revoker, which stores `settled` and then reads the live count: each
+            // side must see the other's store, which takes a full fence between its store and
+            // its load (the table's removals are relaxed stores; `live` fences only before its
+            // own loads).
+            core::sync::atomic::fence(Ordering::SeqCst);
             if !flags.settled.load(Ordering::SeqCst) || live() != 0 {
                 return false;
             }
