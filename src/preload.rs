@@ -6,7 +6,8 @@
 //! glibc runs handlers registered while exit handlers run, so it comes after `_dl_fini` has
 //! run the destructors of every module, including those initialised before the shim (a
 //! library that frees its caches in a destructor is then not reported as leaking). A program
-//! that leaves by `_exit` gets the same report from the shim's `_exit`.
+//! that leaves by `_exit` gets the same report from the shim's `_exit`, one that leaves by
+//! `quick_exit` from an `at_quick_exit` handler.
 
 use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::sync::OnceLock;
@@ -142,6 +143,7 @@ pub fn init() {
     }
     OWNER.store(os::getpid(), Ordering::Relaxed);
     global::set_fork_child_hook(after_fork_child);
+    report_at_quick_exit();
     if BUILTINS.get().is_some_and(|b| b.options.report_on_signal) {
         crate::ending_signals::enable();
     }
@@ -259,6 +261,23 @@ pub fn fini() {
     if unsafe { __cxa_atexit(report, core::ptr::null_mut(), core::ptr::null_mut()) } != 0 {
         report_at_exit();
     }
+}
+
+/// Has `quick_exit` write the reports: glibc's ends with its own internal `_exit`, which no
+/// preloaded `_exit` sees. Registered at start, the handler runs after every handler the
+/// program registers with `at_quick_exit` (they run in reverse order), as the exit reports run
+/// after the program's `atexit` handlers.
+fn report_at_quick_exit() {
+    unsafe extern "C" {
+        fn at_quick_exit(f: extern "C" fn()) -> core::ffi::c_int;
+    }
+    extern "C" fn report() {
+        LEAVING_BY_EXIT_NOW.store(true, Ordering::Relaxed);
+        report_at_exit();
+    }
+    // SAFETY: registers an `extern "C"` function that never unwinds. A refusal (no memory)
+    // only costs the report at `quick_exit`.
+    unsafe { at_quick_exit(report) };
 }
 
 /// Writes every report, once per process. Runs last at exit, or from `_exit`.
@@ -400,7 +419,7 @@ pub(crate) fn report_at_signal(signal: core::ffi::c_int, interrupted: Option<Cal
     report_all(interrupted.unwrap_or(Caller { skip_to_program: false, ..Caller::here() }));
 }
 
-/// The process is leaving by `_exit` or `_Exit` ([`exit_now`]).
+/// The process is leaving by `_exit`, `_Exit` ([`exit_now`]) or `quick_exit`.
 static LEAVING_BY_EXIT_NOW: AtomicBool = AtomicBool::new(false);
 
 /// `_exit` and `_Exit`: report, then leave with the program's status.
