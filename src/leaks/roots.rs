@@ -356,6 +356,17 @@ impl Memory for ProcessMemory<'_> {
         });
     }
 
+    /// Read directly, not into the buffer, which the marking that asks is reading into.
+    fn first_word(&self, start: u64) -> Option<u64> {
+        if !start.is_multiple_of(8) {
+            return None;
+        }
+        self.mapping_of(start, start + 8)?;
+        // SAFETY: an aligned word inside one readable mapping of the map, which was read after
+        // the other threads stopped: it stays mapped (as for `block_words`).
+        Some(unsafe { (start as *const u64).read_volatile() })
+    }
+
     fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
         let mut buf = self.buffer.borrow_mut();
         let (from, to) = (start.next_multiple_of(8), end & !7);
@@ -363,11 +374,10 @@ impl Memory for ProcessMemory<'_> {
             return;
         }
         let (low, high) = self.block_mapping.get();
-        if !(low <= from && to <= high) {
-            let i = self.maps.list.partition_point(|m| m.end <= from);
-            if let Some(m) = self.maps.list.get(i).filter(|m| m.readable && m.start <= from && to <= m.end) {
-                self.block_mapping.set((m.start, m.end));
-            }
+        if !(low <= from && to <= high)
+            && let Some(mapping) = self.mapping_of(from, to)
+        {
+            self.block_mapping.set(mapping);
         }
         let (low, high) = self.block_mapping.get();
         if low <= from && to <= high && to - from < SPARSE_MIN {
@@ -382,6 +392,14 @@ impl Memory for ProcessMemory<'_> {
                 unsafe { read_directly(a, t, &mut buf, f) }
             })
         });
+    }
+}
+
+impl ProcessMemory<'_> {
+    /// The readable mapping of the map holding `[from, to)`.
+    fn mapping_of(&self, from: u64, to: u64) -> Option<(u64, u64)> {
+        let i = self.maps.list.partition_point(|m| m.end <= from);
+        self.maps.list.get(i).filter(|m| m.readable && m.start <= from && to <= m.end).map(|m| (m.start, m.end))
     }
 }
 

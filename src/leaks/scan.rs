@@ -48,6 +48,14 @@ pub(crate) trait Memory {
     fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
         self.words(start, end, f)
     }
+
+    /// The first word of the live block at `start`, if readable. Called while a run of words
+    /// is being marked, from inside the callbacks of the two methods above.
+    fn first_word(&self, start: u64) -> Option<u64> {
+        let mut first = None;
+        self.block_words(start, start + 8, &mut |_, run| first = run.first().copied());
+        first
+    }
 }
 
 /// A `parent` of a block reached from a root, not from another block.
@@ -212,6 +220,21 @@ impl Scratch {
     }
 }
 
+/// Whether `word`, a pointer into `block`'s middle, is the one C++ hands out for a `new[]` of
+/// objects with a destructor: the block starts with the element count, and the caller's
+/// pointer is the word after it. memcheck's `newarray` heuristic, on by default, counts such a
+/// pointer as one to the block's start (its `length64` heuristic, a block led by the length of
+/// the rest, as sqlite's allocations are, is the count-of-one case). Otherwise every array of
+/// objects with destructors a C++ program keeps was "possibly lost". (Its `stdstring`
+/// heuristic is for the reference-counted strings of libstdc++ before GCC 5, and its
+/// `multipleinheritance` one, a pointer at a second base's vtable, is not done here.)
+fn past_a_count((start, size): (u64, u64), word: u64, memory: &dyn Memory) -> bool {
+    if word != start + 8 || size <= 8 {
+        return false;
+    }
+    memory.first_word(start).is_some_and(|count| count != 0 && (size - 8) % count == 0)
+}
+
 /// Classifies every block of `heap`, given root regions `[start, end)` and root words (the
 /// registers of stopped threads), into `scratch` (made for this many blocks). Allocates
 /// nothing.
@@ -235,7 +258,7 @@ pub(crate) fn classify(
         |run: &[u64], at: u64, from: u32, definite: bool, interior: bool, state: &mut [u8], todo: &mut Vec<usize>| {
             for (k, &word) in run.iter().enumerate() {
                 let Some((i, at_start)) = heap.find(word) else { continue };
-                if at_start && definite {
+                if (at_start || interior && past_a_count(heap.blocks[i], word, memory)) && definite {
                     if state[i] != REACHABLE {
                         state[i] = REACHABLE;
                         parent[i] = from;
@@ -381,6 +404,31 @@ mod tests {
                 DefinitelyLost,
                 IndirectlyLost
             ]
+        );
+    }
+
+    /// memcheck's `newarray` heuristic: C++'s pointer to a `new[]` array of objects with a
+    /// destructor is the word after the element count that starts the block.
+    #[test]
+    fn a_pointer_past_an_array_count_reaches_its_block() {
+        // Four 24-byte blocks, each pointed at 8 bytes in: led by a count that divides the 16
+        // bytes after it (2), by the length of the rest (16: sqlite's), by one that does not
+        // (3), and by 0.
+        let blocks = [(0x1000, 24), (0x2000, 24), (0x3000, 24), (0x4000, 24)];
+        let mem = std::collections::BTreeMap::from([
+            (0x100, 0x1008),
+            (0x108, 0x2008),
+            (0x110, 0x3008),
+            (0x118, 0x4008),
+            (0x1000, 2),
+            (0x2000, 16),
+            (0x3000, 3),
+            (0x4000, 0),
+        ]);
+        use LeakKind::*;
+        assert_eq!(
+            run(&blocks, &[(0x100, 0x120)], &[], &Toy(mem)),
+            [StillReachable, StillReachable, PossiblyLost, PossiblyLost]
         );
     }
 
