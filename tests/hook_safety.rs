@@ -137,6 +137,12 @@ fn blocks_allocated_by_constructors_before_ours_stay_usable() {
     let program = c_program_linked("early_main.c", "early.c");
     let outputs = same_in_every_mode("early", || std::process::Command::new(&program));
     assert_eq!(text(&outputs[0].1.stdout), "early: ok\n");
+    // From a thread whose stack the program malloc'ed: the guard took the whole heap below
+    // that stack for the thread's stack, refused the blocks there as not the heap's ("invalid
+    // free"), leaked the freed one and failed the realloc.
+    let guarded = run(Mode::Shim("spy=guard"), Command::new(&program).arg("heap_stack"));
+    assert_eq!(text(&guarded.stdout), "early: ok\n", "{}", text(&guarded.stderr));
+    assert_eq!(text(&guarded.stderr), "");
 }
 
 #[test]

@@ -175,6 +175,11 @@ unsafe fn trailer_intact(p: usize, size: usize) -> bool {
 /// through, to the real allocator's own checks.
 fn could_be_a_block(p: usize) -> bool {
     let (low, high) = crate::unwind::stack_bounds();
+    // The program's frames lie above this one: a pointer into its stack is at least here. The
+    // mapping's start is no bound for a thread running on a stack the program malloc'ed: that
+    // mapping is the heap, whose blocks below the stack were refused as not the heap's.
+    let here = 0u8;
+    let low = low.max(core::hint::black_box(&here) as *const u8 as u64);
     p >= HEADER && !(low..high).contains(&(p as u64)) && crate::os::is_mapped(p - HEADER)
 }
 
