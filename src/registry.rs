@@ -3,10 +3,10 @@
 //!
 //! `CoRegisterMallocSpy` semantics: registering while a spy is registered (or a revoked one
 //! still has live blocks, or is still being dropped) fails with
-//! [`SpyError::AlreadyRegistered`]; revoking while blocks
-//! allocated under the spy are live fails with [`SpyError::AccessDenied`] and leaves the revoke
-//! pending: the spy keeps receiving the frees and reallocs of its blocks, and is dropped right
-//! after the last one is freed.
+//! [`SpyError::AlreadyRegistered`]; revoking while blocks allocated under the spy are live
+//! fails with [`SpyError::AccessDenied`] and leaves the revoke pending: the spy keeps
+//! receiving the frees and reallocs of its blocks, and is dropped right after the last one is
+//! freed.
 //!
 //! Dropping must also wait for threads still running the spy's code (a Pre method on another
 //! core): [`threads::quiesce`] provides that grace period. Two threads waiting for it from
@@ -165,9 +165,9 @@ impl Registry {
         unsafe { self.cell.load(Ordering::Acquire).as_ref() }
     }
 
-    /// Registers the spy `make` builds, whose modules `pins` keeps loaded;
-    /// `make` runs only once the slot is known to be free, so a refused spy is never built (a
-    /// C spy's `release` is not called for nothing).
+    /// Registers the spy `make` builds, whose modules `pins` keeps loaded; `make` runs only
+    /// once the slot is known to be free, so a refused spy is never built (a C spy's `release`
+    /// is not called for nothing).
     pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, pins: Pins) -> Result<(), SpyError> {
         let _guard = LOCK.lock();
         if !self.cell.load(Ordering::SeqCst).is_null() || self.retiring.load(Ordering::SeqCst) != 0 {
