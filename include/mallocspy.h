@@ -26,7 +26,8 @@
  *   - Functions are called from any thread, concurrently; they must not block.
  *   - `release` is called once, when the spy is dropped: at revoke, or after the last free of
  *     its blocks when the revoke was pending (MALLOCSPY_E_ACCESSDENIED). Until then the
- *     libraries holding the table's functions and `ctx` stay loaded, even if dlclose'd.
+ *     libraries holding the table's functions and `ctx` stay loaded, even if dlclose'd
+ *     (unless the spy was registered from inside a spy function or release).
  * NULL members are pass-through.
  */
 #ifndef MALLOCSPY_H

@@ -138,7 +138,8 @@ pub(crate) struct Interposer<H: Heap> {
     /// reports then cover only what came before ([`Self::builtin_revoked`]).
     builtin_revoked: AtomicBool,
     /// A revoke from inside a hook left a spy with no live block to that hook's end, which
-    /// retires only the spy the hook used: the next allocation retires it if it is still there.
+    /// retires only the spy the hook used (or a fork's child settled a revoke another thread
+    /// had begun): the next allocation retires it if it is still there.
     revoked_in_hook: AtomicBool,
     /// Reallocs between taking a spied block out of the table and putting its successor (or
     /// itself, on failure) in: counted as live blocks, or a revoked spy whose table read empty
@@ -456,12 +457,29 @@ impl<H: Heap> Interposer<H> {
 
     /// Registers a spy whose modules `pins` keeps loaded while it is registered.
     pub(crate) fn register_from(&self, pins: Pins, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+        self.retire_orphan();
         self.registry.register(|| SpyRef::Owned(make()), pins)
     }
 
     /// Registers a spy that outlives its registration (the built-in spies).
     pub(crate) fn register_static(&self, spy: &'static dyn MallocSpy) -> Result<(), SpyError> {
+        self.retire_orphan();
         self.registry.register(|| SpyRef::Static(spy), Pins::default())
+    }
+
+    /// Retires a revoked spy left to the next call with no live block (see `revoked_in_hook`)
+    /// before a registration looks at the registry: a program that only registers (a fork's
+    /// child retrying) makes no such call.
+    fn retire_orphan(&self) {
+        if !self.revoked_in_hook.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(scope) = Scope::enter() else { return };
+        if self.revoked_in_hook.swap(false, Ordering::Relaxed)
+            && let Some(cell) = self.registry.current()
+        {
+            self.registry.retire_if_unused(cell, &|| self.live_blocks(), None, scope);
+        }
     }
 
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
@@ -510,9 +528,12 @@ impl<H: Heap> Interposer<H> {
         self.deferred.leaked()
     }
 
-    /// Child side of `fork`: release locks whose holders did not survive.
+    /// Child side of `fork`: release locks whose holders did not survive, and finish what the
+    /// registry's other threads had begun (see [`Registry::after_fork_child`]).
     pub(crate) fn after_fork_child(&self) {
-        self.registry.force_unlock();
+        if self.registry.after_fork_child() {
+            self.revoked_in_hook.store(true, Ordering::Relaxed);
+        }
         self.spied.force_unlock();
     }
 

@@ -131,7 +131,9 @@ extern "C" fn api_revoke() -> i32 {
     if !is_active_here() {
         return ffi::MALLOCSPY_E_NOT_INTERPOSED;
     }
-    ffi::status(GLOBAL.revoke())
+    let status = ffi::status(GLOBAL.revoke());
+    crate::pins::close_left();
+    status
 }
 
 unsafe extern "C" fn api_did_alloc(ptr: *mut c_void) -> c_int {

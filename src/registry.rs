@@ -293,8 +293,21 @@ impl Registry {
         true
     }
 
-    /// Child side of `fork`: the thread that held the lock does not exist there.
-    pub(crate) fn force_unlock(&self) {
+    /// Child side of `fork`, where only the forking thread lives on. The thread that held the
+    /// lock, retirers that were waiting (their cells are out of the registry, and stay
+    /// undropped), and a revoker that had claimed the cell and was waiting to settle it do not
+    /// exist there: the cell is settled now (no hook is in flight), or every later
+    /// registration would fail. Returns whether it was: the caller then has the next call
+    /// retire it if it has no live block (a free of its last block does otherwise).
+    pub(crate) fn after_fork_child(&self) -> bool {
         LOCK.force_unlock();
+        self.retiring.store(0, Ordering::SeqCst);
+        match self.current() {
+            Some(cell) if !cell.is_active() && !cell.settled.load(Ordering::SeqCst) => {
+                cell.settled.store(true, Ordering::SeqCst);
+                true
+            }
+            _ => false,
+        }
     }
 }

@@ -127,6 +127,37 @@ fn a_plugin_closed_with_its_tick_callback_set_stays_loaded() {
     assert!(!stderr.contains("stays loaded"), "{stderr}");
 }
 
+/// A thread inside `dlopen` holds the loader's lock while a library's constructor waits for
+/// the hooks in flight (freeing a revoked spy's last block, or revoking a spy). A hook on
+/// another thread that then needs that lock hung both, every run: a spy's `pre_free` calling
+/// `register_spy`, which took a reference on the spy's library; and the free that dropped a
+/// spy, which gave its library back with `dlclose`. Neither is done inside a hook now.
+#[test]
+fn no_hook_waits_for_the_loader_lock_of_a_thread_waiting_for_it() {
+    let program = c_program_with("loader_lock.c", &["-rdynamic", "-ldl"]);
+    let (constructor, spy) = (c_library("loader_lock_ctor.c"), c_library("loader_lock_spy.c"));
+    for (mode, said) in [
+        ("register", "register from the spy's pre_free: 0x800401fc\n"),
+        ("release", "revoke from the constructor: done\n"),
+    ] {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["60", program.to_str().unwrap(), mode, constructor.to_str().unwrap(), spy.to_str().unwrap()]);
+        let out = run(PASS_THROUGH, &mut cmd);
+        assert_eq!(out.status.code(), Some(0), "{mode}: hung or failed: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), said, "{mode}");
+    }
+}
+
+/// A child forked while another thread was revoking a spy (between claiming it and dropping
+/// it) inherited the revoke half done, with no thread to finish it: every registration in the
+/// child failed (`E_OBJISREG`) for good: 299 children of 300 here.
+#[test]
+fn a_child_forked_during_a_revoke_can_register() {
+    let program = c_program("fork_registry.c");
+    let out = run(PASS_THROUGH, Command::new(&program).arg("300"));
+    assert_eq!(text(&out.stdout), "children that could not register: 0 of 300\n", "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
