@@ -12,7 +12,7 @@ use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::scan::Memory;
+use super::scan::{FileKind, Memory};
 use crate::os;
 
 /// A range of the address space.
@@ -25,6 +25,9 @@ pub(crate) struct Mapping {
     /// program maps for itself (arenas, caches, dead threads' stacks, shared memory; see
     /// [`anonymous`]), or an allocator's heap.
     pub anonymous_data: bool,
+    /// What a file mapped read-only holds: constants and vtables (`.rodata`, and
+    /// `.data.rel.ro` once relocated), or code.
+    pub file: FileKind,
 }
 
 /// `/proc/thread-self/maps`, read without allocating into buffers reserved beforehand.
@@ -104,11 +107,17 @@ impl Maps {
             let readable = perms.first() == Some(&b'r') && !special;
             // Fields after the permissions: offset, device, inode, then the path if any.
             let path = fields.filter(|f| !f.is_empty()).nth(3).unwrap_or(b"");
-            let anonymous_data = readable && perms.get(1) == Some(&b'w') && anonymous(path);
+            let writable = perms.get(1) == Some(&b'w');
+            let anonymous_data = readable && writable && anonymous(path);
             if path == b"[stack]" {
                 self.main_stack = Some((start, end));
             }
-            self.list.push(Mapping { start, end, readable, anonymous_data });
+            let file = match (readable && !writable && path.starts_with(b"/"), perms.get(2) == Some(&b'x')) {
+                (true, true) => FileKind::Code,
+                (true, false) => FileKind::Constants,
+                (false, _) => FileKind::Other,
+            };
+            self.list.push(Mapping { start, end, readable, anonymous_data, file });
         }
     }
 
@@ -356,15 +365,25 @@ impl Memory for ProcessMemory<'_> {
         });
     }
 
-    /// Read directly, not into the buffer, which the marking that asks is reading into.
-    fn first_word(&self, start: u64) -> Option<u64> {
-        if !start.is_multiple_of(8) {
+    /// Not into the buffer, which the marking that asks is reading into: directly from a
+    /// block's mapping, through `process_vm_readv` from a file's (which may fault past the
+    /// file's end).
+    fn word(&self, addr: u64) -> Option<u64> {
+        if !addr.is_multiple_of(8) {
             return None;
         }
-        self.mapping_of(start, start + 8)?;
-        // SAFETY: an aligned word inside one readable mapping of the map, which was read after
-        // the other threads stopped: it stays mapped (as for `block_words`).
-        Some(unsafe { (start as *const u64).read_volatile() })
+        let m = self.mapping(addr)?;
+        if m.file == FileKind::Other {
+            // SAFETY: an aligned word inside one readable mapping of the map, which was read
+            // after the other threads stopped: it stays mapped (as for `block_words`).
+            return Some(unsafe { (addr as *const u64).read_volatile() });
+        }
+        let mut word = [0u64];
+        (Self::read_chunk(&mut word, addr, addr + 8) == Some(1)).then_some(word[0])
+    }
+
+    fn file_kind(&self, addr: u64) -> FileKind {
+        self.mapping(addr).map_or(FileKind::Other, |m| m.file)
     }
 
     fn block_words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
@@ -400,6 +419,12 @@ impl ProcessMemory<'_> {
     fn mapping_of(&self, from: u64, to: u64) -> Option<(u64, u64)> {
         let i = self.maps.list.partition_point(|m| m.end <= from);
         self.maps.list.get(i).filter(|m| m.readable && m.start <= from && to <= m.end).map(|m| (m.start, m.end))
+    }
+
+    /// The readable mapping holding the word at `addr`.
+    fn mapping(&self, addr: u64) -> Option<&Mapping> {
+        let i = self.maps.list.partition_point(|m| m.end <= addr);
+        self.maps.list.get(i).filter(|m| m.readable && m.start <= addr && addr + 8 <= m.end)
     }
 }
 

@@ -49,13 +49,31 @@ pub(crate) trait Memory {
         self.words(start, end, f)
     }
 
-    /// The first word of the live block at `start`, if readable. Called while a run of words
-    /// is being marked, from inside the callbacks of the two methods above.
-    fn first_word(&self, start: u64) -> Option<u64> {
-        let mut first = None;
-        self.block_words(start, start + 8, &mut |_, run| first = run.first().copied());
-        first
+    /// The aligned word at `addr` (in a live block, or a module's constants), if readable.
+    /// Called while a run of words is being marked, from inside the callbacks of the two
+    /// methods above.
+    fn word(&self, addr: u64) -> Option<u64> {
+        let mut word = None;
+        self.block_words(addr, addr + 8, &mut |_, run| word = run.first().copied());
+        word
     }
+
+    /// What the file mapped at `addr` holds there, if a file is.
+    fn file_kind(&self, _addr: u64) -> FileKind {
+        FileKind::Other
+    }
+}
+
+/// A file-backed mapping's use, as its permissions tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FileKind {
+    /// Not a file's, or a file's writable data.
+    Other,
+    /// Read-only, not executable: constants, and vtables (`.rodata`, and `.data.rel.ro` once
+    /// relocated).
+    Constants,
+    /// Executable.
+    Code,
 }
 
 /// A `parent` of a block reached from a root, not from another block.
@@ -232,7 +250,23 @@ fn past_a_count((start, size): (u64, u64), word: u64, memory: &dyn Memory) -> bo
     if word != start + 8 || size <= 8 {
         return false;
     }
-    memory.first_word(start).is_some_and(|count| count != 0 && (size - 8) % count == 0)
+    memory.word(start).is_some_and(|count| count != 0 && (size - 8) % count == 0)
+}
+
+/// Whether `word`, a pointer into `block`'s middle, is one to the second base of a C++ object
+/// with multiple inheritance: the block starts with a vtable pointer, and so does the word it
+/// points at. memcheck's `multipleinheritance` heuristic, on by default, counts such a pointer
+/// as one to the block's start; otherwise an object kept as its second base was "possibly
+/// lost". A vtable pointer points into a file's constants, at the first virtual function: a
+/// pointer into a file's code.
+fn at_a_second_base((start, size): (u64, u64), word: u64, memory: &dyn Memory) -> bool {
+    let vtable = |at: u64| {
+        memory.word(at).is_some_and(|v| {
+            memory.file_kind(v) == FileKind::Constants
+                && memory.word(v).is_some_and(|f| memory.file_kind(f) == FileKind::Code)
+        })
+    };
+    word.is_multiple_of(8) && word > start && word + 8 <= start + size && vtable(word) && vtable(start)
 }
 
 /// Classifies every block of `heap`, given root regions `[start, end)` and root words (the
@@ -258,7 +292,8 @@ pub(crate) fn classify(
         |run: &[u64], at: u64, from: u32, definite: bool, interior: bool, state: &mut [u8], todo: &mut Vec<usize>| {
             for (k, &word) in run.iter().enumerate() {
                 let Some((i, at_start)) = heap.find(word) else { continue };
-                if (at_start || interior && past_a_count(heap.blocks[i], word, memory)) && definite {
+                let heuristic = |block| past_a_count(block, word, memory) || at_a_second_base(block, word, memory);
+                if (at_start || interior && heuristic(heap.blocks[i])) && definite {
                     if state[i] != REACHABLE {
                         state[i] = REACHABLE;
                         parent[i] = from;
@@ -430,6 +465,44 @@ mod tests {
             run(&blocks, &[(0x100, 0x120)], &[], &Toy(mem)),
             [StillReachable, StillReachable, PossiblyLost, PossiblyLost]
         );
+    }
+
+    /// A toy address space with files mapped in it: constants and code.
+    struct Files {
+        words: std::collections::BTreeMap<u64, u64>,
+        files: Vec<(u64, u64, FileKind)>,
+    }
+
+    impl Memory for Files {
+        fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
+            Toy(self.words.clone()).words(start, end, f)
+        }
+
+        fn file_kind(&self, addr: u64) -> FileKind {
+            self.files.iter().find(|&&(s, e, _)| (s..e).contains(&addr)).map_or(FileKind::Other, |f| f.2)
+        }
+    }
+
+    /// memcheck's `multipleinheritance` heuristic: a pointer to an object's second base, where
+    /// the block and the word pointed at both hold vtable pointers (into a file's constants,
+    /// at a pointer into its code).
+    #[test]
+    fn a_pointer_to_a_second_base_reaches_its_object() {
+        let blocks = [(0x1000, 32), (0x2000, 32)];
+        let words = std::collections::BTreeMap::from([
+            (0x100, 0x1010), // -> the second base of 0x1000
+            (0x108, 0x2010), // -> the same offset in 0x2000
+            (0x1000, 0x50_0000),
+            (0x1010, 0x50_0100),
+            (0x2000, 0x50_0200), // a string constant, say: its bytes are no code address
+            (0x2010, 0x50_0100),
+            (0x50_0000, 0x40_0000),
+            (0x50_0100, 0x40_0010),
+            (0x50_0200, 0x6f_6c6c_6568),
+        ]);
+        let files = vec![(0x40_0000, 0x40_1000, FileKind::Code), (0x50_0000, 0x50_1000, FileKind::Constants)];
+        use LeakKind::*;
+        assert_eq!(run(&blocks, &[(0x100, 0x110)], &[], &Files { words, files }), [StillReachable, PossiblyLost]);
     }
 
     #[test]
