@@ -266,7 +266,8 @@ pub fn fini() {
 /// Has `quick_exit` write the reports: glibc's ends with its own internal `_exit`, which no
 /// preloaded `_exit` sees. Registered at start, the handler runs after every handler the
 /// program registers with `at_quick_exit` (they run in reverse order), as the exit reports run
-/// after the program's `atexit` handlers.
+/// after the program's `atexit` handlers; not after one that a library's constructor, run
+/// before the shim's, registered (what it frees is then still reachable in the report).
 fn report_at_quick_exit() {
     unsafe extern "C" {
         fn at_quick_exit(f: extern "C" fn()) -> core::ffi::c_int;
@@ -305,6 +306,7 @@ fn report_all(caller: Caller) {
     if leaked > 0 {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
+    leaks::leave_threads_stopped();
     let Some(b) = BUILTINS.get() else { return };
     // A leak report carries these as notes (its JSON stays JSON); the other reports get a line.
     for note in bypassed_note().into_iter().chain(revoked_note()).filter(|_| b.leaks.is_none()) {

@@ -145,6 +145,18 @@ fn blocks_allocated_by_constructors_before_ours_stay_usable() {
     assert_eq!(text(&guarded.stderr), "");
 }
 
+/// A free of a pointer into the thread's own frame is an invalid free, also from a signal
+/// handler on an alternate stack above the thread's: the guard bounded the thread's stack from
+/// its own frame up, which there is above the whole stack, and glibc aborted the program.
+#[test]
+fn guard_reports_frees_of_the_threads_stack_from_an_alternate_signal_stack() {
+    let program = c_program("guard_altstack.c");
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "survived\n"), "{stderr}");
+    assert_eq!(stderr.matches("mallocspy: guard: invalid-free: not a live block at ").count(), 2, "{stderr}");
+}
+
 #[test]
 fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     let program = c_program("guard_findings.c");

@@ -178,8 +178,10 @@ fn could_be_a_block(p: usize) -> bool {
     // The program's frames lie above this one: a pointer into its stack is at least here. The
     // mapping's start is no bound for a thread running on a stack the program malloc'ed: that
     // mapping is the heap, whose blocks below the stack were refused as not the heap's.
+    // (Not when this frame is on another stack: a signal handler's alternate one.)
     let here = 0u8;
-    let low = low.max(core::hint::black_box(&here) as *const u8 as u64);
+    let here = core::hint::black_box(&here) as *const u8 as u64;
+    let low = if (low..high).contains(&here) { here } else { low };
     p >= HEADER && !(low..high).contains(&(p as u64)) && crate::os::is_mapped(p - HEADER)
 }
 
