@@ -306,7 +306,6 @@ fn report_all(caller: Caller) {
     if leaked > 0 {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
-    leaks::leave_threads_stopped();
     let Some(b) = BUILTINS.get() else { return };
     // A leak report carries these as notes (its JSON stays JSON); the other reports get a line.
     for note in bypassed_note().into_iter().chain(revoked_note()).filter(|_| b.leaks.is_none()) {

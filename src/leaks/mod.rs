@@ -151,18 +151,6 @@ fn live_frames_start(caller: &Caller) -> Option<u64> {
     }
 }
 
-/// The process is ending (set by the exit reports): the threads a check stops stay stopped.
-/// Resumed, a thread in `sleep`, `pause` or a `read` of a terminal gets `EINTR` from the
-/// signal that stopped it (those calls are not restarted), and a main thread waiting so while
-/// another thread exits returned from `main`: its `exit(0)` ended the process before the
-/// report was written, with status 0.
-static PROCESS_ENDING: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
-
-/// Called by the exit reports: see [`PROCESS_ENDING`].
-pub(crate) fn leave_threads_stopped() {
-    PROCESS_ENDING.store(true, core::sync::atomic::Ordering::Relaxed);
-}
-
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
 /// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
 pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stacks: bool, caller: Caller) -> LeakReport {
@@ -254,11 +242,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let exited = crate::threads::exited_stacks();
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
     scan::classify(&heap, &regions, &modules.allocator, &words, &ProcessMemory::new(&maps, buffers), &mut scratch);
-    if PROCESS_ENDING.load(core::sync::atomic::Ordering::Relaxed) {
-        core::mem::forget(stopped);
-    } else {
-        drop(stopped);
-    }
+    drop(stopped);
     region_kinds.resize(regions.len(), Root::Anonymous);
 
     let mut notes = Vec::new();
