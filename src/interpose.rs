@@ -11,8 +11,8 @@ use core::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::global::GLOBAL;
 
-/// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` (so that exit
-/// reports are written), `pthread_create` (so that a new thread notes its stack before its
+/// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` and
+/// `__cxa_at_quick_exit` (so that exit reports are written), `pthread_create` (so that a new thread notes its stack before its
 /// routine runs, see `thread_create.rs`), `dlclose` (so that a trace names an unloaded
 /// library's code, see `dl_close.rs`), `mmap`/`mmap64`/`munmap`/`mremap` (so that the leak
 /// scan knows the program's own mappings, see `program_mappings.rs`), `sigaction`/`signal`
@@ -163,6 +163,19 @@ macro_rules! export_interposer {
         #[unsafe(no_mangle)]
         pub extern "C" fn _Exit(status: ::core::ffi::c_int) -> ! {
             $crate::preload::exit_now(status)
+        }
+        /// What `at_quick_exit` calls: the exit reports' handler is registered first, to run
+        /// after every other.
+        ///
+        /// # Safety
+        /// As `__cxa_at_quick_exit`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn __cxa_at_quick_exit(
+            f: Option<extern "C" fn()>,
+            dso: *mut ::core::ffi::c_void,
+        ) -> ::core::ffi::c_int {
+            // SAFETY: the caller's guarantee.
+            unsafe { $crate::preload::cxa_at_quick_exit(f, dso) }
         }
         /// The C API of this interposer (`include/mallocspy.h`).
         #[unsafe(no_mangle)]

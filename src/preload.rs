@@ -264,21 +264,49 @@ pub fn fini() {
 }
 
 /// Has `quick_exit` write the reports: glibc's ends with its own internal `_exit`, which no
-/// preloaded `_exit` sees. Registered at start, the handler runs after every handler the
-/// program registers with `at_quick_exit` (they run in reverse order), as the exit reports run
-/// after the program's `atexit` handlers; not after one that a library's constructor, run
-/// before the shim's, registered (what it frees is then still reachable in the report).
+/// preloaded `_exit` sees. The handler is registered before any other (at start, or at the
+/// first registration of the process, which may come from a library's constructor run before
+/// the shim's: see [`cxa_at_quick_exit`]), so it runs after them all (they run in reverse
+/// order), as the exit reports run after the program's `atexit` handlers.
 fn report_at_quick_exit() {
-    unsafe extern "C" {
-        fn at_quick_exit(f: extern "C" fn()) -> core::ffi::c_int;
-    }
+    static REGISTERED: AtomicBool = AtomicBool::new(false);
     extern "C" fn report() {
         LEAVING_BY_EXIT_NOW.store(true, Ordering::Relaxed);
         report_at_exit();
     }
-    // SAFETY: registers an `extern "C"` function that never unwinds. A refusal (no memory)
-    // only costs the report at `quick_exit`.
-    unsafe { at_quick_exit(report) };
+    if !REGISTERED.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers an `extern "C"` function that never unwinds, for the process (no
+        // DSO handle). A refusal (no memory) only costs the report at `quick_exit`.
+        unsafe { next_cxa_at_quick_exit(Some(report), core::ptr::null_mut()) };
+    }
+}
+
+type AtQuickExit = unsafe extern "C" fn(Option<extern "C" fn()>, *mut core::ffi::c_void) -> core::ffi::c_int;
+
+/// libc's `__cxa_at_quick_exit`.
+///
+/// # Safety
+/// As `__cxa_at_quick_exit`.
+unsafe fn next_cxa_at_quick_exit(f: Option<extern "C" fn()>, dso: *mut core::ffi::c_void) -> core::ffi::c_int {
+    static NEXT: core::sync::atomic::AtomicPtr<core::ffi::c_void> =
+        core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
+    let next = os::next_symbol_cached(&NEXT, c"__cxa_at_quick_exit");
+    if next.is_null() {
+        return -1;
+    }
+    // SAFETY: libc's function of this signature; the caller's guarantee covers the arguments.
+    unsafe { core::mem::transmute::<*mut core::ffi::c_void, AtQuickExit>(next)(f, dso) }
+}
+
+/// `__cxa_at_quick_exit`, which `at_quick_exit` calls: the reports' handler is registered
+/// first ([`report_at_quick_exit`]).
+///
+/// # Safety
+/// As `__cxa_at_quick_exit`.
+pub unsafe fn cxa_at_quick_exit(f: Option<extern "C" fn()>, dso: *mut core::ffi::c_void) -> core::ffi::c_int {
+    report_at_quick_exit();
+    // SAFETY: the caller's guarantee.
+    unsafe { next_cxa_at_quick_exit(f, dso) }
 }
 
 /// Writes every report, once per process. Runs last at exit, or from `_exit`.

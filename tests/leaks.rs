@@ -270,6 +270,13 @@ fn quick_exit_writes_the_report_after_the_programs_handlers() {
         s["still_reachable"]["bytes"].as_u64().unwrap()
     };
     assert_eq!(reachable("quick_exit", 5) + 200, reachable("exit", 3));
+    // Also a handler a library's constructor registered, before mallocspy's constructor ran:
+    // it ran after the report, whose 5000 bytes of cache were then still reachable.
+    let program = c_program_linked("quick_exit_main.c", "quick_exit_lib.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["still_reachable"], serde_json::json!({"blocks": 0, "bytes": 0}), "{s}");
 }
 
 /// Memory a program maps for itself is scanned as roots whatever the kernel names it: shared
