@@ -244,8 +244,7 @@ impl Scratch {
 /// pointer as one to the block's start (its `length64` heuristic, a block led by the length of
 /// the rest, as sqlite's allocations are, is the count-of-one case). Otherwise every array of
 /// objects with destructors a C++ program keeps was "possibly lost". (Its `stdstring`
-/// heuristic is for the reference-counted strings of libstdc++ before GCC 5, and its
-/// `multipleinheritance` one, a pointer at a second base's vtable, is not done here.)
+/// heuristic, for the reference-counted strings of libstdc++ before GCC 5, is not done here.)
 fn past_a_count((start, size): (u64, u64), word: u64, memory: &dyn Memory) -> bool {
     if word != start + 8 || size <= 8 {
         return false;
@@ -292,8 +291,13 @@ pub(crate) fn classify(
         |run: &[u64], at: u64, from: u32, definite: bool, interior: bool, state: &mut [u8], todo: &mut Vec<usize>| {
             for (k, &word) in run.iter().enumerate() {
                 let Some((i, at_start)) = heap.find(word) else { continue };
-                let heuristic = |block| past_a_count(block, word, memory) || at_a_second_base(block, word, memory);
-                if (at_start || interior && heuristic(heap.blocks[i])) && definite {
+                // memcheck's heuristics, asked only where they could change something.
+                let counts_as_start = at_start
+                    || definite && interior && state[i] != REACHABLE && {
+                        let block = heap.blocks[i];
+                        past_a_count(block, word, memory) || at_a_second_base(block, word, memory)
+                    };
+                if counts_as_start && definite {
                     if state[i] != REACHABLE {
                         state[i] = REACHABLE;
                         parent[i] = from;
