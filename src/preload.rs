@@ -299,7 +299,7 @@ unsafe fn next_cxa_at_quick_exit(f: Option<extern "C" fn()>, dso: *mut core::ffi
 }
 
 /// `__cxa_at_quick_exit`, which `at_quick_exit` calls: the reports' handler is registered
-/// first ([`report_at_quick_exit`]).
+/// first (`report_at_quick_exit`).
 ///
 /// # Safety
 /// As `__cxa_at_quick_exit`.
