@@ -471,15 +471,18 @@ impl<H: Heap> Interposer<H> {
     /// before a registration looks at the registry: a program that only registers (a fork's
     /// child retrying) makes no such call.
     fn retire_orphan(&self) {
-        if !self.revoked_in_hook.load(Ordering::Relaxed) {
-            return;
-        }
         let Some(scope) = Scope::enter() else { return };
-        if self.revoked_in_hook.swap(false, Ordering::Relaxed)
-            && let Some(cell) = self.registry.current()
-        {
+        if let Some(cell) = self.take_orphan() {
             self.registry.retire_if_unused(cell, &|| self.live_blocks(), None, scope);
         }
+    }
+
+    /// The revoked spy left to the next call (see `revoked_in_hook`), to one caller only. The
+    /// caller is in flight.
+    #[inline(always)]
+    fn take_orphan(&self) -> Option<&SpyCell> {
+        let left = self.revoked_in_hook.load(Ordering::Relaxed) && self.revoked_in_hook.swap(false, Ordering::Relaxed);
+        if left { self.registry.current() } else { None }
     }
 
     pub(crate) fn revoke(&self) -> Result<(), SpyError> {
@@ -673,10 +676,7 @@ impl<H: Heap> Interposer<H> {
         let Some(cell) = self.registry.current().filter(|c| c.is_active()) else {
             // One revoked from another spy's method (or from a signal handler) would otherwise
             // stay registered for good: see `revoked_in_hook`.
-            if self.revoked_in_hook.load(Ordering::Relaxed)
-                && self.revoked_in_hook.swap(false, Ordering::Relaxed)
-                && let Some(revoked) = self.registry.current()
-            {
+            if let Some(revoked) = self.take_orphan() {
                 self.retire(revoked, &scope);
             }
             return self.real_alloc(&req, req.size);
