@@ -490,8 +490,25 @@ pub(crate) fn loader_text() -> Option<(u64, u64)> {
 }
 
 /// Size of the static TLS area below each thread pointer (glibc's private accessor), or a
-/// page when unknown.
+/// page when unknown. Asked once, when a leak tracker is made ([`warm_up`]) and not in the
+/// check: a successful `dlsym` clears the calling thread's `dlerror` state, which frees the
+/// blocks holding it, the program's; in the check those frees went unseen after the snapshot,
+/// and the state a failed `dlopen` leaves was reported as lost (memcheck and LeakSanitizer
+/// report nothing: the thread's TLS points to it).
 pub(crate) fn static_tls_size() -> u64 {
+    static SIZE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SIZE.get_or_init(ask_static_tls_size)
+}
+
+/// Asks the loader what [`static_tls_size`] keeps, where asking is safe: not inside a hook,
+/// where `dlsym` would wait for the loader's lock wherever the program holds it.
+pub(crate) fn warm_up() {
+    if crate::tls::state().depth.get() == 0 {
+        static_tls_size();
+    }
+}
+
+fn ask_static_tls_size() -> u64 {
     type GetInfo = unsafe extern "C" fn(*mut usize, *mut usize);
     // SAFETY: a NUL-terminated name.
     let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_get_tls_static_info".as_ptr()) };

@@ -143,6 +143,7 @@ fn is_allocation(entry: Entry) -> bool {
 impl LeakTracker {
     /// A tracker capturing `depth` frames per block; `None` if its memory cannot be mapped.
     pub(crate) fn new(depth: usize) -> Option<Self> {
+        crate::leaks::roots::warm_up();
         Some(Self {
             live: LiveTable::new(),
             stacks: Stacks::new(),
