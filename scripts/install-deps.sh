@@ -2,10 +2,11 @@
 # Installs the Debian packages the tests and benchmarks run: the real programs of the
 # compatibility matrix, the allocators mallocspy composes with (libc6-dev: headers, and
 # libc.a for the statically linked fixture), and the readers of the reports (Go's pprof,
-# Chromium for screenshots of the SVGs). Skips what is present.
+# Chromium for screenshots of the SVGs), and strace (a tracer already there, under which the
+# leak check stops threads with a signal). Skips what is present.
 set -euo pipefail
 
-packages=(gcc g++ libc6-dev make git sqlite3 python3 valgrind heaptrack libjemalloc2 libtcmalloc-minimal4 golang-go libc6-dbg chromium)
+packages=(gcc g++ libc6-dev make git sqlite3 python3 valgrind heaptrack libjemalloc2 libtcmalloc-minimal4 golang-go libc6-dbg chromium strace)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

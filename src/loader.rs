@@ -82,7 +82,7 @@ fn answers_within(timeout_ms: u64) -> bool {
         | libc::CLONE_SYSVSEM
         | libc::CLONE_PARENT_SETTID
         | libc::CLONE_CHILD_CLEARTID;
-    let started = with_signals_blocked(|| {
+    let started = os::with_signals_blocked(|| {
         // SAFETY: the new thread runs `ask_the_loader` on the top of the fresh mapping, with
         // the caller's (blocked) signal mask and thread pointer; `tid` outlives it (the
         // mapping is unmapped only once the kernel has cleared it, and never if the thread
@@ -125,19 +125,5 @@ fn ended_within(tid: &AtomicU32, timeout_ms: u64) -> bool {
         let wait = libc::timespec { tv_sec: (left / 1_000_000_000) as _, tv_nsec: (left % 1_000_000_000) as _ };
         // SAFETY: waits while the word still holds `id`, at most `wait`.
         unsafe { libc::syscall(libc::SYS_futex, tid.as_ptr(), libc::FUTEX_WAIT, id, &wait) };
-    }
-}
-
-/// Runs `f` with every signal blocked on the calling thread, then restores its mask.
-fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
-    // SAFETY: sigset_t is plain data; the masks are set and read by the system calls.
-    unsafe {
-        let mut all: libc::sigset_t = core::mem::zeroed();
-        let mut old: libc::sigset_t = core::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
-        let out = f();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
-        out
     }
 }

@@ -283,6 +283,49 @@ pub(crate) fn thread_pointer() -> u64 {
     tp
 }
 
+/// System call `nr` with up to six arguments, without libc: the result, or `-errno` (nothing
+/// is written to `errno`, which is thread-local: for code that runs on another task's thread
+/// pointer, see `leaks/tracer.rs`).
+///
+/// # Safety
+/// The call, with these arguments, must be sound to make (as for `libc::syscall`).
+#[inline]
+pub(crate) unsafe fn raw_syscall(nr: libc::c_long, args: [usize; 6]) -> isize {
+    let ret: isize;
+    // SAFETY: the x86_64 Linux system call convention; the kernel clobbers rcx and r11 only.
+    // The caller answers for the call itself.
+    unsafe {
+        core::arch::asm!(
+            "syscall",
+            inlateout("rax") nr as isize => ret,
+            in("rdi") args[0],
+            in("rsi") args[1],
+            in("rdx") args[2],
+            in("r10") args[3],
+            in("r8") args[4],
+            in("r9") args[5],
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        )
+    };
+    ret
+}
+
+/// Runs `f` with every signal blocked on the calling thread, then restores its mask.
+pub(crate) fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sigset_t is plain data; the masks are set and read by the system calls.
+    unsafe {
+        let mut all: libc::sigset_t = core::mem::zeroed();
+        let mut old: libc::sigset_t = core::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        let out = f();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
+        out
+    }
+}
+
 /// Gives up the processor while spinning on a lock or a quiescence wait.
 #[inline]
 pub(crate) fn yield_now() {

@@ -1,12 +1,14 @@
 //! Leak reports: which live blocks are lost at exit (or on demand), how, and where they were
-//! allocated. `scan` classifies, `roots` finds where the program's pointers live,
-//! `report` aggregates and renders.
+//! allocated. `scan` classifies, `roots` finds where the program's pointers live while `stop`
+//! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
 pub(crate) mod report;
 pub(crate) mod roots;
 pub(crate) mod scan;
+mod stop;
 pub(crate) mod suppress;
 pub(crate) mod symbols;
+mod tracer;
 pub(crate) mod unloaded;
 
 pub(crate) use report::StackOptions;
@@ -191,7 +193,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         .collect();
 
     let buffers = ProcessMemory::buffers();
-    let stopped = roots::stop_the_world();
+    let stopped = stop::stop_the_world();
     maps.read();
     regions.extend_from_slice(&modules.roots);
     region_kinds.extend(modules.roots.iter().map(|_| Root::Global));

@@ -1,0 +1,352 @@
+//! Stopping the world for a leak check: every other thread of the process stopped, its
+//! registers, stack pointer and thread pointer noted, until the scan is over.
+//!
+//! With ptrace where the system allows it (`tracer.rs`): a ptrace stop leaves the thread's
+//! system call as it was. Otherwise with a signal, as without ptrace it must be: each other
+//! thread is sent a real-time signal nobody uses, its handler records the registers the
+//! signal interrupted and waits on a futex until the scan is over (a `sleep` or `pause` it
+//! interrupts then returns early). Nothing may allocate between stopping and resuming (a
+//! stopped thread may hold the allocator's lock), so every buffer the scan needs is
+//! reserved before.
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::roots::parse_hex;
+use super::tracer::{self, Tracer};
+use crate::os;
+
+/// What a stopped thread left: its registers, stack pointer and thread pointer.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Parked {
+    pub regs: [u64; 23],
+    pub sp: u64,
+    pub tp: u64,
+    pub tid: u32,
+}
+
+pub(super) const MAX_PARKED: usize = 4096;
+
+/// The slots parked threads write their context into.
+struct Slots(core::cell::UnsafeCell<[Parked; MAX_PARKED]>);
+
+// SAFETY: each slot is written by the one thread the counter handed it to, and read only
+// after that thread published it (see `park` and `Stopped::parked`).
+unsafe impl Sync for Slots {}
+
+static PARKED: Slots = Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, tp: 0, tid: 0 }; MAX_PARKED]));
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+static ARRIVED: AtomicUsize = AtomicUsize::new(0);
+static LEFT: AtomicUsize = AtomicUsize::new(0);
+/// Futex word: 0 while the world is stopped.
+static RESUME: AtomicU32 = AtomicU32::new(0);
+
+extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
+    let saved = os::errno();
+    let i = NEXT.fetch_add(1, Ordering::AcqRel);
+    if i < MAX_PARKED {
+        // SAFETY: the kernel passes the interrupted context; slot i is this thread's alone
+        // (handed out by the counter) until ARRIVED publishes it.
+        unsafe {
+            let gregs = (*(uc as *const libc::ucontext_t)).uc_mcontext.gregs;
+            let slot = &mut (*PARKED.0.get())[i];
+            slot.regs = gregs.map(|r| r as u64);
+            slot.sp = gregs[libc::REG_RSP as usize] as u64;
+            slot.tp = os::thread_pointer();
+            slot.tid = os::gettid();
+        }
+    }
+    ARRIVED.fetch_add(1, Ordering::Release);
+    while RESUME.load(Ordering::Acquire) == 0 {
+        // SAFETY: futex wait on a static word; spurious wake-ups loop.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                RESUME.as_ptr(),
+                libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                0,
+                core::ptr::null::<libc::timespec>(),
+            )
+        };
+    }
+    LEFT.fetch_add(1, Ordering::Release);
+    os::set_errno(saved);
+}
+
+/// Other threads, stopped until this is dropped.
+pub(crate) struct Stopped {
+    how: How,
+    /// Threads that were sent the signal, or seized, and did not stop in time (stuck in the
+    /// kernel), and threads past the slots.
+    missing: usize,
+    /// Threads not sent the signal because it could not reach them: blocked, or stopped by
+    /// a job-control signal or a tracer.
+    unreachable: usize,
+    /// Whether the main thread is alive, not the caller, and so should be stopped.
+    main_alive: bool,
+    /// Dropped last, once the threads are let go.
+    _turn: Turn,
+}
+
+/// The one stop of the world at a time: two checks at once (the exit report and a
+/// `leak_check` of another thread's) would share the slots and the tracer's state, and each
+/// stop the other's tracer's caller.
+struct Turn;
+
+/// The thread whose stop it is, or 0.
+static TURN: AtomicU32 = AtomicU32::new(0);
+
+impl Turn {
+    /// Waits for the turn; `None` for a check run by a signal handler that interrupted this
+    /// thread's own (the world is stopped already).
+    fn take() -> Option<Turn> {
+        let me = os::gettid();
+        loop {
+            match TURN.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
+                Ok(_) => return Some(Turn),
+                Err(holder) if holder == me => return None,
+                Err(_) => os::yield_now(),
+            }
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        TURN.store(0, Ordering::Release);
+    }
+}
+
+enum How {
+    /// By a tracer (ptrace).
+    Traced(Tracer),
+    /// By `signal`, whose disposition was `old`: the threads are parked in its handler.
+    Signalled { signal: c_int, old: libc::sigaction },
+}
+
+/// What `/proc` says of a thread about to be stopped.
+#[derive(Debug, PartialEq)]
+enum Reach {
+    /// Will run the handler.
+    Signal,
+    /// Blocks the signal, or is stopped (`T`, `t`): waiting for it would be waiting for
+    /// nothing. Its stack is scanned whole, its registers are not read.
+    Unreachable,
+    /// Has exited (a zombie: the main thread after `pthread_exit`, a thread not yet
+    /// joined): nothing of it is live.
+    Gone,
+}
+
+/// How `signal` would reach a thread, from its `status` text.
+fn reach(status: &[u8], signal: c_int) -> Reach {
+    let field =
+        |name: &[u8]| status.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name)).map(|v| v.trim_ascii());
+    match field(b"State:").and_then(|v| v.first()) {
+        Some(b'Z' | b'X') => return Reach::Gone,
+        Some(b'T' | b't') => return Reach::Unreachable,
+        _ => {}
+    }
+    let blocked = field(b"SigBlk:").and_then(parse_hex).unwrap_or(0);
+    if blocked & (1u64 << (signal - 1)) != 0 { Reach::Unreachable } else { Reach::Signal }
+}
+
+/// How `signal` would reach thread `tid` of this process (a thread that has gone from
+/// `/proc` meanwhile is `Gone`).
+fn reach_thread(tid: u32, signal: c_int) -> Reach {
+    match std::fs::read(format!("/proc/self/task/{tid}/status")) {
+        Ok(status) => reach(&status, signal),
+        Err(_) => Reach::Gone,
+    }
+}
+
+/// A real-time signal with the default disposition (nobody uses it), if any.
+fn free_signal() -> Option<c_int> {
+    (libc::SIGRTMIN() + 4..=libc::SIGRTMAX() - 1).rev().find(|&sig| {
+        // SAFETY: sigaction is plain data.
+        let mut old: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: querying a disposition writes only `old`.
+        unsafe { libc::sigaction(sig, core::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_DFL }
+    })
+}
+
+/// Stops every other thread of the process: with ptrace, else with a signal. Allocates
+/// (thread list) before stopping anyone.
+pub(crate) fn stop_the_world() -> Option<Stopped> {
+    let turn = Turn::take()?;
+    let me = os::gettid();
+    let tids: Vec<u32> = std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&t| t != me)
+        .collect();
+    let signal = free_signal()?;
+    let pid = os::getpid();
+    let (mut targets, mut unreachable, mut main_alive) = (Vec::with_capacity(tids.len()), Vec::new(), false);
+    for tid in tids {
+        let reach = reach_thread(tid, signal);
+        main_alive |= tid == pid && reach != Reach::Gone;
+        match reach {
+            Reach::Signal => targets.push(tid),
+            Reach::Unreachable => unreachable.push(tid),
+            Reach::Gone => {}
+        }
+    }
+    // A tracer stops a thread whatever signals it blocks (one stopped by a job-control signal
+    // or traced already makes it give up).
+    let all: Vec<u32> = targets.iter().chain(&unreachable).copied().collect();
+    // SAFETY: the slots are read only through `Stopped::parked` until the tracer is dropped,
+    // and no signal parks a thread meanwhile.
+    if let Some(tracer) = unsafe { tracer::stop(&all, PARKED.0.get().cast()) } {
+        let missing = tracer.missing() + all.len().saturating_sub(MAX_PARKED);
+        return Some(Stopped { how: How::Traced(tracer), missing, unreachable: 0, main_alive, _turn: turn });
+    }
+    NEXT.store(0, Ordering::Relaxed);
+    ARRIVED.store(0, Ordering::Relaxed);
+    LEFT.store(0, Ordering::Relaxed);
+    RESUME.store(0, Ordering::Release);
+    // SAFETY: sigaction structs are plain data; the handler is an async-signal-safe
+    // `extern "C"` fn with the SA_SIGINFO signature.
+    let old = unsafe {
+        let mut act: libc::sigaction = core::mem::zeroed();
+        act.sa_sigaction = park as *const () as usize;
+        act.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+        libc::sigfillset(&mut act.sa_mask);
+        let mut old: libc::sigaction = core::mem::zeroed();
+        if libc::sigaction(signal, &act, &mut old) != 0 {
+            return None;
+        }
+        old
+    };
+    let mut sent = 0;
+    for tid in targets {
+        // SAFETY: tgkill to a thread of this process; a thread that exited meanwhile is ESRCH.
+        if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, signal) } == 0 {
+            sent += 1;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_millis(500);
+    while ARRIVED.load(Ordering::Acquire) < sent && Instant::now() < deadline {
+        os::yield_now();
+    }
+    let arrived = ARRIVED.load(Ordering::Acquire);
+    Some(Stopped {
+        how: How::Signalled { signal, old },
+        missing: sent - arrived.min(sent),
+        unreachable: unreachable.len(),
+        main_alive,
+        _turn: turn,
+    })
+}
+
+impl Stopped {
+    /// The registers, stack and thread pointers of the stopped threads.
+    pub(crate) fn parked(&self) -> &[Parked] {
+        let n = match &self.how {
+            How::Traced(tracer) => tracer.stopped(),
+            How::Signalled { .. } => ARRIVED.load(Ordering::Acquire),
+        };
+        // SAFETY: slots below that count were written before it was published (the tracer's
+        // Release store of its phase, the handlers' Release increments of ARRIVED) and are
+        // not written again until the next stop.
+        unsafe { &(&*PARKED.0.get())[..n.min(MAX_PARKED)] }
+    }
+
+    /// Whether the threads were stopped with ptrace, their system calls left as they were.
+    #[cfg(test)]
+    pub(crate) fn traced(&self) -> bool {
+        matches!(self.how, How::Traced(_))
+    }
+
+    /// Live threads whose registers were not read: their stacks are scanned whole.
+    pub(crate) fn unstopped(&self) -> usize {
+        self.missing + self.unreachable
+    }
+
+    /// Whether the main thread is alive but not stopped (it blocks the signal): its stack,
+    /// which is no anonymous mapping, must then be added whole.
+    pub(crate) fn main_unstopped(&self) -> bool {
+        let pid = os::getpid();
+        self.main_alive && !self.parked().iter().any(|p| p.tid == pid)
+    }
+}
+
+impl Drop for Stopped {
+    /// Lets the stopped threads go (the tracer's drop does, for ptrace), and restores the
+    /// signal's disposition once they left the handler.
+    fn drop(&mut self) {
+        let How::Signalled { signal, old } = &self.how else { return };
+        RESUME.store(1, Ordering::Release);
+        // SAFETY: futex wake on a static word.
+        unsafe {
+            libc::syscall(libc::SYS_futex, RESUME.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX)
+        };
+        // Late arrivals also see RESUME set and leave at once.
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while LEFT.load(Ordering::Acquire) < ARRIVED.load(Ordering::Acquire) && Instant::now() < deadline {
+            os::yield_now();
+        }
+        // A thread that has not answered may still get the signal later: under the default
+        // disposition that would kill the process, so the handler then stays (it returns at
+        // once now that RESUME is set).
+        if self.missing == 0 {
+            // SAFETY: restores the disposition saved in stop_the_world.
+            unsafe { libc::sigaction(*signal, old, core::ptr::null_mut()) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(state: &str, blocked: &str) -> Vec<u8> {
+        format!("Name:\tworker\nUmask:\t0022\nState:\t{state}\nTgid:\t7\nSigQ:\t0/127\nSigPnd:\t0000000000000000\nSigBlk:\t{blocked}\nSigIgn:\t0000000000001000\n").into_bytes()
+    }
+
+    /// Stopped with ptrace, a thread's `nanosleep` goes on as if nothing happened; stopped
+    /// with the signal, it returned early with EINTR.
+    #[test]
+    fn a_thread_stopped_with_ptrace_sleeps_on_as_if_never_stopped() {
+        if std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3") {
+            eprintln!("skipped: ptrace is disabled here (Yama ptrace_scope 3)");
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sleeper = std::thread::spawn(move || {
+            tx.send(os::gettid()).unwrap();
+            let nap = libc::timespec { tv_sec: 0, tv_nsec: 300_000_000 };
+            let start = Instant::now();
+            // SAFETY: a valid timespec; no remainder asked for.
+            let r = unsafe { libc::nanosleep(&nap, core::ptr::null_mut()) };
+            (r, start.elapsed())
+        });
+        let tid = rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let stopped = stop_the_world().expect("the world stopped");
+        assert!(stopped.traced());
+        let parked = stopped.parked().iter().find(|p| p.tid == tid).copied();
+        drop(stopped);
+        let parked = parked.expect("the sleeper stopped");
+        assert!(parked.sp != 0 && parked.tp != 0);
+        let (r, slept) = sleeper.join().unwrap();
+        assert_eq!(r, 0, "nanosleep interrupted");
+        assert!(slept >= Duration::from_millis(300), "{slept:?}");
+    }
+
+    #[test]
+    fn a_signal_reaches_a_thread_that_runs_or_sleeps_with_it_unblocked() {
+        assert_eq!(reach(&status("S (sleeping)", "0000000000000000"), 60), Reach::Signal);
+        assert_eq!(reach(&status("R (running)", "0000000000014000"), 60), Reach::Signal);
+    }
+
+    #[test]
+    fn a_blocked_signal_or_a_stopped_thread_is_unreachable_and_a_zombie_is_gone() {
+        // sigfillset as glibc's pthread_sigmask leaves it: all but the two it reserves.
+        assert_eq!(reach(&status("S (sleeping)", "fffffffe7ffbfeff"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("S (sleeping)", "1000000000000000"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("t (tracing stop)", "0"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("T (stopped)", "0"), 61), Reach::Unreachable);
+        assert_eq!(reach(&status("Z (zombie)", "fffffffe7ffbfeff"), 61), Reach::Gone);
+    }
+}

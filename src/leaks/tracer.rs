@@ -1,0 +1,326 @@
+//! Stopping the other threads with ptrace, as LeakSanitizer's `StopTheWorld` does: a tracer
+//! task that shares the process's memory, but is a process of its own (no thread may trace
+//! its own process's threads), seizes and interrupts each thread, reads its registers, and
+//! lets them all go when the check says so.
+//!
+//! Why not the signal of `stop.rs` alone: running a handler ends the system call it
+//! interrupts, and `sleep`, `pause`, `nanosleep`, `poll` or `epoll_wait` then fail with EINTR
+//! whatever `SA_RESTART` says. A program whose main thread slept while another thread called
+//! `exit` woke during the exit report, returned from `main` and exited 0: its status and the
+//! report were lost (3 of 3 runs). A ptrace stop runs no handler, and the kernel restarts
+//! the call where it was.
+//!
+//! The tracer is a raw `clone` without `CLONE_THREAD` or a thread pointer of its own, and
+//! with exit signal 0, so that the program's `wait` never sees it. It runs on the caller's
+//! thread pointer while the caller waits, so it makes raw system calls (no `errno`),
+//! allocates nothing and takes no lock: the threads it stops may hold any. Its stack is
+//! mallocspy's own memory, which the scan leaves out, and the registers it reads go to
+//! statics, not to that stack. Where ptrace is refused (a debugger already traces the
+//! process, a seccomp filter, Yama's `ptrace_scope` 3), the caller falls back to the signal.
+
+use core::cell::UnsafeCell;
+use core::ffi::{c_int, c_void};
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+use super::stop::{MAX_PARKED, Parked};
+use crate::{os, pool};
+
+/// The tracer's stack: its frames are a few hundred bytes.
+const STACK: usize = 64 << 10;
+
+/// How long the tracer waits for the threads to stop, in all.
+const STOP_PATIENCE_NS: u64 = 500_000_000;
+
+// Phases of a stop, in the futex word both sides wait on.
+/// The caller is setting up (names the tracer its ptracer where Yama asks for it).
+const SETTING_UP: u32 = 0;
+/// The tracer may attach.
+const GO: u32 = 1;
+/// The threads are stopped and their slots written.
+const STOPPED: u32 = 2;
+/// ptrace was refused: nothing is stopped, the tracer leaves.
+const REFUSED: u32 = 3;
+/// The check is over: the tracer lets the threads go and leaves.
+const RESUME: u32 = 4;
+
+// What the tracer knows of each thread it was given.
+const NOT_SEIZED: u32 = 0;
+const SEIZED: u32 = 1;
+/// Stopped; the signal it stopped for, if any, is `state - STOPPED_FOR`.
+const STOPPED_FOR: u32 = 2;
+
+struct Shared {
+    phase: AtomicU32,
+    pid: AtomicU32,
+    /// Threads given in `tids`.
+    given: AtomicUsize,
+    /// Slots written.
+    stopped: AtomicUsize,
+    /// Threads seized that did not stop in time.
+    missing: AtomicUsize,
+    /// Written by the caller before the tracer starts.
+    tids: UnsafeCell<[u32; MAX_PARKED]>,
+    /// The tracer's alone.
+    state: UnsafeCell<[u32; MAX_PARKED]>,
+    /// `PTRACE_GETREGS`'s buffer: not on the tracer's stack, where a pointer read from a
+    /// thread's registers would be left for the scan to find.
+    regs: UnsafeCell<libc::user_regs_struct>,
+}
+
+// SAFETY: `tids` is written by the caller before `clone` and only read after; `state` and
+// `regs` are the tracer's alone; the slots it writes are read after the Release store of
+// STOPPED (see `trace`).
+unsafe impl Sync for Shared {}
+
+static SHARED: Shared = Shared {
+    phase: AtomicU32::new(SETTING_UP),
+    pid: AtomicU32::new(0),
+    given: AtomicUsize::new(0),
+    stopped: AtomicUsize::new(0),
+    missing: AtomicUsize::new(0),
+    tids: UnsafeCell::new([0; MAX_PARKED]),
+    state: UnsafeCell::new([NOT_SEIZED; MAX_PARKED]),
+    // SAFETY: user_regs_struct is plain integers, for which zero is valid.
+    regs: UnsafeCell::new(unsafe { core::mem::zeroed() }),
+};
+
+/// A system call of the tracer's: raw, `-errno` on failure.
+fn sys(nr: libc::c_long, args: [usize; 6]) -> isize {
+    // SAFETY: each caller passes a call and arguments valid for the tracer (see its uses).
+    unsafe { os::raw_syscall(nr, args) }
+}
+
+fn ptrace(request: libc::c_uint, tid: u32, data: usize) -> isize {
+    sys(libc::SYS_ptrace, [request as usize, tid as usize, 0, data, 0, 0])
+}
+
+/// Waits while the phase is `phase`, at most `timeout_ns` (0: without end).
+fn wait_while(phase: u32, timeout_ns: u64) {
+    let start = os::monotonic_ns();
+    while SHARED.phase.load(Ordering::Acquire) == phase {
+        let waited = os::monotonic_ns() - start;
+        if timeout_ns != 0 && waited >= timeout_ns {
+            return;
+        }
+        // Woken by the other side; a bounded wait also notices a parent gone (see `trace`).
+        let left = if timeout_ns == 0 { 100_000_000 } else { (timeout_ns - waited).min(100_000_000) };
+        let ts = libc::timespec { tv_sec: 0, tv_nsec: left as _ };
+        sys(
+            libc::SYS_futex,
+            [
+                SHARED.phase.as_ptr() as usize,
+                (libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG) as usize,
+                phase as usize,
+                &ts as *const _ as usize,
+                0,
+                0,
+            ],
+        );
+        if timeout_ns == 0 && sys(libc::SYS_getppid, [0; 6]) != SHARED.pid.load(Ordering::Relaxed) as isize {
+            return;
+        }
+    }
+}
+
+fn publish(phase: u32) {
+    SHARED.phase.store(phase, Ordering::Release);
+    sys(
+        libc::SYS_futex,
+        [SHARED.phase.as_ptr() as usize, (libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG) as usize, 1, 0, 0, 0],
+    );
+}
+
+/// The tracer (glibc's `clone` makes the `exit` system call with what it returns; the kernel
+/// then lets go of any thread still seized). `slots` is where the registers go.
+extern "C" fn trace(slots: *mut c_void) -> c_int {
+    let slots = slots.cast::<Parked>();
+    let pid = SHARED.pid.load(Ordering::Relaxed);
+    // Killed with the thread that made it, never left tracing for a check that is gone.
+    sys(libc::SYS_prctl, [libc::PR_SET_PDEATHSIG as usize, libc::SIGKILL as usize, 0, 0, 0, 0]);
+    if sys(libc::SYS_getppid, [0; 6]) != pid as isize {
+        return 0;
+    }
+    wait_while(SETTING_UP, 0);
+    let given = SHARED.given.load(Ordering::Relaxed).min(MAX_PARKED);
+    // SAFETY: `tids` was written before this task started; `state` is the tracer's alone.
+    let (tids, state) = unsafe { (&*SHARED.tids.get(), &mut *SHARED.state.get()) };
+    let mut seized = 0;
+    for (tid, state) in tids.iter().zip(state.iter_mut()).take(given) {
+        *state = NOT_SEIZED;
+        match ptrace(libc::PTRACE_SEIZE, *tid, 0) {
+            0 => {
+                ptrace(libc::PTRACE_INTERRUPT, *tid, 0);
+                *state = SEIZED;
+                seized += 1;
+            }
+            // Gone since it was listed.
+            r if r == -(libc::ESRCH as isize) => {}
+            _ => {
+                publish(REFUSED);
+                return 0;
+            }
+        }
+    }
+    let deadline = os::monotonic_ns() + STOP_PATIENCE_NS;
+    let mut stopped = 0;
+    while seized > 0 {
+        let mut status: c_int = 0;
+        let flags = (libc::__WALL | libc::WNOHANG) as usize;
+        // Any of the seized threads: one system call per stop, not one per thread and pass.
+        let r = sys(libc::SYS_wait4, [-1isize as usize, &raw mut status as usize, flags, 0, 0, 0]);
+        if r < 0 {
+            break;
+        }
+        if r == 0 {
+            if os::monotonic_ns() >= deadline {
+                break;
+            }
+            let pause = libc::timespec { tv_sec: 0, tv_nsec: 50_000 };
+            sys(libc::SYS_nanosleep, [&pause as *const _ as usize, 0, 0, 0, 0, 0]);
+            continue;
+        }
+        let Some(at) = tids.iter().take(given).position(|&tid| tid as isize == r) else { continue };
+        let (Some(&tid), Some(seen)) = (tids.get(at), state.get_mut(at)) else { continue };
+        if *seen != SEIZED {
+            continue;
+        }
+        seized -= 1;
+        if !libc::WIFSTOPPED(status) {
+            // Exited meanwhile.
+            *seen = NOT_SEIZED;
+            continue;
+        }
+        // A signal-delivery stop (no event in the high bits) holds back the signal: it is
+        // passed on when the thread is let go.
+        let signal = if status >> 16 == 0 { libc::WSTOPSIG(status) as u32 } else { 0 };
+        *seen = STOPPED_FOR + signal;
+        let regs = SHARED.regs.get();
+        if stopped < MAX_PARKED && ptrace(libc::PTRACE_GETREGS, tid, regs as usize) == 0 {
+            // SAFETY: `regs` was just written by the kernel and is the tracer's alone; slot
+            // `stopped` is below MAX_PARKED and not read before STOPPED.
+            unsafe {
+                let r = &*regs;
+                let slot = &mut *slots.add(stopped);
+                slot.regs = [0; 23];
+                let words = [
+                    r.r15, r.r14, r.r13, r.r12, r.rbp, r.rbx, r.r11, r.r10, r.r9, r.r8, r.rax, r.rcx, r.rdx, r.rsi,
+                    r.rdi, r.rip, r.rsp,
+                ];
+                slot.regs[..words.len()].copy_from_slice(&words);
+                slot.sp = r.rsp;
+                slot.tp = r.fs_base;
+                slot.tid = tid;
+            }
+            stopped += 1;
+        }
+    }
+    SHARED.stopped.store(stopped, Ordering::Relaxed);
+    SHARED.missing.store(seized, Ordering::Relaxed);
+    publish(STOPPED);
+    wait_while(STOPPED, 0);
+    for (tid, state) in tids.iter().zip(state.iter()).take(given) {
+        if *state >= STOPPED_FOR {
+            ptrace(libc::PTRACE_DETACH, *tid, (*state - STOPPED_FOR) as usize);
+        }
+    }
+    0
+}
+
+/// The other threads, stopped by a tracer until this is dropped.
+pub(super) struct Tracer {
+    pid: c_int,
+    stack: NonNull<u8>,
+    stack_size: usize,
+}
+
+/// Whether Yama lets a process trace only its descendants unless it names its tracer.
+fn yama_asks_for_a_ptracer() -> bool {
+    std::fs::read("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|t| t.trim_ascii() == b"1")
+}
+
+/// Stops the threads `tids` (not the caller's) with a tracer, their registers written to
+/// `slots`; `None` when ptrace or the tracer is refused, and nothing is stopped.
+///
+/// # Safety
+/// `slots` points to [`MAX_PARKED`] slots that nothing else writes or reads until the
+/// result is dropped (and that are read only through [`Tracer::stopped`] meanwhile).
+pub(super) unsafe fn stop(tids: &[u32], slots: *mut Parked) -> Option<Tracer> {
+    let named = yama_asks_for_a_ptracer();
+    let (stack, stack_size) = pool::lease_unbounded(STACK)?;
+    SHARED.phase.store(SETTING_UP, Ordering::Relaxed);
+    SHARED.pid.store(os::getpid(), Ordering::Relaxed);
+    SHARED.given.store(tids.len().min(MAX_PARKED), Ordering::Relaxed);
+    SHARED.stopped.store(0, Ordering::Relaxed);
+    SHARED.missing.store(0, Ordering::Relaxed);
+    // SAFETY: no tracer runs (the last one was reaped before its stop was dropped).
+    let list = unsafe { &mut *SHARED.tids.get() };
+    for (slot, tid) in list.iter_mut().zip(tids) {
+        *slot = *tid;
+    }
+    // No CLONE_THREAD: a process of its own, which may trace this one's threads. Exit signal
+    // 0: no SIGCHLD, and invisible to the program's `wait` (only `__WALL` sees it).
+    let flags = libc::CLONE_VM | libc::CLONE_FS | libc::CLONE_FILES | libc::CLONE_UNTRACED;
+    // Every signal blocked in the tracer, which inherits the mask: a handler of the program's
+    // run there would run on the caller's thread pointer.
+    let pid = os::with_signals_blocked(|| {
+        // SAFETY: `trace` runs on the top of the leased stack, which outlives it (given back
+        // only once the tracer is reaped), with `slots` valid as the caller promised.
+        unsafe { libc::clone(trace, stack.as_ptr().add(stack_size).cast(), flags, slots.cast()) }
+    });
+    let tracer = Tracer { pid, stack, stack_size };
+    if pid <= 0 {
+        // SAFETY: no task uses the stack.
+        unsafe { pool::give_back(stack, stack_size) };
+        core::mem::forget(tracer);
+        return None;
+    }
+    if named {
+        // SAFETY: prctl with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_PTRACER, pid as libc::c_ulong, 0, 0, 0) };
+    }
+    publish(GO);
+    wait_while(GO, 2 * STOP_PATIENCE_NS);
+    // Dropped, a tracer that refused or did not answer is reaped (killed if need be).
+    (SHARED.phase.load(Ordering::Acquire) == STOPPED).then_some(tracer)
+}
+
+impl Tracer {
+    /// How many threads are stopped (the first slots).
+    pub(super) fn stopped(&self) -> usize {
+        SHARED.stopped.load(Ordering::Relaxed)
+    }
+
+    /// Threads seized that did not stop in time (stuck in the kernel): they run on.
+    pub(super) fn missing(&self) -> usize {
+        SHARED.missing.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Tracer {
+    /// Lets the threads go and reaps the tracer.
+    fn drop(&mut self) {
+        publish(RESUME);
+        let mut status: c_int = 0;
+        let deadline = os::monotonic_ns() + 2 * STOP_PATIENCE_NS;
+        loop {
+            // SAFETY: waits for our own clone child; `status` is a valid out-pointer.
+            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL | libc::WNOHANG) };
+            if r != 0 {
+                break;
+            }
+            if os::monotonic_ns() >= deadline {
+                // Its threads are let go by the kernel when it dies.
+                // SAFETY: kill and a blocking wait for our own child.
+                unsafe {
+                    libc::kill(self.pid, libc::SIGKILL);
+                    libc::waitpid(self.pid, &mut status, libc::__WALL);
+                }
+                break;
+            }
+            os::yield_now();
+        }
+        // SAFETY: the tracer is reaped: nothing runs on its stack.
+        unsafe { pool::give_back(self.stack, self.stack_size) };
+    }
+}
