@@ -33,6 +33,20 @@ static NEXT_SIGNAL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 static NEXT_SYSV_SIGNAL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 static NEXT_SIGSET: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 
+/// Looks up libc's functions at start, not at the program's first call, which would clear
+/// its `dlerror` state (see [`crate::program_mappings::warm_up`]).
+pub(crate) fn warm_up() {
+    let functions = [
+        (&NEXT_SIGACTION, c"sigaction"),
+        (&NEXT_SIGNAL, c"signal"),
+        (&NEXT_SYSV_SIGNAL, c"sysv_signal"),
+        (&NEXT_SIGSET, c"sigset"),
+    ];
+    for (next, name) in functions {
+        os::next_symbol_cached(next, name);
+    }
+}
+
 type Sigaction = unsafe extern "C" fn(c_int, *const libc::sigaction, *mut libc::sigaction) -> c_int;
 type Signal = unsafe extern "C" fn(c_int, libc::sighandler_t) -> libc::sighandler_t;
 

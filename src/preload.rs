@@ -55,6 +55,11 @@ fn leak<T>(value: T) -> &'static T {
 pub fn init() {
     GLOBAL.heap.warm_up();
     crate::thread_create::warm_up();
+    // The wrappers' libc functions too: looked up at the program's first call, each cleared
+    // its `dlerror` state (a failed `dlopen`'s message, then NULL).
+    crate::program_mappings::warm_up();
+    crate::ending_signals::warm_up();
+    os::next_symbol_cached(&NEXT_CXA_AT_QUICK_EXIT, c"__cxa_at_quick_exit");
     // Spied or not: the program's `reallocarray` must reach the allocator ahead of us.
     if let Some(realloc) = served_elsewhere(c"realloc") {
         crate::interpose::note_realloc_ahead(realloc);
@@ -283,14 +288,15 @@ fn report_at_quick_exit() {
 
 type AtQuickExit = unsafe extern "C" fn(Option<extern "C" fn()>, *mut core::ffi::c_void) -> core::ffi::c_int;
 
+static NEXT_CXA_AT_QUICK_EXIT: core::sync::atomic::AtomicPtr<core::ffi::c_void> =
+    core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
+
 /// libc's `__cxa_at_quick_exit`.
 ///
 /// # Safety
 /// As `__cxa_at_quick_exit`.
 unsafe fn next_cxa_at_quick_exit(f: Option<extern "C" fn()>, dso: *mut core::ffi::c_void) -> core::ffi::c_int {
-    static NEXT: core::sync::atomic::AtomicPtr<core::ffi::c_void> =
-        core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
-    let next = os::next_symbol_cached(&NEXT, c"__cxa_at_quick_exit");
+    let next = os::next_symbol_cached(&NEXT_CXA_AT_QUICK_EXIT, c"__cxa_at_quick_exit");
     if next.is_null() {
         return -1;
     }

@@ -138,6 +138,15 @@ static NEXT_MMAP: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 static NEXT_MUNMAP: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 static NEXT_MREMAP: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 
+/// Looks up libc's functions at start: a successful `dlsym` clears the thread's `dlerror`
+/// state, and a lookup at the program's first `mmap` lost the message of a `dlopen` that
+/// had just failed.
+pub(crate) fn warm_up() {
+    for (next, name) in [(&NEXT_MMAP, c"mmap"), (&NEXT_MUNMAP, c"munmap"), (&NEXT_MREMAP, c"mremap")] {
+        crate::os::next_symbol_cached(next, name);
+    }
+}
+
 /// `mmap`: libc's, then the range is noted if it is anonymous and private, and forgotten if
 /// a file or shared memory was mapped over it.
 ///

@@ -130,6 +130,17 @@ fn a_thread_with_a_cancellation_pending_allocates_and_is_cancelled_where_it_woul
     assert_eq!(every.stdout, outputs[0].1.stdout);
 }
 
+/// After a failed `dlopen`, the program's first `mmap`, `signal` or `at_quick_exit` leaves
+/// the message for `dlerror`: the shim looked libc's function up with `dlsym` at that first
+/// call, and a successful `dlsym` clears the thread's `dlerror` state.
+#[test]
+fn the_first_call_of_a_wrapped_function_keeps_the_dlerror_message() {
+    let program = c_program("dlerror_kept.c");
+    let outputs = same_in_every_mode("dlerror_kept", || Command::new(&program));
+    let native = text(&outputs[0].1.stdout);
+    assert_eq!(native.matches("message kept").count(), 8, "{native}");
+}
+
 #[test]
 fn blocks_allocated_by_constructors_before_ours_stay_usable() {
     // libearly's constructor runs before the shim's (the loader initialises it first) and keeps
