@@ -135,6 +135,9 @@ pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
     let tracker = crate::spies::leaks::LeakTracker::new(stack_depth).ok_or(SpyError::InvalidArgument)?;
     let tracker: &'static crate::spies::leaks::LeakTracker = Box::leak(Box::new(tracker));
     crate::spies::leaks::set_tracker(tracker);
+    if let Some(live) = crate::early::stop() {
+        tracker.adopt(&live);
+    }
     global::register_static_here(tracker)
 }
 

@@ -15,7 +15,8 @@ use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering, fence};
 
-use crate::{bootstrap, os, sink};
+use crate::spy::Entry;
+use crate::{bootstrap, early, os, sink};
 
 /// The allocator underneath the spy. Implementations have the C functions' semantics.
 ///
@@ -109,30 +110,56 @@ fn next_heap() -> &'static NextHeap {
     &crate::global::GLOBAL.heap
 }
 
-/// The first `malloc`: resolves the real functions (see [`NextHeap`]).
+/// The first `malloc`, and every `malloc` until a spy is registered (see `early.rs`):
+/// resolves the real functions (see [`NextHeap`]). Entered by a jump from the export, with
+/// the caller's return address on top of the stack, which it passes on.
+#[unsafe(naked)]
 extern "C" fn malloc_first(size: usize) -> *mut c_void {
-    next_heap().malloc_unresolved(size)
+    core::arch::naked_asm!("mov rsi, qword ptr [rsp]", "jmp {malloc}", malloc = sym malloc_first_for)
 }
 
-/// The first `calloc`.
+/// [`malloc_first`], told where the call returns to.
+extern "C" fn malloc_first_for(size: usize, caller: u64) -> *mut c_void {
+    let p = next_heap().malloc_unresolved(size);
+    if early::recording() && !bootstrap::contains(p) {
+        early::allocated(p, size, Entry::Malloc, caller);
+    }
+    p
+}
+
+/// The first `calloc`, and every `calloc` until a spy is registered.
 extern "C" fn calloc_first(nmemb: usize, size: usize) -> *mut c_void {
-    next_heap().calloc_unresolved(nmemb, size)
+    let p = next_heap().calloc_unresolved(nmemb, size);
+    if early::recording() && !bootstrap::contains(p) {
+        early::allocated(p, nmemb.saturating_mul(size), Entry::Calloc, early::caller_of_hook());
+    }
+    p
 }
 
-/// The first `realloc`, and every `realloc` once the arena is in use.
+/// The first `realloc`, and every `realloc` until a spy is registered or while the arena is
+/// in use.
 ///
 /// # Safety
 /// `ptr` is NULL or a live block of the next heap (or of the arena).
 unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void {
     // SAFETY: the caller's guarantee.
-    unsafe { next_heap().realloc_unresolved(ptr, size) }
+    let p = unsafe { next_heap().realloc_unresolved(ptr, size) };
+    if early::recording() && !(p.is_null() && size != 0) {
+        early::freed(ptr);
+        if !bootstrap::contains(p) {
+            early::allocated(p, size, Entry::Realloc, early::caller_of_hook());
+        }
+    }
+    p
 }
 
-/// The first `free`, and every `free` once the arena is in use.
+/// The first `free`, and every `free` until a spy is registered or while the arena is in
+/// use.
 ///
 /// # Safety
 /// `ptr` is NULL or a live block of the next heap (or of the arena), dead afterwards.
 unsafe extern "C" fn free_first(ptr: *mut c_void) {
+    early::freed(ptr);
     // SAFETY: the caller's guarantee.
     unsafe { next_heap().free_unresolved(ptr) }
 }
@@ -256,21 +283,14 @@ impl NextHeap {
                 unsafe { *self.fns.get() = fns };
                 if ok {
                     self.state.store(READY, Ordering::Release);
-                    // SAFETY: just written and published.
-                    let fns = unsafe { (*self.fns.get()).as_ref() };
-                    if let Some(f) = fns {
-                        // A function's address is all its caller needs: no ordering to keep.
-                        self.malloc_fn.store(f.malloc as *mut (), Ordering::Relaxed);
-                        self.calloc_fn.store(f.calloc as *mut (), Ordering::Relaxed);
-                        self.free_fn.store(f.free as *mut (), Ordering::Relaxed);
-                        self.realloc_fn.store(f.realloc as *mut (), Ordering::Relaxed);
-                        // The other half of the handshake of `alloc_from_arena`.
-                        fence(Ordering::SeqCst);
-                        if bootstrap::in_use() {
-                            self.keep_checking_arena();
-                        }
+                    // The other half of `early::stop`'s handshake: it ends the noting, then
+                    // installs the real functions if they are known.
+                    fence(Ordering::SeqCst);
+                    if !early::recording() {
+                        self.install_resolved();
                     }
-                    fns
+                    // SAFETY: just written and published.
+                    unsafe { (*self.fns.get()).as_ref() }
                 } else {
                     self.state.store(FAILED, Ordering::Release);
                     let msg = b"mallocspy: cannot find the real allocator (dlsym RTLD_NEXT malloc failed); serving from a static arena\n";
@@ -283,6 +303,26 @@ impl NextHeap {
                 unsafe { (*self.fns.get()).as_ref() }
             }
             Err(_) => None,
+        }
+    }
+
+    /// Makes the real functions the entry points, once known: a call then loads one word and
+    /// jumps (`free` and `realloc` keep checking the arena while it holds blocks).
+    pub(crate) fn install_resolved(&self) {
+        if self.state.load(Ordering::Acquire) != READY {
+            return;
+        }
+        // SAFETY: READY seen with Acquire.
+        let Some(f) = (unsafe { (*self.fns.get()).as_ref() }) else { return };
+        // A function's address is all its caller needs: no ordering to keep.
+        self.malloc_fn.store(f.malloc as *mut (), Ordering::Relaxed);
+        self.calloc_fn.store(f.calloc as *mut (), Ordering::Relaxed);
+        self.free_fn.store(f.free as *mut (), Ordering::Relaxed);
+        self.realloc_fn.store(f.realloc as *mut (), Ordering::Relaxed);
+        // The other half of the handshake of `alloc_from_arena`.
+        fence(Ordering::SeqCst);
+        if bootstrap::in_use() {
+            self.keep_checking_arena();
         }
     }
 

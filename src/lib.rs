@@ -59,6 +59,7 @@ mod bootstrap;
 mod deferred;
 mod dispatch;
 mod dl_close;
+mod early;
 mod ending_signals;
 #[doc(hidden)]
 pub mod fast_path;

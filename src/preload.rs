@@ -53,6 +53,12 @@ fn leak<T>(value: T) -> &'static T {
 /// Reads `MALLOCSPY_OPTIONS` and registers the spies it names. Called once by the shim's
 /// constructor. A malformed value is reported in one line and the program runs unspied.
 pub fn init() {
+    register_spies();
+    // Unspied, the blocks allocated so far are noted no more (see `early.rs`).
+    drop(crate::early::stop());
+}
+
+fn register_spies() {
     GLOBAL.heap.warm_up();
     crate::thread_create::warm_up();
     // The wrappers' libc functions too: looked up at the program's first call, each cleared
@@ -151,6 +157,9 @@ pub fn init() {
     report_at_quick_exit();
     if BUILTINS.get().is_some_and(|b| b.options.report_on_signal) {
         crate::ending_signals::enable();
+    }
+    if let (Some(live), Some(tracker)) = (crate::early::stop(), BUILTINS.get().and_then(|b| b.leaks)) {
+        tracker.adopt(&live);
     }
     let alone = layers.len() == 1;
     let spy: &'static dyn MallocSpy = if alone { layers[0] } else { leak(SpyStack::new(layers)) };

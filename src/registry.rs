@@ -169,6 +169,9 @@ impl Registry {
     /// once the slot is known to be free, so a refused spy is never built (a C spy's `release`
     /// is not called for nothing).
     pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, pins: Pins) -> Result<(), SpyError> {
+        // The blocks allocated before the first spy are no longer noted (a leak tracker
+        // adopts them before it is registered: see `early.rs`).
+        drop(crate::early::stop());
         let _guard = LOCK.lock();
         if !self.cell.load(Ordering::SeqCst).is_null() || self.retiring.load(Ordering::SeqCst) != 0 {
             return Err(SpyError::AlreadyRegistered);

@@ -552,6 +552,36 @@ fn the_dlerror_state_of_a_failed_dlopen_is_not_lost() {
     }
 }
 
+/// Blocks allocated by constructors that ran before the shim's are tracked: a block reachable
+/// only through one of them is reachable (it was reported definitely lost, as `ps`'s text
+/// domain was), one they lose is lost, named by its caller, and they count in the totals.
+#[test]
+fn blocks_of_constructors_run_before_ours_are_tracked() {
+    let program = c_program_linked("ctor_list_main.c", "ctor_list_lib.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!(
+        (out.status.code(), text(&out.stdout).as_str()),
+        (Some(0), "library, program\n"),
+        "{}",
+        text(&out.stderr)
+    );
+    let report = json_report(&out);
+    let s = &report["summary"];
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 77}), "{report}");
+    let lost = report["leaks"].as_array().unwrap().iter().find(|r| r["kind"] == "definitely_lost").unwrap();
+    assert_eq!(lost["stack"][0]["function"], "lose_early", "{lost}");
+    let reachable: Vec<u64> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "still_reachable")
+        .map(|r| r["bytes"].as_u64().unwrap())
+        .collect();
+    assert!(reachable.contains(&48), "the program's node, through the constructor's: {report}");
+    assert!(reachable.contains(&32), "the constructor's node, from the global: {report}");
+    assert!(s["total_allocs"].as_u64().unwrap() >= 3, "{s}");
+}
+
 /// A block whose only pointer was left on the stack of a thread that has exited is lost, as
 /// memcheck says: glibc keeps that stack mapped for a thread to come, but nothing there is live.
 #[test]

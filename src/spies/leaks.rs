@@ -128,6 +128,10 @@ pub(crate) struct LeakTracker {
     applied_frees: AtomicU64,
     /// Allocations that could not be recorded (mallocspy's memory limit).
     untracked: AtomicU64,
+    /// Allocations made before the tracker was registered, and their bytes (the live ones
+    /// are adopted: [`LeakTracker::adopt`]).
+    adopted_allocs: AtomicU64,
+    adopted_bytes: AtomicU64,
 }
 
 // SAFETY: per-thread records are written only by the thread owning the slot (counters are
@@ -153,7 +157,31 @@ impl LeakTracker {
             peak_bytes: AtomicU64::new(0),
             applied_frees: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
+            adopted_allocs: AtomicU64::new(0),
+            adopted_bytes: AtomicU64::new(0),
         })
+    }
+
+    /// Records the blocks allocated before any spy was registered and still live (see
+    /// `early.rs`), each with a stack of one frame: where its allocation returned to.
+    pub(crate) fn adopt(&self, live: &crate::early::Live) {
+        let tid = tls::tid();
+        live.for_each(|addr, size, entry, caller| {
+            let frames = [caller];
+            let stack = self.stacks.intern(crate::stacks::hash(&frames), &frames);
+            let record = Record { size_entry: size << 8 | entry as u64, stack, tid };
+            if stack != 0 && self.live.insert(addr as usize, record) {
+                self.live_bytes.fetch_add(size as i64, Ordering::Relaxed);
+            } else {
+                self.untracked.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let (allocs, bytes, frees) = live.totals();
+        self.adopted_allocs.fetch_add(allocs, Ordering::Relaxed);
+        self.adopted_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.applied_frees.fetch_add(frees, Ordering::Relaxed);
+        self.untracked.fetch_add(live.missed() as u64, Ordering::Relaxed);
+        self.peak_bytes.fetch_max(self.live_bytes.load(Ordering::Relaxed).max(0) as u64, Ordering::Relaxed);
     }
 
     /// The calling thread's record (inside a hook every thread has a slot), leased from the
@@ -304,7 +332,8 @@ impl LeakTracker {
             live_bytes: 0,
             peak_bytes: self.peak_bytes.load(Ordering::Relaxed),
             total_frees: self.applied_frees.load(Ordering::Relaxed),
-            ..HeapStats::default()
+            total_allocs: self.adopted_allocs.load(Ordering::Relaxed),
+            total_bytes: self.adopted_bytes.load(Ordering::Relaxed),
         };
         let mut live = self.live_bytes.load(Ordering::Relaxed);
         for t in self.all_threads() {
