@@ -38,18 +38,25 @@ enum Root {
 /// Hops of a retention path shown per still-reachable record: its root and those nearest the block.
 const PATH_HOPS: usize = 6;
 
-/// One retention path per still-reachable allocation stack (its first block's), described.
+/// One retention path per still-reachable allocation stack (its first block's), described;
+/// `describe` is told each hop and the block it points at, when the path shows it.
 fn retention_paths(
     blocks: &[Classified],
     scratch: &Scratch,
     symbols: &mut Symbolizer,
-    describe: impl Fn(&mut Symbolizer, Hop) -> String,
+    describe: impl Fn(&mut Symbolizer, Hop, Option<usize>) -> String,
 ) -> HashMap<u32, Vec<String>> {
     let mut paths = HashMap::new();
     for (i, b) in blocks.iter().enumerate() {
         if b.kind == LeakKind::StillReachable && !paths.contains_key(&b.stack) {
-            let path = scratch.retention_path(i, PATH_HOPS).into_iter().map(|hop| describe(symbols, hop)).collect();
-            paths.insert(b.stack, path);
+            let path = scratch.retention_path(i, PATH_HOPS);
+            let next = |k: usize| match path.get(k + 1) {
+                None => Some(i),
+                Some(&Hop::Block { index, .. }) => Some(index),
+                Some(_) => None,
+            };
+            let described = path.iter().enumerate().map(|(k, &hop)| describe(symbols, hop, next(k))).collect();
+            paths.insert(b.stack, described);
         }
     }
     paths
@@ -283,7 +290,11 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         .collect();
     let stats = tracker.stats();
     let retained = if reachable_stacks {
-        let describe = |symbols: &mut Symbolizer, hop: Hop| match hop {
+        let describe = |symbols: &mut Symbolizer, hop: Hop, next: Option<usize>| match hop {
+            // The dynamic loader's blocks are root words too (see `by_loader`).
+            Hop::Root(0) if next.is_some_and(|j| by_loader.binary_search(&blocks[j].0).is_ok()) => {
+                "the dynamic loader's own block (kept as a root, as LeakSanitizer keeps them)".to_owned()
+            }
             Hop::Root(0) => "a thread's registers".to_owned(),
             Hop::Elided(n) => format!("... {n} more blocks ..."),
             Hop::Root(at) => {

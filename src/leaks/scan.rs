@@ -268,12 +268,11 @@ fn at_a_second_base((start, size): (u64, u64), word: u64, memory: &dyn Memory) -
     word.is_multiple_of(8) && word > start && word + 8 <= start + size && vtable(word) && vtable(start)
 }
 
-/// Classifies every block of `heap`, given root regions `[start, end)` and root words (the
-/// registers of stopped threads), into `scratch` (made for this many blocks). Allocates
-/// nothing.
-/// Classifies `heap`'s blocks from the roots: `regions` and the register `words`, and
-/// `start_only` regions, whose pointers into a block's middle do not count (the real
-/// allocator's own state, which points into blocks it manages).
+/// Classifies `heap`'s blocks into `scratch` (made for this many blocks) from the roots:
+/// `regions` (`[start, end)`), the root `words` (registers of stopped threads, and blocks
+/// that are roots themselves), and `start_only` regions, whose pointers into a block's middle
+/// do not count (the real allocator's own state, which points into blocks it manages).
+/// Allocates nothing.
 pub(crate) fn classify(
     heap: &Heap<'_>,
     regions: &[(u64, u64)],
