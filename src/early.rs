@@ -9,10 +9,10 @@
 //! ours, gdb 1,400.
 //!
 //! So, from the process's first call until the first spy is registered, the real
-//! allocator's entry points stay the `*_first` functions of `heap.rs`, which note each
-//! block's address, size, entry point and caller (the address the call returns to: the
-//! stack cannot be walked yet) in a table from mallocspy's own memory, and forget it when
-//! it is freed. The first registration ends that ([`stop`]); the leak tracker adopts the
+//! allocator's entry points stay the `*_first` functions of `heap.rs` (its `noted` does the
+//! same for the aligned allocations), which note each block's address, size, entry point and
+//! caller (the address the call returns to: the stack cannot be walked yet) in a table from
+//! mallocspy's own memory, and forget it when it is freed. The first registration ends that ([`stop`]); the leak tracker adopts the
 //! blocks still live. A process that never registers a spy (one that uses mallocspy's API
 //! with an interposer of its own, and no spy yet) stops after [`MAX_CALLS`] calls.
 //!
@@ -100,14 +100,23 @@ pub(crate) fn allocated(ptr: *mut core::ffi::c_void, size: usize, entry: Entry, 
     BYTES.fetch_add(size as u64, Ordering::Relaxed);
     let Some(table) = table() else { return };
     let start = home(addr);
-    for i in 0..PROBES {
-        let slot = &table[(start + i) % SLOTS];
+    let note = |slot: &Slot| {
+        slot.size_entry.store((size as u64) << 8 | entry as u64, Ordering::Relaxed);
+        slot.caller.store(caller, Ordering::Release);
+    };
+    // Noted already (a `realloc` of a bootstrap block allocates through `malloc`): once only,
+    // or a free would leave a second entry for a block that is gone.
+    let probes = || (0..PROBES).map(|i| &table[(start + i) % SLOTS]);
+    if let Some(slot) =
+        probes().take_while(|s| s.addr.load(Ordering::Relaxed) != 0).find(|s| s.addr.load(Ordering::Relaxed) == addr)
+    {
+        return note(slot);
+    }
+    for slot in probes() {
         let seen = slot.addr.load(Ordering::Relaxed);
         let free = seen == 0 || seen == TOMBSTONE;
         if free && slot.addr.compare_exchange(seen, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            slot.size_entry.store((size as u64) << 8 | entry as u64, Ordering::Relaxed);
-            slot.caller.store(caller, Ordering::Release);
-            return;
+            return note(slot);
         }
     }
     MISSED.fetch_add(1, Ordering::Relaxed);

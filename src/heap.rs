@@ -164,6 +164,15 @@ unsafe extern "C" fn free_first(ptr: *mut c_void) {
     unsafe { next_heap().free_unresolved(ptr) }
 }
 
+/// `p`, noted as a block of `size` bytes from `entry` while no spy is registered yet (see
+/// `early.rs`; `malloc`, `calloc`, `realloc` and `free` are noted by the `*_first` functions).
+fn noted(p: *mut c_void, size: usize, entry: Entry) -> *mut c_void {
+    if early::recording() && !bootstrap::contains(p) {
+        early::allocated(p, size, entry, early::caller_of_hook());
+    }
+    p
+}
+
 // SAFETY: `fns` is written once, by the thread that moved `state` to RESOLVING, before it
 // publishes READY with Release; it is read only after an Acquire load sees READY.
 unsafe impl Sync for NextHeap {}
@@ -404,6 +413,86 @@ impl NextHeap {
         }
     }
 
+    fn memalign_raw(&self, align: usize, size: usize) -> *mut c_void {
+        let Some(f) = self.fns() else { return self.alloc_from_arena(size, align) };
+        // SAFETY: the real functions have no preconditions; `out` is a local.
+        unsafe {
+            if let Some(memalign) = f.memalign {
+                return memalign(align, size);
+            }
+            if let Some(aligned_alloc) = f.aligned_alloc {
+                return aligned_alloc(align, size);
+            }
+            if let Some(posix_memalign) = f.posix_memalign {
+                let align = align.max(core::mem::size_of::<usize>()).checked_next_power_of_two().unwrap_or(0);
+                let mut out = core::ptr::null_mut();
+                let rc = posix_memalign(&mut out, align, size);
+                if rc != 0 {
+                    os::set_errno(rc);
+                    return core::ptr::null_mut();
+                }
+                return out;
+            }
+            os::set_errno(libc::ENOMEM);
+            core::ptr::null_mut()
+        }
+    }
+
+    fn aligned_alloc_raw(&self, align: usize, size: usize) -> *mut c_void {
+        match self.fns().and_then(|f| f.aligned_alloc) {
+            // SAFETY: the real aligned_alloc has no preconditions.
+            Some(aligned_alloc) => unsafe { aligned_alloc(align, size) },
+            None => self.memalign_raw(align, size),
+        }
+    }
+
+    /// # Safety
+    /// `out` is valid for a write.
+    unsafe fn posix_memalign_raw(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+        if let Some(posix_memalign) = self.fns().and_then(|f| f.posix_memalign) {
+            // SAFETY: the caller guarantees `out` is writable.
+            return unsafe { posix_memalign(out, align, size) };
+        }
+        // POSIX: a power of two multiple of sizeof(void *).
+        if !align.is_multiple_of(core::mem::size_of::<usize>())
+            || !(align / core::mem::size_of::<usize>()).is_power_of_two()
+        {
+            return libc::EINVAL;
+        }
+        let saved = os::errno();
+        let p = self.memalign_raw(align, size);
+        if p.is_null() {
+            let err = os::errno();
+            os::set_errno(saved);
+            return if err == 0 { libc::ENOMEM } else { err };
+        }
+        // SAFETY: the caller guarantees `out` is writable.
+        unsafe { *out = p };
+        0
+    }
+
+    fn valloc_raw(&self, size: usize) -> *mut c_void {
+        match self.fns().and_then(|f| f.valloc) {
+            // SAFETY: the real valloc has no preconditions.
+            Some(valloc) => unsafe { valloc(size) },
+            None => self.memalign_raw(os::page_size(), size),
+        }
+    }
+
+    fn pvalloc_raw(&self, size: usize) -> *mut c_void {
+        match self.fns().and_then(|f| f.pvalloc) {
+            // SAFETY: the real pvalloc has no preconditions.
+            Some(pvalloc) => unsafe { pvalloc(size) },
+            None => match page_round_up(size.max(1)) {
+                Some(rounded) => self.memalign_raw(os::page_size(), rounded),
+                None => {
+                    os::set_errno(libc::ENOMEM);
+                    core::ptr::null_mut()
+                }
+            },
+        }
+    }
+
     /// Resolves now if nothing has yet (called at initialisation, so that the first hooked
     /// call does not pay for it).
     pub(crate) fn warm_up(&self) {
@@ -448,81 +537,29 @@ unsafe impl Heap for NextHeap {
     }
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
-        let Some(f) = self.fns() else { return self.alloc_from_arena(size, align) };
-        // SAFETY: the real functions have no preconditions; `out` is a local.
-        unsafe {
-            if let Some(memalign) = f.memalign {
-                return memalign(align, size);
-            }
-            if let Some(aligned_alloc) = f.aligned_alloc {
-                return aligned_alloc(align, size);
-            }
-            if let Some(posix_memalign) = f.posix_memalign {
-                let align = align.max(core::mem::size_of::<usize>()).checked_next_power_of_two().unwrap_or(0);
-                let mut out = core::ptr::null_mut();
-                let rc = posix_memalign(&mut out, align, size);
-                if rc != 0 {
-                    os::set_errno(rc);
-                    return core::ptr::null_mut();
-                }
-                return out;
-            }
-            os::set_errno(libc::ENOMEM);
-            core::ptr::null_mut()
-        }
+        noted(self.memalign_raw(align, size), size, Entry::Memalign)
     }
 
     fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
-        match self.fns().and_then(|f| f.aligned_alloc) {
-            // SAFETY: the real aligned_alloc has no preconditions.
-            Some(aligned_alloc) => unsafe { aligned_alloc(align, size) },
-            None => self.memalign(align, size),
-        }
+        noted(self.aligned_alloc_raw(align, size), size, Entry::AlignedAlloc)
     }
 
     unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
-        if let Some(posix_memalign) = self.fns().and_then(|f| f.posix_memalign) {
-            // SAFETY: the caller guarantees `out` is writable.
-            return unsafe { posix_memalign(out, align, size) };
+        // SAFETY: the caller's guarantee.
+        let rc = unsafe { self.posix_memalign_raw(out, align, size) };
+        if rc == 0 {
+            // SAFETY: written on success.
+            noted(unsafe { *out }, size, Entry::PosixMemalign);
         }
-        // POSIX: a power of two multiple of sizeof(void *).
-        if !align.is_multiple_of(core::mem::size_of::<usize>())
-            || !(align / core::mem::size_of::<usize>()).is_power_of_two()
-        {
-            return libc::EINVAL;
-        }
-        let saved = os::errno();
-        let p = self.memalign(align, size);
-        if p.is_null() {
-            let err = os::errno();
-            os::set_errno(saved);
-            return if err == 0 { libc::ENOMEM } else { err };
-        }
-        // SAFETY: the caller guarantees `out` is writable.
-        unsafe { *out = p };
-        0
+        rc
     }
 
     fn valloc(&self, size: usize) -> *mut c_void {
-        match self.fns().and_then(|f| f.valloc) {
-            // SAFETY: the real valloc has no preconditions.
-            Some(valloc) => unsafe { valloc(size) },
-            None => self.memalign(os::page_size(), size),
-        }
+        noted(self.valloc_raw(size), size, Entry::Valloc)
     }
 
     fn pvalloc(&self, size: usize) -> *mut c_void {
-        match self.fns().and_then(|f| f.pvalloc) {
-            // SAFETY: the real pvalloc has no preconditions.
-            Some(pvalloc) => unsafe { pvalloc(size) },
-            None => match page_round_up(size.max(1)) {
-                Some(rounded) => self.memalign(os::page_size(), rounded),
-                None => {
-                    os::set_errno(libc::ENOMEM);
-                    core::ptr::null_mut()
-                }
-            },
-        }
+        noted(self.pvalloc_raw(size), size, Entry::Pvalloc)
     }
 
     unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {
