@@ -12,9 +12,10 @@
 //! allocator's entry points stay the `*_first` functions of `heap.rs` (its `noted` does the
 //! same for the aligned allocations), which note each block's address, size, entry point and
 //! caller (the address the call returns to: the stack cannot be walked yet) in a table from
-//! mallocspy's own memory, and forget it when it is freed. The first registration ends that ([`stop`]); the leak tracker adopts the
-//! blocks still live. A process that never registers a spy (one that uses mallocspy's API
-//! with an interposer of its own, and no spy yet) stops after [`MAX_CALLS`] calls.
+//! mallocspy's own memory, and forget it when it is freed. The first registration ends that
+//! ([`stop`]); the leak tracker adopts the blocks still live. A process that never registers
+//! a spy (one that uses mallocspy's API with an interposer of its own, and no spy yet) stops
+//! after [`MAX_CALLS`] calls.
 //!
 //! The table is lock-free (open addressing on the address, tombstones for frees): the
 //! constructors of several libraries may run threads.
