@@ -281,6 +281,26 @@ fn a_thread_exiting_while_main_sleeps_keeps_its_status_and_report() {
     }
 }
 
+/// Under a seccomp filter the exit report still comes, and the status is the program's: no
+/// tracer is made for a process of one thread (a filter that kills on `clone` killed every
+/// such program at exit), and where `clone` or `ptrace` is refused the threads are stopped
+/// with the signal.
+#[test]
+fn a_sandboxed_program_keeps_its_status_and_report() {
+    let program = c_program("sandboxed.c");
+    for (how, threads) in [("kill_clone", "0"), ("no_clone", "2"), ("no_ptrace", "2")] {
+        let out = run(JSON_REPORT, Command::new(&program).args([how, threads]));
+        assert_eq!(
+            (out.status.code(), text(&out.stdout).as_str()),
+            (Some(3), "sandboxed\n"),
+            "{how}: {}",
+            text(&out.stderr)
+        );
+        let s = &json_report(&out)["summary"];
+        assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{how}: {s}");
+    }
+}
+
 /// `quick_exit` ends with glibc's internal `_exit`, which the shim's `_exit` never sees: the
 /// program left without a report. It now comes after the program's `at_quick_exit` handlers
 /// (`exit_paths.c`'s frees the 200 reachable bytes), as the exit report comes after `atexit`'s.

@@ -99,14 +99,24 @@ static TURN: AtomicU32 = AtomicU32::new(0);
 
 impl Turn {
     /// Waits for the turn; `None` for a check run by a signal handler that interrupted this
-    /// thread's own (the world is stopped already).
+    /// thread's own (the world is stopped already). A turn held by a thread this process does
+    /// not have is taken over: the child of a `fork` made during another thread's check
+    /// inherits that thread's turn, and its exit report waited for it forever.
     fn take() -> Option<Turn> {
-        let me = os::gettid();
+        let (me, pid) = (os::gettid(), os::getpid());
+        let mut holder = 0;
         loop {
-            match TURN.compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed) {
+            match TURN.compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed) {
                 Ok(_) => return Some(Turn),
-                Err(holder) if holder == me => return None,
-                Err(_) => os::yield_now(),
+                Err(h) if h == me => return None,
+                Err(h) => {
+                    // SAFETY: signal 0 to a thread of this process only checks that it exists.
+                    let gone = unsafe { libc::syscall(libc::SYS_tgkill, pid, h, 0) } != 0 && os::errno() == libc::ESRCH;
+                    holder = if gone { h } else { 0 };
+                    if !gone {
+                        os::yield_now();
+                    }
+                }
             }
         }
     }
@@ -193,11 +203,13 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         }
     }
     // A tracer stops a thread whatever signals it blocks (one stopped by a job-control signal
-    // or traced already makes it give up).
+    // or traced already makes it give up). None is made for a process of one thread: under a
+    // seccomp filter that kills on `clone`, every such program died at exit.
     let all: Vec<u32> = targets.iter().chain(&unreachable).copied().collect();
     // SAFETY: the slots are read only through `Stopped::parked` until the tracer is dropped,
     // and no signal parks a thread meanwhile.
-    if let Some(tracer) = unsafe { tracer::stop(&all, PARKED.0.get().cast()) } {
+    let traced = if all.is_empty() { None } else { unsafe { tracer::stop(&all, PARKED.0.get().cast()) } };
+    if let Some(tracer) = traced {
         let missing = tracer.missing() + all.len().saturating_sub(MAX_PARKED);
         return Some(Stopped { how: How::Traced(tracer), missing, unreachable: 0, main_alive, _turn: turn });
     }

@@ -299,28 +299,25 @@ impl Tracer {
 
 impl Drop for Tracer {
     /// Lets the threads go and reaps the tracer.
+    ///
+    /// The tracer leaves once it has detached every thread (one that has not answered is
+    /// killed: the kernel lets its threads go when it dies). A program thread that waits for
+    /// any child with `__WALL` (exit signal 0 hides the tracer from a plain `wait`) may reap
+    /// it first: a limit (README).
     fn drop(&mut self) {
+        let phase = SHARED.phase.load(Ordering::Acquire);
+        let answered = phase == STOPPED || phase == REFUSED;
+        if !answered {
+            // Attaching still (it did not answer in time): it would never see RESUME.
+            // SAFETY: kill of our own child.
+            unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        }
         publish(RESUME);
         let mut status: c_int = 0;
-        let deadline = os::monotonic_ns() + 2 * STOP_PATIENCE_NS;
-        loop {
-            // SAFETY: waits for our own clone child; `status` is a valid out-pointer.
-            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL | libc::WNOHANG) };
-            if r != 0 {
-                break;
-            }
-            if os::monotonic_ns() >= deadline {
-                // Its threads are let go by the kernel when it dies.
-                // SAFETY: kill and a blocking wait for our own child.
-                unsafe {
-                    libc::kill(self.pid, libc::SIGKILL);
-                    libc::waitpid(self.pid, &mut status, libc::__WALL);
-                }
-                break;
-            }
-            os::yield_now();
-        }
-        // SAFETY: the tracer is reaped: nothing runs on its stack.
+        // SAFETY: waits for our own clone child; `status` is a valid out-pointer. ECHILD if
+        // the program reaped it.
+        unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL) };
+        // SAFETY: the tracer is gone: nothing runs on its stack.
         unsafe { pool::give_back(self.stack, self.stack_size) };
     }
 }
