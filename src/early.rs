@@ -20,16 +20,19 @@
 //! The table is lock-free (open addressing on the address, tombstones for frees): the
 //! constructors of several libraries may run threads.
 
-use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 
 use crate::pool;
 use crate::spy::Entry;
 
-/// Slots of the table (a power of two): 24 bytes each, touched as they fill.
-const SLOTS: usize = 1 << 14;
-/// Slots looked at for an address before giving up.
-const PROBES: usize = 64;
+/// Slots of the first table (a power of two, 24 bytes each, touched as they fill); each
+/// next table has twice as many. A fixed table of 16k slots missed the nodes of a list of
+/// 20,000 that a constructor built: the list broke there, and its tail was called lost.
+const FIRST_SLOTS: usize = 1 << 12;
+/// Tables at most: 4096 x (2^13 - 1) slots in all.
+const TABLES: usize = 13;
+/// Slots of a table looked at for an address before the next table is.
+const PROBES: usize = 32;
 /// Calls noted at most, should no spy ever be registered.
 const MAX_CALLS: usize = 1 << 20;
 /// A freed slot's address.
@@ -44,9 +47,9 @@ struct Slot {
 }
 
 static RECORDING: AtomicBool = AtomicBool::new(true);
-static TABLE: AtomicPtr<Slot> = AtomicPtr::new(core::ptr::null_mut());
+static TABLE: [AtomicPtr<Slot>; TABLES] = [const { AtomicPtr::new(core::ptr::null_mut()) }; TABLES];
 static CALLS: AtomicUsize = AtomicUsize::new(0);
-/// Blocks not noted: the table was full around their address.
+/// Blocks not noted: every table was full around their address, or mallocspy's memory was.
 static MISSED: AtomicUsize = AtomicUsize::new(0);
 /// What the calls noted amount to (the leak tracker's totals start from them).
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
@@ -59,27 +62,51 @@ pub(crate) fn recording() -> bool {
     RECORDING.load(Ordering::Relaxed)
 }
 
-fn table() -> Option<&'static [Slot]> {
-    let mut t = TABLE.load(Ordering::Acquire);
+fn slots_of(k: usize) -> usize {
+    FIRST_SLOTS << k
+}
+
+/// Table `k`, if made; made now if `make`.
+fn table(k: usize, make: bool) -> Option<&'static [Slot]> {
+    let bytes = slots_of(k) * core::mem::size_of::<Slot>();
+    let mut t = TABLE[k].load(Ordering::Acquire);
     if t.is_null() {
-        let (region, _) = pool::lease_unbounded(SLOTS * core::mem::size_of::<Slot>())?;
-        match TABLE.compare_exchange(core::ptr::null_mut(), region.as_ptr().cast(), Ordering::AcqRel, Ordering::Acquire)
-        {
+        if !make {
+            return None;
+        }
+        let (region, _) = pool::lease_unbounded(bytes)?;
+        match TABLE[k].compare_exchange(
+            core::ptr::null_mut(),
+            region.as_ptr().cast(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
             Ok(_) => t = region.as_ptr().cast(),
             Err(other) => {
                 // SAFETY: the region was never published.
-                unsafe { pool::give_back(region, SLOTS * core::mem::size_of::<Slot>()) };
+                unsafe { pool::give_back(region, bytes) };
                 t = other;
             }
         }
     }
-    // SAFETY: a zeroed region of SLOTS slots (all-zero atomics are valid), never given back
-    // while recording (see `stop`).
-    Some(unsafe { core::slice::from_raw_parts(t, SLOTS) })
+    // SAFETY: a zeroed region of this table's slots (all-zero atomics are valid), never
+    // given back (see `Live`'s drop).
+    Some(unsafe { core::slice::from_raw_parts(t, slots_of(k)) })
 }
 
-fn home(addr: u64) -> usize {
-    (addr >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize >> (usize::BITS - SLOTS.trailing_zeros())
+/// The slots `addr` may lie in, in table `t`.
+fn probes(t: &[Slot], addr: u64) -> impl Iterator<Item = &Slot> {
+    let home = (addr >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize >> (usize::BITS - t.len().trailing_zeros());
+    (0..PROBES).map(move |i| &t[(home + i) & (t.len() - 1)])
+}
+
+/// The slot noting `addr`, if any.
+fn find(addr: u64) -> Option<&'static Slot> {
+    (0..TABLES).map_while(|k| table(k, false)).find_map(|t| {
+        probes(t, addr)
+            .take_while(|s| s.addr.load(Ordering::Relaxed) != 0)
+            .find(|s| s.addr.load(Ordering::Relaxed) == addr)
+    })
 }
 
 /// Counts a call; stops recording past [`MAX_CALLS`].
@@ -99,50 +126,50 @@ pub(crate) fn allocated(ptr: *mut core::ffi::c_void, size: usize, entry: Entry, 
     }
     ALLOCS.fetch_add(1, Ordering::Relaxed);
     BYTES.fetch_add(size as u64, Ordering::Relaxed);
-    let Some(table) = table() else { return };
-    let start = home(addr);
-    let note = |slot: &Slot| {
-        slot.size_entry.store((size as u64) << 8 | entry as u64, Ordering::Relaxed);
+    note(addr, (size as u64) << 8 | entry as u64, caller);
+}
+
+fn note(addr: u64, size_entry: u64, caller: u64) {
+    let fill = |slot: &Slot| {
+        slot.size_entry.store(size_entry, Ordering::Relaxed);
         slot.caller.store(caller, Ordering::Release);
     };
     // Noted already (a `realloc` of a bootstrap block allocates through `malloc`): once only,
     // or a free would leave a second entry for a block that is gone.
-    let probes = || (0..PROBES).map(|i| &table[(start + i) % SLOTS]);
-    if let Some(slot) =
-        probes().take_while(|s| s.addr.load(Ordering::Relaxed) != 0).find(|s| s.addr.load(Ordering::Relaxed) == addr)
-    {
-        return note(slot);
+    if let Some(slot) = find(addr) {
+        return fill(slot);
     }
-    for slot in probes() {
-        let seen = slot.addr.load(Ordering::Relaxed);
-        let free = seen == 0 || seen == TOMBSTONE;
-        if free && slot.addr.compare_exchange(seen, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            return note(slot);
+    for t in (0..TABLES).map_while(|k| table(k, true)) {
+        for slot in probes(t, addr) {
+            let seen = slot.addr.load(Ordering::Relaxed);
+            let free = seen == 0 || seen == TOMBSTONE;
+            if free && slot.addr.compare_exchange(seen, addr, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                return fill(slot);
+            }
         }
     }
     MISSED.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Forgets the block at `ptr`, freed (or moved by `realloc`).
-pub(crate) fn freed(ptr: *mut core::ffi::c_void) {
+/// Forgets the block at `ptr`, freed; returns what was noted of it (size and entry,
+/// caller).
+pub(crate) fn freed(ptr: *mut core::ffi::c_void) -> Option<(u64, u64)> {
     let addr = ptr as u64;
     if addr <= TOMBSTONE || !recording() || !counted() {
-        return;
+        return None;
     }
-    let Some(table) = table() else { return };
-    let start = home(addr);
-    for i in 0..PROBES {
-        let slot = &table[(start + i) % SLOTS];
-        match slot.addr.load(Ordering::Relaxed) {
-            0 => return,
-            a if a == addr => {
-                if slot.addr.compare_exchange(addr, TOMBSTONE, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-                    FREES.fetch_add(1, Ordering::Relaxed);
-                }
-                return;
-            }
-            _ => {}
-        }
+    let slot = find(addr)?;
+    let noted = (slot.size_entry.load(Ordering::Relaxed), slot.caller.load(Ordering::Acquire));
+    slot.addr.compare_exchange(addr, TOMBSTONE, Ordering::AcqRel, Ordering::Relaxed).ok()?;
+    FREES.fetch_add(1, Ordering::Relaxed);
+    Some(noted)
+}
+
+/// Notes again a block [`freed`] forgot, whose `realloc` failed (it is still live).
+pub(crate) fn restore(ptr: *mut core::ffi::c_void, (size_entry, caller): (u64, u64)) {
+    if recording() {
+        FREES.fetch_sub(1, Ordering::Relaxed);
+        note(ptr as u64, size_entry, caller);
     }
 }
 
@@ -168,30 +195,29 @@ pub(crate) fn stop() -> Option<Live> {
     // The other half of the resolver's handshake (`NextHeap::resolve_slow`).
     core::sync::atomic::fence(Ordering::SeqCst);
     crate::global::GLOBAL.heap.install_resolved();
-    let table = NonNull::new(TABLE.load(Ordering::Acquire))?;
-    Some(Live { table })
+    table(0, false)?;
+    Some(Live(()))
 }
 
-/// The blocks noted and still live when noting ended; gives the table back when dropped.
-pub(crate) struct Live {
-    table: NonNull<Slot>,
-}
+/// The blocks noted and still live when noting ended; gives the tables' pages back when
+/// dropped.
+pub(crate) struct Live(());
 
 impl Live {
     /// Each block: address, size, entry point (as a byte of [`Entry`]), caller.
     pub(crate) fn for_each(&self, mut visit: impl FnMut(u64, u64, u8, u64)) {
-        // SAFETY: the table's SLOTS slots stay leased until `self` is dropped.
-        let slots = unsafe { core::slice::from_raw_parts(self.table.as_ptr(), SLOTS) };
-        for slot in slots {
-            let addr = slot.addr.load(Ordering::Acquire);
-            let size_entry = slot.size_entry.load(Ordering::Relaxed);
-            if addr > TOMBSTONE && size_entry != 0 {
-                visit(addr, size_entry >> 8, size_entry as u8, slot.caller.load(Ordering::Acquire));
+        for t in (0..TABLES).map_while(|k| table(k, false)) {
+            for slot in t {
+                let addr = slot.addr.load(Ordering::Acquire);
+                let size_entry = slot.size_entry.load(Ordering::Relaxed);
+                if addr > TOMBSTONE && size_entry != 0 {
+                    visit(addr, size_entry >> 8, size_entry as u8, slot.caller.load(Ordering::Acquire));
+                }
             }
         }
     }
 
-    /// Blocks that could not be noted (the table was full around their address).
+    /// Blocks that could not be noted (every table was full around their address).
     pub(crate) fn missed(&self) -> usize {
         MISSED.load(Ordering::Relaxed)
     }
@@ -205,10 +231,12 @@ impl Live {
 impl Drop for Live {
     fn drop(&mut self) {
         // A thread may still be noting a block (it read RECORDING just before `stop`): the
-        // table stays leased, its pages given back to the system.
-        let bytes = SLOTS * core::mem::size_of::<Slot>();
-        // SAFETY: a range of the leased region; MADV_DONTNEED on private anonymous memory
-        // only zeroes it.
-        unsafe { libc::madvise(self.table.as_ptr().cast(), bytes, libc::MADV_DONTNEED) };
+        // tables stay leased, their pages given back to the system.
+        for (k, t) in (0..TABLES).map_while(|k| table(k, false)).enumerate() {
+            let bytes = slots_of(k) * core::mem::size_of::<Slot>();
+            // SAFETY: the leased region of table k; MADV_DONTNEED on private anonymous
+            // memory only zeroes it.
+            unsafe { libc::madvise(t.as_ptr() as *mut libc::c_void, bytes, libc::MADV_DONTNEED) };
+        }
     }
 }

@@ -142,13 +142,18 @@ extern "C" fn calloc_first(nmemb: usize, size: usize) -> *mut c_void {
 /// # Safety
 /// `ptr` is NULL or a live block of the next heap (or of the arena).
 unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void {
+    // Forgotten before the block moves: once it has, its old address may be another
+    // thread's new block, whose entry this would erase.
+    let old = early::freed(ptr);
     // SAFETY: the caller's guarantee.
     let p = unsafe { next_heap().realloc_unresolved(ptr, size) };
-    if early::recording() && !(p.is_null() && size != 0) {
-        early::freed(ptr);
-        if !bootstrap::contains(p) {
-            early::allocated(p, size, Entry::Realloc, early::caller_of_hook());
+    if p.is_null() && size != 0 {
+        // Failed: the block is still there.
+        if let Some(old) = old {
+            early::restore(ptr, old);
         }
+    } else if early::recording() && !bootstrap::contains(p) {
+        early::allocated(p, size, Entry::Realloc, early::caller_of_hook());
     }
     p
 }
@@ -159,7 +164,7 @@ unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void
 /// # Safety
 /// `ptr` is NULL or a live block of the next heap (or of the arena), dead afterwards.
 unsafe extern "C" fn free_first(ptr: *mut c_void) {
-    early::freed(ptr);
+    let _ = early::freed(ptr);
     // SAFETY: the caller's guarantee.
     unsafe { next_heap().free_unresolved(ptr) }
 }

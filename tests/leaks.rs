@@ -606,6 +606,9 @@ fn blocks_of_constructors_run_before_ours_are_tracked() {
     assert!(reachable.contains(&48), "the program's node, through the constructor's: {report}");
     assert!(reachable.contains(&32), "the constructor's node, from the global: {report}");
     assert!(reachable.contains(&200), "the constructor's aligned block, from the global: {report}");
+    // A list of 20,000 nodes, more than a first table of 16k slots held.
+    assert_eq!(report["notes"], serde_json::json!([]), "{report}");
+    assert!(s["still_reachable"]["blocks"].as_u64().unwrap() >= 20_000, "{s}");
     assert!(s["total_allocs"].as_u64().unwrap() >= 3, "{s}");
 }
 
