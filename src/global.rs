@@ -59,6 +59,7 @@ pub(crate) fn set_fork_child_hook(hook: fn()) {
 }
 
 extern "C" fn fork_prepare() {
+    crate::leaks::stop::fork_prepare();
     threads::fork_prepare();
     // Before mallocspy's own heap: a change of the list allocates from it.
     crate::leaks::unloaded::fork_prepare();
@@ -69,9 +70,11 @@ extern "C" fn fork_parent() {
     crate::own_heap::fork_release();
     crate::leaks::unloaded::fork_release();
     threads::fork_parent();
+    crate::leaks::stop::fork_parent();
 }
 
 extern "C" fn fork_child() {
+    crate::leaks::stop::fork_child();
     crate::own_heap::fork_release();
     crate::leaks::unloaded::fork_release();
     crate::pool::force_unlock();

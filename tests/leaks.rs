@@ -301,6 +301,19 @@ fn a_sandboxed_program_keeps_its_status_and_report() {
     }
 }
 
+/// Leak checks while other threads fork: a check that stopped a thread inside `fork`'s
+/// handlers waited for the locks they hold, and a child forked during a check inherited its
+/// turn and waited for it at exit (helper 23: a hang every run).
+#[test]
+fn leak_checks_while_other_threads_fork_neither_hang_nor_fail() {
+    let program = c_program("fork_during_checks.c");
+    let mut cmd = Command::new(&program);
+    cmd.arg("50").env("MALLOCSPY_OPTIONS", "log_path=/dev/null").env("LD_PRELOAD", shim());
+    let out =
+        output_within(cmd.stdout(std::process::Stdio::piped()).spawn().unwrap(), std::time::Duration::from_secs(60));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(5), "50 checks\n"), "{}", text(&out.stderr));
+}
+
 /// `quick_exit` ends with glibc's internal `_exit`, which the shim's `_exit` never sees: the
 /// program left without a report. It now comes after the program's `at_quick_exit` handlers
 /// (`exit_paths.c`'s frees the 200 reachable bytes), as the exit report comes after `atexit`'s.

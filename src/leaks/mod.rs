@@ -5,7 +5,7 @@
 pub(crate) mod report;
 pub(crate) mod roots;
 pub(crate) mod scan;
-mod stop;
+pub(crate) mod stop;
 pub(crate) mod suppress;
 pub(crate) mod symbols;
 mod tracer;

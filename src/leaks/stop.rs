@@ -97,6 +97,45 @@ struct Turn;
 /// The thread whose stop it is, or 0.
 static TURN: AtomicU32 = AtomicU32::new(0);
 
+/// Threads between the prepare handler of a `fork` and its parent handler: they hold locks
+/// of mallocspy's (its own heap's among them), which a check stopping them would then wait
+/// for forever (every run of helper 23's program forking on four threads while the main one
+/// checked). A stop waits until none is, and no `fork` enters that window during a stop.
+static FORKING: AtomicU32 = AtomicU32::new(0);
+
+/// Whether thread `tid` of process `pid` (this one) is alive.
+fn alive(pid: u32, tid: u32) -> bool {
+    // SAFETY: signal 0 to a thread of this process only checks that it exists.
+    let r = unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, 0) };
+    r == 0 || os::errno() != libc::ESRCH
+}
+
+/// `fork`'s prepare handler, before any lock is taken: waits out another thread's stop.
+pub(crate) fn fork_prepare() {
+    let (me, pid) = (os::gettid(), os::getpid());
+    loop {
+        FORKING.fetch_add(1, Ordering::SeqCst);
+        let holder = TURN.load(Ordering::SeqCst);
+        if holder == 0 || holder == me || !alive(pid, holder) {
+            return;
+        }
+        FORKING.fetch_sub(1, Ordering::SeqCst);
+        while TURN.load(Ordering::SeqCst) == holder && alive(pid, holder) {
+            os::yield_now();
+        }
+    }
+}
+
+/// `fork`'s parent handler, once every lock is released.
+pub(crate) fn fork_parent() {
+    FORKING.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// `fork`'s child handler: the child's one thread is the forking one, done forking.
+pub(crate) fn fork_child() {
+    FORKING.store(0, Ordering::SeqCst);
+}
+
 impl Turn {
     /// Waits for the turn; `None` for a check run by a signal handler that interrupted this
     /// thread's own (the world is stopped already). A turn held by a thread this process does
@@ -106,12 +145,19 @@ impl Turn {
         let (me, pid) = (os::gettid(), os::getpid());
         let mut holder = 0;
         loop {
-            match TURN.compare_exchange(holder, me, Ordering::Acquire, Ordering::Relaxed) {
-                Ok(_) => return Some(Turn),
+            match TURN.compare_exchange(holder, me, Ordering::SeqCst, Ordering::Relaxed) {
+                Ok(_) if FORKING.load(Ordering::SeqCst) == 0 => return Some(Turn),
+                Ok(_) => {
+                    // A fork is in its window: let it end first.
+                    TURN.store(0, Ordering::SeqCst);
+                    while FORKING.load(Ordering::SeqCst) != 0 {
+                        os::yield_now();
+                    }
+                    holder = 0;
+                }
                 Err(h) if h == me => return None,
                 Err(h) => {
-                    // SAFETY: signal 0 to a thread of this process only checks that it exists.
-                    let gone = unsafe { libc::syscall(libc::SYS_tgkill, pid, h, 0) } != 0 && os::errno() == libc::ESRCH;
+                    let gone = !alive(pid, h);
                     holder = if gone { h } else { 0 };
                     if !gone {
                         os::yield_now();
