@@ -120,20 +120,13 @@ extern "C" fn malloc_first(size: usize) -> *mut c_void {
 
 /// [`malloc_first`], told where the call returns to.
 extern "C" fn malloc_first_for(size: usize, caller: u64) -> *mut c_void {
-    let p = next_heap().malloc_unresolved(size);
-    if early::recording() && !bootstrap::contains(p) {
-        early::allocated(p, size, Entry::Malloc, caller);
-    }
-    p
+    noted(next_heap().malloc_unresolved(size), size, Entry::Malloc, caller)
 }
 
 /// The first `calloc`, and every `calloc` until a spy is registered.
 extern "C" fn calloc_first(nmemb: usize, size: usize) -> *mut c_void {
     let p = next_heap().calloc_unresolved(nmemb, size);
-    if early::recording() && !bootstrap::contains(p) {
-        early::allocated(p, nmemb.saturating_mul(size), Entry::Calloc, early::caller_of_hook());
-    }
-    p
+    noted(p, nmemb.saturating_mul(size), Entry::Calloc, early::caller_of_hook())
 }
 
 /// The first `realloc`, and every `realloc` until a spy is registered or while the arena is
@@ -152,8 +145,8 @@ unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void
         if let Some(old) = old {
             early::restore(ptr, old);
         }
-    } else if early::recording() && !bootstrap::contains(p) {
-        early::allocated(p, size, Entry::Realloc, early::caller_of_hook());
+    } else {
+        noted(p, size, Entry::Realloc, early::caller_of_hook());
     }
     p
 }
@@ -169,11 +162,11 @@ unsafe extern "C" fn free_first(ptr: *mut c_void) {
     unsafe { next_heap().free_unresolved(ptr) }
 }
 
-/// `p`, noted as a block of `size` bytes from `entry` while no spy is registered yet (see
-/// `early.rs`; `malloc`, `calloc`, `realloc` and `free` are noted by the `*_first` functions).
-fn noted(p: *mut c_void, size: usize, entry: Entry) -> *mut c_void {
+/// `p`, noted as a block of `size` bytes from `entry` for `caller` while no spy is
+/// registered yet (see `early.rs`).
+fn noted(p: *mut c_void, size: usize, entry: Entry, caller: u64) -> *mut c_void {
     if early::recording() && !bootstrap::contains(p) {
-        early::allocated(p, size, entry, early::caller_of_hook());
+        early::allocated(p, size, entry, caller);
     }
     p
 }
@@ -542,11 +535,11 @@ unsafe impl Heap for NextHeap {
     }
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
-        noted(self.memalign_raw(align, size), size, Entry::Memalign)
+        noted(self.memalign_raw(align, size), size, Entry::Memalign, early::caller_of_hook())
     }
 
     fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
-        noted(self.aligned_alloc_raw(align, size), size, Entry::AlignedAlloc)
+        noted(self.aligned_alloc_raw(align, size), size, Entry::AlignedAlloc, early::caller_of_hook())
     }
 
     unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
@@ -554,17 +547,17 @@ unsafe impl Heap for NextHeap {
         let rc = unsafe { self.posix_memalign_raw(out, align, size) };
         if rc == 0 {
             // SAFETY: written on success.
-            noted(unsafe { *out }, size, Entry::PosixMemalign);
+            noted(unsafe { *out }, size, Entry::PosixMemalign, early::caller_of_hook());
         }
         rc
     }
 
     fn valloc(&self, size: usize) -> *mut c_void {
-        noted(self.valloc_raw(size), size, Entry::Valloc)
+        noted(self.valloc_raw(size), size, Entry::Valloc, early::caller_of_hook())
     }
 
     fn pvalloc(&self, size: usize) -> *mut c_void {
-        noted(self.pvalloc_raw(size), size, Entry::Pvalloc)
+        noted(self.pvalloc_raw(size), size, Entry::Pvalloc, early::caller_of_hook())
     }
 
     unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {
