@@ -232,6 +232,42 @@ fn random_bytes_and_missing_files_are_one_error_line_and_status_1() {
     assert!(lines[0].starts_with(&format!("mallocspy report: {}: No such file", missing.display())), "{lines:?}");
 }
 
+/// `-` reads the trace from the standard input (`zcat app.trace.gz | mallocspy report -`), and a
+/// path with a newline in it is shown quoted, so that an error stays one line.
+#[test]
+fn a_trace_on_the_standard_input_reports_and_odd_paths_stay_on_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = trace(&events());
+    let piped = |bytes: &[u8]| {
+        let path = write(dir.path(), "piped.trace", bytes);
+        let stdin = std::fs::File::open(path).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_mallocspy")).args(["report", "-"]).stdin(stdin).output().expect("runs")
+    };
+    let out = piped(&whole);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(stderr_lines(&out), Vec::<String>::new());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.starts_with("mallocspy allocation report: standard input\n"), "{stdout}");
+    assert!(stdout.contains(type_name_of_val(&parse_row)), "{stdout}");
+
+    let out = piped(&whole[..whole.len() - 3]);
+    assert!(out.status.success(), "{out:?}");
+    let lines = stderr_lines(&out);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with("mallocspy report: warning: standard input is cut at offset "), "{lines:?}");
+
+    let odd = write(dir.path(), "bad\nname.trace", b"not a trace");
+    let out = mallocspy(&[odd.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let shown = format!("$'{}'", odd.display()).replace('\n', "\\n");
+    assert_eq!(
+        stderr_lines(&out),
+        [format!(
+            "mallocspy report: {shown}: not a readable mallocspy trace: no mallocspy-trace signature at offset 0"
+        )]
+    );
+}
+
 /// A device is refused at once (`/dev/zero` never ends), and a module path that names
 /// something other than a file (a FIFO: opening it would wait for a writer forever) is left
 /// unsymbolized; a trace read from a pipe, as `<(zcat t.gz)` gives it, reports.

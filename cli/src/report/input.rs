@@ -1,5 +1,6 @@
 //! The trace's bytes: a regular file is mapped, not copied (a recording of an hour of a busy
-//! program is gigabytes); anything else (a FIFO, `<(zcat trace.gz)`) is read whole.
+//! program is gigabytes); anything else (a FIFO, `<(zcat trace.gz)`, the standard input as
+//! `-`) is read whole.
 
 use std::ffi::c_int;
 use std::fs::File;
@@ -7,6 +8,8 @@ use std::io::{self, Read};
 use std::ops::Deref;
 use std::path::Path;
 use std::sync::OnceLock;
+
+use super::text::path_shown;
 
 /// A trace's bytes, mapped or read.
 pub enum TraceBytes {
@@ -25,6 +28,9 @@ impl Deref for TraceBytes {
     }
 }
 
+/// The trace path that names the standard input (`zcat app.trace.gz | mallocspy report -`).
+pub const STDIN: &str = "-";
+
 /// The line written if the mapped file shrinks under us (another `record` over it).
 static SHRANK: OnceLock<Vec<u8>> = OnceLock::new();
 
@@ -38,6 +44,11 @@ pub struct Loaded {
 
 /// Opens `path` and maps or reads it.
 pub fn load(path: &Path) -> io::Result<Loaded> {
+    if path == Path::new(STDIN) {
+        let mut bytes = Vec::new();
+        io::stdin().lock().read_to_end(&mut bytes)?;
+        return Ok(Loaded { bytes: TraceBytes::Read(bytes), being_written: false });
+    }
     let mut file = File::open(path)?;
     let being_written = locked_by_writer(&file);
     let meta = file.metadata()?;
@@ -76,7 +87,7 @@ fn locked_by_writer(file: &File) -> bool {
 /// rather than die of the signal.
 fn on_shrink(path: &Path) {
     let _ = SHRANK
-        .set(format!("mallocspy report: {}: the file got shorter while it was read\n", path.display()).into_bytes());
+        .set(format!("mallocspy report: {}: the file got shorter while it was read\n", path_shown(path)).into_bytes());
     extern "C" fn shrank(_: c_int) {
         if let Some(line) = SHRANK.get() {
             // SAFETY: write(2) and _exit(2) are async-signal-safe; the line is a finished,

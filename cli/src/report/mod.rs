@@ -24,7 +24,7 @@ mod text;
 mod timeline;
 mod units;
 
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -35,6 +35,7 @@ use profile::Profile;
 use progress::Progress;
 use sites::Site;
 use symbolize::Symbols;
+use text::path_shown;
 
 pub const EXAMPLES: &str = "Examples:
   mallocspy record -o app.trace -- ./app            # first, the trace
@@ -44,6 +45,7 @@ pub const EXAMPLES: &str = "Examples:
   mallocspy report --format flamegraph -o alloc.svg app.trace
   mallocspy report --format folded app.trace | inferno-flamegraph > alloc.svg
   mallocspy report --format timeline -o heap.svg app.trace
+  zcat app.trace.gz | mallocspy report -            # a trace on the standard input
 
 Figures are estimates: each sampled allocation (a tick) stands for its weight in bytes.
 Symbols come from the program's files as they are now, found by the paths in the trace.";
@@ -77,7 +79,7 @@ pub struct ReportArgs {
     /// Sites in each table of the text and JSON reports.
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
     top: u32,
-    /// The trace, as written by `mallocspy record`.
+    /// The trace, as written by `mallocspy record` (`-`: the standard input).
     #[arg(value_name = "TRACE")]
     trace: PathBuf,
 }
@@ -144,12 +146,17 @@ pub fn report(args: ReportArgs) -> ExitCode {
 
 fn run(args: &ReportArgs) -> Result<(), String> {
     let path = &args.trace;
-    let failed = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    let shown = path_shown(path);
+    let failed = |e: &dyn std::fmt::Display| format!("{shown}: {e}");
     if let Some(file) = &args.output {
         refuse_the_trace(file, path)?;
     }
     // A FIFO is read (a shell's `<(zcat trace.gz)` is one); a device never ends or is no file.
-    if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
+    if path == Path::new(input::STDIN) {
+        if io::stdin().is_terminal() {
+            return Err(failed(&"a terminal, not a trace (pipe one in, or name its file)"));
+        }
+    } else if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
         return Err(failed(&"a device, not a trace"));
     }
     let input = input::load(path).map_err(|e| failed(&e))?;
@@ -162,15 +169,13 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     progress.finish();
     if input.being_written && profile.end_ns.is_none() {
         say!(
-            "mallocspy report: warning: {} is still being written (its program is running); reporting the events written so far",
-            path.display()
+            "mallocspy report: warning: {shown} is still being written (its program is running); reporting the events written so far"
         );
     } else if let Some(offset) = profile.truncated_at {
-        say!("mallocspy report: warning: {} is cut at offset {offset}; reporting the events before it", path.display());
+        say!("mallocspy report: warning: {shown} is cut at offset {offset}; reporting the events before it");
     } else if profile.end_ns.is_none() {
         say!(
-            "mallocspy report: warning: {} has no end record: the program did not exit normally; reporting the events it has",
-            path.display()
+            "mallocspy report: warning: {shown} has no end record: the program did not exit normally; reporting the events it has"
         );
     }
     let report = Report::new(path, &profile, &symbols, args.top as usize);
@@ -193,16 +198,19 @@ fn run(args: &ReportArgs) -> Result<(), String> {
 /// keep what they were (a new file renamed over it would replace each).
 fn write_output(file: &Path, trace: &Path, bytes: &[u8]) -> Result<(), String> {
     refuse_the_trace(file, trace)?;
-    std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", file.display()))
+    std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", path_shown(file)))
 }
 
 /// Refuses an `--output` that is the trace itself (by another name too): the report would
 /// replace the only copy of the recording.
 fn refuse_the_trace(file: &Path, trace: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
+    if trace == Path::new(input::STDIN) {
+        return Ok(());
+    }
     match (std::fs::metadata(file), std::fs::metadata(trace)) {
         (Ok(out), Ok(input)) if (out.dev(), out.ino()) == (input.dev(), input.ino()) => {
-            Err(format!("{}: this is the trace being reported; give another --output", file.display()))
+            Err(format!("{}: this is the trace being reported; give another --output", path_shown(file)))
         }
         _ => Ok(()),
     }

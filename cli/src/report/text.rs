@@ -1,10 +1,12 @@
 //! The text report: what ran, the estimates, and two tables of allocation sites.
 
 use std::io::{self, Write};
+use std::path::Path;
 
 use mallocspy::trace::Sampling;
 
 use super::Report;
+use super::input::STDIN;
 use super::sites::{Site, top_live_at_peak};
 use super::units;
 
@@ -27,29 +29,43 @@ pub fn command_line(args: &[String]) -> String {
     if args.is_empty() {
         return "(unknown)".into();
     }
-    let quote = |a: &String| {
-        if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
-            return a.clone();
+    args.iter().map(|a| shell_word(a)).collect::<Vec<_>>().join(" ")
+}
+
+/// One argument as a shell would take it back, on one line: bare when it is plain, in single
+/// quotes when it has spaces or quotes, in `$'...'` when it has unprintable characters.
+pub fn shell_word(a: &str) -> String {
+    if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+        return a.to_owned();
+    }
+    if !a.chars().any(unprintable) {
+        return format!("'{}'", a.replace('\'', r"'\''"));
+    }
+    let mut q = String::from("$'");
+    for c in a.chars() {
+        match c {
+            '\\' => q.push_str(r"\\"),
+            '\'' => q.push_str(r"\'"),
+            '\n' => q.push_str(r"\n"),
+            '\t' => q.push_str(r"\t"),
+            c if unprintable(c) && (c as u32) < 0x10000 => q.push_str(&format!("\\u{:04x}", c as u32)),
+            c if unprintable(c) => q.push_str(&format!("\\U{:08x}", c as u32)),
+            c => q.push(c),
         }
-        if !a.chars().any(unprintable) {
-            return format!("'{}'", a.replace('\'', r"'\''"));
-        }
-        let mut q = String::from("$'");
-        for c in a.chars() {
-            match c {
-                '\\' => q.push_str(r"\\"),
-                '\'' => q.push_str(r"\'"),
-                '\n' => q.push_str(r"\n"),
-                '\t' => q.push_str(r"\t"),
-                c if unprintable(c) && (c as u32) < 0x10000 => q.push_str(&format!("\\u{:04x}", c as u32)),
-                c if unprintable(c) => q.push_str(&format!("\\U{:08x}", c as u32)),
-                c => q.push(c),
-            }
-        }
-        q.push('\'');
-        q
-    };
-    args.iter().map(quote).collect::<Vec<_>>().join(" ")
+    }
+    q.push('\'');
+    q
+}
+
+/// A path as messages and the report's first line show it: as given, unless it holds
+/// unprintable characters (a newline would split a one-line error in two), then as a shell
+/// word; [`STDIN`] is the standard input.
+pub fn path_shown(path: &Path) -> String {
+    if path == Path::new(STDIN) {
+        return "standard input".into();
+    }
+    let name = path.to_string_lossy();
+    if name.chars().any(unprintable) { shell_word(&name) } else { name.into_owned() }
 }
 
 /// The command line for a chart's title: at most `max` characters.
@@ -76,7 +92,7 @@ pub fn sampling(report: &Report<'_>) -> String {
 pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let p = report.profile;
     let h = &p.header;
-    writeln!(out, "mallocspy allocation report: {}", report.trace.display())?;
+    writeln!(out, "mallocspy allocation report: {}", path_shown(report.trace))?;
     writeln!(out)?;
     writeln!(out, "  program      {}", command_line(&h.command))?;
     writeln!(out, "  pid          {}", h.pid)?;
