@@ -281,14 +281,17 @@ fn a_thread_exiting_while_main_sleeps_keeps_its_status_and_report() {
     }
 }
 
-/// Under a seccomp filter the exit report still comes, and the status is the program's: no
-/// tracer is made for a process of one thread (a filter that kills on `clone` killed every
-/// such program at exit), and where `clone` or `ptrace` is refused the threads are stopped
-/// with the signal.
+/// Under a seccomp filter the exit report still comes, and the status is the program's. No
+/// tracer is made for a process of one thread, nor under a filter installed with
+/// `no_new_privs` (one that kills on `clone` killed the program at exit, with one thread and
+/// then with two): the threads are stopped with the signal, as where `clone` or `ptrace` is
+/// refused.
 #[test]
 fn a_sandboxed_program_keeps_its_status_and_report() {
     let program = c_program("sandboxed.c");
-    for (how, threads) in [("kill_clone", "0"), ("no_clone", "2"), ("no_ptrace", "2")] {
+    for (how, threads) in
+        [("kill_clone", "0"), ("kill_clone", "2"), ("kill_ptrace", "2"), ("no_clone", "2"), ("no_ptrace", "2")]
+    {
         let out = run(JSON_REPORT, Command::new(&program).args([how, threads]));
         assert_eq!(
             (out.status.code(), text(&out.stdout).as_str()),

@@ -196,8 +196,7 @@ enum Reach {
 
 /// How `signal` would reach a thread, from its `status` text.
 fn reach(status: &[u8], signal: c_int) -> Reach {
-    let field =
-        |name: &[u8]| status.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name)).map(|v| v.trim_ascii());
+    let field = |name: &[u8]| status_field(status, name);
     match field(b"State:").and_then(|v| v.first()) {
         Some(b'Z' | b'X') => return Reach::Gone,
         Some(b'T' | b't') => return Reach::Unreachable,
@@ -205,6 +204,26 @@ fn reach(status: &[u8], signal: c_int) -> Reach {
     }
     let blocked = field(b"SigBlk:").and_then(parse_hex).unwrap_or(0);
     if blocked & (1u64 << (signal - 1)) != 0 { Reach::Unreachable } else { Reach::Signal }
+}
+
+/// The value of the field `name` (with its colon) of a `/proc` status text.
+fn status_field<'a>(status: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
+    status.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name)).map(|v| v.trim_ascii())
+}
+
+/// Whether the tracer's `clone` may kill the process: under a seccomp filter that the program
+/// (or its launcher) installed unprivileged, with `no_new_privs` set, as Chromium's and
+/// Firefox's sandboxes and systemd's `SystemCallFilter=` for a service with a `User=` do. Such a filter's action for
+/// a `clone` that makes no thread is often to kill, and no trial call can tell without dying
+/// of it. The filters a container runtime installs (Docker's, Podman's profiles) refuse with
+/// an errno, which the tracer survives, and are installed without `no_new_privs`. A status
+/// that cannot be read counts as such a filter.
+fn tracer_may_be_killed() -> bool {
+    // The tracer inherits the calling thread's filters.
+    let status = std::fs::read("/proc/thread-self/status").or_else(|_| std::fs::read("/proc/self/status"));
+    let Ok(status) = status else { return true };
+    let set = |name: &[u8]| status_field(&status, name).is_none_or(|value| value != b"0");
+    set(b"Seccomp:") && set(b"NoNewPrivs:")
 }
 
 /// How `signal` would reach thread `tid` of this process (a thread that has gone from
@@ -249,12 +268,16 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         }
     }
     // A tracer stops a thread whatever signals it blocks (one stopped by a job-control signal
-    // or traced already makes it give up). None is made for a process of one thread: under a
-    // seccomp filter that kills on `clone`, every such program died at exit.
+    // or traced already makes it give up). None is made for a process of one thread, nor under
+    // a sandbox's seccomp filter: one that kills on `clone` killed programs at exit.
     let all: Vec<u32> = targets.iter().chain(&unreachable).copied().collect();
-    // SAFETY: the slots are read only through `Stopped::parked` until the tracer is dropped,
-    // and no signal parks a thread meanwhile.
-    let traced = if all.is_empty() { None } else { unsafe { tracer::stop(&all, PARKED.0.get().cast()) } };
+    let traced = if all.is_empty() || tracer_may_be_killed() {
+        None
+    } else {
+        // SAFETY: the slots are read only through `Stopped::parked` until the tracer is
+        // dropped, and no signal parks a thread meanwhile.
+        unsafe { tracer::stop(&all, PARKED.0.get().cast()) }
+    };
     if let Some(tracer) = traced {
         let missing = tracer.missing() + all.len().saturating_sub(MAX_PARKED);
         return Some(Stopped { how: How::Traced(tracer), missing, unreachable: 0, main_alive, _turn: turn });
