@@ -307,6 +307,26 @@ fn a_forked_childs_times_and_totals_count_from_its_fork() {
     assert!((12..40).contains(&child_mib), "the child's 13 MiB and a little of Python's, not its parent's: {ends:?}");
 }
 
+/// The trace writer is no child of the program's: starting it sends the program no SIGCHLD,
+/// at exec nor in a forked child (whose handler counted one, and a `sigwaitinfo` for its
+/// own child's got the writer's instead).
+#[test]
+fn starting_the_writer_sends_the_program_no_sigchld() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = c_program("sigchld.c");
+    let program = program.to_str().unwrap();
+    for (how, expected) in [
+        ("fork", "the child got 0 SIGCHLD\nthe parent got 1 SIGCHLD\n"),
+        ("exec_blocked", "SIGCHLD pending at main: 0\n"),
+    ] {
+        let native = Command::new(program).arg(how).output().unwrap();
+        assert_eq!(text(&native.stdout), expected, "{how}, natively");
+        let out = record(dir.path(), &[], &[program, how]);
+        assert!(out.status.success(), "{how}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), expected, "{how}: {}", text(&out.stderr));
+    }
+}
+
 /// The writer's socket stays out of the program's way under a low descriptor limit, as the copy
 /// of stderr does: the program's first file is still descriptor 3.
 #[test]

@@ -192,11 +192,14 @@ fn locked_by_another(fd: i32) -> bool {
 }
 
 /// `fork` without the program's `pthread_atfork` handlers (ours included): the writer
-/// process is not a copy of the program for the program's purposes.
+/// process is not a copy of the program for the program's purposes. Nor a child it hears of:
+/// with no exit signal, the program gets no SIGCHLD when it ends (a handler counted one, a
+/// `sigwaitinfo` for its own child's got it), and a plain `wait` never sees it
+/// (`waitpid` with `__WALL` does).
 fn raw_fork() -> i32 {
-    // SAFETY: clone with SIGCHLD and no other flag is fork; the child continues with a copy
-    // of the calling thread only, which is all the writer uses.
-    unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_long, 0, 0, 0, 0) as i32 }
+    // SAFETY: clone with no flag and exit signal 0 is fork without SIGCHLD; the child
+    // continues with a copy of the calling thread only, which is all the writer uses.
+    unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_long, 0, 0, 0, 0) as i32 }
 }
 
 fn close(fd: i32) {
@@ -425,9 +428,10 @@ impl Writer {
             close(ours);
             return Err(format!("cannot start the trace writer: {}", std::io::Error::last_os_error()));
         }
-        // SAFETY: reaps the short-lived middle process, our child (it may already have been
-        // reaped if the program ignores SIGCHLD: then this fails, harmlessly).
-        unsafe { while libc::waitpid(child, core::ptr::null_mut(), 0) < 0 && os::errno() == libc::EINTR {} }
+        // SAFETY: reaps the short-lived middle process, our child, which only `__WALL` waits
+        // for (a thread of the program's that waits for any child with it may reap it first:
+        // then this fails, harmlessly).
+        unsafe { while libc::waitpid(child, core::ptr::null_mut(), libc::__WALL) < 0 && os::errno() == libc::EINTR {} }
         // Out of the way of the descriptors the program numbers from the bottom up, however
         // low its limit.
         let ours = sink::move_high(ours);
