@@ -48,6 +48,11 @@ pub const MAX_PATH: usize = 4095;
 /// far more memory than its byte in the file.
 pub const MAX_ARGS: usize = 1 << 20;
 
+/// The unit in which a file system writes a file's data out: after a crash, the file's
+/// unwritten tail reads as zeros from a multiple of it on (the smallest page size; a larger
+/// one only makes a reader cut a whole last record it could have read).
+const WRITTEN_PAGE: usize = 4096;
+
 /// The longest payload a record of `tag` can have: a record claiming more is damaged, not
 /// cut (a flipped bit in a length would otherwise pass for the end of the file).
 fn max_payload(tag: u8) -> u64 {
@@ -673,6 +678,12 @@ pub struct Reader<'a> {
     /// Where the file stops in the middle of a record.
     truncated: Option<u64>,
     failed: bool,
+    /// Where the file's tail of zeros starts (its length, without one).
+    zeros_from: usize,
+    /// Where the pages of that tail start: blocks the file system gave the file but never
+    /// filled (a crash of the machine). A record that reaches into them was never written
+    /// whole.
+    written_end: usize,
 }
 
 impl<'a> Reader<'a> {
@@ -690,7 +701,19 @@ impl<'a> Reader<'a> {
         if version != VERSION {
             return Err(err(16, &format!("version {version}, this mallocspy reads version {VERSION}")));
         }
-        let mut reader = Reader { bytes, at: 20, header: Header::default(), truncated: None, failed: false };
+        let zeros_from = bytes.iter().rposition(|&b| b != 0).map_or(0, |last| last + 1);
+        // Pages are written whole: the zeros of the page that holds the last byte that is not
+        // zero were written (a record's last fields may be zeros).
+        let written_end = zeros_from.next_multiple_of(WRITTEN_PAGE).min(bytes.len());
+        let mut reader = Reader {
+            bytes,
+            at: 20,
+            header: Header::default(),
+            truncated: None,
+            failed: false,
+            zeros_from,
+            written_end,
+        };
         match reader.raw() {
             Some(Ok((TAG_HEADER, mut f))) => {
                 reader.header = read_header(&mut f)?;
@@ -728,7 +751,7 @@ impl<'a> Reader<'a> {
         if tag == 0 {
             // A crash can leave the file's tail zero-filled (its size written, its blocks
             // not): the events end there. A zero tag with data after it is damage, not a cut.
-            if self.bytes[start..].iter().any(|&b| b != 0) {
+            if start < self.zeros_from {
                 return Some(Err(TraceError {
                     offset: start as u64,
                     what: "a record of tag 0 with data after it".into(),
@@ -753,7 +776,9 @@ impl<'a> Reader<'a> {
             }));
         }
         let payload = start + 1 + len_field.at;
-        let end = (payload as u64).checked_add(len).filter(|&e| e <= self.bytes.len() as u64);
+        // A record that reaches into the unwritten pages is cut there: their zeros would read
+        // as its fields, or fail to.
+        let end = (payload as u64).checked_add(len).filter(|&e| e <= self.written_end as u64);
         let Some(end) = end else {
             self.truncated = Some(start as u64);
             return None;
@@ -785,6 +810,7 @@ impl Iterator for Reader<'_> {
             match result {
                 Ok(Some(event)) => return Some(Ok(event)),
                 Ok(None) => continue,
+
                 Err(e) => {
                     self.failed = true;
                     return Some(Err(e));
@@ -910,6 +936,52 @@ mod tests {
         assert_eq!(reader.truncated(), Some(end as u64));
     }
 
+    /// A crash leaves the pages it did not write as zeros, from a page boundary on, which may
+    /// fall inside a record: the file is cut at that record (its zeros read as "a record
+    /// longer than its fields", or as fields). A record of its own ending in zeros is read.
+    #[test]
+    fn unwritten_pages_from_inside_a_record_cut_the_file_at_that_record() {
+        let (whole, events) = sample_file();
+        let mut reader = Reader::new(&whole).unwrap();
+        let header_end = reader.offset() as usize;
+        let mut starts = vec![header_end];
+        while reader.next().is_some() {
+            starts.push(reader.offset() as usize);
+        }
+        assert_eq!(starts.len(), events.len() + 1);
+        // An unknown record (readers skip it) of `total` bytes, at least 131.
+        let filler = |total: usize| {
+            let len = total - 3;
+            let mut r = vec![200u8, (len as u8) | 0x80, (len >> 7) as u8];
+            r.resize(total, 0xee);
+            r
+        };
+        for (i, window) in starts.windows(2).enumerate() {
+            let (record, next) = (window[0], window[1]);
+            for into in 1..next - record {
+                // Record `i` starts `into` bytes before the page boundary.
+                let mut file = whole[..header_end].to_vec();
+                file.extend(filler(WRITTEN_PAGE - into - record));
+                file.extend(&whole[header_end..]);
+                let record_at = WRITTEN_PAGE - into;
+                file.truncate(WRITTEN_PAGE);
+                file.resize(WRITTEN_PAGE * 3, 0);
+                let mut reader = Reader::new(&file).unwrap();
+                let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+                assert_eq!(read, events[..i], "unwritten from {into} bytes into record {i}");
+                assert_eq!(reader.truncated(), Some(record_at as u64));
+            }
+        }
+        // Zeros that end a written page are data: a last record ending in them is read.
+        let mut file = whole.clone();
+        file.extend(filler(WRITTEN_PAGE - whole.len()));
+        let last = file.len() - 1;
+        file[last] = 0;
+        let mut reader = Reader::new(&file).unwrap();
+        let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        assert_eq!((read, reader.truncated()), (events, None));
+    }
+
     #[test]
     fn random_bytes_are_one_line_errors_never_panics() {
         let e = Reader::new(b"PK\x03\x04 a zip file, not a trace").err().unwrap();
@@ -1000,6 +1072,7 @@ mod tests {
         // More arguments than a program can be given, each a string the report would make.
         let mut file = Vec::new();
         write_header(&mut file, &Header { command: vec![String::new(); MAX_ARGS + 1], ..Header::default() });
+        write_event(&mut file, &Event::End { time_ns: 1 });
         assert!(error(&file).contains("a command line of 1048577 arguments (at most 1048576)"), "{}", error(&file));
     }
 
