@@ -250,12 +250,6 @@ pub(crate) fn getpid() -> u32 {
     unsafe { libc::syscall(libc::SYS_getpid) as u32 }
 }
 
-/// The parent process's id.
-pub(crate) fn getppid() -> u32 {
-    // SAFETY: getppid has no preconditions.
-    unsafe { libc::getppid() as u32 }
-}
-
 /// The calling thread's kernel id.
 #[inline]
 pub(crate) fn gettid() -> u32 {

@@ -361,8 +361,8 @@ fn report_all(caller: Caller) {
         sink::write(summary.as_bytes());
     }
     if let Some(spy) = b.ticks
-        && let stats = spy.emit_stats()
-        && !writer::writer().is_some_and(|w| w.finish())
+        && let stats = spy.stats_to_callback()
+        && !writer::writer().is_some_and(|w| w.finish(&stats))
     {
         let ticks = spy.ticks();
         let (calls, bytes) = stats.kinds.iter().fold((0, 0), |(c, b), k| (c + k.allocs, b + k.bytes));

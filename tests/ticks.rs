@@ -500,7 +500,9 @@ fn without_pid_in_the_path_the_program_an_exec_starts_writes_path() {
 
 /// Without `%p`, a process forked after its grandparent's trace is finished (its writer gone,
 /// the path no longer locked) writes `PATH.PID` all the same: it took the path and truncated
-/// the finished trace, and `record` then named the grandchild's trace as the program's.
+/// the finished trace, and `record` then named the grandchild's trace as the program's. The
+/// child's blocks came from the program, though it left at once: they were said to come from
+/// pid 1, which had adopted the child by the time it asked for its parent.
 #[test]
 fn without_pid_in_the_path_a_late_fork_leaves_the_finished_trace_alone() {
     let dir = tempfile::tempdir().unwrap();
@@ -520,8 +522,9 @@ fn without_pid_in_the_path_a_late_fork_leaves_the_finished_trace_alone() {
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let child = text(&out.stdout).trim().strip_prefix("child ").unwrap().to_owned();
-    let grandchild = finished.trim().strip_prefix("done ").unwrap_or_else(|| panic!("{finished:?}")).to_owned();
+    let pids = finished.trim().strip_prefix("done ").unwrap_or_else(|| panic!("{finished:?}"));
+    let (child, grandchild) = pids.split_once(' ').unwrap();
+    let (child, grandchild) = (child.to_owned(), grandchild.to_owned());
     let header_pid = |path: &Path| Reader::new(&std::fs::read(path).unwrap()).unwrap().header().pid;
     let program = header_pid(&shared);
     assert!(
@@ -531,10 +534,15 @@ fn without_pid_in_the_path_a_late_fork_leaves_the_finished_trace_alone() {
     );
     let events: Vec<Event> = Reader::new(&std::fs::read(&shared).unwrap()).unwrap().map(Result::unwrap).collect();
     assert!(matches!(events.last(), Some(Event::End { .. })), "the program's trace is whole");
-    for pid in [child, grandchild] {
+    for pid in [&child, &grandchild] {
         let own = dir.path().join(format!("t.trace.{pid}"));
-        assert_eq!(header_pid(&own).to_string(), pid, "{}", own.display());
+        assert_eq!(header_pid(&own).to_string(), *pid, "{}", own.display());
     }
+    let from: HashSet<u32> = Reader::new(&std::fs::read(dir.path().join(format!("t.trace.{child}"))).unwrap())
+        .unwrap()
+        .filter_map(|e| if let Ok(Event::Inherited { parent, .. }) = e { Some(parent) } else { None })
+        .collect();
+    assert_eq!(from, HashSet::from([program]), "the child's inherited blocks come from the program");
 }
 
 #[test]
@@ -653,6 +661,57 @@ fn forked_children_sample_other_allocations_than_their_parent() {
 
 /// A trace whose writes fail (a full disk: here `/dev/full`) is not cut silently: the
 /// program runs on, and says at its exit where the trace stops and why.
+/// A busy program that closed every descriptor (the writer's socket with them) keeps its
+/// trace's exact totals: the writer, which nothing can wake then, slept a whole interval after
+/// each drain, the queue overflowed, and the exit statistics were lost with half the events.
+#[test]
+fn a_busy_program_that_closed_the_writers_socket_keeps_its_exact_totals() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls = 3_000_000u64;
+    let out = Command::new(c_program("closes_descriptors.c"))
+        .arg(calls.to_string())
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", dir.path().join("t.trace").display()))
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), format!("malloc calls: {calls}\n"), "{}", text(&out.stderr));
+    let bytes = std::fs::read(dir.path().join("t.trace")).unwrap();
+    let events: Vec<Event> = Reader::new(&bytes).unwrap().map(Result::unwrap).collect();
+    assert!(matches!(events.last(), Some(Event::End { .. })), "the trace ends with its end record");
+    let Some(last) = events.iter().rev().find_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None }) else {
+        panic!("no heap statistics")
+    };
+    let counted: u64 = last.kinds.iter().map(|k| k.allocs).sum();
+    assert!(counted >= calls, "the exit statistics count every call: {counted} of at least {calls}");
+}
+
+/// A writer that cannot start (no descriptor left for its socket) leaves no empty trace and
+/// no wait at exit: the program's summary line comes as without a trace.
+#[test]
+fn a_writer_that_cannot_start_leaves_no_trace_and_the_summary_comes() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let mut cmd = Command::new(c_program("closes_descriptors.c"));
+    cmd.arg("10").env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", trace.display()));
+    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit { rlim_cur: 5, rlim_max: 5 };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            Ok(())
+        })
+    };
+    let out = cmd.output().unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "malloc calls: 10\n"));
+    let stderr = text(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(lines[0].starts_with("mallocspy: cannot make the writer's socket: "), "{stderr}");
+    assert!(lines[1].starts_with("mallocspy: ticks: "), "{stderr}");
+    assert!(!trace.exists(), "no empty trace left behind");
+}
+
 #[test]
 fn a_trace_the_disk_refuses_is_said_at_exit() {
     let native = Command::new("ls").arg("/").output().unwrap();

@@ -584,10 +584,18 @@ impl TickSpy {
 
     /// Takes the heap statistics now: to the writer and to the callback (also at exit).
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
-        let stats = self.stats_now();
+        let stats = self.stats_to_callback();
         if let Some(ring) = self.ring() {
             Self::sent(ring.push(&message::stats(&stats), &[]));
         }
+        stats
+    }
+
+    /// Takes the heap statistics now, to the callback only: the exit's, which the writer's
+    /// `finish` queues, waiting for room as for the end record (pushed once, into a full
+    /// queue, they were lost, and with them the trace's exact totals).
+    pub(crate) fn stats_to_callback(&self) -> trace::HeapStats {
+        let stats = self.stats_now();
         let callback = self.stats_callback.load(Ordering::Acquire);
         if callback != 0 {
             // SAFETY: only `set_stats_callback` stores here, always a StatsCallback.
@@ -724,13 +732,12 @@ impl TickSpy {
         ts.tick_seen.set(0);
     }
 
-    /// Child side of `fork`, its writer started on `ring`: the sampled blocks it inherited go
-    /// first in its trace, so that their frees match and its live heap is whole. A sample
+    /// Child side of `fork`, its writer started on `ring`: the sampled blocks it inherited from
+    /// `parent` (the process whose trace holds their stacks) go first in its trace, so that their frees match and its live heap is whole. A sample
     /// keeps no stack: their stacks are in the parent's trace. The queue may fill here (a
     /// server's heap may hold tens of thousands of samples), and the child waits for room
     /// rather than drop them: a second at most in all, should its writer not drain.
-    pub(crate) fn send_inherited(&self, ring: &Ring) {
-        let parent = os::getppid();
+    pub(crate) fn send_inherited(&self, ring: &Ring, parent: u32) {
         let mut waited_ms = 0;
         self.sampled.for_each(|ptr, s| {
             let message = message::inherited(parent, (s.size_kind & 3) as u8, s.size_kind >> 2, ptr as u64, s.weight);

@@ -24,13 +24,13 @@
 //! the writer, unable to be woken, drains it every `stats_interval_ms` until the program has
 //! gone (it no longer maps the queue: it exited, or `exec`'d).
 
-use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::collections::HashSet;
 use std::sync::OnceLock;
 
 use super::message;
-use super::ring::Ring;
-use super::{Event, Header, Module, modules, write_event, write_header};
+use super::ring::{Ring, slots_for};
+use super::{Event, Header, HeapStats, Module, modules, write_event, write_header};
 use crate::spies::ticks::TickSpy;
 use crate::{options, os, sink, tls};
 
@@ -38,6 +38,9 @@ use crate::{options, os, sink, tls};
 const QUEUE_SLOTS: usize = 1 << 15;
 /// Longest the program waits at exit for the writer to finish the trace.
 const FINISH_WAIT_MS: i32 = 10_000;
+/// How often a writer that the program can no longer wake (it closed the writer's socket:
+/// `closefrom`, a daemon closing every descriptor) looks at a quiet queue.
+const IDLE_POLL_MS: i32 = 10;
 
 /// The program's end of the socket pair to the writer (-1 without a writer), and its inode,
 /// to be sure the descriptor is still ours before writing to it (a program may close
@@ -97,6 +100,10 @@ pub(crate) struct Writer {
     interval_ms: u64,
     /// The queue of the current writer process (a leaked `Ring`).
     ring: AtomicPtr<Ring>,
+    /// The pid whose trace this process's events go to: a forked child names it as the
+    /// parent its sampled blocks came from (`getppid` names init once the parent has left,
+    /// as a daemon's does at once).
+    traced_pid: AtomicU32,
 }
 
 static WRITER: OnceLock<&'static Writer> = OnceLock::new();
@@ -119,7 +126,8 @@ fn unix_now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// Opens a new, empty trace file for this process, locked for as long as its writer runs.
+/// Opens a new, empty trace file for this process, locked for as long as its writer runs;
+/// returns it and its path.
 ///
 /// With `%p` the path is this process's own: an existing regular file there is unlinked
 /// rather than truncated. A process that `exec`s keeps its pid, so the new image opens the
@@ -134,24 +142,24 @@ fn unix_now_ns() -> u64 {
 /// pid) is replaced as with `%p`: the program a wrapper `exec`s (pyenv's shim of `python3`
 /// is a bash script) is the one asked for, and it wrote `PATH.PID` while `PATH` kept the
 /// wrapper's few milliseconds.
-fn open(template: &str, forked: bool) -> Result<i32, String> {
+fn open(template: &str, forked: bool) -> Result<(i32, String), String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
     if options::names_pid(template) {
-        return replace(&path);
+        return replace(path);
     }
     if forked {
-        return replace(&format!("{path}.{pid}"));
+        return replace(format!("{path}.{pid}"));
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
     if locked_by_another(fd) {
         let before_exec = header_pid(&path) == Some(pid);
         close(fd);
-        return replace(&if before_exec { path } else { format!("{path}.{pid}") });
+        return replace(if before_exec { path } else { format!("{path}.{pid}") });
     }
     // SAFETY: truncating a file we opened for writing.
     unsafe { libc::ftruncate(fd, 0) };
-    Ok(fd)
+    Ok((fd, path))
 }
 
 /// The pid in the header of the trace at `path`, if it is one.
@@ -164,8 +172,8 @@ fn header_pid(path: &str) -> Option<u32> {
 }
 
 /// A new, empty, locked file at `path`, replacing a regular file there (see [`open`]).
-fn replace(path: &str) -> Result<i32, String> {
-    if let Ok(c) = std::ffi::CString::new(path) {
+fn replace(path: String) -> Result<(i32, String), String> {
+    if let Ok(c) = std::ffi::CString::new(path.as_str()) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
@@ -175,10 +183,10 @@ fn replace(path: &str) -> Result<i32, String> {
             unsafe { libc::unlink(c.as_ptr()) };
         }
     }
-    let fd = sink::open_path(path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
+    let fd = sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
     // A new file: the lock is ours, for the next process to find.
     locked_by_another(fd);
-    Ok(fd)
+    Ok((fd, path))
 }
 
 /// Takes `fd`'s file lock without waiting; `true` when another open file (another process's
@@ -365,7 +373,12 @@ impl Writer {
             if st.ended || gone {
                 leave(&[st.fd, socket]);
             }
-            let timeout = if drained > 0 || socket < 0 {
+            let timeout = if socket < 0 {
+                // Nothing can wake us: look again at once while the program keeps the queue
+                // busy (sleeping a whole interval after a full queue dropped half of a busy
+                // run's events), and often enough when it is quiet that a burst finds room.
+                if drained > 0 { 1 } else { interval.min(IDLE_POLL_MS) }
+            } else if drained > 0 {
                 interval
             } else if ring.go_idle() {
                 -1
@@ -398,23 +411,27 @@ impl Writer {
     /// forks the writer process for this process.
     fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
         let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
-        let trace_fd = open(&self.template, forked)?;
-        let ring: &'static Ring = match Ring::new_shared(QUEUE_SLOTS) {
-            Some(r) => Box::leak(Box::new(r)),
-            None => {
-                close(trace_fd);
-                return Err("cannot map the trace queue".into());
-            }
+        let (trace_fd, path) = open(&self.template, forked)?;
+        // A writer that cannot start leaves no empty trace behind.
+        let give_up = |fds: &[i32], why: String| {
+            fds.iter().for_each(|&fd| close(fd));
+            let _ = std::fs::remove_file(&path);
+            Err(why)
         };
-        self.ring.store(ring as *const Ring as *mut Ring, Ordering::Release);
         let mut fds = [-1; 2];
         // SAFETY: socketpair writes two descriptors into the array.
         if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } != 0
         {
-            close(trace_fd);
-            return Err(format!("cannot make the writer's socket: {}", std::io::Error::last_os_error()));
+            let error = std::io::Error::last_os_error();
+            return give_up(&[trace_fd], format!("cannot make the writer's socket: {error}"));
         }
         let (ours, its) = (fds[0], fds[1]);
+        let Some(ring) = Ring::new_shared(QUEUE_SLOTS) else {
+            return give_up(&[trace_fd, ours, its], "cannot map the trace queue".into());
+        };
+        // Shared with the writer process for as long as this process lives (unmapped by
+        // nothing, not even should the fork below fail).
+        let ring: &'static Ring = Box::leak(Box::new(ring));
         let child = raw_fork();
         if child == 0 {
             if raw_fork() == 0 {
@@ -422,12 +439,12 @@ impl Writer {
             }
             leave(&[]);
         }
+        if child < 0 {
+            let error = std::io::Error::last_os_error();
+            return give_up(&[trace_fd, ours, its], format!("cannot start the trace writer: {error}"));
+        }
         close(its);
         close(trace_fd);
-        if child < 0 {
-            close(ours);
-            return Err(format!("cannot start the trace writer: {}", std::io::Error::last_os_error()));
-        }
         // SAFETY: reaps the short-lived middle process, our child, which only `__WALL` waits
         // for (a thread of the program's that waits for any child with it may reap it first:
         // then this fails, harmlessly).
@@ -443,20 +460,21 @@ impl Writer {
             WAKE_INODE.store(st.st_ino, Ordering::Relaxed);
         }
         WAKE_FD.store(ours, Ordering::Release);
+        self.ring.store(ring as *const Ring as *mut Ring, Ordering::Release);
+        self.traced_pid.store(header.pid, Ordering::Relaxed);
         Ok(ring)
     }
 
-    /// At exit: the end message, then wait (bounded) for the writer to close its end. The
-    /// last statistics are the caller's to queue first. Returns whether this process had a
-    /// trace to finish.
-    pub(crate) fn finish(&self) -> bool {
+    /// At exit: the last statistics `stats` and the end message, then wait (bounded) for the
+    /// writer to close its end. Returns whether this process had a trace to finish.
+    pub(crate) fn finish(&self, stats: &HeapStats) -> bool {
         self.spy.set_ring(None);
         let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
         // SAFETY: only `launch` stores here: null or a leaked ring.
         let Some(ring) = (unsafe { self.ring.swap(core::ptr::null_mut(), Ordering::AcqRel).as_ref() }) else {
             return false;
         };
-        self.end_and_wait(fd, ring);
+        self.end_and_wait(fd, ring, stats);
         if let Some((errno, written)) = ring.write_error() {
             let error = std::io::Error::from_raw_os_error(errno);
             sink::write(
@@ -466,20 +484,32 @@ impl Writer {
         true
     }
 
-    /// Queues the end message and waits (bounded) for the writer to have written it.
-    fn end_and_wait(&self, fd: i32, ring: &Ring) {
+    /// Queues the last statistics and the end message, and waits (bounded) for the writer to
+    /// have written them.
+    fn end_and_wait(&self, fd: i32, ring: &Ring, stats: &HeapStats) {
+        let stats = message::stats(stats);
         let end = message::end(self.spy.elapsed_ns());
-        let mut tries = 0;
-        while !ring.push_one(&end).queued() && tries < 1000 {
-            // A full queue: the writer is draining it.
-            tries += 1;
-            let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
-            // SAFETY: nanosleep with a valid request.
-            unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
-        }
+        // A full queue: the writer is draining it. A second at most, for room for both
+        // (each is pushed once: a push that finds no room counts as a lost event).
+        let mut waited_ms = 0;
+        let mut wait_for_room = |slots: usize| {
+            while !ring.has_room(slots) && waited_ms < 1000 {
+                waited_ms += 1;
+                if is_our_socket(fd) {
+                    os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+                }
+                let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+                // SAFETY: nanosleep with a valid request.
+                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+            }
+        };
+        wait_for_room(slots_for(stats.len()));
+        ring.push(&stats, &[]);
+        wait_for_room(1);
+        ring.push_one(&end);
         if !is_our_socket(fd) {
-            // The program closed our socket: the writer drains the queue on its own every
-            // `stats_interval_ms`, and marks the end done once it is written.
+            // The program closed our socket: the writer drains the queue on its own (every
+            // `IDLE_POLL_MS` at most), and marks the end done once it is written.
             let claimed = ring.claimed();
             let limit = (2 * self.interval_ms).clamp(1000, FINISH_WAIT_MS as u64);
             let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
@@ -563,9 +593,10 @@ impl Writer {
             close(fd);
         }
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
+        let parent = self.traced_pid.load(Ordering::Relaxed);
         match self.launch(true) {
             Ok(ring) => {
-                self.spy.send_inherited(ring);
+                self.spy.send_inherited(ring, parent);
                 self.spy.set_ring(Some(ring));
             }
             Err(e) => {
@@ -660,6 +691,7 @@ pub(crate) fn start(
         header,
         interval_ms: stats_interval_ms.max(1),
         ring: AtomicPtr::new(core::ptr::null_mut()),
+        traced_pid: AtomicU32::new(0),
     };
     let writer: &'static Writer = Box::leak(Box::new(writer));
     if WRITER.set(writer).is_err() {
@@ -680,10 +712,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("t.%p.trace");
         let template = template.to_str().unwrap();
-        let before_exec = open(template, false).unwrap();
+        let before_exec = open(template, false).unwrap().0;
         assert!(os::write_all(before_exec, b"old image's header and events"));
         // The image after exec opens the same path (same pid) and writes its trace ...
-        let after_exec = open(template, false).unwrap();
+        let after_exec = open(template, false).unwrap().0;
         assert!(os::write_all(after_exec, b"new"));
         // ... while the old image's writer flushes its last events.
         assert!(os::write_all(before_exec, b" and the last ones"));
@@ -699,23 +731,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("shared.trace");
         let template = template.to_str().unwrap();
-        let first = open(template, false).unwrap();
+        let first = open(template, false).unwrap().0;
         assert!(os::write_all(first, b"first"));
         // A second process (an exec'd child) finds the path locked: it takes PATH.PID.
-        let second = open(template, false).unwrap();
+        let (second, second_path) = open(template, false).unwrap();
         assert!(os::write_all(second, b"second"));
         let own = format!("{template}.{}", os::getpid());
+        assert_eq!(second_path, own);
         assert_eq!(std::fs::read(template).unwrap(), b"first");
         assert_eq!(std::fs::read(&own).unwrap(), b"second");
         // Once the first writer is done, the path is free for the next run, and truncated.
         close(first);
         close(second);
-        let third = open(template, false).unwrap();
+        let third = open(template, false).unwrap().0;
         assert!(os::write_all(third, b"3"));
         close(third);
         assert_eq!(std::fs::read(template).unwrap(), b"3");
         // A forked child takes PATH.PID even when PATH is free: its parent's trace is there.
-        let child = open(template, true).unwrap();
+        let child = open(template, true).unwrap().0;
         assert!(os::write_all(child, b"child"));
         close(child);
         assert_eq!(std::fs::read(template).unwrap(), b"3");
