@@ -74,6 +74,15 @@ fn map_anonymous(len: usize, flags: c_int) -> Option<NonNull<u8>> {
     if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
 }
 
+/// Unmaps `len` bytes at `start`, a mapping of [`map`]'s.
+///
+/// # Safety
+/// Nothing uses the range any more.
+pub(crate) unsafe fn unmap(start: NonNull<u8>, len: usize) {
+    // SAFETY: the system call, as in `map_anonymous`; the caller gives up the range.
+    unsafe { libc::syscall(libc::SYS_munmap, start.as_ptr(), len) };
+}
+
 static PAGE_SIZE: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether the page holding `addr` is mapped (`mincore` fails with ENOMEM on a hole).

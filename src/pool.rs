@@ -204,6 +204,23 @@ fn carve(size: usize) -> Option<NonNull<u8>> {
     NonNull::new(arena.as_ptr().wrapping_add(at))
 }
 
+/// Whether `bytes` more could be leased now: the current arena has that much left to carve,
+/// or the kernel would map that much more (a mapping made and unmapped at once, untouched).
+/// Only a limited address space (`ulimit -v`) or a strict commit limit says no.
+pub(crate) fn has_room(bytes: usize) -> bool {
+    {
+        let _guard = CARVE.lock();
+        let n = ARENAS_LEN.load(Ordering::Relaxed);
+        if n > 0 && ARENA_LEN[n - 1].load(Ordering::Relaxed).saturating_sub(CARVED.load(Ordering::Relaxed)) >= bytes {
+            return true;
+        }
+    }
+    let Some(room) = os::map(bytes) else { return false };
+    // SAFETY: the mapping was made just above, and nothing else knows of it.
+    unsafe { os::unmap(room, bytes) };
+    true
+}
+
 /// Whether `[start, end)` overlaps memory of the pool.
 pub(crate) fn owns(start: u64, end: u64) -> bool {
     (0..ARENAS_LEN.load(Ordering::Acquire)).any(|i| {

@@ -42,8 +42,21 @@ static REPORTED: AtomicBool = AtomicBool::new(false);
 static MALLOC_ELSEWHERE: OnceLock<String> = OnceLock::new();
 
 fn say(message: &str) {
-    let line = format!("mallocspy: {message}\n");
-    sink::to_stderr(line.as_bytes());
+    // Put together on the stack, not formatted: the line may be the one that says memory ran
+    // out (under `ulimit -v`), and a failed allocation aborts the program.
+    let mut line = [0u8; 1024];
+    let parts = [b"mallocspy: ".as_slice(), message.as_bytes(), b"\n"];
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    if len > line.len() {
+        parts.iter().for_each(|p| sink::to_stderr(p));
+        return;
+    }
+    let mut at = 0;
+    for part in parts {
+        line[at..at + part.len()].copy_from_slice(part);
+        at += part.len();
+    }
+    sink::to_stderr(&line[..at]);
 }
 
 fn leak<T>(value: T) -> &'static T {
@@ -422,6 +435,14 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
         sink::write(
             b"mallocspy: this process was forked while another thread held the dynamic loader's lock; \
               asking the loader would wait forever, so no leak report\n",
+        );
+        return leaks::Summary::default();
+    }
+    if !leaks::room_for_check(tracker.memory().live_blocks as usize) {
+        // A line with nothing to format: formatting would allocate.
+        sink::write(
+            b"mallocspy: the leak check needs more memory than this process may map \
+              (its address-space limit, ulimit -v, or the system's commit limit); no leak report\n",
         );
         return leaks::Summary::default();
     }

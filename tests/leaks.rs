@@ -559,6 +559,61 @@ fn the_newest_block_lost_is_definitely_lost_whatever_its_size() {
     }
 }
 
+/// Under an address-space limit (`ulimit -v`) that lets the program run, mallocspy never makes
+/// it fail: a limit too low for the spies or for the exit's check is one line, the program's
+/// status its own. Under 10 MB, the check's first table did not fit and the program aborted
+/// at its exit.
+#[test]
+fn under_any_address_space_limit_the_program_runs_as_natively() {
+    use std::os::unix::process::CommandExt;
+    let program = c_program("lose_one.c");
+    let limited = |mib: u64, preload: bool| {
+        let mut cmd = Command::new(&program);
+        cmd.arg("100");
+        if preload {
+            cmd.env("LD_PRELOAD", shim());
+        }
+        // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
+        unsafe {
+            cmd.pre_exec(move || {
+                let lim = libc::rlimit { rlim_cur: mib << 20, rlim_max: mib << 20 };
+                libc::setrlimit(libc::RLIMIT_AS, &lim);
+                Ok(())
+            })
+        };
+        cmd.output().unwrap()
+    };
+    let mut reports = 0;
+    for mib in (4..=48).step_by(2) {
+        if limited(mib, false).status.code() != Some(0) {
+            continue;
+        }
+        let out = limited(mib, true);
+        let stderr = text(&out.stderr);
+        if stderr.contains("error while loading shared libraries") {
+            // The loader did not fit the C library in beside the shim, before any code of
+            // mallocspy's ran: the price of its size, at a few megabytes of limit.
+            continue;
+        }
+        // Or not even the shim: it says so and runs the program without it.
+        assert_eq!(out.status.code(), Some(0), "ulimit -v {}: {stderr}", mib << 10);
+        if stderr.contains("LEAK SUMMARY") {
+            reports += 1;
+        } else {
+            let lines: Vec<&str> = stderr.lines().collect();
+            assert_eq!(lines.len(), 1, "ulimit -v {}: {stderr}", mib << 10);
+            assert!(
+                lines[0].ends_with("no leak report")
+                    || lines[0].ends_with("running unspied")
+                    || lines[0].contains("cannot be preloaded"),
+                "ulimit -v {}: {stderr}",
+                mib << 10
+            );
+        }
+    }
+    assert!(reports > 0, "with 48 MiB, the report");
+}
+
 /// Blocks lost by the program's last calls are definitely lost, as memcheck says, though the
 /// program scrubs nothing: the check scans the exiting thread from its first live frame of the
 /// program (`_start`'s, once `main` has returned), not through `exit`'s frames, whose unwritten

@@ -160,6 +160,15 @@ fn live_frames_start(caller: &Caller) -> Option<u64> {
     }
 }
 
+/// Whether mallocspy's pool can supply what a check of `blocks` live blocks may need: its
+/// tables (a few words a block), the roots' words, the report, and the modules' debug
+/// information that names its frames. Under a low address-space limit set before the program
+/// started (`ulimit -v`, where the pool reserves little at a time) or a strict commit limit,
+/// a check that ran out of memory aborted the program at its exit; now it is not run.
+pub(crate) fn room_for_check(blocks: usize) -> bool {
+    crate::pool::has_room((16 << 20) + blocks.saturating_mul(128))
+}
+
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
 /// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
 pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stacks: bool, caller: Caller) -> LeakReport {
