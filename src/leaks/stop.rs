@@ -213,11 +213,11 @@ fn status_field<'a>(status: &'a [u8], name: &[u8]) -> Option<&'a [u8]> {
 
 /// Whether the tracer's `clone` may kill the process: under a seccomp filter that the program
 /// (or its launcher) installed unprivileged, with `no_new_privs` set, as Chromium's and
-/// Firefox's sandboxes and systemd's `SystemCallFilter=` for a service with a `User=` do. Such a filter's action for
-/// a `clone` that makes no thread is often to kill, and no trial call can tell without dying
-/// of it. The filters a container runtime installs (Docker's, Podman's profiles) refuse with
-/// an errno, which the tracer survives, and are installed without `no_new_privs`. A status
-/// that cannot be read counts as such a filter.
+/// Firefox's sandboxes do, and systemd's `SystemCallFilter=` for a service with a `User=`.
+/// Such a filter's action for a `clone` that makes no thread is often to kill, and no trial
+/// call can tell without dying of it. The filters a container runtime installs (Docker's,
+/// Podman's profiles) refuse with an errno, which the tracer survives, and are installed
+/// without `no_new_privs`. A status that cannot be read counts as such a filter.
 fn tracer_may_be_killed() -> bool {
     // The tracer inherits the calling thread's filters.
     let status = std::fs::read("/proc/thread-self/status").or_else(|_| std::fs::read("/proc/self/status"));

@@ -733,9 +733,9 @@ impl TickSpy {
     }
 
     /// Child side of `fork`, its writer started on `ring`: the sampled blocks it inherited from
-    /// `parent` (the process whose trace holds their stacks) go first in its trace, so that their frees match and its live heap is whole. A sample
-    /// keeps no stack: their stacks are in the parent's trace. The queue may fill here (a
-    /// server's heap may hold tens of thousands of samples), and the child waits for room
+    /// `parent` go first in its trace, so that their frees match and its live heap is whole. A
+    /// sample keeps no stack: their stacks are in the parent's trace. The queue may fill here
+    /// (a server's heap may hold tens of thousands of samples), and the child waits for room
     /// rather than drop them: a second at most in all, should its writer not drain.
     pub(crate) fn send_inherited(&self, ring: &Ring, parent: u32) {
         let mut waited_ms = 0;

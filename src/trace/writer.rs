@@ -3,10 +3,11 @@
 //!
 //! Not a thread: a second thread in the program, even one asleep, turns glibc's malloc from
 //! its single-thread fast path to locking every call (a quarter more time on a one-thread
-//! allocation loop). The writer is forked twice at start-up, so that the program never sees
-//! it as its child: no `SIGCHLD`, nothing for its `wait` (one fork with no exit signal hides
-//! it from `wait` but not from `__WALL`: a preloaded `strace`, which waits so, waited for it
-//! forever). It runs in a session of its own (a `^C` at the terminal does not cut the trace
+//! allocation loop). The writer is forked twice at start-up, with no exit signal, so that the
+//! program never sees it as its child: no `SIGCHLD`, nothing for its `wait` (one fork with no
+//! exit signal hides it from `wait` but not from `__WALL`: a preloaded `strace`, which waits
+//! so, waited for it forever; the middle process, reaped at once, sent a `SIGCHLD` while it
+//! had an exit signal). It runs in a session of its own (a `^C` at the terminal does not cut the trace
 //! short), with every descriptor but the trace file and its end of a socket pair closed (a
 //! program's reader waiting for end of file on a pipe is not kept waiting). The queue lives
 //! in shared memory ([`super::ring`]).
@@ -21,8 +22,9 @@
 //! (shared memory outlives the program) and leaves: a crash loses nothing already queued.
 //! A program can also close the socket itself (daemons and `closefrom`-style loops close
 //! every descriptor they did not open): then the queue is still mapped in the program, and
-//! the writer, unable to be woken, drains it every `stats_interval_ms` until the program has
-//! gone (it no longer maps the queue: it exited, or `exec`'d).
+//! the writer, unable to be woken, drains it on its own (at once again while messages come,
+//! else every [`IDLE_POLL_MS`] at most) until the program has gone (it no longer maps the
+//! queue: it exited, or `exec`'d).
 
 use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::collections::HashSet;
