@@ -59,7 +59,7 @@ impl Symbols {
     /// Resolves every frame of every stack, opening each module's files once.
     pub fn resolve(profile: &Profile, progress: &mut Progress) -> Symbols {
         // Names as shown: a trace's paths and a file's symbols may hold anything.
-        let module_names: Vec<String> = profile.modules.iter().map(|m| printable(file_name(&m.path))).collect();
+        let module_names: Vec<String> = profile.modules.iter().map(|m| shown_file_name(&m.path)).collect();
         let mut frames: Vec<RawFrame> = profile.stacks.iter().flat_map(|s| s.frames.iter().copied()).collect();
         let file_of = files_of(&profile.modules);
         frames.sort_unstable_by_key(|f| (f.module.map(|m| file_of[m]), f.address, f.module));
@@ -150,6 +150,21 @@ impl Location {
 /// The last component of a path.
 fn file_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
+}
+
+/// The longest file name a Linux file system holds (`NAME_MAX`).
+const NAME_MAX: usize = 255;
+
+/// A module's file name as frames show it (`name+0xOFFSET`): printable, and cut at
+/// [`NAME_MAX`] bytes. A longer one comes from a damaged or crafted trace, and repeated in
+/// each of its frames' names it made a 318 KB trace of 4 KiB names need 2.5 GB.
+fn shown_file_name(path: &str) -> String {
+    let name = printable(file_name(path));
+    if name.len() <= NAME_MAX {
+        return name;
+    }
+    let cut = (0..=NAME_MAX).rev().find(|&i| name.is_char_boundary(i)).unwrap_or(0);
+    format!("{}…", &name[..cut])
 }
 
 /// One module's debug information.
@@ -313,6 +328,15 @@ mod tests {
             module("/nonexistent/lib.so".into(), b""),
         ];
         assert_eq!(files_of(&modules), [0, 0, 2, 3, 3]);
+    }
+
+    #[test]
+    fn a_file_name_longer_than_a_file_system_holds_is_cut() {
+        assert_eq!(shown_file_name("/usr/lib/libc.so.6"), "libc.so.6");
+        let long = format!("/lib/{}", "é".repeat(200));
+        let shown = shown_file_name(&long);
+        assert_eq!(shown, format!("{}…", "é".repeat(127)));
+        assert!(shown.len() <= NAME_MAX + '…'.len_utf8());
     }
 
     #[test]
