@@ -11,9 +11,9 @@ use std::sync::OnceLock;
 
 use super::text::path_shown;
 
-/// A trace's bytes, mapped or read.
+/// A trace's bytes, mapped (up to where its data ends) or read.
 pub enum TraceBytes {
-    Mapped(memmap2::Mmap),
+    Mapped(memmap2::Mmap, usize),
     Read(Vec<u8>),
 }
 
@@ -22,7 +22,7 @@ impl Deref for TraceBytes {
 
     fn deref(&self) -> &[u8] {
         match self {
-            TraceBytes::Mapped(map) => map,
+            TraceBytes::Mapped(map, data_end) => &map[..*data_end],
             TraceBytes::Read(bytes) => bytes,
         }
     }
@@ -58,12 +58,37 @@ pub fn load(path: &Path) -> io::Result<Loaded> {
         // what the reader reads is then what the file holds (a trace still being written is
         // read up to where it was), and a page past a new, shorter end raises SIGBUS, which
         // `on_shrink` turns into one line and status 1.
-        let bytes = TraceBytes::Mapped(unsafe { memmap2::Mmap::map(&file)? });
+        let map = unsafe { memmap2::Mmap::map(&file)? };
+        let bytes = TraceBytes::Mapped(map, data_end(&file, meta.len()) as usize);
         return Ok(Loaded { bytes, being_written });
     }
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
     Ok(Loaded { bytes: TraceBytes::Read(bytes), being_written })
+}
+
+/// Where a regular file's data ends: where a hole starts that runs to its end (the unwritten
+/// tail of a file cut short by a crash, or one made longer with `truncate -s`), else its
+/// length `len`. The reader would find the hole's zeros one mapped page at a time: a 20 GB
+/// hole took 101 s.
+fn data_end(file: &File, len: u64) -> u64 {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let mut at: libc::off_t = 0;
+    loop {
+        // SAFETY: lseek on a descriptor `file` owns; the mapping does not use its offset.
+        let hole = unsafe { libc::lseek(fd, at, libc::SEEK_HOLE) };
+        if hole < 0 || hole as u64 >= len {
+            return len;
+        }
+        // SAFETY: as above.
+        let data = unsafe { libc::lseek(fd, hole, libc::SEEK_DATA) };
+        if data < 0 {
+            // ENXIO: no data after the hole. Any other error: read it all.
+            return if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) { hole as u64 } else { len };
+        }
+        at = data;
+    }
 }
 
 /// Whether a trace writer holds `file`: mallocspy's writer keeps an exclusive `flock` on its
