@@ -266,6 +266,20 @@ fn a_trace_on_the_standard_input_reports_and_odd_paths_stay_on_one_line() {
     assert_eq!(lines.len(), 1, "{lines:?}");
     assert!(lines[0].starts_with("mallocspy report: warning: standard input is cut at offset "), "{lines:?}");
 
+    // The trace on the standard input is not replaced by its report either.
+    let path = write(dir.path(), "kept.trace", &whole);
+    let out = Command::new(env!("CARGO_BIN_EXE_mallocspy"))
+        .args(["report", "-o", path.to_str().unwrap(), "-"])
+        .stdin(std::fs::File::open(&path).unwrap())
+        .output()
+        .expect("runs");
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        stderr_lines(&out),
+        [format!("mallocspy report: {}: this is the trace being reported; give another --output", path.display())]
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), whole);
+
     let odd = write(dir.path(), "bad\nname.trace", b"not a trace");
     let out = mallocspy(&[odd.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));

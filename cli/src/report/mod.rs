@@ -201,13 +201,12 @@ fn write_output(file: &Path, trace: &Path, bytes: &[u8]) -> Result<(), String> {
     std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", path_shown(file)))
 }
 
-/// Refuses an `--output` that is the trace itself (by another name too): the report would
-/// replace the only copy of the recording.
+/// Refuses an `--output` that is the trace itself (by another name too, or as the standard
+/// input: `report -o t.trace - < t.trace`): the report would replace the only copy of the
+/// recording.
 fn refuse_the_trace(file: &Path, trace: &Path) -> Result<(), String> {
     use std::os::unix::fs::MetadataExt;
-    if trace == Path::new(input::STDIN) {
-        return Ok(());
-    }
+    let trace = if trace == Path::new(input::STDIN) { Path::new("/proc/self/fd/0") } else { trace };
     match (std::fs::metadata(file), std::fs::metadata(trace)) {
         (Ok(out), Ok(input)) if (out.dev(), out.ino()) == (input.dev(), input.ino()) => {
             Err(format!("{}: this is the trace being reported; give another --output", path_shown(file)))
