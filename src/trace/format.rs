@@ -776,9 +776,7 @@ impl<'a> Reader<'a> {
             }));
         }
         let payload = start + 1 + len_field.at;
-        // A record that reaches into the unwritten pages is cut there: their zeros would read
-        // as its fields, or fail to.
-        let end = (payload as u64).checked_add(len).filter(|&e| e <= self.written_end as u64);
+        let end = (payload as u64).checked_add(len).filter(|&e| e <= self.bytes.len() as u64);
         let Some(end) = end else {
             self.truncated = Some(start as u64);
             return None;
@@ -797,6 +795,7 @@ impl Iterator for Reader<'_> {
             return None;
         }
         loop {
+            let start = self.at;
             let result = match self.raw()? {
                 Ok((tag, mut f)) => read_event(tag, &mut f).and_then(|e| {
                     if e.is_some() && f.at != f.bytes.len() {
@@ -810,7 +809,14 @@ impl Iterator for Reader<'_> {
             match result {
                 Ok(Some(event)) => return Some(Ok(event)),
                 Ok(None) => continue,
-
+                // A record that reaches into the unwritten pages and does not read (their
+                // zeros taken for its last fields) was never written whole: the file is cut
+                // there. One that reads is taken: a whole record's last bytes may be zeros past
+                // a page boundary too.
+                Err(_) if self.at > self.written_end => {
+                    self.truncated = Some(start as u64);
+                    return None;
+                }
                 Err(e) => {
                     self.failed = true;
                     return Some(Err(e));
@@ -937,8 +943,9 @@ mod tests {
     }
 
     /// A crash leaves the pages it did not write as zeros, from a page boundary on, which may
-    /// fall inside a record: the file is cut at that record (its zeros read as "a record
-    /// longer than its fields", or as fields). A record of its own ending in zeros is read.
+    /// fall inside a record: the file is cut at that record where its zeros do not read as its
+    /// fields (they read as "a record longer than its fields"), and nothing before it is lost.
+    /// A whole record whose own last bytes are zeros past the boundary is read.
     #[test]
     fn unwritten_pages_from_inside_a_record_cut_the_file_at_that_record() {
         let (whole, events) = sample_file();
@@ -968,10 +975,24 @@ mod tests {
                 file.resize(WRITTEN_PAGE * 3, 0);
                 let mut reader = Reader::new(&file).unwrap();
                 let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
-                assert_eq!(read, events[..i], "unwritten from {into} bytes into record {i}");
-                assert_eq!(reader.truncated(), Some(record_at as u64));
+                let at = format!("unwritten from {into} bytes into record {i}");
+                assert_eq!(read[..i], events[..i], "{at}");
+                // Cut at the record, or (its zeroed fields read as numbers) after it.
+                let cut_at = if read.len() == i { record_at } else { record_at + next - record };
+                assert!(read.len() <= i + 1, "{at}");
+                assert_eq!(reader.truncated(), Some(cut_at as u64), "{at}");
             }
         }
+        // A whole last record whose last byte, a zero, is past a page boundary: read.
+        let mut file = whole[..header_end].to_vec();
+        let mut exit = Vec::new();
+        write_event(&mut exit, &Event::ThreadExit { time_ns: 5, thread: 0 });
+        assert_eq!(exit.last(), Some(&0));
+        file.extend(filler(WRITTEN_PAGE - (exit.len() - 1) - header_end));
+        file.extend(&exit);
+        let mut reader = Reader::new(&file).unwrap();
+        let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        assert_eq!((read, reader.truncated()), (vec![Event::ThreadExit { time_ns: 5, thread: 0 }], None));
         // Zeros that end a written page are data: a last record ending in them is read.
         let mut file = whole.clone();
         file.extend(filler(WRITTEN_PAGE - whole.len()));
