@@ -17,6 +17,7 @@
 //! | `sample_seed` | a number | from the clock | seeds the poisson gaps (for reproducible runs) |
 //! | `trace` | a path; `%p` is the process id | none | the trace file of `ticks` |
 //! | `stats_interval_ms` | 1-60000 | 100 | least time between heap statistics events (taken at a sample) |
+//! | `stop_threads` | `auto`, `ptrace`, `signal` | `auto` | how a leak check stops the other threads (see [`StopThreads`]) |
 //!
 //! With `MALLOCSPY_OPTIONS` unset the shim tracks leaks, as a preloaded LeakSanitizer does.
 //! Any unknown key or bad value is reported in one line and the program runs unspied.
@@ -53,6 +54,20 @@ pub enum ReportFormat {
     Json,
 }
 
+/// How a leak check stops the program's other threads while it scans their stacks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StopThreads {
+    /// With ptrace, unless the calling thread runs under a seccomp filter installed with
+    /// `no_new_privs` (a sandbox's, which may kill the process at the tracer's `clone`).
+    #[default]
+    Auto,
+    /// With ptrace where the kernel allows it (a filter that refuses `clone` or `ptrace` with
+    /// an error falls back to the signal; one that kills, kills).
+    Ptrace,
+    /// With a signal: a `sleep`, `poll` or `read` a thread is in returns early with EINTR.
+    Signal,
+}
+
 /// Parsed `MALLOCSPY_OPTIONS`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -86,6 +101,8 @@ pub struct Options {
     pub trace: Option<String>,
     /// Period of the heap statistics events.
     pub stats_interval_ms: u64,
+    /// How a leak check stops the other threads.
+    pub stop_threads: StopThreads,
 }
 
 impl Default for Options {
@@ -106,6 +123,7 @@ impl Default for Options {
             sample_seed: None,
             trace: None,
             stats_interval_ms: 100,
+            stop_threads: StopThreads::Auto,
         }
     }
 }
@@ -130,7 +148,7 @@ pub enum OptionsError {
 
 const KEYS: &str = "spy, log_path, report_format, show_reachable, show_below_main, report_on_signal, \
                     suppressions, exitcode, stack_depth, max_memory, sampling, sample_interval, sample_seed, \
-                    trace, stats_interval_ms";
+                    trace, stats_interval_ms, stop_threads";
 
 impl fmt::Display for OptionsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -206,6 +224,14 @@ impl Options {
                 "spy" => o.spies = parse_spies(value)?,
                 "log_path" if !value.is_empty() => o.log_path = Some(value.to_string()),
                 "log_path" => return Err(bad("log_path", "a file path")),
+                "stop_threads" => {
+                    o.stop_threads = match value {
+                        "auto" => StopThreads::Auto,
+                        "ptrace" => StopThreads::Ptrace,
+                        "signal" => StopThreads::Signal,
+                        _ => return Err(bad("stop_threads", "auto, ptrace or signal")),
+                    };
+                }
                 "report_format" => {
                     o.report_format = match value {
                         "text" => ReportFormat::Text,
@@ -340,6 +366,13 @@ mod tests {
         assert_eq!((o.sample_interval, o.sample_seed, o.stats_interval_ms), (512 << 10, Some(7), 20));
         assert_eq!(o.trace.as_deref(), Some("t.%p"));
         assert_eq!(Options::default().sample_interval, 102_400);
+        assert_eq!(Options::default().stop_threads, StopThreads::Auto);
+        assert_eq!(Options::parse("stop_threads=signal").unwrap().stop_threads, StopThreads::Signal);
+        assert_eq!(Options::parse("stop_threads=ptrace").unwrap().stop_threads, StopThreads::Ptrace);
+        assert_eq!(
+            Options::parse("stop_threads=gdb").unwrap_err().to_string(),
+            "bad value 'gdb' for stop_threads (expected auto, ptrace or signal)"
+        );
     }
 
     #[test]

@@ -95,6 +95,7 @@ fn register_spies() {
         // A pure pass-through: no reports, so no report file or copy of stderr either.
         return;
     }
+    leaks::stop::set_stop_threads(options.stop_threads);
     if let Some(owner) = malloc_served_elsewhere() {
         let _ = MALLOC_ELSEWHERE.set(owner);
     }

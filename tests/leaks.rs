@@ -302,6 +302,19 @@ fn a_sandboxed_program_keeps_its_status_and_report() {
         let s = &json_report(&out)["summary"];
         assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{how}: {s}");
     }
+    // A filter installed without `no_new_privs` (by root, as a system service's) looks like a
+    // container's: `auto` makes the tracer, and a kill on `clone` kills. `stop_threads=signal`
+    // is the way out.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let out = run(
+            Mode::Shim("report_format=json:stop_threads=signal"),
+            Command::new(&program).args(["root_kill_clone", "2"]),
+        );
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(3), "sandboxed\n"), "{}", text(&out.stderr));
+        let s = &json_report(&out)["summary"];
+        assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{s}");
+    }
 }
 
 /// Leak checks while other threads fork: a check that stopped a thread inside `fork`'s

@@ -10,11 +10,12 @@
 //! reserved before.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::roots::parse_hex;
 use super::tracer::{self, Tracer};
+use crate::options::StopThreads;
 use crate::os;
 
 /// What a stopped thread left: its registers, stack pointer and thread pointer.
@@ -226,6 +227,23 @@ fn tracer_may_be_killed() -> bool {
     set(b"Seccomp:") && set(b"NoNewPrivs:")
 }
 
+/// How checks stop the other threads (`stop_threads`), as [`StopThreads`] numbers it.
+static STOP_THREADS: AtomicU8 = AtomicU8::new(StopThreads::Auto as u8);
+
+/// Sets how checks stop the other threads from now on.
+pub(crate) fn set_stop_threads(how: StopThreads) {
+    STOP_THREADS.store(how as u8, Ordering::Relaxed);
+}
+
+/// Whether to stop the other threads with a tracer.
+fn use_tracer() -> bool {
+    match STOP_THREADS.load(Ordering::Relaxed) {
+        n if n == StopThreads::Signal as u8 => false,
+        n if n == StopThreads::Ptrace as u8 => true,
+        _ => !tracer_may_be_killed(),
+    }
+}
+
 /// How `signal` would reach thread `tid` of this process (a thread that has gone from
 /// `/proc` meanwhile is `Gone`).
 fn reach_thread(tid: u32, signal: c_int) -> Reach {
@@ -271,7 +289,7 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
     // or traced already makes it give up). None is made for a process of one thread, nor under
     // a sandbox's seccomp filter: one that kills on `clone` killed programs at exit.
     let all: Vec<u32> = targets.iter().chain(&unreachable).copied().collect();
-    let traced = if all.is_empty() || tracer_may_be_killed() {
+    let traced = if all.is_empty() || !use_tracer() {
         None
     } else {
         // SAFETY: the slots are read only through `Stopped::parked` until the tracer is
