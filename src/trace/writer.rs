@@ -23,8 +23,8 @@
 //! A program can also close the socket itself (daemons and `closefrom`-style loops close
 //! every descriptor they did not open): then the queue is still mapped in the program, and
 //! the writer, unable to be woken, drains it on its own (at once again while messages come,
-//! else every [`IDLE_POLL_MS`] at most) until the program has gone (it no longer maps the
-//! queue: it exited, or `exec`'d).
+//! every [`IDLE_POLL_MS`] for a while after, then every `stats_interval_ms`) until the
+//! program has gone (it no longer maps the queue: it exited, or `exec`'d).
 
 use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::collections::HashSet;
@@ -41,8 +41,10 @@ const QUEUE_SLOTS: usize = 1 << 15;
 /// Longest the program waits at exit for the writer to finish the trace.
 const FINISH_WAIT_MS: i32 = 10_000;
 /// How often a writer that the program can no longer wake (it closed the writer's socket:
-/// `closefrom`, a daemon closing every descriptor) looks at a quiet queue.
+/// `closefrom`, a daemon closing every descriptor) looks at a queue that just went quiet, for
+/// [`QUIET_POLLS`] looks; then every `stats_interval_ms`.
 const IDLE_POLL_MS: i32 = 10;
+const QUIET_POLLS: u32 = 10;
 
 /// The program's end of the socket pair to the writer (-1 without a writer), and its inode,
 /// to be sure the descriptor is still ours before writing to it (a program may close
@@ -370,16 +372,24 @@ impl Writer {
         // -1 once the program has closed its end but runs on: nothing can wake us then.
         let mut socket = socket;
         let mut gone = false;
+        // Drains in a row that found nothing, once the socket is closed.
+        let mut quiet = 0;
         loop {
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
                 leave(&[st.fd, socket]);
             }
+            quiet = if drained > 0 { 0 } else { quiet + 1 };
             let timeout = if socket < 0 {
                 // Nothing can wake us: look again at once while the program keeps the queue
                 // busy (sleeping a whole interval after a full queue dropped half of a busy
-                // run's events), and often enough when it is quiet that a burst finds room.
-                if drained > 0 { 1 } else { interval.min(IDLE_POLL_MS) }
+                // run's events), soon after it goes quiet, and then every interval: a daemon
+                // that sleeps for hours is not polled a hundred times a second.
+                match quiet {
+                    0 => 1,
+                    1..QUIET_POLLS => interval.min(IDLE_POLL_MS),
+                    _ => interval,
+                }
             } else if drained > 0 {
                 interval
             } else if ring.go_idle() {
@@ -398,7 +408,11 @@ impl Writer {
                 unsafe { libc::poll(&mut pfd, 1, timeout) };
             }
             if socket < 0 {
-                gone = !maps_queue(st.pid, ring.address());
+                // Only once the queue is quiet (a program that has gone adds nothing): reading
+                // its maps a thousand times a second would contend for its memory map's lock.
+                if quiet > 0 {
+                    gone = !maps_queue(st.pid, ring.address());
+                }
             } else if program_gone(socket) {
                 gone = !maps_queue(st.pid, ring.address());
                 if !gone {
