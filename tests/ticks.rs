@@ -327,6 +327,24 @@ fn starting_the_writer_sends_the_program_no_sigchld() {
     }
 }
 
+/// A program that is a child subreaper from its start (as init systems and container inits
+/// are) and reaps until it has no child left ends: the writer, orphaned by its middle process,
+/// came back to it as a child for `wait`, and it waited for it forever.
+#[test]
+fn a_subreaper_that_reaps_every_child_does_not_wait_for_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new(mallocspy())
+        .args(["record", "--output", dir.path().join("t.%p.trace").to_str().unwrap(), "--"])
+        .arg(c_program("subreaper.c"))
+        .args(["exec", "0"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(child, std::time::Duration::from_secs(30));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "reaped 0\n"), "{}", text(&out.stderr));
+}
+
 /// The writer's socket stays out of the program's way under a low descriptor limit, as the copy
 /// of stderr does: the program's first file is still descriptor 3.
 #[test]

@@ -214,6 +214,12 @@ fn raw_fork() -> i32 {
     unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_long, 0, 0, 0, 0) as i32 }
 }
 
+/// Reaps our child `pid`, whatever its exit signal.
+fn reap(pid: i32) -> i32 {
+    // SAFETY: waitpid with a null status pointer writes nothing.
+    unsafe { libc::waitpid(pid, core::ptr::null_mut(), libc::__WALL) }
+}
+
 fn close(fd: i32) {
     // SAFETY: closing a descriptor of ours.
     unsafe { libc::close(fd) };
@@ -448,9 +454,18 @@ impl Writer {
         // Shared with the writer process for as long as this process lives (unmapped by
         // nothing, not even should the fork below fail).
         let ring: &'static Ring = Box::leak(Box::new(ring));
+        // A process orphaned by the middle one goes to the nearest child subreaper, with
+        // SIGCHLD as its exit signal again: a subreaper's own writer then is its child for
+        // `wait`, and one that reaps until it has no child left waited for it forever. Its
+        // writer is forked once, and stays its child with no exit signal.
+        let subreaper = {
+            let mut flag: libc::c_int = 0;
+            // SAFETY: PR_GET_CHILD_SUBREAPER writes one int.
+            unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut flag) == 0 && flag != 0 }
+        };
         let child = raw_fork();
         if child == 0 {
-            if raw_fork() == 0 {
+            if subreaper || raw_fork() == 0 {
                 self.serve(&header, trace_fd, its, ring);
             }
             leave(&[]);
@@ -461,10 +476,10 @@ impl Writer {
         }
         close(its);
         close(trace_fd);
-        // SAFETY: reaps the short-lived middle process, our child, which only `__WALL` waits
-        // for (a thread of the program's that waits for any child with it may reap it first:
-        // then this fails, harmlessly).
-        unsafe { while libc::waitpid(child, core::ptr::null_mut(), libc::__WALL) < 0 && os::errno() == libc::EINTR {} }
+        // The short-lived middle process, our child, which only `__WALL` waits for (a thread
+        // of the program's that waits for any child with it may reap it first: then this
+        // fails, harmlessly).
+        while !subreaper && reap(child) < 0 && os::errno() == libc::EINTR {}
         // Out of the way of the descriptors the program numbers from the bottom up, however
         // low its limit.
         let ours = sink::move_high(ours);
