@@ -120,13 +120,13 @@ extern "C" fn malloc_first(size: usize) -> *mut c_void {
 
 /// [`malloc_first`], told where the call returns to.
 extern "C" fn malloc_first_for(size: usize, caller: u64) -> *mut c_void {
-    noted(next_heap().malloc_unresolved(size), size, Entry::Malloc, caller)
+    noted(next_heap().malloc_unresolved(size), size, Entry::Malloc, || caller)
 }
 
 /// The first `calloc`, and every `calloc` until a spy is registered.
 extern "C" fn calloc_first(nmemb: usize, size: usize) -> *mut c_void {
     let p = next_heap().calloc_unresolved(nmemb, size);
-    noted(p, nmemb.saturating_mul(size), Entry::Calloc, early::caller_of_hook())
+    noted(p, nmemb.saturating_mul(size), Entry::Calloc, early::caller_of_hook)
 }
 
 /// The first `realloc`, and every `realloc` until a spy is registered or while the arena is
@@ -146,7 +146,7 @@ unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void
             early::restore(ptr, old);
         }
     } else {
-        noted(p, size, Entry::Realloc, early::caller_of_hook());
+        noted(p, size, Entry::Realloc, early::caller_of_hook);
     }
     p
 }
@@ -163,10 +163,11 @@ unsafe extern "C" fn free_first(ptr: *mut c_void) {
 }
 
 /// `p`, noted as a block of `size` bytes from `entry` for `caller` while no spy is
-/// registered yet (see `early.rs`).
-fn noted(p: *mut c_void, size: usize, entry: Entry, caller: u64) -> *mut c_void {
+/// registered yet (see `early.rs`). The caller is found only then: the aligned family passes
+/// through here on every call.
+fn noted(p: *mut c_void, size: usize, entry: Entry, caller: impl FnOnce() -> u64) -> *mut c_void {
     if early::recording() && !bootstrap::contains(p) {
-        early::allocated(p, size, entry, caller);
+        early::allocated(p, size, entry, caller());
     }
     p
 }
@@ -535,11 +536,11 @@ unsafe impl Heap for NextHeap {
     }
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
-        noted(self.memalign_raw(align, size), size, Entry::Memalign, early::caller_of_hook())
+        noted(self.memalign_raw(align, size), size, Entry::Memalign, early::caller_of_hook)
     }
 
     fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
-        noted(self.aligned_alloc_raw(align, size), size, Entry::AlignedAlloc, early::caller_of_hook())
+        noted(self.aligned_alloc_raw(align, size), size, Entry::AlignedAlloc, early::caller_of_hook)
     }
 
     unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
@@ -547,17 +548,17 @@ unsafe impl Heap for NextHeap {
         let rc = unsafe { self.posix_memalign_raw(out, align, size) };
         if rc == 0 {
             // SAFETY: written on success.
-            noted(unsafe { *out }, size, Entry::PosixMemalign, early::caller_of_hook());
+            noted(unsafe { *out }, size, Entry::PosixMemalign, early::caller_of_hook);
         }
         rc
     }
 
     fn valloc(&self, size: usize) -> *mut c_void {
-        noted(self.valloc_raw(size), size, Entry::Valloc, early::caller_of_hook())
+        noted(self.valloc_raw(size), size, Entry::Valloc, early::caller_of_hook)
     }
 
     fn pvalloc(&self, size: usize) -> *mut c_void {
-        noted(self.pvalloc_raw(size), size, Entry::Pvalloc, early::caller_of_hook())
+        noted(self.pvalloc_raw(size), size, Entry::Pvalloc, early::caller_of_hook)
     }
 
     unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {

@@ -104,7 +104,7 @@ fn answers_within(timeout_ms: u64) -> bool {
     if ended {
         // SAFETY: no thread uses the mapping: none started, or the kernel cleared the id
         // after the thread's last use of its stack.
-        unsafe { libc::syscall(libc::SYS_munmap, stack.as_ptr(), STACK) };
+        unsafe { os::unmap(stack, STACK) };
     }
     ended
 }

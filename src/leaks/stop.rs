@@ -237,9 +237,11 @@ pub(crate) fn set_stop_threads(how: StopThreads) {
 
 /// Whether to stop the other threads with a tracer.
 fn use_tracer() -> bool {
+    const SIGNAL: u8 = StopThreads::Signal as u8;
+    const PTRACE: u8 = StopThreads::Ptrace as u8;
     match STOP_THREADS.load(Ordering::Relaxed) {
-        n if n == StopThreads::Signal as u8 => false,
-        n if n == StopThreads::Ptrace as u8 => true,
+        SIGNAL => false,
+        PTRACE => true,
         _ => !tracer_may_be_killed(),
     }
 }

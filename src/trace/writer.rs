@@ -7,9 +7,10 @@
 //! program never sees it as its child: no `SIGCHLD`, nothing for its `wait` (one fork with no
 //! exit signal hides it from `wait` but not from `__WALL`: a preloaded `strace`, which waits
 //! so, waited for it forever; the middle process, reaped at once, sent a `SIGCHLD` while it
-//! had an exit signal). It runs in a session of its own (a `^C` at the terminal does not cut the trace
-//! short), with every descriptor but the trace file and its end of a socket pair closed (a
-//! program's reader waiting for end of file on a pipe is not kept waiting). The queue lives
+//! had an exit signal). A child subreaper forks it once (see `launch`). It runs in a session
+//! of its own (a `^C` at the terminal does not cut the trace short), with every descriptor but
+//! the trace file and its end of a socket pair closed (a program's reader waiting for end of
+//! file on a pipe is not kept waiting). The queue lives
 //! in shared memory ([`super::ring`]).
 //!
 //! The hook path never writes, formats or waits: it queues messages. The writer drains the
