@@ -654,6 +654,11 @@ impl<H: Heap> Interposer<H> {
         Outcome::failed(err)
     }
 
+    /// Whether a spy is registered, or a revoked one still pending.
+    pub(crate) fn has_spy(&self) -> bool {
+        !self.registry.is_empty()
+    }
+
     /// Whether an allocation ever reached a registered spy. Every thread's first allocation
     /// under a spy comes this way, whatever the entry (the gate lets a thread through only
     /// once the spy has set it up here); none does when another module's malloc family comes

@@ -38,6 +38,9 @@ static BUILTINS: OnceLock<Builtins> = OnceLock::new();
 /// The process the reports belong to (a `vfork` child shares our memory but is not us).
 static OWNER: AtomicU32 = AtomicU32::new(0);
 static REPORTED: AtomicBool = AtomicBool::new(false);
+/// Whether the built-in spies were registered: only then do they report, and a forked child
+/// get a trace writer of its own.
+static BUILTINS_REGISTERED: AtomicBool = AtomicBool::new(false);
 /// Where `malloc` resolved at start, when not to mallocspy ([`bypassed_note`]).
 static MALLOC_ELSEWHERE: OnceLock<String> = OnceLock::new();
 
@@ -58,6 +61,10 @@ fn say(message: &str) {
     }
     sink::to_stderr(&line[..at]);
 }
+
+/// Why the built-in spies are not there: the program's spy came first (one at a time).
+const ALREADY_REGISTERED: &str =
+    "cannot register the built-in spies: the program registered a malloc spy first; running with that spy only";
 
 fn leak<T>(value: T) -> &'static T {
     Box::leak(Box::new(value))
@@ -94,6 +101,11 @@ fn register_spies() {
     if options.spies.is_empty() {
         // A pure pass-through: no reports, so no report file or copy of stderr either.
         return;
+    }
+    if GLOBAL.has_spy() {
+        // Asked before anything is made (a trace file, reports that would read as a clean
+        // bill: "0 allocs"): a library's constructor that ran before ours registered its own.
+        return say(ALREADY_REGISTERED);
     }
     leaks::stop::set_stop_threads(options.stop_threads);
     if let Some(owner) = malloc_served_elsewhere() {
@@ -177,15 +189,23 @@ fn register_spies() {
     }
     let alone = layers.len() == 1;
     let spy: &'static dyn MallocSpy = if alone { layers[0] } else { leak(SpyStack::new(layers)) };
-    if let Err(e) = global::register_static_here(spy) {
-        return say(&format!("cannot register the built-in spies: {e}"));
+    if global::register_static_here(spy).is_err() {
+        // Another thread registered a spy since `has_spy` was asked: end the trace begun.
+        if let (Some(spy), Some(w)) = (BUILTINS.get().and_then(|b| b.ticks), writer::writer()) {
+            w.finish(&spy.stats_now());
+        }
+        return say(ALREADY_REGISTERED);
     }
+    BUILTINS_REGISTERED.store(true, Ordering::Release);
     if let (Some(ticks), true) = (BUILTINS.get().and_then(|b| b.ticks), alone) {
         ticks.open_gate(&GLOBAL.gate);
     }
 }
 
 fn after_fork_child() {
+    if !BUILTINS_REGISTERED.load(Ordering::Acquire) {
+        return;
+    }
     sink::after_fork_child();
     OWNER.store(os::getpid(), Ordering::Relaxed);
     if let Some(b) = BUILTINS.get() {
@@ -255,9 +275,9 @@ fn bypassed_note() -> Option<String> {
 /// Said when the program revoked the built-in spies (`revoke_spy` in the C API): the reports
 /// cover only what came before.
 fn revoked_note() -> Option<String> {
-    GLOBAL.builtin_revoked().then(|| {
-        "the program revoked mallocspy's spies (revoke_spy): what it did afterwards is not in this report".to_string()
-    })
+    GLOBAL
+        .builtin_revoked()
+        .then(|| "the program revoked mallocspy's spies (revoke_spy): they saw nothing it did afterwards".to_string())
 }
 
 fn tick_config(options: &Options) -> ticks::Config {
@@ -363,7 +383,7 @@ fn report_all(caller: Caller) {
     if leaked > 0 {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
-    let Some(b) = BUILTINS.get() else { return };
+    let Some(b) = BUILTINS.get().filter(|_| BUILTINS_REGISTERED.load(Ordering::Acquire)) else { return };
     // A leak report carries these as notes (its JSON stays JSON); the other reports get a line.
     for note in bypassed_note().into_iter().chain(revoked_note()).filter(|_| b.leaks.is_none()) {
         sink::write(format!("mallocspy: {note}\n").as_bytes());

@@ -61,7 +61,9 @@ fn closing_the_programs_own_handle_is_not_refused() {
 }
 
 /// A program that revokes mallocspy's own spies gets reports that say so: the leak report
-/// listed the leak before the revoke and not the one after, as if that were all.
+/// listed the leak before the revoke and not the one after, as if that were all. The guard,
+/// which writes no report when it found nothing, gets the line too (it spoke of "this
+/// report").
 #[test]
 fn reports_say_when_the_program_revoked_the_built_in_spies() {
     let program = c_program("revoke_builtin.c");
@@ -70,10 +72,41 @@ fn reports_say_when_the_program_revoked_the_built_in_spies() {
     let report = text(&out.stderr);
     let json: serde_json::Value = serde_json::from_str(report.lines().find(|l| l.starts_with('{')).unwrap()).unwrap();
     assert_eq!(json["summary"]["definitely_lost"]["bytes"], 111, "{report}");
-    let said = "the program revoked mallocspy's spies (revoke_spy): what it did afterwards is not in this report";
+    let said = "the program revoked mallocspy's spies (revoke_spy): they saw nothing it did afterwards";
     assert_eq!(json["notes"], serde_json::json!([said]), "{report}");
     let out = run(Mode::Shim("spy=count"), &mut Command::new(&program));
     assert!(text(&out.stderr).contains(&format!("mallocspy: {said}\n")), "{}", text(&out.stderr));
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!(text(&out.stderr), format!("mallocspy: {said}\n"));
+}
+
+/// A library's constructor, run before the shim's, registered its own spy: the built-in
+/// spies, which cannot register then, make no trace file and print no report (they printed
+/// an empty one, "total heap usage: 0 allocs", or zero counts), only the line that says why.
+#[test]
+fn built_in_spies_that_cannot_register_say_so_and_report_nothing() {
+    let host = c_program("plugin_host.c");
+    let plugin = c_library("plugin.c");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.%p.trace");
+    for spies in ["spy=leaks", "spy=count", "spy=guard", &format!("spy=ticks:trace={}", trace.display())] {
+        let out = Command::new(&host)
+            .arg("preloaded")
+            .env("LD_PRELOAD", format!("{} {}", shim().display(), plugin.display()))
+            .env("PLUGIN_AUTOREGISTER", "1")
+            .env("MALLOCSPY_OPTIONS", spies)
+            .output()
+            .unwrap();
+        assert_eq!(text(&out.stdout), "spy saw 1000 mallocs\n", "{spies}: {}", text(&out.stderr));
+        assert_eq!(
+            text(&out.stderr),
+            "mallocspy: cannot register the built-in spies: the program registered a malloc spy first; \
+             running with that spy only\n",
+            "{spies}"
+        );
+        assert_eq!(out.status.code(), Some(0), "{spies}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no trace file");
 }
 
 #[test]
