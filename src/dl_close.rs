@@ -37,10 +37,11 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
     if let Some(closing) = closing {
         crate::leaks::unloaded::after_dlclose(closing);
     }
-    if status == 0
-        && let Some(writer) = crate::trace::writer::writer()
-    {
-        writer.after_unload();
+    if status == 0 {
+        crate::stacks::after_unload();
+        if let Some(writer) = crate::trace::writer::writer() {
+            writer.after_unload();
+        }
     }
     // A spy released inside a hook left its library to give back; the program closing it is
     // waiting for it to go.

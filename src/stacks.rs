@@ -53,6 +53,19 @@ struct KnownStart {
 
 const _: () = assert!(core::mem::size_of::<KnownStart>() == 192);
 
+/// Libraries unloaded so far (`dlclose` calls that succeeded). Folded into every lookup of a
+/// stack: a library loaded where an unloaded one was may have code at the same addresses, and
+/// the same return addresses then stand for other functions. Their stacks get ids of their
+/// own, which the trace and the leak report name after the modules loaded then; they were
+/// given the unloaded library's stacks, and its names.
+static UNLOADS: AtomicU64 = AtomicU64::new(0);
+
+/// After a `dlclose` that succeeded: stacks captured from now on are interned apart from
+/// earlier ones with the same frames (see [`UNLOADS`]).
+pub(crate) fn after_unload() {
+    UNLOADS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// A thread's stack capture: the walk buffer, the unwinder's cache, the stacks this thread
 /// interned lately, by hash (a thread mostly allocates from the same few stacks, and the
 /// shared table is a lock and a cache miss away), and the walk starts it saw lately. Lives in
@@ -92,7 +105,10 @@ impl Capture {
             let n = unwind::capture(&mut self.frames[..depth], key, &mut self.walk);
             return self.intern(n, stacks);
         }
-        let tag = (key.0 ^ key.1.rotate_left(32) ^ key.2.rotate_left(16)).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        // A start seen before the last unload may name a stack of the unloaded library.
+        let unloads = UNLOADS.load(Ordering::Relaxed);
+        let tag =
+            (key.0 ^ key.1.rotate_left(32) ^ key.2.rotate_left(16) ^ unloads).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let at = (tag >> (64 - (STARTS / WAYS).trailing_zeros())) as usize;
         for (way, &t) in self.start_tags[at].iter().enumerate() {
             let known = &self.starts[at][way];
@@ -114,11 +130,13 @@ impl Capture {
         id
     }
 
-    /// The id of the first `n` frames captured.
+    /// The id of the first `n` frames captured, among the stacks captured since the last
+    /// unload ([`UNLOADS`]).
     #[inline(always)]
     fn intern(&mut self, n: usize, stacks: &Stacks) -> u32 {
         let frames = &self.frames[..n];
-        let h = hash(frames);
+        // Bit 0, which keeps a hash from being 0, stays set.
+        let h = hash(frames) ^ UNLOADS.load(Ordering::Relaxed).wrapping_mul(0xD6E8_FEB8_6659_FD93) << 1;
         let known = &mut self.known[(h >> (64 - KNOWN_STACKS.trailing_zeros())) as usize];
         if known.0 == h && known.1 != 0 {
             return known.1;

@@ -956,6 +956,29 @@ fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     assert_eq!(first["module"], format!("{} (unloaded)", leaky.display()), "{record}");
 }
 
+/// A library loaded where an unloaded one was, with code at the same addresses: the same
+/// return addresses stand for other functions, and their blocks were one record, named after
+/// the unloaded library (review helper 28).
+#[test]
+fn a_library_loaded_where_an_unloaded_one_was_has_stacks_of_its_own() {
+    let (twin_a, twin_b) = (c_library("twin_a.c"), c_library("twin_b.c"));
+    let program = c_program_with("unload_twins.c", &["-ldl"]);
+    let args = [twin_a.as_os_str(), "twin_a_alloc".as_ref(), twin_b.as_os_str(), "twin_b_alloc".as_ref()];
+    let out = run(JSON_REPORT, Command::new(&program).args(args));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "same base: yes\n", "the loader no longer maps the second where the first was");
+    let report = json_report(&out);
+    let lost: Vec<(u64, u64, String)> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "definitely_lost")
+        .map(|r| (r["bytes"].as_u64().unwrap(), r["blocks"].as_u64().unwrap(), r["stack"][0]["function"].to_string()))
+        .collect();
+    assert!(lost.contains(&(70_000, 10, "\"twin_a_alloc\"".into())), "{lost:?}");
+    assert!(lost.contains(&(270_000, 30, "\"twin_b_alloc\"".into())), "{lost:?}");
+}
+
 #[test]
 fn a_block_at_the_address_of_a_freed_untracked_block_is_reported() {
     // The free of a block allocated before tracking began is queued like any other; the

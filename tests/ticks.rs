@@ -905,6 +905,44 @@ fn a_library_loaded_during_the_run_is_named_even_after_main_exits() {
     }
 }
 
+/// A library loaded where an unloaded one was: its stacks are its own and named after it,
+/// also when its code lies at the unloaded one's addresses (its ticks were the unloaded
+/// library's, in name and in stack), and when it differs (the writer still took the new
+/// library's code for the old one's).
+#[test]
+fn a_library_loaded_where_an_unloaded_one_was_is_named_in_the_trace() {
+    let (twin_a, twin_b) = (c_library("twin_a.c"), c_library("twin_b.c"));
+    let program = c_program_with("unload_twins.c", &["-ldl"]);
+    let other = c_library("late_lib.c");
+    for (second, function) in [(&twin_b, "twin_b_alloc"), (&other, "late_library_allocates")] {
+        let dir = tempfile::tempdir().unwrap();
+        let argv =
+            [program.to_str().unwrap(), twin_a.to_str().unwrap(), "twin_a_alloc", second.to_str().unwrap(), function];
+        let out = record(dir.path(), &["--interval", "1"], &argv);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(
+            text(&out.stdout),
+            "same base: yes\n",
+            "{function}: the loader no longer maps the second where the first was"
+        );
+        let report = Command::new(mallocspy())
+            .args(["report", "--format", "json"])
+            .arg(&traces(dir.path())[0])
+            .output()
+            .unwrap();
+        assert!(report.status.success(), "{}", text(&report.stderr));
+        let report: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
+        let sites: Vec<(String, u64)> = report["top_by_bytes_allocated"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| (s["function"].as_str().unwrap_or("").to_string(), s["allocated"]["bytes"].as_u64().unwrap()))
+            .collect();
+        assert!(sites.contains(&("twin_a_alloc".into(), 70_000)), "{function}: {sites:?}");
+        assert!(sites.iter().any(|(f, _)| f == function), "{function}: {sites:?}");
+    }
+}
+
 /// The exact totals of a traced run (its last heap statistics) are the calls, frees and bytes
 /// `spy=count` counts in the same program: every call is counted once, whether the sampling
 /// gate lets it through (`malloc` and `free` in assembly, the rest in Rust) or not.

@@ -300,7 +300,10 @@ impl Writer {
             && !frames.is_empty()
             && st.stacks.insert(tick.stack)
         {
-            // Code of a library loaded since the last look: record it before its stack.
+            // Libraries unloaded since the last look, and code of a library loaded since:
+            // recorded before the stack. A library loaded where an unloaded one was is known
+            // by its addresses alone, under the unloaded one's name.
+            self.note_unloads(st);
             if frames.iter().any(|&pc| !self.known(st, pc)) {
                 self.rescan_modules(st, self.spy.elapsed_ns());
             }
