@@ -9,7 +9,7 @@
 //! | `show_below_main` | `0`, `1` | `0` | keep the frames below `main` (the C library's start-up) in reported stacks |
 //! | `report_on_signal` | `0`, `1` | `1` | write the reports when `HUP`, `INT`, `QUIT` or `TERM` ends the process by its default action |
 //! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
-//! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23) |
+//! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23); 0 leaves the status alone |
 //! | `stack_depth` | 1-128 | 32 | frames recorded per allocation |
 //! | `max_memory` | bytes, `k`/`m`/`g` suffixes | `4g` | cap on mallocspy's own memory |
 //! | `sampling` | `poisson`, `tick` | `poisson` | how `ticks` chooses allocations (see [`crate::trace::Sampling`]) |
@@ -85,7 +85,8 @@ pub struct Options {
     pub report_on_signal: bool,
     /// Suppressions file.
     pub suppressions: Option<String>,
-    /// Exit status when definite or indirect leaks remain.
+    /// Exit status when definite or indirect leaks remain (never 0: `exitcode=0` leaves the
+    /// program's status alone, as LeakSanitizer's does, rather than hide its failure).
     pub exitcode: Option<u8>,
     /// Frames recorded per allocation.
     pub stack_depth: usize,
@@ -262,7 +263,10 @@ impl Options {
                 }
                 "suppressions" if !value.is_empty() => o.suppressions = Some(value.to_string()),
                 "suppressions" => return Err(bad("suppressions", "a file path")),
-                "exitcode" => o.exitcode = Some(value.parse().map_err(|_| bad("exitcode", "a number from 0 to 255"))?),
+                "exitcode" => {
+                    let code: u8 = value.parse().map_err(|_| bad("exitcode", "a number from 0 to 255"))?;
+                    o.exitcode = (code != 0).then_some(code);
+                }
                 "stack_depth" => {
                     o.stack_depth = value
                         .parse()
@@ -352,6 +356,8 @@ mod tests {
         assert!(o.show_below_main);
         assert_eq!(o.suppressions.as_deref(), Some("s.txt"));
         assert_eq!(o.exitcode, Some(23));
+        // LeakSanitizer's `exitcode=0`: report, and leave the status alone.
+        assert_eq!(Options::parse("exitcode=0").unwrap().exitcode, None);
         assert_eq!(o.stack_depth, 8);
         assert_eq!(o.max_memory, 64 << 20);
         assert_eq!(Options::parse("").unwrap(), Options::default());

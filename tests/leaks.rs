@@ -412,6 +412,17 @@ fn exitcode_leaves_an_exit_that_skips_cleanup_alone() {
     assert!(text(&out.stderr).contains("definitely lost: 100 bytes in 1 blocks"), "still reported");
 }
 
+/// `exitcode=0`, as LeakSanitizer's, reports and leaves the program's status alone: it made
+/// a program that failed with 3 and leaked exit 0 (review helper 27).
+#[test]
+fn exitcode_zero_leaves_the_status_alone() {
+    let program = c_program("exit_paths.c");
+    let out =
+        Command::new(mallocspy()).args(["run", "--exitcode", "0", "--"]).arg(&program).arg("exit").output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("definitely lost: 100 bytes in 1 blocks"), "still reported");
+}
+
 /// A `max_memory` too small for the tracker: every run either tracks all 50 of leaky's
 /// allocations or its report says what it left out. A limit that left the thread no slot gave
 /// "0 allocs" and no leak, without a note.

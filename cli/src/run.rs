@@ -29,7 +29,8 @@ pub struct RunArgs {
     /// Leave out leaks matching LeakSanitizer-style `leak:PATTERN` lines.
     #[arg(long, value_name = "FILE")]
     suppressions: Option<PathBuf>,
-    /// Exit with N when definitely or indirectly lost blocks remain (LeakSanitizer uses 23).
+    /// Exit with N when definitely or indirectly lost blocks remain (LeakSanitizer uses 23; 0
+    /// leaves the program's status alone).
     #[arg(long, value_name = "N")]
     exitcode: Option<u8>,
     /// Frames recorded per allocation.
