@@ -788,6 +788,27 @@ fn write(dir: &Path, name: &str, body: &str) -> PathBuf {
     path
 }
 
+/// As LeakSanitizer has it, what a suppressed leak holds is suppressed with it: a library's
+/// lost object was suppressed, but the buffer it held (made elsewhere) was reported as
+/// indirectly lost, and failed `exitcode` (review helper 27).
+#[test]
+fn blocks_held_by_a_suppressed_leak_are_suppressed_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let supp = write(dir.path(), "holder.supp", "leak:third_party_make\nleak:lose_alone\n");
+    let out = Command::new(mallocspy())
+        .args(["run", "--json", "--exitcode", "23", "--suppressions"])
+        .arg(&supp)
+        .arg("--")
+        .arg(c_program("suppressed_holder.c"))
+        .output()
+        .unwrap();
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["indirectly_lost"], serde_json::json!({"blocks": 0, "bytes": 0}), "{s}");
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 0, "bytes": 0}), "{s}");
+    assert_eq!(s["suppressed"], serde_json::json!({"blocks": 3, "bytes": 172}), "{s}");
+    assert_eq!(out.status.code(), Some(0), "{s}");
+}
+
 #[test]
 fn suppressions_move_matching_leaks_out_of_the_totals() {
     let dir = tempfile::tempdir().unwrap();

@@ -286,7 +286,11 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let mut classified: Vec<Classified> = blocks
         .iter()
         .zip(scratch.kinds())
-        .map(|((_, r), kind)| Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind })
+        .enumerate()
+        .map(|(i, ((_, r), kind))| {
+            let lost_with = scratch.lost_with(i).map(|holder| blocks[holder].1.stack);
+            Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind, lost_with }
+        })
         .collect();
     // The other threads ran on between the snapshot and their stop: a block one of them freed
     // meanwhile has no pointer left and would be called lost. A lost block is the program's

@@ -1,7 +1,7 @@
 //! The leak report: blocks grouped by allocation stack and kind, symbolized, as text or JSON.
 //! Building and rendering are pure functions of the classified blocks and the tracker's totals.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 use serde::Serialize;
@@ -127,11 +127,18 @@ pub(crate) struct Classified {
     pub stack: u32,
     pub entry: Entry,
     pub kind: LeakKind,
+    /// For an indirectly lost block: the stack of the definitely lost block holding it.
+    pub lost_with: Option<u32>,
 }
 
 /// Groups blocks by (stack, kind), applies suppressions to the lost kinds, symbolizes
 /// (still-reachable stacks only when `reachable` is given, with the retention path of each:
 /// a text report does not show them). Stacks end at `main` unless `below_main`.
+///
+/// A lost block is suppressed when a frame of its stack matches, and, as LeakSanitizer has
+/// it, an indirectly lost block also when the definitely lost block holding it is: a library's
+/// leaked object whose members came from other call sites was reported member by member, and
+/// failed `exitcode`, with the object itself suppressed.
 pub(crate) fn build(
     pid: u32,
     blocks: &[Classified],
@@ -141,10 +148,6 @@ pub(crate) fn build(
     reachable: Option<&HashMap<u32, Vec<String>>>,
     notes: Vec<String>,
 ) -> LeakReport {
-    let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
-    for b in blocks {
-        groups.entry((b.stack, b.kind)).or_insert((Tally::default(), b.entry)).0.add(b.size);
-    }
     let mut summary = Summary {
         total_allocs: totals.0,
         total_frees: totals.1,
@@ -154,39 +157,57 @@ pub(crate) fn build(
     let mut symbolizer = Symbolizer::default();
     let mut start_up = if stacks.below_main { None } else { symbols::StartUp::find() };
     if let Some(start_up) = &mut start_up {
-        for &(stack_id, _) in groups.keys() {
-            start_up.learn(&frames_of(stack_id));
+        let mut learnt = HashSet::new();
+        for b in blocks.iter().filter(|b| learnt.insert(b.stack)) {
+            start_up.learn(&frames_of(b.stack));
+        }
+    }
+    let mut symbolize = |stack_id: u32| {
+        let addrs = frames_of(stack_id);
+        // Below `main` is the C library's start-up, the same under every stack: as valgrind
+        // does by default, it is left out, and so is reading the library's debug information
+        // only to name it (libc6-dbg's, compressed: 217 million instructions to inflate, half
+        // of python3's exit report).
+        let shown = start_up.map_or(addrs.len(), |s| s.frames_above(&addrs));
+        let mut stack = Vec::new();
+        for &addr in &addrs[..shown] {
+            stack.extend_from_slice(symbolizer.frames_of_stack(stack_id, addr));
+        }
+        stack
+    };
+    let mut suppressed_stacks: HashMap<u32, bool> = HashMap::new();
+    if !stacks.suppressions.is_empty() {
+        for b in blocks.iter().filter(|b| b.kind != LeakKind::StillReachable) {
+            for stack_id in [Some(b.stack), b.lost_with].into_iter().flatten() {
+                suppressed_stacks.entry(stack_id).or_insert_with(|| {
+                    symbolize(stack_id).iter().any(|f| {
+                        let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
+                        stacks.suppressions.matching(texts.into_iter().flatten()).is_some()
+                    })
+                });
+            }
+        }
+    }
+    let suppressed = |stack_id: &u32| suppressed_stacks.get(stack_id).copied().unwrap_or(false);
+    let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
+    for b in blocks {
+        let lost = b.kind != LeakKind::StillReachable;
+        if lost && (suppressed(&b.stack) || b.lost_with.as_ref().is_some_and(suppressed)) {
+            summary.suppressed.add(b.size);
+        } else {
+            groups.entry((b.stack, b.kind)).or_insert((Tally::default(), b.entry)).0.add(b.size);
         }
     }
     let mut leaks = Vec::new();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
-        let mut stack = Vec::new();
-        if lost || reachable.is_some() {
-            let addrs = frames_of(stack_id);
-            // Below `main` is the C library's start-up, the same under every stack: as
-            // valgrind does by default, it is left out, and so is reading the library's
-            // debug information only to name it (libc6-dbg's, compressed: 217 million
-            // instructions to inflate, half of python3's exit report).
-            let shown = start_up.map_or(addrs.len(), |s| s.frames_above(&addrs));
-            for &addr in &addrs[..shown] {
-                stack.extend_from_slice(symbolizer.frames_of_stack(stack_id, addr));
-            }
-        }
-        let suppressed = lost
-            && !stacks.suppressions.is_empty()
-            && stack.iter().any(|f| {
-                let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
-                stacks.suppressions.matching(texts.into_iter().flatten()).is_some()
-            });
-        let t = if suppressed { &mut summary.suppressed } else { summary.tally(kind) };
+        let stack = if lost || reachable.is_some() { symbolize(stack_id) } else { Vec::new() };
+        let t = summary.tally(kind);
         t.blocks += tally.blocks;
         t.bytes += tally.bytes;
-        if !suppressed {
-            let path = reachable.filter(|_| !lost).and_then(|paths| paths.get(&stack_id));
-            let retained_by = path.cloned().unwrap_or_default();
-            leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack, retained_by });
-        }
+        let path = reachable.filter(|_| !lost).and_then(|paths| paths.get(&stack_id));
+        let retained_by = path.cloned().unwrap_or_default();
+        leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack, retained_by });
     }
     leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
     let program = std::fs::read_link("/proc/thread-self/exe").map(|p| p.display().to_string()).unwrap_or_default();
@@ -289,7 +310,7 @@ mod tests {
     use super::*;
 
     fn block(size: u64, stack: u32, kind: LeakKind) -> Classified {
-        Classified { size, stack, entry: Entry::Malloc, kind }
+        Classified { size, stack, entry: Entry::Malloc, kind, lost_with: None }
     }
 
     #[test]

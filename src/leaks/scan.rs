@@ -178,7 +178,8 @@ pub(crate) struct Scratch {
     state: Vec<u8>,
     todo: Vec<usize>,
     leader: Vec<bool>,
-    /// For a reachable block: the block whose word first made it so, or [`ROOT`].
+    /// For a reachable block: the block whose word first made it so, or [`ROOT`]. For an
+    /// indirectly lost one: the lost block whose group claimed it.
     parent: Vec<u32>,
     /// ... and that word's address (0 for a register).
     via: Vec<u64>,
@@ -225,6 +226,22 @@ impl Scratch {
         }
         path.reverse();
         path
+    }
+
+    /// For an indirectly lost block: the definitely lost block whose group holds it (the
+    /// first group to reach it). LeakSanitizer takes what a suppressed leak holds for
+    /// suppressed too.
+    pub(crate) fn lost_with(&self, index: usize) -> Option<usize> {
+        let mut at = index;
+        // A group's leader may have joined a later group: its members follow it there. The
+        // chain rises through leaders in block order, so it is at most as long as the heap.
+        for _ in 0..self.state.len() {
+            if self.state.get(at) != Some(&INDIRECT) {
+                return (at != index && self.state.get(at) == Some(&UNREACHED)).then_some(at);
+            }
+            at = *self.parent.get(at)? as usize;
+        }
+        None
     }
 
     /// The kinds found by [`classify`], in block order.
@@ -347,6 +364,7 @@ pub(crate) fn classify(
                         && state[k] == UNREACHED
                     {
                         state[k] = INDIRECT;
+                        parent[k] = l as u32;
                         // An earlier leader's group is already claimed: it joins this one.
                         if !leader[k] {
                             todo.push(k);
@@ -443,6 +461,21 @@ mod tests {
                 IndirectlyLost
             ]
         );
+    }
+
+    /// An indirectly lost block names the definitely lost block whose group holds it, also
+    /// when the group it joined first (led by a lower block) was itself claimed by a later one.
+    #[test]
+    fn an_indirectly_lost_block_names_the_lost_block_holding_it() {
+        // 0x1000 -> 0x2000; 0x3000 -> 0x1000 (so 0x1000's group joins 0x3000's); 0x4000 -> 0x5000.
+        let blocks = [(0x1000, 8), (0x2000, 8), (0x3000, 8), (0x4000, 8), (0x5000, 8)];
+        let mem = std::collections::BTreeMap::from([(0x1000, 0x2000), (0x3000, 0x1000), (0x4000, 0x5000)]);
+        let scratch = scan(&blocks, &[], &[], &Toy(mem));
+        use LeakKind::*;
+        let kinds: Vec<LeakKind> = scratch.kinds().collect();
+        assert_eq!(kinds, [IndirectlyLost, IndirectlyLost, DefinitelyLost, DefinitelyLost, IndirectlyLost]);
+        let owners: Vec<Option<usize>> = (0..blocks.len()).map(|i| scratch.lost_with(i)).collect();
+        assert_eq!(owners, [Some(2), Some(2), None, None, Some(3)]);
     }
 
     /// memcheck's `newarray` heuristic: C++'s pointer to a `new[]` array of objects with a
