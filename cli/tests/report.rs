@@ -279,6 +279,17 @@ fn a_trace_on_the_standard_input_reports_and_odd_paths_stay_on_one_line() {
         [format!("mallocspy report: {}: this is the trace being reported; give another --output", path.display())]
     );
     assert_eq!(std::fs::read(&path).unwrap(), whole);
+    // `-o -` is the standard output (it wrote a file named `-`).
+    let out = Command::new(env!("CARGO_BIN_EXE_mallocspy"))
+        .args(["report", "-o", "-", path.to_str().unwrap()])
+        .current_dir(dir.path())
+        .output()
+        .expect("runs");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains(type_name_of_val(&parse_row)),
+        "{out:?}"
+    );
+    assert!(!dir.path().join("-").exists());
 
     let odd = write(dir.path(), "bad\nname.trace", b"not a trace");
     let out = mallocspy(&[odd.to_str().unwrap()]);

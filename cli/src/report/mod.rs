@@ -73,7 +73,7 @@ pub struct ReportArgs {
     /// The report's form.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
-    /// Write the report to FILE instead of stdout.
+    /// Write the report to FILE instead of stdout (`-`: stdout, as for the trace).
     #[arg(long, short, value_name = "FILE")]
     output: Option<PathBuf>,
     /// Sites in each table of the text and JSON reports.
@@ -148,7 +148,9 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     let path = &args.trace;
     let shown = path_shown(path);
     let failed = |e: &dyn std::fmt::Display| format!("{shown}: {e}");
-    if let Some(file) = &args.output {
+    // `-o -` is stdout, as `-` for the trace is stdin (it wrote a file named `-`).
+    let output = args.output.as_deref().filter(|&file| file != Path::new("-"));
+    if let Some(file) = output {
         refuse_the_trace(file, path)?;
     }
     // A FIFO is read (a shell's `<(zcat trace.gz)` is one); a device never ends or is no file.
@@ -180,7 +182,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     }
     let report = Report::new(path, &profile, &symbols, args.top as usize);
     let out = report.render(args.format).map_err(|e| failed(&e))?;
-    match &args.output {
+    match output {
         Some(file) => write_output(file, path, &out),
         None => {
             let mut stdout = io::stdout().lock();
