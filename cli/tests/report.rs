@@ -443,7 +443,8 @@ fn every_format_writes_its_output_file() {
     let flame = String::from_utf8(run("flamegraph")).unwrap();
     assert!(flame.starts_with("<?xml") && flame.contains("./loader table.csv: estimated bytes allocated"));
     let timeline = String::from_utf8(run("timeline")).unwrap();
-    assert!(timeline.starts_with("<?xml") && timeline.contains(">peak 1.95 KiB at 500 ms</text>"), "{timeline}");
+    // The report's peak (2000 bytes live at 20 ns), which the statistics, taken later, do not see.
+    assert!(timeline.starts_with("<?xml") && timeline.contains(">peak 1.95 KiB at 20 ns</text>"), "{timeline}");
     let text = String::from_utf8(run("text")).unwrap();
     assert!(text.contains(type_name_of_val(&parse_row)));
 }
@@ -484,6 +485,46 @@ fn the_output_never_replaces_the_trace() {
     let out = mallocspy(&["--output", "/dev/full", path.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(stderr_lines(&out), ["mallocspy report: /dev/full: No space left on device (os error 28)"]);
+}
+
+/// A spike between two heap statistics events is drawn, and the timeline marks the peak the
+/// text report names: it drew the statistics alone, and marked their highest (review helper 28).
+#[test]
+fn the_timeline_shows_a_spike_between_statistics_and_marks_the_reports_peak() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut events = events();
+    let spike = |time_ns, weight| {
+        Event::Tick(Tick {
+            time_ns,
+            thread: 0,
+            kind: Kind::Large as u8,
+            entry: 0,
+            size: 4 << 20,
+            address: 0xd0,
+            weight,
+            stack: 1,
+        })
+    };
+    // Between the statistics at 500 ms and 1 s: 4 MiB live from 600 ms to 700 ms.
+    let at = events.iter().position(|e| matches!(e, Event::HeapStats(s) if s.time_ns == 1_000_000_000)).unwrap();
+    events
+        .splice(at..at, [spike(600_000_000, 4 << 20), Event::Free { time_ns: 700_000_000, thread: 0, address: 0xd0 }]);
+    let path = write(dir.path(), "spike.trace", &trace(&events));
+    let json: serde_json::Value =
+        serde_json::from_slice(&mallocspy(&["--format", "json", path.to_str().unwrap()]).stdout).unwrap();
+    assert_eq!(
+        (json["peak"]["live_bytes"].as_u64(), json["peak"]["time_ns"].as_u64()),
+        (Some((4 << 20) + 2000), Some(600_000_000))
+    );
+    let out = mallocspy(&["--format", "timeline", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let svg = String::from_utf8(out.stdout).unwrap();
+    assert!(svg.contains(">peak 4.00 MiB at 600 ms</text>"), "{svg}");
+    // The large kind's area rises to the spike: its path has a point above the 2000 bytes.
+    let large = svg.lines().find(|l| l.contains("<title>large</title>")).unwrap();
+    let tops: Vec<f64> = large.split(['M', 'L', ' ']).filter_map(|p| p.split_once(',')?.1.parse().ok()).collect();
+    let lowest_y = tops.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(lowest_y < 200.0, "the spike is drawn: {large}");
 }
 
 /// A trace without heap statistics (one cut before the first) still has a timeline: the live

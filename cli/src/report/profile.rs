@@ -90,8 +90,11 @@ pub struct Profile {
     pub stacks: Vec<StackStats>,
     /// The heap statistics events, in order.
     pub heap_stats: Vec<HeapStats>,
-    /// Without heap statistics events (a trace cut before the first): the estimated live
-    /// bytes per kind replayed from the ticks and frees, `(time, bytes)` after each.
+    /// The estimated live bytes per kind replayed from the ticks and frees, `(time, bytes)`:
+    /// after each, in a trace without heap statistics events (cut before the first);
+    /// otherwise the highest moment of each stretch before, between and after them, with the
+    /// moments just before and after it. Taken every `stats_interval_ms`, the statistics miss
+    /// a short spike, the peak among them.
     pub replayed_live: Vec<(u64, [u64; 3])>,
     /// All ticks together.
     pub allocated: Figures,
@@ -237,6 +240,9 @@ pub struct Aggregator {
     /// over the events and memory per stack, not per event.
     since_peak: Vec<SincePeak>,
     touched: Vec<usize>,
+    /// Since the last heap statistics event: the highest replayed moment (see
+    /// [`Profile::replayed_live`]).
+    stretch: Stretch,
 }
 
 impl Aggregator {
@@ -251,6 +257,7 @@ impl Aggregator {
             live_kinds: [0; 3],
             since_peak: Vec::new(),
             touched: Vec::new(),
+            stretch: Stretch::default(),
         }
     }
 
@@ -300,8 +307,14 @@ impl Aggregator {
                 None => self.profile.unmatched_frees += 1,
             },
             Event::HeapStats(stats) => {
-                // The statistics draw the timeline: the replay was only for want of them.
-                self.profile.replayed_live = Vec::new();
+                // The statistics draw the timeline, with the replay's highest moment in each
+                // stretch between them.
+                let stretch = std::mem::take(&mut self.stretch).moments();
+                let replayed = &mut self.profile.replayed_live;
+                if self.profile.heap_stats.is_empty() {
+                    replayed.clear();
+                }
+                replayed.extend(stretch);
                 self.profile.heap_stats.push(stats);
             }
             Event::ThreadStart { .. } => self.profile.threads += 1,
@@ -367,7 +380,7 @@ impl Aggregator {
         self.replay(time_ns);
         self.changed(stack, figures, true);
         // Only new blocks raise the live heap, so only they can make a new peak.
-        let live_bytes = self.live_kinds.iter().fold(0, |sum: u64, &k| sum.saturating_add(k));
+        let live_bytes = total(&self.live_kinds);
         if live_bytes > self.profile.peak.live_bytes {
             self.profile.peak = Peak { live_bytes, time_ns };
             for stack in self.touched.drain(..) {
@@ -403,20 +416,56 @@ impl Aggregator {
         self.changed(block.stack, block.figures, false);
     }
 
-    /// Notes the live heap per kind at `time_ns`, until the first heap statistics event.
+    /// Notes the live heap per kind at `time_ns`: every moment until the first heap
+    /// statistics event, the highest of each stretch after (see [`Profile::replayed_live`]).
     fn replay(&mut self, time_ns: u64) {
+        let now = (time_ns, self.live_kinds);
         if self.profile.heap_stats.is_empty() {
-            self.profile.replayed_live.push((time_ns, self.live_kinds));
+            self.profile.replayed_live.push(now);
         }
+        self.stretch.note(now);
     }
 
     /// The profile of the events taken in.
     pub fn finish(mut self) -> Profile {
+        if !self.profile.heap_stats.is_empty() {
+            self.profile.replayed_live.extend(std::mem::take(&mut self.stretch).moments());
+        }
         for s in &self.profile.stacks {
             self.profile.live_at_end.add(s.live_at_end);
         }
         self.profile
     }
+}
+
+/// The highest moment of the replayed live heap in a stretch of the trace, with the moments
+/// just before and after it: a spike, drawn as one.
+#[derive(Default)]
+struct Stretch {
+    last: Option<(u64, [u64; 3])>,
+    before: Option<(u64, [u64; 3])>,
+    top: Option<(u64, [u64; 3])>,
+    after: Option<(u64, [u64; 3])>,
+}
+
+impl Stretch {
+    fn note(&mut self, now: (u64, [u64; 3])) {
+        if self.top.is_none_or(|top| total(&now.1) > total(&top.1)) {
+            (self.before, self.top, self.after) = (self.last, Some(now), None);
+        } else if self.after.is_none() {
+            self.after = Some(now);
+        }
+        self.last = Some(now);
+    }
+
+    fn moments(self) -> impl Iterator<Item = (u64, [u64; 3])> {
+        [self.before, self.top, self.after].into_iter().flatten()
+    }
+}
+
+/// The live bytes of all kinds (a damaged trace's may reach 2^64 together: they stop there).
+fn total(kinds: &[u64; 3]) -> u64 {
+    kinds.iter().fold(0, |sum: u64, &k| sum.saturating_add(k))
 }
 
 fn time_of(event: &Event) -> Option<u64> {

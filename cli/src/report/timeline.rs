@@ -3,9 +3,11 @@
 //! The heap statistics events give, at each moment, the estimated live bytes per kind (small,
 //! large, aligned: stacked areas, whose top is the estimated live heap) and the allocator's own
 //! view (`mallinfo2`'s in-use arena bytes plus its mmapped blocks: a dashed line), so that the
-//! sampled estimate can be read against what the allocator holds. The top of the stack is marked
-//! at its peak. A trace without heap statistics (cut before the first) is drawn from the live
-//! heap replayed from its ticks and frees, without the allocator's line.
+//! sampled estimate can be read against what the allocator holds. Between two statistics
+//! events, the highest moment of the live heap replayed from the ticks and frees is drawn too: a
+//! spike shorter than `stats_interval_ms` showed nowhere. The peak marked is the report's (the
+//! replay's highest). A trace without heap statistics (cut before the first) is drawn from the
+//! replay alone, without the allocator's line.
 
 use std::fmt::Write as _;
 use std::io::{self, Write};
@@ -125,8 +127,9 @@ impl Point {
 
 fn points(profile: &Profile) -> Vec<Point> {
     let point = |time_ns: u64, kinds, allocator| Point { time_ns, seconds: time_ns as f64 / 1e9, kinds, allocator };
+    let replayed = profile.replayed_live.iter().map(|&(time_ns, kinds)| point(time_ns, kinds, None));
     let mut points: Vec<Point> = if profile.heap_stats.is_empty() {
-        profile.replayed_live.iter().map(|&(time_ns, kinds)| point(time_ns, kinds, None)).collect()
+        replayed.collect()
     } else {
         let stats = &profile.heap_stats;
         // All zero: not glibc's view (jemalloc or tcmalloc serves the calls, and glibc's
@@ -139,6 +142,7 @@ fn points(profile: &Profile) -> Vec<Point> {
                 let allocator = known.then(|| s.in_use_bytes.saturating_add(s.mmapped_bytes));
                 point(s.time_ns, Kind::ALL.map(|k| s.kinds[k as usize].live_bytes), allocator)
             })
+            .chain(replayed)
             .collect()
     };
     // Events from several threads may arrive slightly out of order.
@@ -181,9 +185,12 @@ fn thin(points: Vec<Point>, column: impl Fn(&Point) -> i64) -> Vec<Point> {
 pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let p = report.profile;
     let points = points(p);
-    let Some(peak) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
+    let Some(top) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events or ticks"));
     };
+    // The report's peak, which the replay's points hold; the highest point without ticks.
+    let (peak_ns, peak_total) =
+        if p.peak.live_bytes > 0 { (p.peak.time_ns, p.peak.live_bytes) } else { (top.time_ns, top.total()) };
     let allocator_known = points.iter().any(|p| p.allocator.is_some());
     let last_seconds = points.last().map_or(0.0, |p| p.seconds);
     let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
@@ -191,7 +198,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let space = Axis::bytes(bytes_max);
     let x = |seconds: f64| LEFT + time.fraction(seconds) * (RIGHT - LEFT);
     let y = |bytes: u64| BOTTOM - space.fraction(bytes as f64) * (BOTTOM - TOP);
-    let (peak_seconds, peak_total, peak_ns) = (peak.seconds, peak.total(), peak.time_ns);
+    let peak_seconds = peak_ns as f64 / 1e9;
     let points = thin(points, |p| x(p.seconds).floor() as i64);
 
     let mut svg = String::new();
