@@ -97,6 +97,14 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     writeln!(out, "  program      {}", command_line(&h.command))?;
     writeln!(out, "  pid          {}", h.pid)?;
     writeln!(out, "  duration     {}", units::duration(p.duration_ns()))?;
+    // Said in the report too (stderr had it alone): a report kept in a file outlives the warning.
+    if p.end_ns.is_none() {
+        let why = match p.truncated_at {
+            Some(offset) => format!("the trace is cut at offset {offset}"),
+            None => "no end record: the program did not exit normally, or still runs".to_string(),
+        };
+        writeln!(out, "  incomplete   {why}; the figures go up to its last whole event")?;
+    }
     writeln!(out, "  sampling     {}", sampling(report))?;
     let inherited =
         p.inherited.map_or(String::new(), |i| format!(" and {} inherited", units::count(i.at_fork.samples)));
