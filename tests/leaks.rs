@@ -807,6 +807,13 @@ fn blocks_held_by_a_suppressed_leak_are_suppressed_with_it() {
     assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 0, "bytes": 0}), "{s}");
     assert_eq!(s["suppressed"], serde_json::json!({"blocks": 3, "bytes": 172}), "{s}");
     assert_eq!(out.status.code(), Some(0), "{s}");
+    // Which suppression took out what, as LeakSanitizer's "Suppressions used" says.
+    let used = &json_report(&out)["suppressions_used"];
+    let expected = serde_json::json!([
+        {"pattern": "lose_alone", "blocks": 1, "bytes": 100},
+        {"pattern": "third_party_make", "blocks": 2, "bytes": 72},
+    ]);
+    assert_eq!(used, &expected, "{used}");
 }
 
 #[test]

@@ -110,6 +110,21 @@ pub struct LeakReport {
     pub leaks: Vec<LeakRecord>,
     /// What limited the report (threads that could not be stopped, untracked allocations).
     pub notes: Vec<String>,
+    /// The suppressions that matched, with what each took out (LeakSanitizer's "Suppressions
+    /// used"), by bytes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub suppressions_used: Vec<SuppressionUsed>,
+}
+
+/// A suppression that matched, and the blocks it took out of the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct SuppressionUsed {
+    /// The pattern, as in the file.
+    pub pattern: String,
+    /// Blocks it took out.
+    pub blocks: u64,
+    /// Their bytes.
+    pub bytes: u64,
 }
 
 /// How a report treats the stacks it shows.
@@ -175,25 +190,28 @@ pub(crate) fn build(
         }
         stack
     };
-    let mut suppressed_stacks: HashMap<u32, bool> = HashMap::new();
+    // Per stack: the first pattern a frame of it matches.
+    let mut suppressed_stacks: HashMap<u32, Option<String>> = HashMap::new();
     if !stacks.suppressions.is_empty() {
         for b in blocks.iter().filter(|b| b.kind != LeakKind::StillReachable) {
             for stack_id in [Some(b.stack), b.lost_with].into_iter().flatten() {
                 suppressed_stacks.entry(stack_id).or_insert_with(|| {
-                    symbolize(stack_id).iter().any(|f| {
+                    symbolize(stack_id).iter().find_map(|f| {
                         let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
-                        stacks.suppressions.matching(texts.into_iter().flatten()).is_some()
+                        stacks.suppressions.matching(texts.into_iter().flatten()).map(str::to_owned)
                     })
                 });
             }
         }
     }
-    let suppressed = |stack_id: &u32| suppressed_stacks.get(stack_id).copied().unwrap_or(false);
+    let pattern = |stack_id: u32| suppressed_stacks.get(&stack_id).and_then(Option::as_deref);
     let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
+    let mut used: HashMap<&str, Tally> = HashMap::new();
     for b in blocks {
         let lost = b.kind != LeakKind::StillReachable;
-        if lost && (suppressed(&b.stack) || b.lost_with.as_ref().is_some_and(suppressed)) {
+        if let Some(pattern) = pattern(b.stack).or_else(|| pattern(b.lost_with?)).filter(|_| lost) {
             summary.suppressed.add(b.size);
+            used.entry(pattern).or_default().add(b.size);
         } else {
             groups.entry((b.stack, b.kind)).or_insert((Tally::default(), b.entry)).0.add(b.size);
         }
@@ -210,8 +228,13 @@ pub(crate) fn build(
         leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack, retained_by });
     }
     leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
+    let mut suppressions_used: Vec<SuppressionUsed> = used
+        .into_iter()
+        .map(|(pattern, t)| SuppressionUsed { pattern: pattern.to_owned(), blocks: t.blocks, bytes: t.bytes })
+        .collect();
+    suppressions_used.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.pattern.cmp(&b.pattern)));
     let program = std::fs::read_link("/proc/thread-self/exe").map(|p| p.display().to_string()).unwrap_or_default();
-    LeakReport { pid, program, summary, leaks, notes }
+    LeakReport { pid, program, summary, leaks, notes, suppressions_used }
 }
 
 impl LeakReport {
@@ -277,6 +300,12 @@ impl LeakReport {
         }
         if hidden.blocks > 0 {
             let _ = writeln!(out, "{p}    ({} still-reachable records not shown: show_reachable=1)", hidden.blocks);
+        }
+        if !self.suppressions_used.is_empty() {
+            let _ = writeln!(out, "{p} suppressions used:\n{p}    {:>10} {:>12}  pattern", "blocks", "bytes");
+            for u in &self.suppressions_used {
+                let _ = writeln!(out, "{p}    {:>10} {:>12}  {}", grouped(u.blocks), grouped(u.bytes), u.pattern);
+            }
         }
         let _ = writeln!(
             out,
