@@ -32,13 +32,18 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
     // The leak report must still name the code of a library this call unloads.
     let closing = crate::spies::leaks::tracker()
         .and_then(|tracker| crate::leaks::unloaded::before_dlclose(handle, tracker.stacks.next_id()));
+    let unloaded_before = crate::os::objects_unloaded();
     // SAFETY: libc's dlclose has this signature; the caller's guarantee covers the handle.
     let status = unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) };
     if let Some(closing) = closing {
         crate::leaks::unloaded::after_dlclose(closing);
     }
     if status == 0 {
-        crate::stacks::after_unload();
+        // Only when something was unmapped (a `dlclose` mostly drops a reference): each
+        // unload gives every stack captured after it an id of its own.
+        if crate::os::objects_unloaded() != unloaded_before {
+            crate::stacks::after_unload();
+        }
         if let Some(writer) = crate::trace::writer::writer() {
             writer.after_unload();
         }

@@ -375,6 +375,26 @@ pub(crate) fn each_module(mut visit: impl FnMut(&LoadedModule) -> bool) {
     unsafe { libc::dl_iterate_phdr(Some(call), (&raw mut visit).cast()) };
 }
 
+/// How many objects the loader has unloaded so far: glibc's `dlpi_subs`, which the `libc`
+/// crate's `dl_phdr_info` leaves out; 0 when the loader does not say.
+pub(crate) fn objects_unloaded() -> u64 {
+    unsafe extern "C" fn call(info: *mut libc::dl_phdr_info, size: usize, data: *mut core::ffi::c_void) -> c_int {
+        // glibc's layout: dlpi_addr, dlpi_name, dlpi_phdr, dlpi_phnum (padded to 8 bytes),
+        // dlpi_adds, dlpi_subs.
+        const SUBS: usize = 40;
+        if size >= SUBS + 8 {
+            // SAFETY: `size` says the structure dl_iterate_phdr passes holds the word at SUBS;
+            // `data` is the u64 below.
+            unsafe { *(data as *mut u64) = ((info as *const u8).add(SUBS) as *const u64).read_unaligned() };
+        }
+        1
+    }
+    let mut subs = 0u64;
+    // SAFETY: the callback matches dl_iterate_phdr's contract and writes only `subs`.
+    unsafe { libc::dl_iterate_phdr(Some(call), (&raw mut subs).cast()) };
+    subs
+}
+
 /// The extent of the executable segments of the module loaded with bias `bias`, if one is.
 pub(crate) fn code_extent(bias: u64) -> Option<(u64, u64)> {
     let mut extent = None;

@@ -1016,6 +1016,14 @@ fn a_library_loaded_where_an_unloaded_one_was_has_stacks_of_its_own() {
         .collect();
     assert!(lost.contains(&(70_000, 10, "\"twin_a_alloc\"".into())), "{lost:?}");
     assert!(lost.contains(&(270_000, 30, "\"twin_b_alloc\"".into())), "{lost:?}");
+    // The same library loaded again: its stacks after the unload are new, and one record with
+    // the earlier ones (each was a record of its own: helper 29).
+    let args = [twin_a.as_os_str(), "twin_a_alloc".as_ref(), twin_a.as_os_str(), "twin_a_alloc".as_ref()];
+    let report = json_report(&run(JSON_REPORT, Command::new(&program).args(args)));
+    let records: Vec<&serde_json::Value> =
+        report["leaks"].as_array().unwrap().iter().filter(|r| r["stack"][0]["function"] == "twin_a_alloc").collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!((records[0]["bytes"].as_u64(), records[0]["blocks"].as_u64()), (Some(340_000), Some(40)));
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The leak report: blocks grouped by allocation stack and kind, symbolized, as text or JSON.
 //! Building and rendering are pure functions of the classified blocks and the tracker's totals.
 
+use std::collections::hash_map::Entry as Slot;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
@@ -216,13 +217,30 @@ pub(crate) fn build(
             groups.entry((b.stack, b.kind)).or_insert((Tally::default(), b.entry)).0.add(b.size);
         }
     }
-    let mut leaks = Vec::new();
+    let mut leaks: Vec<LeakRecord> = Vec::new();
+    // Stacks with the same frames are one record: after a `dlclose` the same call sites get
+    // stacks of their own (a library loaded where the closed one was may have other code at
+    // its addresses, and then other frames).
+    let mut record_of: HashMap<(LeakKind, Vec<Frame>), usize> = HashMap::new();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
         let stack = if lost || reachable.is_some() { symbolize(stack_id) } else { Vec::new() };
         let t = summary.tally(kind);
         t.blocks += tally.blocks;
         t.bytes += tally.bytes;
+        if !stack.is_empty() {
+            match record_of.entry((kind, stack.clone())) {
+                Slot::Occupied(at) => {
+                    let record = &mut leaks[*at.get()];
+                    record.blocks += tally.blocks;
+                    record.bytes += tally.bytes;
+                    continue;
+                }
+                Slot::Vacant(slot) => {
+                    slot.insert(leaks.len());
+                }
+            }
+        }
         let path = reachable.filter(|_| !lost).and_then(|paths| paths.get(&stack_id));
         let retained_by = path.cloned().unwrap_or_default();
         leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack, retained_by });

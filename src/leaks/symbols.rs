@@ -7,7 +7,7 @@ use std::ffi::CStr;
 use serde::Serialize;
 
 /// One frame of a reported stack.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Frame {
     /// The return address, `0x...`.
     pub address: String,
