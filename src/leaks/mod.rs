@@ -259,8 +259,24 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     }
     let exited = crate::threads::exited_stacks();
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
-    scan::classify(&heap, &regions, &modules.allocator, &words, &ProcessMemory::new(&maps, buffers), &mut scratch);
+    let memory = ProcessMemory::new(&maps, buffers);
+    scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
     drop(stopped);
+    // Suppressions, as LeakSanitizer has them: a suppressed leak takes with it what it reaches.
+    let frames_of = |id| tracker.stacks.frames(id).to_vec();
+    let stack_ids: Vec<u32> = blocks.iter().map(|(_, r)| r.stack).collect();
+    let mut namer = report::Namer::new(stacks, &stack_ids, &frames_of);
+    let lost_stacks = blocks.iter().zip(scratch.kinds()).filter(|(_, k)| *k != LeakKind::StillReachable);
+    let patterns = report::suppression_patterns(
+        &mut namer,
+        lost_stacks.map(|((_, r), _)| r.stack),
+        &frames_of,
+        stacks.suppressions,
+    );
+    if !patterns.is_empty() {
+        scan::suppress(&heap, &memory, &mut scratch, |i| patterns.contains_key(&blocks[i].1.stack));
+    }
+    drop(memory);
     region_kinds.resize(regions.len(), Root::Anonymous);
 
     let mut notes = Vec::new();
@@ -288,8 +304,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         .zip(scratch.kinds())
         .enumerate()
         .map(|(i, ((_, r), kind))| {
-            let lost_with = scratch.lost_with(i).map(|holder| blocks[holder].1.stack);
-            Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind, lost_with }
+            let suppressed_by = scratch.suppressed_by(i).map(|by| blocks[by].1.stack);
+            Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind, suppressed_by }
         })
         .collect();
     // The other threads ran on between the snapshot and their stop: a block one of them freed
@@ -344,8 +360,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         os::getpid(),
         &classified,
         (stats.total_allocs, stats.total_frees, stats.total_bytes),
-        |id| tracker.stacks.frames(id).to_vec(),
-        stacks,
+        frames_of,
+        &mut namer,
+        &patterns,
         retained.as_ref(),
         notes,
     );

@@ -143,24 +143,80 @@ pub(crate) struct Classified {
     pub stack: u32,
     pub entry: Entry,
     pub kind: LeakKind,
-    /// For an indirectly lost block: the stack of the definitely lost block holding it.
-    pub lost_with: Option<u32>,
+    /// For a suppressed block: the stack of the suppressed leak it was found from (its own,
+    /// for one of those).
+    pub suppressed_by: Option<u32>,
 }
 
-/// Groups blocks by (stack, kind), applies suppressions to the lost kinds, symbolizes
-/// (still-reachable stacks only when `reachable` is given, with the retention path of each:
-/// a text report does not show them). Stacks end at `main` unless `below_main`.
-///
-/// A lost block is suppressed when a frame of its stack matches, and, as LeakSanitizer has
-/// it, an indirectly lost block also when the definitely lost block holding it is: a library's
-/// leaked object whose members came from other call sites was reported member by member, and
-/// failed `exitcode`, with the object itself suppressed.
+/// Names the stacks of a report: symbolized, and ending at `main` unless `below_main`.
+pub(crate) struct Namer {
+    symbolizer: Symbolizer,
+    start_up: Option<symbols::StartUp>,
+}
+
+impl Namer {
+    /// For a report of `stack_ids`, whose frames below `main` are learnt from them all.
+    pub(crate) fn new(stacks: StackOptions, stack_ids: &[u32], frames_of: &impl Fn(u32) -> Vec<u64>) -> Self {
+        let mut start_up = if stacks.below_main { None } else { symbols::StartUp::find() };
+        if let Some(start_up) = &mut start_up {
+            let mut learnt = HashSet::new();
+            for &id in stack_ids.iter().filter(|&&id| learnt.insert(id)) {
+                start_up.learn(&frames_of(id));
+            }
+        }
+        Self { symbolizer: Symbolizer::default(), start_up }
+    }
+
+    /// The frames shown of stack `stack_id`.
+    pub(crate) fn frames(&mut self, stack_id: u32, frames_of: &impl Fn(u32) -> Vec<u64>) -> Vec<Frame> {
+        let addrs = frames_of(stack_id);
+        // Below `main` is the C library's start-up, the same under every stack: as valgrind
+        // does by default, it is left out, and so is reading the library's debug information
+        // only to name it (libc6-dbg's, compressed: 217 million instructions to inflate, half
+        // of python3's exit report).
+        let shown = self.start_up.map_or(addrs.len(), |s| s.frames_above(&addrs));
+        let mut stack = Vec::new();
+        for &addr in &addrs[..shown] {
+            stack.extend_from_slice(self.symbolizer.frames_of_stack(stack_id, addr));
+        }
+        stack
+    }
+}
+
+/// The suppression that a frame shown of each of `stack_ids` matches, for those one does.
+pub(crate) fn suppression_patterns(
+    namer: &mut Namer,
+    stack_ids: impl IntoIterator<Item = u32>,
+    frames_of: &impl Fn(u32) -> Vec<u64>,
+    suppressions: &Suppressions,
+) -> HashMap<u32, String> {
+    let mut patterns = HashMap::new();
+    if suppressions.is_empty() {
+        return patterns;
+    }
+    let mut seen = HashSet::new();
+    for id in stack_ids.into_iter().filter(|&id| seen.insert(id)) {
+        let pattern = namer.frames(id, frames_of).iter().find_map(|f| {
+            let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
+            suppressions.matching(texts.into_iter().flatten()).map(str::to_owned)
+        });
+        patterns.extend(pattern.map(|p| (id, p)));
+    }
+    patterns
+}
+
+/// Groups blocks by (stack, kind), symbolizes (still-reachable stacks only when `reachable`
+/// is given, with the retention path of each: a text report does not show them), and counts
+/// the suppressed blocks apart, by the pattern of their own stack or else of the suppressed
+/// leak they were found from (`patterns`, [`suppression_patterns`] of the lost stacks).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn build(
     pid: u32,
     blocks: &[Classified],
     totals: (u64, u64, u64),
     frames_of: impl Fn(u32) -> Vec<u64>,
-    stacks: StackOptions,
+    namer: &mut Namer,
+    patterns: &HashMap<u32, String>,
     reachable: Option<&HashMap<u32, Vec<String>>>,
     notes: Vec<String>,
 ) -> LeakReport {
@@ -170,47 +226,13 @@ pub(crate) fn build(
         total_bytes_allocated: totals.2,
         ..Summary::default()
     };
-    let mut symbolizer = Symbolizer::default();
-    let mut start_up = if stacks.below_main { None } else { symbols::StartUp::find() };
-    if let Some(start_up) = &mut start_up {
-        let mut learnt = HashSet::new();
-        for b in blocks.iter().filter(|b| learnt.insert(b.stack)) {
-            start_up.learn(&frames_of(b.stack));
-        }
-    }
-    let mut symbolize = |stack_id: u32| {
-        let addrs = frames_of(stack_id);
-        // Below `main` is the C library's start-up, the same under every stack: as valgrind
-        // does by default, it is left out, and so is reading the library's debug information
-        // only to name it (libc6-dbg's, compressed: 217 million instructions to inflate, half
-        // of python3's exit report).
-        let shown = start_up.map_or(addrs.len(), |s| s.frames_above(&addrs));
-        let mut stack = Vec::new();
-        for &addr in &addrs[..shown] {
-            stack.extend_from_slice(symbolizer.frames_of_stack(stack_id, addr));
-        }
-        stack
-    };
-    // Per stack: the first pattern a frame of it matches.
-    let mut suppressed_stacks: HashMap<u32, Option<String>> = HashMap::new();
-    if !stacks.suppressions.is_empty() {
-        for b in blocks.iter().filter(|b| b.kind != LeakKind::StillReachable) {
-            for stack_id in [Some(b.stack), b.lost_with].into_iter().flatten() {
-                suppressed_stacks.entry(stack_id).or_insert_with(|| {
-                    symbolize(stack_id).iter().find_map(|f| {
-                        let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
-                        stacks.suppressions.matching(texts.into_iter().flatten()).map(str::to_owned)
-                    })
-                });
-            }
-        }
-    }
-    let pattern = |stack_id: u32| suppressed_stacks.get(&stack_id).and_then(Option::as_deref);
+    let pattern = |stack_id: u32| patterns.get(&stack_id).map(String::as_str);
     let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
     let mut used: HashMap<&str, Tally> = HashMap::new();
     for b in blocks {
         let lost = b.kind != LeakKind::StillReachable;
-        if let Some(pattern) = pattern(b.stack).or_else(|| pattern(b.lost_with?)).filter(|_| lost) {
+        let suppressed = b.suppressed_by.and_then(|by| pattern(b.stack).or_else(|| pattern(by)));
+        if let Some(pattern) = suppressed.filter(|_| lost) {
             summary.suppressed.add(b.size);
             used.entry(pattern).or_default().add(b.size);
         } else {
@@ -224,7 +246,7 @@ pub(crate) fn build(
     let mut record_of: HashMap<(LeakKind, Vec<Frame>), usize> = HashMap::new();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
-        let stack = if lost || reachable.is_some() { symbolize(stack_id) } else { Vec::new() };
+        let stack = if lost || reachable.is_some() { namer.frames(stack_id, &frames_of) } else { Vec::new() };
         let t = summary.tally(kind);
         t.blocks += tally.blocks;
         t.bytes += tally.bytes;
@@ -357,7 +379,7 @@ mod tests {
     use super::*;
 
     fn block(size: u64, stack: u32, kind: LeakKind) -> Classified {
-        Classified { size, stack, entry: Entry::Malloc, kind, lost_with: None }
+        Classified { size, stack, entry: Entry::Malloc, kind, suppressed_by: None }
     }
 
     #[test]
@@ -371,7 +393,9 @@ mod tests {
         ];
         let retained = HashMap::from([(3, vec!["global table (prog)".to_owned()])]);
         let stacks = StackOptions { suppressions: &Suppressions::default(), below_main: false };
-        let report = build(7, &blocks, (50, 21, 18288), |_| Vec::new(), stacks, Some(&retained), vec![]);
+        let mut namer = Namer::new(stacks, &[], &|_| Vec::new());
+        let report =
+            build(7, &blocks, (50, 21, 18288), |_| Vec::new(), &mut namer, &HashMap::new(), Some(&retained), vec![]);
         assert_eq!(report.summary.definitely_lost, Tally { blocks: 3, bytes: 4192 });
         assert_eq!(report.summary.indirectly_lost, Tally { blocks: 1, bytes: 10 });
         assert_eq!(report.summary.still_reachable, Tally { blocks: 1, bytes: 100 });
