@@ -62,9 +62,10 @@ fn say(message: &str) {
     sink::to_stderr(&line[..at]);
 }
 
-/// Why the built-in spies are not there: the program's spy came first (one at a time).
+/// Why the built-in spies are not there: the program's spy came first (one at a time; it may
+/// have been revoked since, and wait for its blocks to go).
 const ALREADY_REGISTERED: &str =
-    "cannot register the built-in spies: the program registered a malloc spy first; running with that spy only";
+    "cannot register the built-in spies: the program registered a malloc spy first; no mallocspy report";
 
 fn leak<T>(value: T) -> &'static T {
     Box::leak(Box::new(value))
