@@ -33,19 +33,13 @@ fn this_executable() -> Module {
 
 /// A program that allocated 3000 bytes at `parse_row` (3 samples), freed one block, and kept
 /// two; heap statistics at 0.5 s and 1 s; ended at 1.25 s.
+/// A tick of stack 1 on thread 0.
+fn tick(time_ns: u64, kind: Kind, size: u64, address: u64, weight: u64) -> Event {
+    Event::Tick(Tick { time_ns, thread: 0, kind: kind as u8, entry: 0, size, address, weight, stack: 1 })
+}
+
 fn events() -> Vec<Event> {
-    let tick = |time_ns, address| {
-        Event::Tick(Tick {
-            time_ns,
-            thread: 0,
-            kind: Kind::Small as u8,
-            entry: 0,
-            size: 64,
-            address,
-            weight: 1000,
-            stack: 1,
-        })
-    };
+    let tick = |time_ns, address| tick(time_ns, Kind::Small, 64, address, 1000);
     let stats = |time_ns, live_bytes| {
         let mut kinds = [KindStats::default(); 3];
         kinds[0].live_bytes = live_bytes;
@@ -500,18 +494,7 @@ fn the_output_never_replaces_the_trace() {
 fn the_timeline_shows_a_spike_between_statistics_and_marks_the_reports_peak() {
     let dir = tempfile::tempdir().unwrap();
     let mut events = events();
-    let spike = |time_ns, weight| {
-        Event::Tick(Tick {
-            time_ns,
-            thread: 0,
-            kind: Kind::Large as u8,
-            entry: 0,
-            size: 4 << 20,
-            address: 0xd0,
-            weight,
-            stack: 1,
-        })
-    };
+    let spike = |time_ns, weight| tick(time_ns, Kind::Large, 4 << 20, 0xd0, weight);
     // Between the statistics at 500 ms and 1 s: 4 MiB live from 600 ms to 700 ms.
     let at = events.iter().position(|e| matches!(e, Event::HeapStats(s) if s.time_ns == 1_000_000_000)).unwrap();
     events

@@ -347,23 +347,31 @@ pub(crate) fn classify(
         }
         leader[l] = true;
         todo.push(l);
-        while let Some(i) = todo.pop() {
-            let (start, size) = heap.blocks[i];
-            memory.block_words(start, start + size, &mut |_, run| {
-                for &w in run {
-                    if let Some((k, _)) = heap.find(w)
-                        && k != l
-                        && state[k] == UNREACHED
-                    {
-                        state[k] = INDIRECT;
-                        // An earlier leader's group is already claimed: it joins this one.
-                        if !leader[k] {
-                            todo.push(k);
-                        }
-                    }
+        walk(heap, memory, todo, |k| {
+            if k == l || state[k] != UNREACHED {
+                return false;
+            }
+            state[k] = INDIRECT;
+            // An earlier leader's group is already claimed: it joins this one.
+            !leader[k]
+        });
+    }
+}
+
+/// Walks from the blocks in `todo` to every block their words point into: `claim(k)`, for
+/// each block `k` a word points into, marks it and says whether to walk on from it.
+fn walk(heap: &Heap<'_>, memory: &dyn Memory, todo: &mut Vec<usize>, mut claim: impl FnMut(usize) -> bool) {
+    while let Some(i) = todo.pop() {
+        let (start, size) = heap.blocks[i];
+        memory.block_words(start, start + size, &mut |_, run| {
+            for &w in run {
+                if let Some((k, _)) = heap.find(w)
+                    && claim(k)
+                {
+                    todo.push(k);
                 }
-            });
-        }
+            }
+        });
     }
 }
 
@@ -389,20 +397,14 @@ pub(crate) fn suppress(
         state[root] = SUPPRESSED;
         parent[root] = root as u32;
         todo.push(root);
-        while let Some(i) = todo.pop() {
-            let (start, size) = heap.blocks[i];
-            memory.block_words(start, start + size, &mut |_, run| {
-                for &w in run {
-                    if let Some((k, _)) = heap.find(w)
-                        && !matches!(state[k], REACHABLE | SUPPRESSED)
-                    {
-                        state[k] = SUPPRESSED;
-                        parent[k] = root as u32;
-                        todo.push(k);
-                    }
-                }
-            });
-        }
+        walk(heap, memory, todo, |k| {
+            if matches!(state[k], REACHABLE | SUPPRESSED) {
+                return false;
+            }
+            state[k] = SUPPRESSED;
+            parent[k] = root as u32;
+            true
+        });
     }
 }
 
