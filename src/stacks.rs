@@ -53,15 +53,15 @@ struct KnownStart {
 
 const _: () = assert!(core::mem::size_of::<KnownStart>() == 192);
 
-/// Libraries unloaded so far (`dlclose` calls that succeeded). Folded into every lookup of a
-/// stack: a library loaded where an unloaded one was may have code at the same addresses, and
-/// the same return addresses then stand for other functions. Their stacks get ids of their
-/// own, which the trace and the leak report name after the modules loaded then; they were
-/// given the unloaded library's stacks, and its names.
+/// Unloads so far (`dlclose` calls after which the loader had unmapped something). Folded
+/// into every lookup of a stack: a library loaded where an unloaded one was may have code at
+/// the same addresses, and the same return addresses then stand for other functions. Their
+/// stacks get ids of their own, which the trace and the leak report name after the modules
+/// loaded then; they were given the unloaded library's stacks, and its names.
 static UNLOADS: AtomicU64 = AtomicU64::new(0);
 
-/// After a `dlclose` that succeeded: stacks captured from now on are interned apart from
-/// earlier ones with the same frames (see [`UNLOADS`]).
+/// After a `dlclose` that unmapped a library: stacks captured from now on are interned apart
+/// from earlier ones with the same frames (see [`UNLOADS`]).
 pub(crate) fn after_unload() {
     UNLOADS.fetch_add(1, Ordering::Relaxed);
 }
