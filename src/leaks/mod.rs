@@ -262,6 +262,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let memory = ProcessMemory::new(&maps, buffers);
     scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
     drop(stopped);
+    memory.others_run();
     // Suppressions, as LeakSanitizer has them: a suppressed leak takes with it what it reaches.
     let frames_of = |id| tracker.stacks.frames(id).to_vec();
     let stack_ids: Vec<u32> = blocks.iter().map(|(_, r)| r.stack).collect();

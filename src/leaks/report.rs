@@ -4,6 +4,7 @@
 use std::collections::hash_map::Entry as Slot;
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
+use std::hash::{Hash, Hasher};
 
 use serde::Serialize;
 
@@ -242,8 +243,10 @@ pub(crate) fn build(
     let mut leaks: Vec<LeakRecord> = Vec::new();
     // Stacks with the same frames are one record: after a `dlclose` the same call sites get
     // stacks of their own (a library loaded where the closed one was may have other code at
-    // its addresses, and then other frames).
-    let mut record_of: HashMap<(LeakKind, Vec<Frame>), usize> = HashMap::new();
+    // its addresses, and then other frames). Known by a hash of the frames, compared on a
+    // hit: a copy of each record's frames as the key cost half again the report's memory
+    // (review helper 30).
+    let mut record_of: HashMap<u64, usize> = HashMap::new();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
         let stack = if lost || reachable.is_some() { namer.frames(stack_id, &frames_of) } else { Vec::new() };
@@ -251,13 +254,17 @@ pub(crate) fn build(
         t.blocks += tally.blocks;
         t.bytes += tally.bytes;
         if !stack.is_empty() {
-            match record_of.entry((kind, stack.clone())) {
-                Slot::Occupied(at) => {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            (kind, &stack).hash(&mut hasher);
+            match record_of.entry(hasher.finish()) {
+                Slot::Occupied(at) if leaks[*at.get()].kind == kind && leaks[*at.get()].stack == stack => {
                     let record = &mut leaks[*at.get()];
                     record.blocks += tally.blocks;
                     record.bytes += tally.bytes;
                     continue;
                 }
+                // Another stack with the same hash keeps the entry: this one stays apart.
+                Slot::Occupied(_) => {}
                 Slot::Vacant(slot) => {
                     slot.insert(leaks.len());
                 }

@@ -192,6 +192,8 @@ pub(crate) struct ProcessMemory<'a> {
     maps: &'a Maps,
     buffer: core::cell::RefCell<Vec<u64>>,
     direct: core::cell::Cell<bool>,
+    /// The other threads run again ([`ProcessMemory::others_run`]): nothing is read directly.
+    others_run: core::cell::Cell<bool>,
     /// `/proc/self/pagemap`, or -1.
     pagemap: i32,
     pages: core::cell::RefCell<Vec<u64>>,
@@ -221,6 +223,13 @@ pub(crate) struct ScanBuffers {
 }
 
 impl<'a> ProcessMemory<'a> {
+    /// The other threads run again: a block may be freed and unmapped from here on, so blocks
+    /// are read through `process_vm_readv` only (a page gone reads as nothing), and not at all
+    /// where the call is refused.
+    pub(crate) fn others_run(&self) {
+        self.others_run.set(true);
+    }
+
     /// The read buffers.
     pub(crate) fn buffers() -> ScanBuffers {
         ScanBuffers { words: vec![0; CHUNK_WORDS], pages: vec![0; PAGEMAP_ENTRIES] }
@@ -234,6 +243,7 @@ impl<'a> ProcessMemory<'a> {
             maps,
             buffer: core::cell::RefCell::new(buffers.words),
             direct: core::cell::Cell::new(false),
+            others_run: core::cell::Cell::new(false),
             pagemap,
             pages: core::cell::RefCell::new(buffers.pages),
             block_mapping: core::cell::Cell::new((0, 0)),
@@ -382,6 +392,21 @@ impl Memory for ProcessMemory<'_> {
         let mut buf = self.buffer.borrow_mut();
         let (from, to) = (start.next_multiple_of(8), end & !7);
         if from >= to {
+            return;
+        }
+        if self.others_run.get() {
+            let mut addr = from;
+            while addr < to {
+                match Self::read_chunk(&mut buf, addr, to) {
+                    // A page gone: skip it.
+                    Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
+                    Some(n) => {
+                        f(addr, &buf[..n]);
+                        addr += n as u64 * 8;
+                    }
+                    None => return,
+                }
+            }
             return;
         }
         let (low, high) = self.block_mapping.get();

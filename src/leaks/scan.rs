@@ -381,7 +381,8 @@ fn walk(heap: &Heap<'_>, memory: &dyn Memory, todo: &mut Vec<usize>, mut claim: 
 /// buffer a suppressed object held was reported as indirectly lost, and failed
 /// `exitcode`). Run after [`classify`], once the other threads run again: nothing points to
 /// a lost block, so nothing writes to one (a block freed meanwhile reads as what the
-/// allocator left there, or as nothing once unmapped). Allocates nothing.
+/// allocator left there; `memory` must read one unmapped since as nothing:
+/// [`super::roots::ProcessMemory::others_run`]). Allocates nothing.
 pub(crate) fn suppress(
     heap: &Heap<'_>,
     memory: &dyn Memory,
