@@ -308,6 +308,23 @@ impl<'a> ProcessMemory<'a> {
         }
     }
 
+    /// Calls `f` on the words of `[addr, to)`, read through `process_vm_readv` a bufferful at
+    /// a time, pages that fault skipped. Returns where it stopped: `to`, or where the kernel
+    /// refused to read at all.
+    fn read_via_kernel(buf: &mut [u64], mut addr: u64, to: u64, f: &mut dyn FnMut(u64, &[u64])) -> u64 {
+        while addr < to {
+            match Self::read_chunk(buf, addr, to) {
+                Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
+                Some(n) => {
+                    f(addr, &buf[..n]);
+                    addr += n as u64 * 8;
+                }
+                None => break,
+            }
+        }
+        addr
+    }
+
     /// Reads the words of `[addr, end)` into `buf`: how many could be read, or `None` when
     /// the kernel refuses to read at all.
     fn read_chunk(buf: &mut [u64], addr: u64, end: u64) -> Option<usize> {
@@ -346,19 +363,11 @@ impl Memory for ProcessMemory<'_> {
     fn words(&self, start: u64, end: u64, f: &mut dyn FnMut(u64, &[u64])) {
         let mut buf = self.buffer.borrow_mut();
         self.readable(start, end, |from, to| {
-            self.populated(from, to, &mut |mut addr, to| {
-                while addr < to && !self.direct.get() {
-                    match Self::read_chunk(&mut buf, addr, to) {
-                        // A page that faults: skip it.
-                        Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
-                        Some(n) => {
-                            f(addr, &buf[..n]);
-                            addr += n as u64 * 8;
-                        }
-                        None => self.direct.set(true),
-                    }
-                }
+            self.populated(from, to, &mut |addr, to| {
+                let addr = if self.direct.get() { addr } else { Self::read_via_kernel(&mut buf, addr, to, f) };
                 if addr < to {
+                    // The kernel refuses to read at all (a seccomp filter): directly from now on.
+                    self.direct.set(true);
                     // SAFETY: a readable mapping of this process, which stays mapped: the other
                     // threads are stopped and this one does not unmap.
                     unsafe { read_directly(addr, to, &mut buf, f) };
@@ -395,18 +404,7 @@ impl Memory for ProcessMemory<'_> {
             return;
         }
         if self.others_run.get() {
-            let mut addr = from;
-            while addr < to {
-                match Self::read_chunk(&mut buf, addr, to) {
-                    // A page gone: skip it.
-                    Some(0) => addr = (addr + 1).next_multiple_of(PAGE).min(to),
-                    Some(n) => {
-                        f(addr, &buf[..n]);
-                        addr += n as u64 * 8;
-                    }
-                    None => return,
-                }
-            }
+            Self::read_via_kernel(&mut buf, from, to, f);
             return;
         }
         let (low, high) = self.block_mapping.get();
