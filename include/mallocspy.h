@@ -14,8 +14,9 @@
  *   - Pre methods run just before the real allocator, Post methods just after; a Pre method
  *     and its Post method run on the same thread with no other call of that thread between.
  *   - pre_alloc/pre_alloc_aligned/pre_realloc may enlarge the request (return the size to
- *     allocate); returning 0 for a non-zero request fails the call (NULL, ENOMEM) and the Post
- *     method is not called. A real failure calls the Post method with NULL.
+ *     allocate); returning 0 for a non-zero request fails the call (NULL, ENOMEM; EINVAL for
+ *     an alignment the real allocator rejects) and the Post method is not called. A real
+ *     failure calls the Post method with NULL.
  *   - post_alloc/post_realloc return the pointer the caller gets (e.g. actual + header size);
  *     pre_free/pre_realloc/pre_get_size map it back. `spied` says whether the block was
  *     allocated while this spy was registered (i.e. has its layout).

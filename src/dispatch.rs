@@ -638,6 +638,17 @@ impl<H: Heap> Interposer<H> {
         Outcome { ptr, err: if ptr.is_null() { os::errno() } else { 0 } }
     }
 
+    /// The error of an aligned request that a spy refused: the real allocator's, asked with at
+    /// most `align` bytes (a multiple of `align` unless the caller's request was not), so that
+    /// refusing a gigabyte does not allocate one, nor a huge `calloc` zero it; ENOMEM when the
+    /// real allocator accepts the alignment.
+    fn alignment_verdict(&self, req: &AllocRequest) -> c_int {
+        let probe = self.real_alloc(req, req.align.min(req.size));
+        // SAFETY: the probe block (or NULL) was just allocated by the real heap, never shared.
+        unsafe { self.heap.free(probe.ptr) };
+        if probe.ptr.is_null() { probe.err } else { libc::ENOMEM }
+    }
+
     /// An allocating call served by the real allocator alone, after spy code may have
     /// disturbed errno.
     fn alloc_unspied(&self, req: &AllocRequest, saved_errno: c_int) -> Outcome {
@@ -726,13 +737,10 @@ impl<H: Heap> Interposer<H> {
             return self.alloc_unspied(req, saved);
         };
         if size == 0 && req.size != 0 {
-            // Forced failure. The error is the real allocator's own verdict on the caller's
-            // request when it would reject it too (a bad alignment), else ENOMEM.
+            // Forced failure: ENOMEM, or the real allocator's own verdict on an alignment it
+            // would reject (EINVAL).
             os::set_errno(saved);
-            let probe = self.real_alloc(req, req.size);
-            let err = if probe.ptr.is_null() { probe.err } else { libc::ENOMEM };
-            // SAFETY: the probe block was just allocated by the real heap and never shared.
-            unsafe { self.heap.free(probe.ptr) };
+            let err = if aligned { self.alignment_verdict(req) } else { libc::ENOMEM };
             self.observe(cell, scope, call(null(), true));
             return self.fail(req, err);
         }

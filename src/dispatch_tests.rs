@@ -268,6 +268,96 @@ fn forced_failure_skips_post_and_sets_enomem() {
     assert_eq!(ip.revoke(), Ok(()));
 }
 
+/// glibc, noting the largest request it was asked for.
+#[derive(Default)]
+struct Asked {
+    largest: AtomicUsize,
+}
+
+impl Asked {
+    fn note(&self, size: usize) {
+        self.largest.fetch_max(size, Ordering::SeqCst);
+    }
+}
+
+// SAFETY: glibc's functions, through `Glibc`.
+unsafe impl Heap for Asked {
+    fn malloc(&self, size: usize) -> *mut c_void {
+        self.note(size);
+        Glibc.malloc(size)
+    }
+    fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
+        self.note(nmemb.saturating_mul(size));
+        Glibc.calloc(nmemb, size)
+    }
+    unsafe fn realloc(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        self.note(size);
+        // SAFETY: the caller's guarantee.
+        unsafe { Glibc.realloc(ptr, size) }
+    }
+    unsafe fn free(&self, ptr: *mut c_void) {
+        // SAFETY: the caller's guarantee.
+        unsafe { Glibc.free(ptr) }
+    }
+    fn memalign(&self, align: usize, size: usize) -> *mut c_void {
+        self.note(size);
+        Glibc.memalign(align, size)
+    }
+    fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
+        self.note(size);
+        Glibc.aligned_alloc(align, size)
+    }
+    unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
+        self.note(size);
+        // SAFETY: the caller's guarantee.
+        unsafe { Glibc.posix_memalign(out, align, size) }
+    }
+    fn valloc(&self, size: usize) -> *mut c_void {
+        self.note(size);
+        Glibc.valloc(size)
+    }
+    fn pvalloc(&self, size: usize) -> *mut c_void {
+        self.note(size);
+        Glibc.pvalloc(size)
+    }
+    unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {
+        // SAFETY: the caller's guarantee.
+        unsafe { Glibc.usable_size(ptr) }
+    }
+    fn trim(&self, pad: usize) -> c_int {
+        Glibc.trim(pad)
+    }
+    fn realloc_zero_frees(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_refused_request_is_not_allocated_to_find_its_error() {
+    let _serial = serial();
+    let log = Arc::new(Log::default());
+    let ip = Interposer::new(Asked::default());
+    const GIB: usize = 1 << 30;
+    ip.register(|| Box::new(HeaderSpy::with(&log, GIB, usize::MAX))).unwrap();
+    os::set_errno(0);
+    assert!(ip.malloc(GIB).is_null());
+    assert_eq!(os::errno(), libc::ENOMEM);
+    assert!(ip.calloc(1 << 15, 1 << 15).is_null());
+    assert_eq!(os::errno(), libc::ENOMEM);
+    let mut q = core::ptr::null_mut();
+    // SAFETY: q is a local.
+    assert_eq!(unsafe { ip.posix_memalign(&mut q, 64, GIB) }, libc::ENOMEM);
+    // The real allocator's verdict on a bad alignment is still the caller's error.
+    // SAFETY: as above.
+    assert_eq!(unsafe { ip.posix_memalign(&mut q, 24, GIB) }, libc::EINVAL);
+    assert!(ip.aligned_alloc(4096, GIB).is_null());
+    assert_eq!(os::errno(), libc::ENOMEM);
+    let largest = ip.heap.largest.load(Ordering::SeqCst);
+    assert!(largest <= 4096, "the real allocator was asked for {largest} bytes");
+    assert_eq!(log.post_alloc.load(Ordering::SeqCst), 0);
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 #[test]
 fn revoke_is_deferred_until_the_last_spied_block_is_freed() {
     let _serial = serial();

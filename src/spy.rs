@@ -263,8 +263,9 @@ pub enum Role {
 ///   block a successful allocation or reallocation returns while the spy is registered is
 ///   spied, including one that `realloc` moved from an unspied block.
 /// * Returning 0 from `pre_alloc`, `pre_alloc_aligned` or `pre_realloc` for a non-zero
-///   request makes the call fail (NULL with `ENOMEM`) without calling the Post method. A real
-///   allocation failure calls the Post method with NULL.
+///   request makes the call fail (NULL with `ENOMEM`; `EINVAL` for an alignment the real
+///   allocator rejects) without calling the Post method, or asking the real allocator for the
+///   refused bytes. A real allocation failure calls the Post method with NULL.
 /// * Aligned allocations: IMallocSpy has no room for an alignment, so mallocspy adds the
 ///   `_aligned` pair, which gets it. Their defaults call `pre_alloc`/`post_alloc`, which is right
 ///   for spies that do not move the pointer. A spy that moves it must keep the caller's pointer
