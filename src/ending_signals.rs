@@ -13,7 +13,9 @@
 //! once, as the first would have natively, should the report be stuck on a lock the
 //! interrupted code holds; but not one within [`DUPLICATE_NS`] of the first: that is the same
 //! signal come twice (sent to the process and to its group, as `timeout` and `kill -- -PGID`
-//! do, when `mallocspy run` also passes it on), which killed the report half-written.
+//! do, when `mallocspy run` also passes it on), which killed the report half-written. The
+//! first signal during the reports of a process that is leaving by `exit` or `_exit` is let
+//! go: the process leaves as it was leaving.
 //! Python, which installs its own `INT` handler when it finds the default, still raises
 //! `KeyboardInterrupt`.
 
@@ -116,7 +118,15 @@ extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, context: *mu
         // code holds.
         die_by(signal);
     }
-    if crate::tls::state().depth.get() != 0 && !crate::preload::reporting() {
+    if crate::preload::reporting() {
+        // The exit reports: the program has left, and its status is its own. Natively it
+        // would be gone before the signal came; here it ended the report half-written, the
+        // exit's flush of stdio undone, and turned a worker's `exit(0)` into death by the
+        // signal (a `multiprocessing` pool terminating workers that were leaving). A second
+        // request still ends it at once.
+        return;
+    }
+    if crate::tls::state().depth.get() != 0 {
         DEFERRED.store(signal, Ordering::Relaxed);
         return;
     }

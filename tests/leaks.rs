@@ -1121,6 +1121,26 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
     assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
 }
 
+/// A program that has begun to leave (`exit`, `_exit`) still leaves as it would have when an
+/// ending signal comes during its exit report: natively it would have gone before the signal
+/// came. A `SIGTERM` then killed it with the report cut short and its buffered output lost (a
+/// `multiprocessing` pool terminating workers that were leaving).
+#[test]
+fn a_signal_during_the_exit_report_leaves_the_exit_as_it_was() {
+    let program = c_program("signal_during_exit_report.c");
+    for args in [&[][..], &["now"]] {
+        let mut cmd = Command::new(&program);
+        with_ending_signals_at_default(cmd.args(args), None);
+        let native = run(Mode::Native, &mut cmd);
+        assert_eq!(native.status.code(), Some(3));
+        let out = run(JSON_REPORT, &mut cmd);
+        assert_eq!(out.status.code(), Some(3), "{args:?}: {}", text(&out.stderr));
+        assert_eq!(out.stdout, native.stdout);
+        let lost = json_report(&out)["summary"]["definitely_lost"]["blocks"].as_u64().unwrap();
+        assert!(lost >= 999_999, "{args:?}: {lost} blocks lost");
+    }
+}
+
 /// The report at an ending signal scans the thread from where the signal interrupted it: the
 /// handler's frames below reuse the stack where the program's earlier calls ran, and the
 /// copies of a lost block's address those left there made it "still reachable".
