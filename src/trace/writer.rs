@@ -167,6 +167,25 @@ fn open(template: &str, forked: bool) -> Result<(i32, String), String> {
     Ok((fd, path))
 }
 
+/// The trace file of `header`'s process (see [`open`]), its header written: by the process
+/// itself, before anything it runs can `exec`. The image after an `exec` finds its pid there
+/// and takes the path over; written by the writer process, the header was not always there
+/// yet (a shell's chain of `exec`s left an image's trace at `PATH.PID`, 3 runs in 20). Gives
+/// the descriptor, the path and the bytes written.
+fn create(template: &str, forked: bool, header: &Header) -> Result<(i32, String, u64), String> {
+    let (fd, path) = open(template, forked)?;
+    let mut head = Vec::new();
+    write_header(&mut head, header);
+    match os::write_whole(fd, &head) {
+        Ok(()) => Ok((fd, path, head.len() as u64)),
+        Err((errno, _)) => {
+            close(fd);
+            let _ = std::fs::remove_file(&path);
+            Err(format!("cannot write trace '{path}': {}", std::io::Error::from_raw_os_error(errno)))
+        }
+    }
+}
+
 /// The pid in the header of the trace at `path`, if it is one.
 fn header_pid(path: &str) -> Option<u32> {
     use std::io::Read;
@@ -241,9 +260,8 @@ fn leave(fds: &[i32]) -> ! {
 }
 
 impl Writer {
-    /// Writes the header and the modules loaded now.
-    fn begin(&self, st: &mut State, header: &Header) {
-        write_header(&mut st.buf, header);
+    /// Writes the modules loaded now (after the header, which [`create`] wrote).
+    fn begin(&self, st: &mut State) {
         self.rescan_modules(st, self.spy.elapsed_ns());
         self.flush(st);
     }
@@ -353,7 +371,7 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
-    fn serve(&self, header: &Header, trace_fd: i32, socket: i32, ring: &'static Ring) -> ! {
+    fn serve(&self, pid: u32, trace_fd: i32, written: u64, socket: i32, ring: &'static Ring) -> ! {
         tls::state().depth.set(1);
         // SAFETY: plain system calls on this process: a session of its own, every signal
         // blocked (it leaves when the program's end closes), a name for `ps`.
@@ -366,9 +384,9 @@ impl Writer {
         }
         keep_only(&[trace_fd, socket]);
         let mut st = State {
-            pid: header.pid,
+            pid,
             fd: trace_fd,
-            written: 0,
+            written,
             buf: Vec::with_capacity(1 << 16),
             ring,
             stacks: HashSet::new(),
@@ -377,7 +395,7 @@ impl Writer {
             next_module: 0,
             ended: false,
         };
-        self.begin(&mut st, header);
+        self.begin(&mut st);
         let interval = self.interval_ms.clamp(1, i32::MAX as u64) as i32;
         // -1 once the program has closed its end but runs on: nothing can wake us then.
         let mut socket = socket;
@@ -437,7 +455,7 @@ impl Writer {
     /// forks the writer process for this process.
     fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
         let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
-        let (trace_fd, path) = open(&self.template, forked)?;
+        let (trace_fd, path, written) = create(&self.template, forked, &header)?;
         // A writer that cannot start leaves no empty trace behind.
         let give_up = |fds: &[i32], why: String| {
             fds.iter().for_each(|&fd| close(fd));
@@ -470,7 +488,7 @@ impl Writer {
         let child = raw_fork();
         if child == 0 {
             if subreaper || raw_fork() == 0 {
-                self.serve(&header, trace_fd, its, ring);
+                self.serve(header.pid, trace_fd, written, its, ring);
             }
             leave(&[]);
         }
@@ -758,6 +776,35 @@ mod tests {
         close(after_exec);
         let path = options::expand_path(template, os::getpid());
         assert_eq!(std::fs::read(path).unwrap(), b"new");
+    }
+
+    /// An image that `exec`s right after its start (a shell's `exec` chain) takes over the
+    /// trace its writer still holds: the header naming its pid is there from the start.
+    #[test]
+    fn an_exec_right_after_the_start_takes_the_trace_over() {
+        let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let template = dir.path().join("exec.trace");
+        let template = template.to_str().unwrap();
+        let header = |command: &str| Header {
+            pid: os::getpid(),
+            command: vec![command.to_string()],
+            options: String::new(),
+            sampling: super::super::Sampling::Poisson,
+            interval: 1,
+            stats_interval_ms: 1,
+            start_unix_ns: 0,
+        };
+        let (before_exec, path, _) = create(template, false, &header("sh")).unwrap();
+        assert_eq!(path, template);
+        let (after_exec, path, written) = create(template, false, &header("echo")).unwrap();
+        assert_eq!(path, template);
+        close(before_exec);
+        close(after_exec);
+        let trace = std::fs::read(template).unwrap();
+        assert_eq!(trace.len() as u64, written);
+        assert_eq!(super::super::Reader::new(&trace).unwrap().header().command, ["echo"]);
+        assert!(!std::path::Path::new(&format!("{template}.{}", os::getpid())).exists());
     }
 
     #[test]
