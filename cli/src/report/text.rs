@@ -124,10 +124,11 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     if let Some((calls, bytes)) = p.counted() {
         writeln!(out, "  counted      {} in {} allocation calls (exact)", units::bytes(bytes), units::count(calls))?;
         if calls == 0 {
-            // The program said why on its stderr, if another module's `malloc` came first.
+            // The program said why on its stderr, if another module's `malloc` came first. A
+            // forked child that only `exec`s or leaves (a daemon's middle process) made none.
             writeln!(
                 out,
-                "               no allocation reached mallocspy: if the program allocates, its malloc is \
+                "               no allocation reached mallocspy: the process made none, or its malloc is \
                  another module's (an allocator preloaded before mallocspy, or its own)"
             )?;
         }
