@@ -638,12 +638,15 @@ impl<H: Heap> Interposer<H> {
         Outcome { ptr, err: if ptr.is_null() { os::errno() } else { 0 } }
     }
 
-    /// The error of an aligned request that a spy refused: the real allocator's, asked with at
-    /// most `align` bytes (a multiple of `align` unless the caller's request was not), so that
-    /// refusing a gigabyte does not allocate one, nor a huge `calloc` zero it; ENOMEM when the
-    /// real allocator accepts the alignment.
-    fn alignment_verdict(&self, req: &AllocRequest) -> c_int {
-        let probe = self.real_alloc(req, req.align.min(req.size));
+    /// The error of a request that a spy refused: ENOMEM, unless the caller chose an alignment
+    /// (`align` 0 included) that the real allocator rejects. It is asked for one byte at that
+    /// alignment, not the refused size: refusing a gigabyte allocated one, and a huge `calloc`
+    /// was zeroed, only to learn the error.
+    fn refusal_error(&self, req: &AllocRequest) -> c_int {
+        if !matches!(req.kind, Kind::Memalign | Kind::AlignedAlloc | Kind::PosixMemalign) {
+            return libc::ENOMEM;
+        }
+        let probe = self.real_alloc(req, 1);
         // SAFETY: the probe block (or NULL) was just allocated by the real heap, never shared.
         unsafe { self.heap.free(probe.ptr) };
         if probe.ptr.is_null() { probe.err } else { libc::ENOMEM }
@@ -737,10 +740,8 @@ impl<H: Heap> Interposer<H> {
             return self.alloc_unspied(req, saved);
         };
         if size == 0 && req.size != 0 {
-            // Forced failure: ENOMEM, or the real allocator's own verdict on an alignment it
-            // would reject (EINVAL).
             os::set_errno(saved);
-            let err = if aligned { self.alignment_verdict(req) } else { libc::ENOMEM };
+            let err = self.refusal_error(req);
             self.observe(cell, scope, call(null(), true));
             return self.fail(req, err);
         }

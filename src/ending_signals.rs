@@ -118,12 +118,13 @@ extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, context: *mu
         // code holds.
         die_by(signal);
     }
-    if crate::preload::reporting() {
+    if crate::preload::writing_reports() {
         // The exit reports: the program has left, and its status is its own. Natively it
         // would be gone before the signal came; here it ended the report half-written, the
         // exit's flush of stdio undone, and turned a worker's `exit(0)` into death by the
         // signal (a `multiprocessing` pool terminating workers that were leaving). A second
-        // request still ends it at once.
+        // request still ends it at once. Once the reports are written, what the exit still
+        // does (the flush) is the program's, and the signal ends it as it would have.
         return;
     }
     if crate::tls::state().depth.get() != 0 {

@@ -364,11 +364,28 @@ pub extern "C" fn report_at_exit() {
     report_all(Caller::here());
 }
 
+/// The process whose reports are being written now (its pid; 0 when none is): not a child
+/// forked meanwhile, and not once they are written (the exit's flush of stdio comes after).
+static WRITING_REPORTS: AtomicU32 = AtomicU32::new(0);
+
 /// Every report, once per process, the leak check's scan of this thread starting at `caller`.
 fn report_all(caller: Caller) {
-    if OWNER.load(Ordering::Relaxed) != os::getpid() || REPORTED.swap(true, Ordering::AcqRel) {
+    let pid = os::getpid();
+    if OWNER.load(Ordering::Relaxed) != pid || REPORTED.swap(true, Ordering::AcqRel) {
         return;
     }
+    WRITING_REPORTS.store(pid, Ordering::Release);
+    write_reports(caller);
+    WRITING_REPORTS.store(0, Ordering::Release);
+}
+
+/// Whether this process is writing its reports now.
+pub(crate) fn writing_reports() -> bool {
+    WRITING_REPORTS.load(Ordering::Acquire) == os::getpid()
+}
+
+/// The reports of [`report_all`].
+fn write_reports(caller: Caller) {
     if tls::state().depth.get() != 0 {
         // A signal handler that interrupted a hook of this thread called `exit`: the hook
         // holds locks (and half-made changes) that every report needs, and waiting for them
@@ -489,11 +506,6 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
 
 /// The signal ending the process, whose handler writes the reports (0: none).
 static ENDING_SIGNAL: AtomicI32 = AtomicI32::new(0);
-
-/// Whether this process's exit reports have begun.
-pub(crate) fn reporting() -> bool {
-    REPORTED.load(Ordering::Relaxed)
-}
 
 /// From the handler of a signal that ends the process ([`crate::ending_signals`]): every
 /// report, once per process, with a note of the signal. The process then dies of it, not of

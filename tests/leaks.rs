@@ -1141,6 +1141,44 @@ fn a_signal_during_the_exit_report_leaves_the_exit_as_it_was() {
     }
 }
 
+/// Once its exit reports are written, a process blocked in the exit's flush of stdio (its
+/// stdout a pipe nobody reads) dies of a `SIGTERM`, as natively: the signals let go during
+/// the reports were let go after them too, and it left with status 0.
+#[test]
+fn after_the_exit_reports_a_signal_ends_the_process_as_it_would_have() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("exit_blocked_in_flush.c");
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    for spied in [false, true] {
+        let mut cmd = Command::new(&program);
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        with_ending_signals_at_default(&mut cmd, None);
+        let options = format!("report_format=json:log_path={}", log.display());
+        let mode = if spied { Mode::Shim(Box::leak(options.into_boxed_str())) } else { Mode::Native };
+        mode.apply(&mut cmd);
+        let mut child = cmd.spawn().unwrap();
+        // Blocked in the flush: natively once it said it leaves, spied once the report is out.
+        let mut said = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stderr.as_mut().unwrap()), &mut said).unwrap();
+        assert_eq!(said, "leaving\n");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while spied
+            && !std::fs::read_to_string(&log).is_ok_and(|r| r.ends_with("}\n"))
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // SAFETY: kill has no memory preconditions; the pid is our child's, not yet reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(libc::SIGTERM), "spied: {spied}");
+    }
+    let report = std::fs::read_to_string(&log).unwrap();
+    assert!(report.contains("\"definitely_lost\""), "{report}");
+}
+
 /// The report at an ending signal scans the thread from where the signal interrupted it: the
 /// handler's frames below reuse the stack where the program's earlier calls ran, and the
 /// copies of a lost block's address those left there made it "still reachable".

@@ -516,6 +516,35 @@ fn without_pid_in_the_path_the_program_an_exec_starts_writes_path() {
     assert!(matches!(reader.by_ref().map(Result::unwrap).last(), Some(Event::End { .. })), "the trace ends whole");
 }
 
+/// Without `%p`, a trace path naming a FIFO that a reader drains: the image an `exec` starts
+/// finds it held by the first image's writer and writes `PATH.PID`. It read the FIFO to look
+/// for its pid in a header, taking the reader's bytes and waiting for ever on its own open end.
+#[test]
+fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(fifo).unwrap())
+    };
+    let child = Command::new("sh")
+        .args(["-c", "exec echo done"])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", fifo.display()))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let out = output_within(child, std::time::Duration::from_secs(30));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+    let first = reader.join().unwrap();
+    assert_eq!(Reader::new(&first).unwrap().header().command, ["sh", "-c", "exec echo done"]);
+    let second = std::fs::read(format!("{}.{pid}", fifo.display())).unwrap();
+    assert_eq!(Reader::new(&second).unwrap().header().command, ["echo", "done"]);
+}
+
 /// Without `%p`, a process forked after its grandparent's trace is finished (its writer gone,
 /// the path no longer locked) writes `PATH.PID` all the same: it took the path and truncated
 /// the finished trace, and `record` then named the grandchild's trace as the program's. The
@@ -744,6 +773,10 @@ fn a_trace_the_disk_refuses_is_said_at_exit() {
         text(&out.stderr),
         "mallocspy: the trace stops at byte 0, where writing it failed: No space left on device (os error 28)\n"
     );
+    // The device is not a trace of ours to remove (a first version of the header's write,
+    // moved out of the writer, replaced /dev/full with a regular file).
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
 }
 
 /// The writer is a process of its own: the traced program has exactly its own threads (a

@@ -167,28 +167,60 @@ fn open(template: &str, forked: bool) -> Result<(i32, String), String> {
     Ok((fd, path))
 }
 
-/// The trace file of `header`'s process (see [`open`]), its header written: by the process
-/// itself, before anything it runs can `exec`. The image after an `exec` finds its pid there
-/// and takes the path over; written by the writer process, the header was not always there
-/// yet (a shell's chain of `exec`s left an image's trace at `PATH.PID`, 3 runs in 20). Gives
-/// the descriptor, the path and the bytes written.
-fn create(template: &str, forked: bool, header: &Header) -> Result<(i32, String, u64), String> {
+/// The trace file of `header`'s process (see [`open`]), and who writes its header: the
+/// process itself, into a regular file, before anything it runs can `exec`. The image after
+/// an `exec` finds its pid there and takes the path over; written by the writer process, the
+/// header was not always there yet (a shell's chain of `exec`s left an image's trace at
+/// `PATH.PID`, 3 runs in 20). Anything else (a FIFO, a device) is left to the writer, which
+/// blocks every signal: the program's own write to a FIFO its reader closed raised `SIGPIPE`.
+fn create(template: &str, forked: bool, header: &Header) -> Result<(i32, String, HeaderWrite), String> {
     let (fd, path) = open(template, forked)?;
+    if !is_regular(fd) {
+        return Ok((fd, path, HeaderWrite::ByWriter));
+    }
     let mut head = Vec::new();
     write_header(&mut head, header);
-    match os::write_whole(fd, &head) {
-        Ok(()) => Ok((fd, path, head.len() as u64)),
-        Err((errno, _)) => {
-            close(fd);
-            let _ = std::fs::remove_file(&path);
-            Err(format!("cannot write trace '{path}': {}", std::io::Error::from_raw_os_error(errno)))
-        }
+    let write = match os::write_whole(fd, &head) {
+        Ok(()) => HeaderWrite::Written(head.len() as u64),
+        Err((errno, done)) => HeaderWrite::Failed { errno, written: done as u64 },
+    };
+    Ok((fd, path, write))
+}
+
+/// Who writes a trace's header (see [`create`]).
+#[derive(Clone, Copy)]
+enum HeaderWrite {
+    /// The writer process, first thing.
+    ByWriter,
+    /// The program did, this many bytes.
+    Written(u64),
+    /// The program's write failed after `written` bytes: the writer's first write error.
+    Failed { errno: i32, written: u64 },
+}
+
+/// Whether `fd` is a regular file's.
+fn is_regular(fd: i32) -> bool {
+    // SAFETY: stat is plain data, valid when zeroed; fstat only writes it.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: as above; an invalid descriptor only fails.
+    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG }
+}
+
+/// Removes the trace at `path` that a writer could not start for, if it is a regular file: the
+/// path may name a device (`trace=/dev/null`), which is not ours to remove.
+fn remove_trace(path: &str) {
+    if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file()) {
+        let _ = std::fs::remove_file(path);
     }
 }
 
-/// The pid in the header of the trace at `path`, if it is one.
+/// The pid in the header of the trace at `path`, if it is one: a regular file (a FIFO's read
+/// would take the reader's bytes, and wait for ever on our own open end).
 fn header_pid(path: &str) -> Option<u32> {
     use std::io::Read;
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
     // A header is a few hundred bytes: the command line and the options.
     let mut head = Vec::new();
     std::fs::File::open(path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
@@ -260,7 +292,7 @@ fn leave(fds: &[i32]) -> ! {
 }
 
 impl Writer {
-    /// Writes the modules loaded now (after the header, which [`create`] wrote).
+    /// Writes the modules loaded now (after the header).
     fn begin(&self, st: &mut State) {
         self.rescan_modules(st, self.spy.elapsed_ns());
         self.flush(st);
@@ -371,7 +403,7 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
-    fn serve(&self, pid: u32, trace_fd: i32, written: u64, socket: i32, ring: &'static Ring) -> ! {
+    fn serve(&self, header: &Header, trace_fd: i32, header_write: HeaderWrite, socket: i32, ring: &'static Ring) -> ! {
         tls::state().depth.set(1);
         // SAFETY: plain system calls on this process: a session of its own, every signal
         // blocked (it leaves when the program's end closes), a name for `ps`.
@@ -383,9 +415,19 @@ impl Writer {
             libc::prctl(libc::PR_SET_NAME, c"mallocspy-trace".as_ptr());
         }
         keep_only(&[trace_fd, socket]);
+        let (fd, written) = match header_write {
+            HeaderWrite::ByWriter => (trace_fd, 0),
+            HeaderWrite::Written(bytes) => (trace_fd, bytes),
+            HeaderWrite::Failed { errno, written } => {
+                // A full disk: as a failed write of the events (see `flush`).
+                ring.note_write_error(errno, written);
+                close(trace_fd);
+                (-1, written)
+            }
+        };
         let mut st = State {
-            pid,
-            fd: trace_fd,
+            pid: header.pid,
+            fd,
             written,
             buf: Vec::with_capacity(1 << 16),
             ring,
@@ -395,6 +437,9 @@ impl Writer {
             next_module: 0,
             ended: false,
         };
+        if let HeaderWrite::ByWriter = header_write {
+            write_header(&mut st.buf, header);
+        }
         self.begin(&mut st);
         let interval = self.interval_ms.clamp(1, i32::MAX as u64) as i32;
         // -1 once the program has closed its end but runs on: nothing can wake us then.
@@ -455,11 +500,11 @@ impl Writer {
     /// forks the writer process for this process.
     fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
         let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
-        let (trace_fd, path, written) = create(&self.template, forked, &header)?;
+        let (trace_fd, path, header_write) = create(&self.template, forked, &header)?;
         // A writer that cannot start leaves no empty trace behind.
         let give_up = |fds: &[i32], why: String| {
             fds.iter().for_each(|&fd| close(fd));
-            let _ = std::fs::remove_file(&path);
+            remove_trace(&path);
             Err(why)
         };
         let mut fds = [-1; 2];
@@ -488,7 +533,7 @@ impl Writer {
         let child = raw_fork();
         if child == 0 {
             if subreaper || raw_fork() == 0 {
-                self.serve(header.pid, trace_fd, written, its, ring);
+                self.serve(&header, trace_fd, header_write, its, ring);
             }
             leave(&[]);
         }
@@ -786,25 +831,45 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("exec.trace");
         let template = template.to_str().unwrap();
-        let header = |command: &str| Header {
-            pid: os::getpid(),
-            command: vec![command.to_string()],
-            options: String::new(),
-            sampling: super::super::Sampling::Poisson,
-            interval: 1,
-            stats_interval_ms: 1,
-            start_unix_ns: 0,
-        };
+        let header =
+            |command: &str| Header { pid: os::getpid(), command: vec![command.to_string()], ..Header::default() };
         let (before_exec, path, _) = create(template, false, &header("sh")).unwrap();
         assert_eq!(path, template);
         let (after_exec, path, written) = create(template, false, &header("echo")).unwrap();
         assert_eq!(path, template);
+        let HeaderWrite::Written(written) = written else { panic!("a regular file's header is the program's") };
         close(before_exec);
         close(after_exec);
         let trace = std::fs::read(template).unwrap();
         assert_eq!(trace.len() as u64, written);
         assert_eq!(super::super::Reader::new(&trace).unwrap().header().command, ["echo"]);
         assert!(!std::path::Path::new(&format!("{template}.{}", os::getpid())).exists());
+    }
+
+    /// The program writes nothing into a FIFO: a write there after the reader closed raised
+    /// `SIGPIPE` in the program, which died of it. The writer, which blocks every signal,
+    /// writes the header.
+    #[test]
+    fn the_program_leaves_a_fifos_header_to_the_writer() {
+        let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path; the reader's descriptor is ours.
+        let reader = unsafe {
+            assert_eq!(libc::mkfifo(c.as_ptr(), 0o600), 0);
+            libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK)
+        };
+        assert!(reader >= 0);
+        let header = Header { pid: os::getpid(), ..Header::default() };
+        let (fd, _, write) = create(fifo.to_str().unwrap(), false, &header).unwrap();
+        assert!(matches!(write, HeaderWrite::ByWriter));
+        let mut byte = 0u8;
+        // SAFETY: one byte into a local.
+        let read = unsafe { libc::read(reader, (&raw mut byte).cast(), 1) };
+        assert_eq!((read, os::errno()), (-1, libc::EAGAIN), "nothing written");
+        close(fd);
+        close(reader);
     }
 
     #[test]
