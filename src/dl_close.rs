@@ -33,16 +33,20 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
     let closing = crate::spies::leaks::tracker()
         .and_then(|tracker| crate::leaks::unloaded::before_dlclose(handle, tracker.stacks.next_id()));
     let unloaded_before = crate::os::objects_unloaded();
+    let code_before = crate::os::code_extents();
     // SAFETY: libc's dlclose has this signature; the caller's guarantee covers the handle.
     let status = unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) };
     if let Some(closing) = closing {
         crate::leaks::unloaded::after_dlclose(closing);
     }
     if status == 0 {
-        // Only when something was unmapped (a `dlclose` mostly drops a reference): each
-        // unload gives every stack captured after it an id of its own.
+        // Only when something was unmapped (a `dlclose` mostly drops a reference): stacks
+        // through the code it unmapped get ids of their own from now on.
         if crate::os::objects_unloaded() != unloaded_before {
-            crate::stacks::after_unload();
+            let unmapped = code_before
+                .zip(crate::os::code_extents())
+                .map(|(before, after)| before.into_iter().filter(|e| !after.contains(e)).collect::<Vec<_>>());
+            crate::stacks::after_unload(unmapped.as_deref());
         }
         if let Some(writer) = crate::trace::writer::writer() {
             writer.after_unload();

@@ -395,6 +395,30 @@ pub(crate) fn objects_unloaded() -> u64 {
     subs
 }
 
+/// The extent of the executable segments of each loaded module that has some, in the loader's
+/// order; `None` when more came than room was made for (a `dlopen` meanwhile, on another
+/// thread). Room is made first: nothing allocates while the loader holds its lock.
+pub(crate) fn code_extents() -> Option<Vec<(u64, u64)>> {
+    let mut modules = 0;
+    each_module(|_| {
+        modules += 1;
+        false
+    });
+    let mut extents = Vec::with_capacity(modules + 16);
+    let mut complete = true;
+    each_module(|m| {
+        let Some(extent) = m.segments(libc::PF_X).reduce(|(s, e), (start, end)| (s.min(start), e.max(end))) else {
+            return false;
+        };
+        complete = extents.len() < extents.capacity();
+        if complete {
+            extents.push(extent);
+        }
+        !complete
+    });
+    complete.then_some(extents)
+}
+
 /// The extent of the executable segments of the module loaded with bias `bias`, if one is.
 pub(crate) fn code_extent(bias: u64) -> Option<(u64, u64)> {
     let mut extent = None;
