@@ -1,6 +1,7 @@
 //! The JSON report: the text report's figures as one object, each site with its full
 //! symbolized stacks.
 
+use std::collections::HashMap;
 use std::io::{self, Write};
 
 use serde::Serialize;
@@ -87,7 +88,11 @@ struct JsonSite<'a> {
 
 #[derive(Serialize)]
 struct JsonStack<'a> {
+    /// The trace's id of the stack, or of the first of those whose frames read the same.
     id: u64,
+    /// How many of the trace's stacks these figures sum: 1, or more when stacks read the same
+    /// (a library reloaded where it was gives its stacks new ids in each load).
+    traced_stacks: u64,
     allocated: JsonFigures,
     live_at_peak: JsonFigures,
     live_at_end: JsonFigures,
@@ -99,7 +104,7 @@ struct JsonStack<'a> {
     frames: Vec<JsonFrame<'a>>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, PartialEq, Eq, Hash)]
 struct JsonFrame<'a> {
     address: String,
     module: Option<&'a str>,
@@ -135,6 +140,7 @@ fn stack<'r>(report: &'r Report<'_>, s: &'r StackStats) -> JsonStack<'r> {
     }
     JsonStack {
         id: s.id,
+        traced_stacks: 1,
         allocated: s.allocated.into(),
         live_at_peak: s.live_at_peak.into(),
         live_at_end: s.live_at_end.into(),
@@ -156,8 +162,44 @@ fn site<'r>(report: &'r Report<'_>, site: &'r Site<'_>) -> JsonSite<'r> {
         allocated: site.allocated.into(),
         live_at_peak: site.live_at_peak.into(),
         live_at_end: site.live_at_end.into(),
-        stacks: site.stacks.iter().map(|&i| stack(report, &report.profile.stacks[i])).collect(),
+        stacks: merged(site.stacks.iter().map(|&i| stack(report, &report.profile.stacks[i]))),
     }
+}
+
+/// `stacks`, those whose frames read the same as one, in the order of their first: a plugin
+/// reloaded 18,000 times made a site of 18,000 stacks alike (852 MB of JSON).
+fn merged<'r>(stacks: impl Iterator<Item = JsonStack<'r>>) -> Vec<JsonStack<'r>> {
+    use std::hash::{BuildHasher, RandomState};
+    let hasher = RandomState::new();
+    let mut out: Vec<JsonStack<'r>> = Vec::new();
+    let mut by_hash: HashMap<u64, Vec<usize>> = HashMap::new();
+    for s in stacks {
+        let candidates = by_hash.entry(hasher.hash_one(&s.frames)).or_default();
+        match candidates.iter().find(|&&i| out[i].frames == s.frames) {
+            Some(&i) => {
+                let into = &mut out[i];
+                into.traced_stacks += 1;
+                for (sum, figures) in [
+                    (&mut into.allocated, s.allocated),
+                    (&mut into.live_at_peak, s.live_at_peak),
+                    (&mut into.live_at_end, s.live_at_end),
+                ] {
+                    sum.bytes += figures.bytes;
+                    sum.objects += figures.objects;
+                    sum.samples += figures.samples;
+                }
+                into.small_bytes += s.small_bytes;
+                into.large_bytes += s.large_bytes;
+                into.aligned_bytes += s.aligned_bytes;
+            }
+            None => {
+                candidates.push(out.len());
+                out.push(s);
+            }
+        }
+    }
+    out.sort_by_key(|s| std::cmp::Reverse(s.allocated.bytes));
+    out
 }
 
 /// Writes the report as one JSON object (and a newline).
