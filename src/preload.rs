@@ -490,6 +490,7 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     let mut report = leaks::check(tracker, stacks, reachable_stacks, caller);
     report.notes.extend(bypassed_note());
     report.notes.extend(revoked_note());
+    report.notes.extend(leaks::unloaded::forgotten_note());
     let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
     if signal != 0 {
         report

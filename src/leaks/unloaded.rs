@@ -13,7 +13,7 @@
 //! the child's report reads the list.
 
 use core::cell::UnsafeCell;
-use core::sync::atomic::{AtomicBool, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use crate::os;
 use crate::sync::SpinLock;
@@ -74,6 +74,9 @@ pub(crate) fn fork_release() {
 /// At most this many unloads are remembered (a program that reloads a plugin in a loop).
 const MAX_UNLOADED: usize = 4096;
 
+/// Unloads past [`MAX_UNLOADED`], not remembered.
+static FORGOTTEN: AtomicUsize = AtomicUsize::new(0);
+
 /// The library of a `dlopen` handle, as it is before `dlclose`.
 pub(crate) struct Closing {
     library: Unloaded,
@@ -104,11 +107,36 @@ pub(crate) fn after_dlclose(closing: Closing) {
     if os::code_extent(closing.library.bias).is_some() {
         return;
     }
+    let library = closing.library;
     UNLOADED.locked(|list| {
-        if list.len() < MAX_UNLOADED {
-            list.push(closing.library);
+        // The same library unloaded from where it was before, with nothing else unloaded from
+        // there since (a plugin reloaded in a loop): its entry names the stacks interned until
+        // this unload too. Each unload had an entry of its own, and past the 4,096th a
+        // reloaded plugin's leaks read as `??`. Not once an unload was forgotten: it may have
+        // been from there (its stacks were named after the library unloaded next).
+        let last_there = list.iter_mut().rev().find(|u| u.start < library.end && library.start < u.end);
+        if let Some(last) = last_there.filter(|_| FORGOTTEN.load(Ordering::Relaxed) == 0)
+            && (&last.path, last.bias, last.start, last.end)
+                == (&library.path, library.bias, library.start, library.end)
+        {
+            last.stacks_before = library.stacks_before;
+        } else if list.len() < MAX_UNLOADED {
+            list.push(library);
+        } else {
+            FORGOTTEN.fetch_add(1, Ordering::Relaxed);
         }
     });
+}
+
+/// What the leak report says when unloads were not remembered, if any were not.
+pub(crate) fn forgotten_note() -> Option<String> {
+    let forgotten = FORGOTTEN.load(Ordering::Relaxed);
+    (forgotten > 0).then(|| {
+        format!(
+            "{forgotten} library unload(s) past the first {MAX_UNLOADED} were not remembered: frames in code \
+             they unmapped may read as ??"
+        )
+    })
 }
 
 /// The unloaded library that frame `address` of stack `stack` was in, if any: the first one
