@@ -33,12 +33,22 @@ struct Json<'a> {
     allocated: JsonFigures,
     /// The exact totals of the newest heap statistics event, if the trace has one.
     counted: Option<JsonCounted>,
+    /// mallocspy's own memory in the process (from the heap statistics), if the trace says.
+    own_memory: Option<JsonOwnMemory>,
     peak: JsonPeak,
     live_at_end: JsonFigures,
     /// A forked child's: the sampled blocks live in its parent at the fork.
     inherited: Option<JsonInherited>,
     top_by_bytes_allocated: Vec<JsonSite<'a>>,
     top_by_live_at_peak: Vec<JsonSite<'a>>,
+}
+
+#[derive(Serialize)]
+struct JsonOwnMemory {
+    /// Bytes at the newest heap statistics event.
+    at_end: u64,
+    /// The most any event said.
+    most: u64,
 }
 
 #[derive(Serialize)]
@@ -225,6 +235,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         unmatched_frees: p.unmatched_frees,
         allocated: p.allocated.into(),
         counted: p.counted().map(|(calls, bytes)| JsonCounted { calls, bytes }),
+        own_memory: p.own_memory().map(|(at_end, most)| JsonOwnMemory { at_end, most }),
         peak: JsonPeak { live_bytes: p.peak.live_bytes, time_ns: p.peak.time_ns },
         live_at_end: p.live_at_end.into(),
         inherited: p.inherited.map(|i| JsonInherited { parent: i.parent, at_fork: i.at_fork.into() }),

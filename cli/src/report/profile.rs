@@ -140,6 +140,13 @@ impl Profile {
         self.end_ns.unwrap_or(self.last_time_ns).max(self.last_time_ns)
     }
 
+    /// mallocspy's own memory in the process, from the heap statistics: at the last event and
+    /// the most any said.
+    pub fn own_memory(&self) -> Option<(u64, u64)> {
+        let last = self.heap_stats.iter().max_by_key(|s| s.time_ns)?;
+        Some((last.own_bytes, self.heap_stats.iter().map(|s| s.own_bytes).max().unwrap_or(0)))
+    }
+
     /// The exact totals, `(allocation calls, bytes)`, of the newest heap statistics event (they
     /// only grow); `None` without one. Where the estimate falls short, they do not: in tick
     /// mode each thread's bytes since its last tick are in no tick (a thread pool's threads

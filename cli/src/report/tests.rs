@@ -123,6 +123,19 @@ fn json_lists_stacks_that_read_the_same_once() {
     assert_eq!(stacks[0]["live_at_end"], first["live_at_end"]);
 }
 
+/// mallocspy's own memory, which every heap statistics event carries, is in the report.
+#[test]
+fn the_report_says_mallocspys_own_memory() {
+    let stats = |time_ns, own_bytes| Event::HeapStats(HeapStats { time_ns, own_bytes, ..HeapStats::default() });
+    let file = trace_of(&[stats(5, 3 << 20), stats(9, 2 << 20), stats(7, 5 << 20)]);
+    let report = text(&file, Format::Text);
+    assert!(report.contains("\n  mallocspy    2.00 MiB of its own memory at the end, 5.00 MiB at most\n"), "{report}");
+    let json: serde_json::Value = serde_json::from_str(&text(&file, Format::Json)).unwrap();
+    assert_eq!(json["own_memory"], serde_json::json!({"at_end": 2 << 20, "most": 5 << 20}));
+    let without: serde_json::Value = serde_json::from_str(&text(&trace_of(&[]), Format::Json)).unwrap();
+    assert_eq!(without["own_memory"], serde_json::Value::Null);
+}
+
 #[test]
 fn folded_lines_go_root_first_with_bytes_allocated() {
     let folded = text(&testing::trace(), Format::Folded);

@@ -151,6 +151,14 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             inherited.parent
         )?;
     }
+    if let Some((last, most)) = p.own_memory() {
+        writeln!(
+            out,
+            "  mallocspy    {} of its own memory at the end, {} at most",
+            units::bytes(last),
+            units::bytes(most)
+        )?;
+    }
     if p.lost_events > 0 {
         writeln!(
             out,
