@@ -59,11 +59,11 @@ const _: () = assert!(core::mem::size_of::<KnownStart>() == 192);
 static UNLOADS: AtomicU64 = AtomicU64::new(0);
 
 /// Unloads by region of the address space: each counter counts the unloads that unmapped code
-/// in the 4 KiB pages hashed onto it (libraries are mapped side by side: with 2 MiB regions,
-/// the loader's own code shared one with a small plugin) (or anywhere, when the unloaded code is not known). A
-/// stack's frames fold their regions' counts into its hash: a library loaded where an
-/// unloaded one was may have code at the same addresses, and the same return addresses then
-/// stand for other functions. Its stacks get ids of their own, which the trace and the leak
+/// in the 4 KiB pages hashed onto it ([`UNLOADS_ANYWHERE`] those whose code was not known).
+/// Pages, not 2 MiB regions: libraries are mapped side by side, and the loader's code shared a
+/// region with a small plugin. A stack's frames fold their regions' counts into its hash: a
+/// library loaded where an unloaded one was may have code at the same addresses, and the same
+/// return addresses then stand for other functions. Its stacks get ids of their own, which the trace and the leak
 /// report name after the modules loaded then (they were given the unloaded library's stacks,
 /// and its names). Stacks through code that stayed keep their ids: when every unload gave
 /// every later stack a new one, a program reloading a plugin in a loop interned the loader's
