@@ -58,64 +58,115 @@ const _: () = assert!(core::mem::size_of::<KnownStart>() == 192);
 /// unloaded library.
 static UNLOADS: AtomicU64 = AtomicU64::new(0);
 
-/// Unloads by region of the address space: each counter counts the unloads that unmapped code
-/// in the 4 KiB pages hashed onto it ([`UNLOADS_ANYWHERE`] those whose code was not known).
-/// Pages, not 2 MiB regions: libraries are mapped side by side, and the loader's code shared a
-/// region with a small plugin. A stack's frames fold their regions' counts into its hash: a
-/// library loaded where an unloaded one was may have code at the same addresses, and the same
-/// return addresses then stand for other functions. Its stacks get ids of their own, which the trace and the leak
-/// report name after the modules loaded then (they were given the unloaded library's stacks,
-/// and its names). Stacks through code that stayed keep their ids: when every unload gave
-/// every later stack a new one, a program reloading a plugin in a loop interned the loader's
-/// stacks and its own again each round (1.1 KB a round, 43 MB in 40,000 rounds).
-static REGION_UNLOADS: [AtomicU32; REGIONS] = [const { AtomicU32::new(0) }; REGIONS];
-/// Counters of [`REGION_UNLOADS`] (a power of two).
-const REGIONS: usize = 4096;
-/// log2 of a region's bytes.
-const REGION_SHIFT: u32 = 12;
-/// Unloads whose code was not known: they count in every region.
+/// Unloads by granule of the address space (64 KiB), in an open-addressed table: a granule's
+/// slot counts the unloads that unmapped code in it ([`UNLOADS_ANYWHERE`], those whose code
+/// was not known). A stack's frames fold their granules' counts into its hash: a library
+/// loaded where an unloaded one was may have code at the same addresses, and the same return
+/// addresses then stand for other functions. Its stacks get ids of their own, which the trace
+/// and the leak report name after the modules loaded then (they were given the unloaded
+/// library's stacks, and its names). Stacks through code that stayed keep their ids: when
+/// every unload gave every later stack a new one, a program reloading a plugin in a loop
+/// interned the loader's stacks and its own again each round (1.1 KB a round, 43 MB in 40,000
+/// rounds). Granules are told apart by their tags: with 4 KiB pages hashed onto counters, a
+/// 1.1 MB plugin's unload bumped 7% of them, and the loader's stacks met one.
+static GRANULE_TAGS: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
+/// The unloads counted for the granule of the same slot of [`GRANULE_TAGS`].
+static GRANULE_UNLOADS: [AtomicU32; SLOTS] = [const { AtomicU32::new(0) }; SLOTS];
+/// Slots of the table (a power of two); at most half are filled, so that a lookup's probe
+/// soon meets an empty one.
+const SLOTS: usize = 4096;
+/// log2 of a granule's bytes.
+const GRANULE_SHIFT: u32 = 16;
+/// Slots filled.
+static GRANULES: AtomicUsize = AtomicUsize::new(0);
+/// Unloads whose code was not known, or did not fit in the table: they count everywhere.
 static UNLOADS_ANYWHERE: AtomicU32 = AtomicU32::new(0);
 
-/// The counter of [`REGION_UNLOADS`] for the region of `address`.
+/// The first slot of the table to look at for `granule`.
 #[inline(always)]
-fn region_of(address: u64) -> usize {
-    ((address >> REGION_SHIFT).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - REGIONS.trailing_zeros())) as usize
+fn first_slot(granule: u64) -> usize {
+    (granule.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SLOTS.trailing_zeros())) as usize
+}
+
+/// The unloads counted for `granule` (see [`GRANULE_TAGS`]).
+#[inline(always)]
+fn unloads_in(granule: u64) -> u32 {
+    let tag = granule + 1;
+    let mut slot = first_slot(granule);
+    loop {
+        match GRANULE_TAGS[slot].load(Ordering::Acquire) {
+            0 => return 0,
+            t if t == tag => return GRANULE_UNLOADS[slot].load(Ordering::Relaxed),
+            _ => slot = (slot + 1) % SLOTS,
+        }
+    }
+}
+
+/// Counts an unload in `granule`; `false` when the table has no room for it.
+fn count_unload_in(granule: u64) -> bool {
+    let tag = granule + 1;
+    let mut slot = first_slot(granule);
+    loop {
+        let found = match GRANULE_TAGS[slot].load(Ordering::Acquire) {
+            0 if GRANULES.load(Ordering::Relaxed) >= SLOTS / 2 => return false,
+            0 => match GRANULE_TAGS[slot].compare_exchange(0, tag, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    GRANULES.fetch_add(1, Ordering::Relaxed);
+                    true
+                }
+                Err(t) => t == tag,
+            },
+            t => t == tag,
+        };
+        if found {
+            GRANULE_UNLOADS[slot].fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        slot = (slot + 1) % SLOTS;
+    }
 }
 
 /// After a `dlclose` that unmapped code: `unmapped`, the extents of the code it unmapped, or
 /// `None` when they are not known. Stacks captured from now on through that code are interned
-/// apart from earlier ones with the same frames (see [`REGION_UNLOADS`]).
+/// apart from earlier ones with the same frames (see [`GRANULE_TAGS`]).
 pub(crate) fn after_unload(unmapped: Option<&[(u64, u64)]>) {
-    match unmapped {
-        Some(extents) => {
-            for &(start, end) in extents.iter().filter(|(start, end)| start < end) {
-                for region in start >> REGION_SHIFT..=(end - 1) >> REGION_SHIFT {
-                    REGION_UNLOADS[region_of(region << REGION_SHIFT)].fetch_add(1, Ordering::Relaxed);
-                }
+    let counted = unmapped.is_some_and(|extents| {
+        let mut all = true;
+        for &(start, end) in extents.iter().filter(|(start, end)| start < end) {
+            for granule in (start >> GRANULE_SHIFT)..=((end - 1) >> GRANULE_SHIFT) {
+                // Every granule counted, even past one that found no room.
+                all &= count_unload_in(granule);
             }
         }
-        None => {
-            UNLOADS_ANYWHERE.fetch_add(1, Ordering::Relaxed);
-        }
+        all
+    });
+    if !counted {
+        UNLOADS_ANYWHERE.fetch_add(1, Ordering::Relaxed);
     }
     UNLOADS.fetch_add(1, Ordering::Release);
 }
 
-/// What the unloads so far add to the hash of `frames` (see [`REGION_UNLOADS`]): 0 until the
-/// first, and for frames in regions that never saw one.
+/// What the unloads so far add to the hash of `frames` (see [`GRANULE_TAGS`]): 0 until the
+/// first, and for frames in granules that never saw one.
 #[inline(always)]
 fn unload_salt(frames: &[u64]) -> u64 {
+    const K: u64 = 0xD6E8_FEB8_6659_FD93;
     if UNLOADS.load(Ordering::Acquire) == 0 {
         return 0;
     }
-    let anywhere = u64::from(UNLOADS_ANYWHERE.load(Ordering::Relaxed));
-    frames.iter().fold(anywhere.wrapping_mul(0xD6E8_FEB8_6659_FD93), |salt, &frame| {
-        let region = region_of(frame);
-        match REGION_UNLOADS[region].load(Ordering::Relaxed) {
-            0 => salt,
-            n => salt.wrapping_add((u64::from(n) << 32 | region as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)),
+    let mut salt = u64::from(UNLOADS_ANYWHERE.load(Ordering::Relaxed)).wrapping_mul(K);
+    // Neighbouring frames are mostly in one granule: looked up once.
+    let (mut last, mut unloads) = (u64::MAX, 0);
+    for &frame in frames {
+        let granule = frame >> GRANULE_SHIFT;
+        if granule != last {
+            (last, unloads) = (granule, unloads_in(granule));
         }
-    })
+        if unloads != 0 {
+            salt = salt.wrapping_add((u64::from(unloads) << 32 ^ granule).wrapping_mul(K));
+        }
+    }
+    salt
 }
 
 /// A thread's stack capture: the walk buffer, the unwinder's cache, the stacks this thread
@@ -183,7 +234,7 @@ impl Capture {
     }
 
     /// The id of the first `n` frames captured, among the stacks captured since the last
-    /// unload of their code ([`REGION_UNLOADS`]).
+    /// unload of their code ([`GRANULE_TAGS`]).
     #[inline(always)]
     fn intern(&mut self, n: usize, stacks: &Stacks) -> u32 {
         let frames = &self.frames[..n];
@@ -439,6 +490,26 @@ mod tests {
         assert!(ids.iter().all(|&id| !s.is_sent(id)));
         assert_eq!(s.frames(ids[12_345]), &[12_345, 9]);
         assert!(!s.is_sent(0));
+    }
+
+    /// An unload changes the salt of frames in the code it unmapped, and of no other frame,
+    /// however much code it unmapped (with pages hashed onto counters, a 1.1 MB plugin's
+    /// unload changed the salt of one frame in 14, the loader's among them).
+    #[test]
+    fn an_unload_salts_only_the_frames_in_its_code() {
+        // Addresses no code of this process is at: the table is the process's.
+        let (start, end) = (0x5a5a_0000_0000u64, 0x5a5a_0000_0000 + (64 << 20));
+        let inside: Vec<u64> = (0..100).map(|i| start + i * 0x9_1e37).collect();
+        let outside: Vec<u64> = (1..10_000).map(|i| 0x7e00_0000_0000 + i * 0x1_3579).collect();
+        let before: Vec<u64> = inside.iter().map(|&f| unload_salt(&[f])).collect();
+        after_unload(Some(&[(start, end)]));
+        assert!(inside.iter().zip(&before).all(|(&f, &was)| unload_salt(&[f]) != was));
+        let anywhere = u64::from(UNLOADS_ANYWHERE.load(Ordering::Relaxed)).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+        assert_eq!(outside.iter().filter(|&&f| unload_salt(&[f]) != anywhere).count(), 0);
+        // Salts never come back: the same frames after a second unload differ again.
+        let once: Vec<u64> = inside.iter().map(|&f| unload_salt(&[f])).collect();
+        after_unload(Some(&[(start, start + 1)]));
+        assert_ne!(unload_salt(&inside[..1]), once[0]);
     }
 
     #[test]
