@@ -517,8 +517,9 @@ fn without_pid_in_the_path_the_program_an_exec_starts_writes_path() {
 }
 
 /// Without `%p`, a trace path naming a FIFO that a reader drains: the image an `exec` starts
-/// finds it held by the first image's writer and writes `PATH.PID`. It read the FIFO to look
-/// for its pid in a header, taking the reader's bytes and waiting for ever on its own open end.
+/// finds it held by the first image's writer, still draining that image's samples, and writes
+/// `PATH.PID`. It read the FIFO to look for its pid in a header, taking the reader's bytes,
+/// and could wait for ever on its own open end.
 #[test]
 fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
     let dir = tempfile::tempdir().unwrap();
@@ -528,21 +529,31 @@ fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
         let fifo = fifo.clone();
         std::thread::spawn(move || std::fs::read(fifo).unwrap())
     };
-    let child = Command::new("sh")
-        .args(["-c", "exec echo done"])
+    let python = python();
+    let python = python.to_str().unwrap();
+    // Many samples before the exec: the first image's writer is still draining them.
+    let wrapper = format!(
+        "import os\nx = [bytearray(4096) for _ in range(20000)]\nos.execv({python:?}, [{python:?}, '-c', 'print(7 * 6)'])"
+    );
+    let child = Command::new(python)
+        .args(["-c", &wrapper])
         .env("LD_PRELOAD", shim())
-        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", fifo.display()))
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:sample_interval=4k:trace={}", fifo.display()))
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let pid = child.id();
     let out = output_within(child, std::time::Duration::from_secs(30));
-    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
-    let first = reader.join().unwrap();
-    assert_eq!(Reader::new(&first).unwrap().header().command, ["sh", "-c", "exec echo done"]);
-    let second = std::fs::read(format!("{}.{pid}", fifo.display())).unwrap();
-    assert_eq!(Reader::new(&second).unwrap().header().command, ["echo", "done"]);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "42\n"), "{}", text(&out.stderr));
+    let read = reader.join().unwrap();
+    let mut first = Reader::new(&read).unwrap();
+    assert_eq!(first.header().command.last().map(String::as_str), Some(wrapper.as_str()));
+    // Whole: no bytes taken from it (an image that `exec`s ends its trace without an end record).
+    let ticks = first.by_ref().map(Result::unwrap).filter(|e| matches!(e, Event::Tick(_))).count();
+    assert!(ticks > 1000, "{ticks} ticks");
+    let own = std::fs::read(format!("{}.{pid}", fifo.display())).unwrap();
+    assert_eq!(Reader::new(&own).unwrap().header().command.last().map(String::as_str), Some("print(7 * 6)"));
 }
 
 /// Without `%p`, a process forked after its grandparent's trace is finished (its writer gone,
