@@ -517,7 +517,7 @@ fn without_pid_in_the_path_the_program_an_exec_starts_writes_path() {
 }
 
 /// Without `%p`, a trace path naming a FIFO that a reader drains: the image an `exec` starts
-/// finds it held by the first image's writer, still draining that image's samples, and writes
+/// finds it held by the first image's writer, still writing that image's samples, and writes
 /// `PATH.PID`. It read the FIFO to look for its pid in a header, taking the reader's bytes,
 /// and could wait for ever on its own open end.
 #[test]
@@ -525,9 +525,17 @@ fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    // The reader opens the FIFO at once but reads only later: the first image's writer, its
+    // trace past the pipe's 64 KiB, still holds the path when the exec'd image starts.
     let reader = {
         let fifo = fifo.clone();
-        std::thread::spawn(move || std::fs::read(fifo).unwrap())
+        std::thread::spawn(move || {
+            let mut file = std::fs::File::open(fifo).unwrap();
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            let mut read = Vec::new();
+            std::io::Read::read_to_end(&mut file, &mut read).unwrap();
+            read
+        })
     };
     let python = python();
     let python = python.to_str().unwrap();
