@@ -353,6 +353,11 @@ impl LoadedModule<'_> {
             (start, start.wrapping_add(p.p_memsz))
         })
     }
+
+    /// The extent of its executable segments, if it has some.
+    pub(crate) fn code_extent(&self) -> Option<(u64, u64)> {
+        self.segments(libc::PF_X).reduce(|(s, e), (start, end)| (s.min(start), e.max(end)))
+    }
 }
 
 /// Calls `visit` with each loaded module, in the loader's order, until it returns `true`.
@@ -407,9 +412,7 @@ pub(crate) fn code_extents() -> Option<Vec<(u64, u64)>> {
     let mut extents = Vec::with_capacity(modules + 16);
     let mut complete = true;
     each_module(|m| {
-        let Some(extent) = m.segments(libc::PF_X).reduce(|(s, e), (start, end)| (s.min(start), e.max(end))) else {
-            return false;
-        };
+        let Some(extent) = m.code_extent() else { return false };
         complete = extents.len() < extents.capacity();
         if complete {
             extents.push(extent);
@@ -426,7 +429,7 @@ pub(crate) fn code_extent(bias: u64) -> Option<(u64, u64)> {
         if m.bias != bias {
             return false;
         }
-        extent = m.segments(libc::PF_X).reduce(|(s, e), (start, end)| (s.min(start), e.max(end)));
+        extent = m.code_extent();
         true
     });
     extent
