@@ -43,9 +43,11 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
         // Only when something was unmapped (a `dlclose` mostly drops a reference): stacks
         // through the code it unmapped get ids of their own from now on.
         if crate::os::objects_unloaded() != unloaded_before {
-            let unmapped = code_before
-                .zip(crate::os::code_extents())
-                .map(|(before, after)| before.into_iter().filter(|e| !after.contains(e)).collect::<Vec<_>>());
+            // By name too: a library that another thread loaded meanwhile may lie where this
+            // one was, with the same extent.
+            let unmapped = code_before.zip(crate::os::code_extents()).map(|(before, after)| {
+                before.into_iter().filter(|e| !after.contains(e)).map(|e| (e.start, e.end)).collect::<Vec<_>>()
+            });
             crate::stacks::after_unload(unmapped.as_deref());
         }
         if let Some(writer) = crate::trace::writer::writer() {

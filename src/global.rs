@@ -77,6 +77,7 @@ extern "C" fn fork_child() {
     crate::leaks::stop::fork_child();
     crate::own_heap::fork_release();
     crate::leaks::unloaded::fork_release();
+    crate::leaks::unloaded::fork_child();
     crate::pool::force_unlock();
     crate::program_mappings::after_fork_child();
     crate::loader::after_fork_child();

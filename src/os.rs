@@ -342,6 +342,8 @@ pub(crate) struct LoadedModule<'a> {
     pub bias: u64,
     /// The program headers.
     pub headers: &'a [libc::Elf64_Phdr],
+    /// The loader's name of it (its path; empty for the program).
+    pub name: &'a core::ffi::CStr,
 }
 
 impl LoadedModule<'_> {
@@ -373,7 +375,13 @@ pub(crate) fn each_module(mut visit: impl FnMut(&LoadedModule) -> bool) {
         }
         // SAFETY: dlpi_phdr points to dlpi_phnum program headers, valid during the call.
         let headers = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
-        visit(&LoadedModule { bias: info.dlpi_addr, headers }) as c_int
+        let name = if info.dlpi_name.is_null() {
+            c""
+        } else {
+            // SAFETY: the loader's NUL-terminated name of the module, valid during the call.
+            unsafe { core::ffi::CStr::from_ptr(info.dlpi_name) }
+        };
+        visit(&LoadedModule { bias: info.dlpi_addr, headers, name }) as c_int
     }
     let mut visit: Visit = &mut visit;
     // SAFETY: the callback matches dl_iterate_phdr's contract and only calls `visit`.
@@ -400,10 +408,20 @@ pub(crate) fn objects_unloaded() -> u64 {
     subs
 }
 
+/// Where a loaded module's code lies, and which module it is: two libraries loaded one after
+/// the other at one place may have the same extent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CodeExtent {
+    pub start: u64,
+    pub end: u64,
+    /// A hash of the module's name.
+    name: u64,
+}
+
 /// The extent of the executable segments of each loaded module that has some, in the loader's
 /// order; `None` when more came than room was made for (a `dlopen` meanwhile, on another
 /// thread). Room is made first: nothing allocates while the loader holds its lock.
-pub(crate) fn code_extents() -> Option<Vec<(u64, u64)>> {
+pub(crate) fn code_extents() -> Option<Vec<CodeExtent>> {
     let mut modules = 0;
     each_module(|_| {
         modules += 1;
@@ -412,10 +430,10 @@ pub(crate) fn code_extents() -> Option<Vec<(u64, u64)>> {
     let mut extents = Vec::with_capacity(modules + 16);
     let mut complete = true;
     each_module(|m| {
-        let Some(extent) = m.code_extent() else { return false };
+        let Some((start, end)) = m.code_extent() else { return false };
         complete = extents.len() < extents.capacity();
         if complete {
-            extents.push(extent);
+            extents.push(CodeExtent { start, end, name: crate::stacks::hash_of(m.name.to_bytes(), u64::from) });
         }
         !complete
     });
@@ -433,6 +451,17 @@ pub(crate) fn code_extent(bias: u64) -> Option<(u64, u64)> {
         true
     });
     extent
+}
+
+/// Whether the module named `name` is loaded with bias `bias` (another one may be loaded
+/// there since it was unloaded).
+pub(crate) fn is_loaded(bias: u64, name: &core::ffi::CStr) -> bool {
+    let mut loaded = false;
+    each_module(|m| {
+        loaded = m.bias == bias && m.name == name;
+        loaded
+    });
+    loaded
 }
 
 /// The lowest mapped address of the module (executable or shared object) that contains

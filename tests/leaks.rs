@@ -1077,6 +1077,36 @@ fn reloading_a_library_in_a_loop_does_not_grow_the_stacks() {
     }
 }
 
+/// Two threads each reloading a library in a loop, each library loaded where the other's just
+/// was: a few blocks in 4,000 were named after the other library's code (review helper 35).
+/// The unloads were listed in the order their `dlclose` calls ended, and a library loaded at
+/// the same base meanwhile made the unloaded one look loaded still.
+#[test]
+fn libraries_reloaded_on_two_threads_at_once_keep_their_names() {
+    let (twin_a, twin_c) = (c_library("twin_a.c"), c_library("twin_c.c"));
+    let program = c_program_with("reload_race.c", &["-ldl"]);
+    let args =
+        ["3000".as_ref(), twin_a.as_os_str(), "twin_a_alloc".as_ref(), twin_c.as_os_str(), "twin_c_alloc".as_ref()];
+    // Three runs: before the fix, one run in about sixteen named every block right.
+    for _ in 0..3 {
+        let out = run(JSON_REPORT, Command::new(&program).args(args));
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let report = json_report(&out);
+        let mut lost: Vec<(u64, &str, u64)> = Vec::new();
+        for r in report["leaks"].as_array().unwrap().iter().filter(|r| r["kind"] == "definitely_lost") {
+            let (bytes, blocks) = (r["bytes"].as_u64().unwrap(), r["blocks"].as_u64().unwrap());
+            let key = (bytes / blocks, r["stack"][0]["function"].as_str().unwrap_or("??"));
+            match lost.iter_mut().find(|(size, function, _)| (*size, *function) == key) {
+                Some(entry) => entry.2 += blocks,
+                None => lost.push((key.0, key.1, blocks)),
+            }
+        }
+        lost.sort();
+        assert_eq!(lost, [(100, "twin_a_alloc", 3000), (200, "twin_c_alloc", 3000)], "{report}");
+        assert_eq!(report["notes"], serde_json::json!([]));
+    }
+}
+
 #[test]
 fn a_block_at_the_address_of_a_freed_untracked_block_is_reported() {
     // The free of a block allocated before tracking began is queued like any other; the

@@ -8,6 +8,11 @@
 //! a frame of an earlier stack that lies in that range is the unloaded library's, and is read
 //! from its file. heaptrack records module loads and unloads in its trace for the same reason.
 //!
+//! Two threads may unload libraries from one place at once, one loading where the other's
+//! was: the list is kept in the order in which the calls began (each notes its library
+//! before its `dlclose`, while the library is still where it was), not the order in which
+//! they ended, so that the first entry that covers a frame is the library that was there.
+//!
 //! The list's lock is held across `fork` (taken in the prepare handler), so that a child
 //! never inherits it held, nor the list half changed, by a thread that does not exist there:
 //! the child's report reads the list.
@@ -30,25 +35,55 @@ pub(crate) struct Unloaded {
     end: u64,
     /// Stacks interned before the unload have ids below this.
     stacks_before: u32,
+    /// Its `dlclose` call's place in the order in which they began.
+    begun: u64,
 }
 
-/// The libraries unloaded so far, under their lock.
+/// The unloads so far, and the `dlclose` calls in flight.
+struct Unloads {
+    /// The libraries unloaded, in the order their `dlclose` calls began.
+    libraries: Vec<Unloaded>,
+    /// How many calls have begun: the next one's place in that order.
+    begun: u64,
+    /// The calls that noted their library and have not yet said what became of it: where
+    /// each began, and its library's code.
+    in_flight: Vec<InFlight>,
+}
+
+/// A `dlclose` call under way.
+struct InFlight {
+    begun: u64,
+    start: u64,
+    end: u64,
+}
+
+/// The unloads, under their lock.
 struct List {
     lock: SpinLock,
-    libraries: UnsafeCell<Vec<Unloaded>>,
+    unloads: UnsafeCell<Unloads>,
 }
 
-// SAFETY: `libraries` is only reached through `List::locked`, under `lock`.
+// SAFETY: `unloads` is only reached through `List::locked`, under `lock`.
 unsafe impl Sync for List {}
 
-static UNLOADED: List = List { lock: SpinLock::new(), libraries: UnsafeCell::new(Vec::new()) };
+static UNLOADED: List = List {
+    lock: SpinLock::new(),
+    unloads: UnsafeCell::new(Unloads { libraries: Vec::new(), begun: 0, in_flight: Vec::new() }),
+};
 
 impl List {
-    /// Runs `f` on the list under its lock.
-    fn locked<T>(&self, f: impl FnOnce(&mut Vec<Unloaded>) -> T) -> T {
+    /// Runs `f` on the unloads under their lock.
+    fn locked<T>(&self, f: impl FnOnce(&mut Unloads) -> T) -> T {
         let _guard = self.lock.lock();
-        // SAFETY: the lock is held: no other reference to the list exists.
-        f(unsafe { &mut *self.libraries.get() })
+        // SAFETY: the lock is held: no other reference to the unloads exists.
+        f(unsafe { &mut *self.unloads.get() })
+    }
+
+    /// Runs `f` on the unloads under their lock, unless the calling thread holds it already.
+    fn try_locked<T>(&self, f: impl FnOnce(&mut Unloads) -> T) -> Option<T> {
+        let _guard = self.lock.try_lock().ok()?;
+        // SAFETY: the lock is held: no other reference to the unloads exists.
+        Some(f(unsafe { &mut *self.unloads.get() }))
     }
 }
 
@@ -71,6 +106,13 @@ pub(crate) fn fork_release() {
     }
 }
 
+/// `fork`'s child handler, after [`fork_release`]: the calls in flight on other threads will
+/// never end here. Not when the forking thread holds the lock (a signal handler that forked
+/// inside a change of the list): they stay, and only keep later unloads from being merged.
+pub(crate) fn fork_child() {
+    UNLOADED.try_locked(|unloads| unloads.in_flight.clear());
+}
+
 /// At most this many unloads are remembered (a program that reloads a plugin in a loop).
 const MAX_UNLOADED: usize = 4096;
 
@@ -80,6 +122,8 @@ static FORGOTTEN: AtomicUsize = AtomicUsize::new(0);
 /// The library of a `dlopen` handle, as it is before `dlclose`.
 pub(crate) struct Closing {
     library: Unloaded,
+    /// The loader's name of it, as the loader has it.
+    name: std::ffi::CString,
 }
 
 /// Notes the library behind `handle` before `dlclose` runs (its headers are gone after).
@@ -96,32 +140,49 @@ pub(crate) fn before_dlclose(handle: *mut libc::c_void, next_stack_id: u32) -> O
         return None;
     }
     // SAFETY: the loader's NUL-terminated name of a loaded library.
-    let path = unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned();
+    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_owned();
+    let path = name.to_string_lossy().into_owned();
     let (start, end) = os::code_extent(bias)?;
-    Some(Closing { library: Unloaded { path, bias, start, end, stacks_before: next_stack_id } })
+    let begun = UNLOADED.locked(|unloads| {
+        unloads.begun += 1;
+        unloads.in_flight.push(InFlight { begun: unloads.begun, start, end });
+        unloads.begun
+    });
+    Some(Closing { library: Unloaded { path, bias, start, end, stacks_before: next_stack_id, begun }, name })
 }
 
 /// After `dlclose`: remembers the library if it is gone (the call may only have dropped a
-/// reference).
+/// reference). By its name as well as its place: another thread may have loaded another
+/// library where it was meanwhile (whose code then read as this one's, or this one's as it).
 pub(crate) fn after_dlclose(closing: Closing) {
-    if os::code_extent(closing.library.bias).is_some() {
-        return;
-    }
+    let gone = !os::is_loaded(closing.library.bias, &closing.name);
     let library = closing.library;
-    UNLOADED.locked(|list| {
+    UNLOADED.locked(|Unloads { libraries: list, in_flight, .. }| {
+        if let Some(i) = in_flight.iter().position(|c| c.begun == library.begun) {
+            in_flight.swap_remove(i);
+        }
+        if !gone {
+            return;
+        }
+        let at = list.iter().rposition(|u| u.begun < library.begun).map_or(0, |i| i + 1);
         // The same library unloaded from where it was before, with nothing else unloaded from
         // there since (a plugin reloaded in a loop): its entry names the stacks interned until
         // this unload too. Each unload had an entry of its own, and past the 4,096th a
         // reloaded plugin's leaks read as `??`. Not once an unload was forgotten: it may have
-        // been from there (its stacks were named after the library unloaded next).
-        let last_there = list.iter_mut().rev().find(|u| u.start < library.end && library.start < u.end);
-        if let Some(last) = last_there.filter(|_| FORGOTTEN.load(Ordering::Relaxed) == 0)
+        // been from there (its stacks were named after the library unloaded next); nor while
+        // a call that began before this one, of a library that was there, is in flight: it
+        // will be listed before this one.
+        let there = |start: u64, end: u64| start < library.end && library.start < end;
+        let merge = FORGOTTEN.load(Ordering::Relaxed) == 0
+            && !in_flight.iter().any(|c| c.begun < library.begun && there(c.start, c.end));
+        let last_there = list[..at].iter_mut().rev().find(|u| there(u.start, u.end));
+        if let Some(last) = last_there.filter(|_| merge)
             && (&last.path, last.bias, last.start, last.end)
                 == (&library.path, library.bias, library.start, library.end)
         {
             last.stacks_before = library.stacks_before;
         } else if list.len() < MAX_UNLOADED {
-            list.push(library);
+            list.insert(at, library);
         } else {
             FORGOTTEN.fetch_add(1, Ordering::Relaxed);
         }
@@ -142,6 +203,7 @@ pub(crate) fn forgotten_note() -> Option<String> {
 /// The unloaded library that frame `address` of stack `stack` was in, if any: the first one
 /// unloaded after the stack was interned whose code covered the address.
 pub(crate) fn covering(stack: u32, address: u64) -> Option<Unloaded> {
-    UNLOADED
-        .locked(|list| list.iter().find(|u| stack < u.stacks_before && u.start <= address && address < u.end).cloned())
+    UNLOADED.locked(|unloads| {
+        unloads.libraries.iter().find(|u| stack < u.stacks_before && u.start <= address && address < u.end).cloned()
+    })
 }
