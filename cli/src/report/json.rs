@@ -187,20 +187,21 @@ fn merged<'r>(stacks: impl Iterator<Item = JsonStack<'r>>) -> Vec<JsonStack<'r>>
         let candidates = by_hash.entry(hasher.hash_one(&s.frames)).or_default();
         match candidates.iter().find(|&&i| out[i].frames == s.frames) {
             Some(&i) => {
+                // Saturating, as every other total: a trace's figures may be anything.
                 let into = &mut out[i];
-                into.traced_stacks += 1;
+                into.traced_stacks = into.traced_stacks.saturating_add(1);
                 for (sum, figures) in [
                     (&mut into.allocated, s.allocated),
                     (&mut into.live_at_peak, s.live_at_peak),
                     (&mut into.live_at_end, s.live_at_end),
                 ] {
-                    sum.bytes += figures.bytes;
+                    sum.bytes = sum.bytes.saturating_add(figures.bytes);
                     sum.objects += figures.objects;
-                    sum.samples += figures.samples;
+                    sum.samples = sum.samples.saturating_add(figures.samples);
                 }
-                into.small_bytes += s.small_bytes;
-                into.large_bytes += s.large_bytes;
-                into.aligned_bytes += s.aligned_bytes;
+                into.small_bytes = into.small_bytes.saturating_add(s.small_bytes);
+                into.large_bytes = into.large_bytes.saturating_add(s.large_bytes);
+                into.aligned_bytes = into.aligned_bytes.saturating_add(s.aligned_bytes);
             }
             None => {
                 candidates.push(out.len());
@@ -249,4 +250,37 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     };
     serde_json::to_writer(&mut *out, &json)?;
     writeln!(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stack_of(id: u64, bytes: u64) -> JsonStack<'static> {
+        let figures = || JsonFigures { bytes, objects: 1.0, samples: bytes };
+        JsonStack {
+            id,
+            traced_stacks: 1,
+            allocated: figures(),
+            live_at_peak: figures(),
+            live_at_end: figures(),
+            small_bytes: bytes,
+            large_bytes: bytes,
+            aligned_bytes: bytes,
+            frames: Vec::new(),
+        }
+    }
+
+    /// Stacks that read the same add up to at most `u64::MAX`: their sum wrapped to 0 beside a
+    /// site's saturated total (review helper 36), and panicked with overflow checks.
+    #[test]
+    fn merged_figures_saturate() {
+        let merged = merged([stack_of(1, u64::MAX), stack_of(2, 1)].into_iter());
+        let [only] = &merged[..] else { panic!("{} stacks", merged.len()) };
+        assert_eq!((only.id, only.traced_stacks), (1, 2));
+        for sum in [&only.allocated, &only.live_at_peak, &only.live_at_end] {
+            assert_eq!((sum.bytes, sum.samples), (u64::MAX, u64::MAX));
+        }
+        assert_eq!([only.small_bytes, only.large_bytes, only.aligned_bytes], [u64::MAX; 3]);
+    }
 }

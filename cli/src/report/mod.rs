@@ -11,6 +11,7 @@
 mod flame;
 mod input;
 mod json;
+mod output;
 mod pprof;
 mod profile;
 mod progress;
@@ -31,6 +32,7 @@ use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
 
+use output::Output;
 use profile::Profile;
 use progress::Progress;
 use sites::Site;
@@ -161,6 +163,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     } else if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_char_device() || m.file_type().is_block_device()) {
         return Err(failed(&"a device, not a trace"));
     }
+    let output = output.map(Output::prepare).transpose()?;
     let input = input::load(path).map_err(|e| failed(&e))?;
     let mut progress = Progress::new();
     let profile = profile::read(&input.bytes, &mut progress).map_err(|e| failed(&e))?;
@@ -183,7 +186,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     let report = Report::new(path, &profile, &symbols, args.top as usize);
     let out = report.render(args.format).map_err(|e| failed(&e))?;
     match output {
-        Some(file) => write_output(file, path, &out),
+        Some(output) => output.write(&out),
         None => {
             let mut stdout = io::stdout().lock();
             match stdout.write_all(&out).and_then(|()| stdout.flush()) {
@@ -193,14 +196,6 @@ fn run(args: &ReportArgs) -> Result<(), String> {
             }
         }
     }
-}
-
-/// Writes the report to `file`, never over the trace it was read from. In place, as
-/// `std::fs::write` does: a symbolic link, `/dev/stdout`, the file's mode and its hard links
-/// keep what they were (a new file renamed over it would replace each).
-fn write_output(file: &Path, trace: &Path, bytes: &[u8]) -> Result<(), String> {
-    refuse_the_trace(file, trace)?;
-    std::fs::write(file, bytes).map_err(|e| format!("{}: {e}", path_shown(file)))
 }
 
 /// Refuses an `--output` that is the trace itself (by another name too, or as the standard
