@@ -134,6 +134,9 @@ pub(crate) struct Interposer<H: Heap> {
     spied: LiveTable<usize>,
     /// Whether an allocation ever reached a registered spy ([`Self::reached_a_spy`]).
     reached: AtomicBool,
+    /// Whether `spied` could not grow (said once: under a small `max_memory` every allocation
+    /// after that said so, 1.4 million lines).
+    table_full: AtomicBool,
     /// Whether the program revoked a spy registered as static: the built-in ones, whose
     /// reports then cover only what came before ([`Self::builtin_revoked`]).
     builtin_revoked: AtomicBool,
@@ -170,6 +173,7 @@ impl<H: Heap> Interposer<H> {
             deferred: DeferredFrees::new(),
             spied: LiveTable::new(),
             reached: AtomicBool::new(false),
+            table_full: AtomicBool::new(false),
             builtin_revoked: AtomicBool::new(false),
             revoked_in_hook: AtomicBool::new(false),
             reallocating: AtomicUsize::new(0),
@@ -762,7 +766,7 @@ impl<H: Heap> Interposer<H> {
         let aligned_ok = keeps_alignment(ptr, real.ptr, req.align);
         if !aligned_ok || !self.spied.insert(ptr as usize, req.size) {
             if aligned_ok {
-                sink::to_stderr(b"mallocspy: cannot map memory for the live-block table; serving unspied\n");
+                self.say_table_full();
             } else {
                 cell.report_misaligned();
             }
@@ -772,6 +776,16 @@ impl<H: Heap> Interposer<H> {
         self.observe(cell, scope, call(ptr, false));
         os::set_errno(saved);
         Outcome { ptr, err: 0 }
+    }
+
+    /// Says, once, that the table of spied blocks could not grow.
+    fn say_table_full(&self) {
+        if !self.table_full.swap(true, Ordering::Relaxed) {
+            sink::to_stderr(
+                b"mallocspy: no room left for the live-block table: blocks allocated from now on may go unspied, \
+                  and spied blocks that are reallocated may leak\n",
+            );
+        }
     }
 
     /// Gives a block the spy laid out back through the spy (it never reached the caller).
@@ -1021,7 +1035,7 @@ impl<H: Heap> Interposer<H> {
         if !self.spied.insert(new as usize, size) {
             // No memory for the table: the block keeps the spy's layout but can no longer be
             // freed through it. Leak rather than corrupt.
-            sink::to_stderr(b"mallocspy: cannot map memory for the live-block table; a block will leak\n");
+            self.say_table_full();
         }
         self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: new, failed: false });
         os::set_errno(saved);

@@ -350,11 +350,7 @@ impl MallocSpy for GuardSpy {
 
     fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
         let p = request as usize;
-        let place = match CallScratch::get(S_ENTRY) {
-            e if e == Entry::Realloc as u64 => "realloc",
-            e if e == Entry::Reallocarray as u64 => "reallocarray",
-            _ => "free",
-        };
+        let place = releasing_in();
         if !spied {
             return if self.check_foreign(p, place) { request } else { core::ptr::null_mut() };
         }
@@ -369,8 +365,9 @@ impl MallocSpy for GuardSpy {
 
     fn pre_realloc(&self, request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize) {
         let p = request as usize;
+        let place = releasing_in();
         if !spied {
-            if !self.check_foreign(p, "realloc") {
+            if !self.check_foreign(p, place) {
                 return (request, 0);
             }
             // An unspied block becomes spied: its bytes move up behind a header afterwards.
@@ -384,7 +381,7 @@ impl MallocSpy for GuardSpy {
             CallScratch::set(S_OFFSET, 0);
             return (request, total);
         }
-        let Some(header) = self.check_spied(p, "realloc") else { return (request, 0) };
+        let Some(header) = self.check_spied(p, place) else { return (request, 0) };
         let keep = header.size.min(size);
         // offset + size + TRAILER bytes: room for the new layout, and the kept bytes, which
         // sit at `offset` in the old block, survive the real copy.
@@ -429,14 +426,26 @@ impl MallocSpy for GuardSpy {
                 (p - header.offset) as *mut c_void
             }
             None => {
+                // Damaged: the real allocator would read the guard's words as a chunk size
+                // (and crash on some). Measured as NULL is, 0; the free reports it.
                 CallScratch::set(S_SIZE, 0);
-                request
+                core::ptr::null_mut()
             }
         }
     }
 
     fn post_get_size(&self, actual: usize, spied: bool) -> usize {
         if spied { CallScratch::get(S_SIZE) as usize } else { actual }
+    }
+}
+
+/// The entry point that is giving a block back, as findings name it ([`GuardSpy::before_release`]
+/// noted it).
+fn releasing_in() -> &'static str {
+    match CallScratch::get(S_ENTRY) {
+        e if e == Entry::Realloc as u64 => "realloc",
+        e if e == Entry::Reallocarray as u64 => "reallocarray",
+        _ => "free",
     }
 }
 
