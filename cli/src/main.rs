@@ -14,9 +14,13 @@ macro_rules! say {
 }
 
 mod launch;
+mod out_of_memory;
 mod record;
 mod report;
 mod run;
+
+#[global_allocator]
+static ALLOCATOR: out_of_memory::ExitWhenOut = out_of_memory::ExitWhenOut;
 
 use std::process::ExitCode;
 

@@ -488,6 +488,47 @@ fn the_output_never_replaces_the_trace() {
     assert_eq!(stderr_lines(&out), ["mallocspy report: /dev/full: No space left on device (os error 28)"]);
 }
 
+/// A trace too large for the memory the command may have ends it with one line and status 1:
+/// it died by SIGABRT, with Rust's "memory allocation of N bytes failed" (and a backtrace of
+/// seventy lines under RUST_BACKTRACE; review helper 36).
+#[test]
+fn a_report_out_of_memory_says_so_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    // 3,000 stacks of 1,000 frames each: 3 million frames, 24 bytes each once read.
+    let mut events = vec![Event::ModuleLoad { time_ns: 0, module: this_executable() }];
+    for id in 1..=3000u64 {
+        let frames = (0..1000).map(|i| 0x10_0000 + id * 0x1_0000 + i * 16).collect();
+        events.push(Event::Stack { id, frames });
+        events.push(Event::Tick(Tick {
+            time_ns: id,
+            thread: 0,
+            kind: 0,
+            entry: 0,
+            size: 64,
+            address: id << 8,
+            weight: 64,
+            stack: id,
+        }));
+    }
+    let path = write(dir.path(), "large.trace", &trace(&events));
+    let out = Command::new("bash")
+        .args(["-c", r#"ulimit -v 40000; exec "$0" report --format json "$1""#])
+        .arg(env!("CARGO_BIN_EXE_mallocspy"))
+        .arg(&path)
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let lines = stderr_lines(&out);
+    assert_eq!(out.status.code(), Some(1), "{lines:?}");
+    assert!(
+        lines.len() == 1
+            && lines[0].starts_with("mallocspy: out of memory (")
+            && lines[0].ends_with(" bytes more were needed)"),
+        "{lines:?}"
+    );
+    assert!(out.stdout.is_empty());
+}
+
 /// A report that cannot be written whole leaves the old file as it was: written in place, a
 /// write that failed half way (a full disk; here a file size limit) destroyed it (review
 /// helper 36). The file keeps its mode, hard links are written through, and an output that

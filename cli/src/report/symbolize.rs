@@ -60,10 +60,13 @@ impl Symbols {
     pub fn resolve(profile: &Profile, progress: &mut Progress) -> Symbols {
         // Names as shown: a trace's paths and a file's symbols may hold anything.
         let module_names: Vec<String> = profile.modules.iter().map(|m| shown_file_name(&m.path)).collect();
-        let mut frames: Vec<RawFrame> = profile.stacks.iter().flat_map(|s| s.frames.iter().copied()).collect();
+        // Each once, as they are gathered: a copy of every frame of every stack took 24 bytes
+        // a frame beside the stacks' own (970 MB for a 21 MB trace of deep stacks).
+        let frames: std::collections::HashSet<RawFrame> =
+            profile.stacks.iter().flat_map(|s| s.frames.iter().copied()).collect();
+        let mut frames: Vec<RawFrame> = frames.into_iter().collect();
         let file_of = files_of(&profile.modules);
         frames.sort_unstable_by_key(|f| (f.module.map(|m| file_of[m]), f.address, f.module));
-        frames.dedup();
         progress.stage("symbolizing", frames.len() as u64);
         let mut locations = HashMap::with_capacity(frames.len());
         let mut open: Option<(usize, DebugInfo)> = None;

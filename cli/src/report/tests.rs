@@ -123,6 +123,29 @@ fn json_lists_stacks_that_read_the_same_once() {
     assert_eq!(stacks[0]["live_at_end"], first["live_at_end"]);
 }
 
+/// A site that many stacks reach lists the hundred that allocated most, and says how many
+/// more it has: it listed every one (223 MB of JSON from a trace of 3 MB).
+#[test]
+fn json_lists_at_most_a_hundred_stacks_a_site() {
+    let mut events = testing::events(&testing::this_executable());
+    let end = events.pop().unwrap();
+    // 150 more callers of site_one, told apart by the return address in the caller.
+    for n in 0..150u64 {
+        let frames = vec![return_address_in(site_one), return_address_in(outer_caller) + 1 + n];
+        events.push(Event::Stack { id: 100 + n, frames });
+        events.push(testing::tick(80 + n, 0x10_0000 + n * 0x100, 100, 1000 + n, 100 + n));
+    }
+    events.push(end);
+    let json: serde_json::Value = serde_json::from_slice(&render(&trace_of(&events), Format::Json)).unwrap();
+    let first = &json["top_by_bytes_allocated"][0];
+    assert_eq!(first["function"], type_name_of_val(&site_one));
+    let stacks = first["stacks"].as_array().unwrap();
+    assert_eq!((stacks.len(), first["stacks_not_listed"].as_u64()), (100, Some(51)));
+    // Most bytes first: the stack of testing::events, then 1149, 1148, ... 1051 bytes.
+    let bytes: Vec<u64> = stacks.iter().map(|s| s["allocated"]["bytes"].as_u64().unwrap()).collect();
+    assert_eq!((bytes[0], bytes[1], bytes[99]), (3000, 1149, 1051));
+}
+
 /// mallocspy's own memory, which every heap statistics event carries, is in the report.
 #[test]
 fn the_report_says_mallocspys_own_memory() {
