@@ -12,22 +12,9 @@
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::AtomicPtr;
 
-use crate::os::{CodeModule, LoadedCode};
-
 type Close = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
-
-/// What a `dlclose` call unmapped.
-pub(crate) enum Unmapped {
-    /// Nothing: the call failed, or only dropped a reference.
-    Nothing,
-    /// Something, but not what: a `dlopen` on another thread outgrew a snapshot.
-    Unknown,
-    /// These modules of the snapshot taken before the call (the library, and those it needed
-    /// that nothing else needs).
-    These(LoadedCode, Vec<CodeModule>),
-}
 
 /// `dlclose(handle)`: the writer catches up, then libc's `dlclose` runs.
 ///
@@ -42,40 +29,30 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
         // Nothing to forward to (no libdl after us): as dlclose does for a bad handle.
         return -1;
     }
-    // The leak report must still name the code of the libraries this call unloads.
+    // The leak report must still name the code of a library this call unloads.
     let closing = crate::spies::leaks::tracker()
         .and_then(|tracker| crate::leaks::unloaded::before_dlclose(handle, tracker.stacks.next_id()));
     let unloaded_before = crate::os::objects_unloaded();
-    let code_before = LoadedCode::now();
+    let code_before = crate::os::code_extents();
     // SAFETY: libc's dlclose has this signature; the caller's guarantee covers the handle.
     let status = unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) };
-    let unmapped = if status != 0 || crate::os::objects_unloaded() == unloaded_before {
-        // A `dlclose` mostly drops a reference.
-        Unmapped::Nothing
-    } else {
-        match code_before.zip(LoadedCode::now()) {
-            Some((before, after)) => {
-                let gone = before.gone_from(&after).copied().collect();
-                Unmapped::These(before, gone)
-            }
-            None => Unmapped::Unknown,
-        }
-    };
     if let Some(closing) = closing {
-        crate::leaks::unloaded::after_dlclose(closing, &unmapped);
+        crate::leaks::unloaded::after_dlclose(closing);
     }
-    if !matches!(unmapped, Unmapped::Nothing) {
-        // Stacks through the code it unmapped get ids of their own from now on.
-        let extents = match &unmapped {
-            Unmapped::These(_, gone) => Some(gone.iter().map(|m| (m.start, m.end)).collect::<Vec<_>>()),
-            _ => None,
-        };
-        crate::stacks::after_unload(extents.as_deref());
-    }
-    if status == 0
-        && let Some(writer) = crate::trace::writer::writer()
-    {
-        writer.after_unload();
+    if status == 0 {
+        // Only when something was unmapped (a `dlclose` mostly drops a reference): stacks
+        // through the code it unmapped get ids of their own from now on.
+        if crate::os::objects_unloaded() != unloaded_before {
+            // By name too: a library that another thread loaded meanwhile may lie where this
+            // one was, with the same extent.
+            let unmapped = code_before.zip(crate::os::code_extents()).map(|(before, after)| {
+                before.into_iter().filter(|e| !after.contains(e)).map(|e| (e.start, e.end)).collect::<Vec<_>>()
+            });
+            crate::stacks::after_unload(unmapped.as_deref());
+        }
+        if let Some(writer) = crate::trace::writer::writer() {
+            writer.after_unload();
+        }
     }
     // A spy released inside a hook left its library to give back; the program closing it is
     // waiting for it to go.

@@ -408,69 +408,36 @@ pub(crate) fn objects_unloaded() -> u64 {
     subs
 }
 
-/// The code of every loaded module at one moment: where its executable segments lie, its load
-/// bias and its name; to tell, after a `dlclose`, what it unloaded (the loader has forgotten
-/// their names by then).
-pub(crate) struct LoadedCode {
-    modules: Vec<CodeModule>,
-    names: Vec<u8>,
-}
-
-/// A module of a [`LoadedCode`].
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct CodeModule {
-    /// The extent of its executable segments.
+/// Where a loaded module's code lies, and which module it is: two libraries loaded one after
+/// the other at one place may have the same extent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CodeExtent {
     pub start: u64,
     pub end: u64,
-    /// Its load bias.
-    pub bias: u64,
-    /// Where its name lies in the snapshot's names.
-    name: (usize, usize),
+    /// A hash of the module's name.
+    name: u64,
 }
 
-impl LoadedCode {
-    /// The modules loaded now that have code, in the loader's order; `None` when more came
-    /// than room was made for (a `dlopen` meanwhile, on another thread). Room is made first:
-    /// nothing allocates while the loader holds its lock.
-    pub(crate) fn now() -> Option<Self> {
-        let (mut modules, mut bytes) = (0, 0);
-        each_module(|m| {
-            modules += 1;
-            bytes += m.name.to_bytes().len();
-            false
-        });
-        let mut code = Self { modules: Vec::with_capacity(modules + 16), names: Vec::with_capacity(bytes + 4096) };
-        let mut complete = true;
-        each_module(|m| {
-            let Some((start, end)) = m.code_extent() else { return false };
-            let name = m.name.to_bytes();
-            let at = code.names.len();
-            complete = code.modules.len() < code.modules.capacity() && at + name.len() <= code.names.capacity();
-            if complete {
-                code.modules.push(CodeModule { start, end, bias: m.bias, name: (at, at + name.len()) });
-                code.names.extend_from_slice(name);
-            }
-            !complete
-        });
-        complete.then_some(code)
-    }
-
-    /// The loader's name of `module`, one of this snapshot's.
-    pub(crate) fn name(&self, module: &CodeModule) -> &[u8] {
-        &self.names[module.name.0..module.name.1]
-    }
-
-    /// The modules of this snapshot that `later` does not have: none there with the same
-    /// bias and name (a library that another thread loaded meanwhile may lie where one was,
-    /// with the same extent).
-    pub(crate) fn gone_from<'a>(&'a self, later: &'a LoadedCode) -> impl Iterator<Item = &'a CodeModule> + 'a {
-        self.modules.iter().filter(move |m| {
-            !later
-                .modules
-                .iter()
-                .any(|l| (l.start, l.end, l.bias) == (m.start, m.end, m.bias) && later.name(l) == self.name(m))
-        })
-    }
+/// The extent of the executable segments of each loaded module that has some, in the loader's
+/// order; `None` when more came than room was made for (a `dlopen` meanwhile, on another
+/// thread). Room is made first: nothing allocates while the loader holds its lock.
+pub(crate) fn code_extents() -> Option<Vec<CodeExtent>> {
+    let mut modules = 0;
+    each_module(|_| {
+        modules += 1;
+        false
+    });
+    let mut extents = Vec::with_capacity(modules + 16);
+    let mut complete = true;
+    each_module(|m| {
+        let Some((start, end)) = m.code_extent() else { return false };
+        complete = extents.len() < extents.capacity();
+        if complete {
+            extents.push(CodeExtent { start, end, name: crate::stacks::hash_of(m.name.to_bytes(), u64::from) });
+        }
+        !complete
+    });
+    complete.then_some(extents)
 }
 
 /// The extent of the executable segments of the module loaded with bias `bias`, if one is.

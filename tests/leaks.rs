@@ -995,35 +995,6 @@ fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     assert_eq!(first["module"], format!("{} (unloaded)", leaky.display()), "{record}");
 }
 
-/// A plugin's leak allocated in a library that only the plugin needed: one `dlclose` unloaded
-/// both, and only the plugin was remembered; the leak's first frame read as `??`.
-#[test]
-fn blocks_of_a_library_unloaded_with_its_plugin_are_named_from_its_file() {
-    let plugin = c_library_needing("unload_dep_plugin.c", "unload_dep.c");
-    let dependency = plugin.with_file_name("libunload_dep.so");
-    let other = c_library("unload_other.c");
-    let program = c_program_with("unload_main.c", &["-ldl"]);
-    let out = run(JSON_REPORT, Command::new(&program).args([&plugin, &other]));
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
-    let report = json_report(&out);
-    let record = report["leaks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["bytes"] == 222)
-        .unwrap_or_else(|| panic!("no record of the dependency's block in {report}"));
-    let frames: Vec<(&str, &str)> = record["stack"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .take(2)
-        .map(|f| (f["function"].as_str().unwrap_or("??"), f["module"].as_str().unwrap_or("??")))
-        .collect();
-    let (dependency, plugin) =
-        (format!("{} (unloaded)", dependency.display()), format!("{} (unloaded)", plugin.display()));
-    assert_eq!(frames, [("dependency_leak", dependency.as_str()), ("plugin_leak", plugin.as_str())], "{record}");
-}
-
 /// A library loaded where an unloaded one was, with code at the same addresses: the same
 /// return addresses stand for other functions, and their blocks were one record, named after
 /// the unloaded library (review helper 28).

@@ -4,10 +4,9 @@
 //! allocated by a plugin that was `dlclose`d since keeps return addresses into a range that is
 //! unmapped, or mapped by another library by then: they read as `??`, or as the wrong
 //! library's functions. So the `dlclose` wrapper notes each library that a call really
-//! unloads (the plugin, and the libraries it needed that nothing else needs: each one's path,
-//! load bias and code range) with the id the next interned stack will get: a frame of an
-//! earlier stack that lies in that range is the unloaded library's, and is read from its file.
-//! heaptrack records module loads and unloads in its trace for the same reason.
+//! unloads (its path, load bias and code range) with the id the next interned stack will get:
+//! a frame of an earlier stack that lies in that range is the unloaded library's, and is read
+//! from its file. heaptrack records module loads and unloads in its trace for the same reason.
 //!
 //! Two threads may unload libraries from one place at once, one loading where the other's
 //! was: the list is kept in the order in which the calls began (each notes its library
@@ -21,8 +20,7 @@
 use core::cell::UnsafeCell;
 use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::dl_close::Unmapped;
-use crate::os::{self, CodeModule};
+use crate::os;
 use crate::sync::SpinLock;
 
 /// A library that was unloaded.
@@ -126,8 +124,6 @@ pub(crate) struct Closing {
     library: Unloaded,
     /// The loader's name of it, as the loader has it.
     name: std::ffi::CString,
-    /// Whether no other call was in flight when this one began.
-    began_alone: bool,
 }
 
 /// Notes the library behind `handle` before `dlclose` runs (its headers are gone after).
@@ -147,68 +143,50 @@ pub(crate) fn before_dlclose(handle: *mut libc::c_void, next_stack_id: u32) -> O
     let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_owned();
     let path = name.to_string_lossy().into_owned();
     let (start, end) = os::code_extent(bias)?;
-    let (begun, began_alone) = UNLOADED.locked(|unloads| {
+    let begun = UNLOADED.locked(|unloads| {
         unloads.begun += 1;
-        let alone = unloads.in_flight.is_empty();
         unloads.in_flight.push(InFlight { begun: unloads.begun, start, end });
-        (unloads.begun, alone)
+        unloads.begun
     });
-    let library = Unloaded { path, bias, start, end, stacks_before: next_stack_id, begun };
-    Some(Closing { library, name, began_alone })
+    Some(Closing { library: Unloaded { path, bias, start, end, stacks_before: next_stack_id, begun }, name })
 }
 
-/// After `dlclose`: remembers the library of the handle if the call unmapped it (it may only
-/// have dropped a reference), and those it needed that went with it: the other modules of
-/// `unmapped`, when no other call ran meanwhile (they may be its doing). The library is gone
-/// if none of its name is loaded at its bias: another thread may have loaded another one
-/// where it was meanwhile.
-pub(crate) fn after_dlclose(closing: Closing, unmapped: &Unmapped) {
-    let Closing { library, name, began_alone } = closing;
-    let gone = !matches!(unmapped, Unmapped::Nothing) && !os::is_loaded(library.bias, &name);
-    UNLOADED.locked(|Unloads { libraries: list, begun, in_flight }| {
+/// After `dlclose`: remembers the library if it is gone (the call may only have dropped a
+/// reference). By its name as well as its place: another thread may have loaded another
+/// library where it was meanwhile (whose code then read as this one's, or this one's as it).
+pub(crate) fn after_dlclose(closing: Closing) {
+    let gone = !os::is_loaded(closing.library.bias, &closing.name);
+    let library = closing.library;
+    UNLOADED.locked(|Unloads { libraries: list, in_flight, .. }| {
         if let Some(i) = in_flight.iter().position(|c| c.begun == library.begun) {
             in_flight.swap_remove(i);
         }
-        if let Unmapped::These(before, modules) = unmapped
-            && began_alone
-            && *begun == library.begun
-        {
-            let own = |m: &&CodeModule| m.bias == library.bias && before.name(m) == name.as_bytes();
-            for m in modules.iter().filter(|m| !own(m)) {
-                let path = String::from_utf8_lossy(before.name(m)).into_owned();
-                let needed = Unloaded { path, bias: m.bias, start: m.start, end: m.end, ..library.clone() };
-                remember(list, in_flight, needed);
-            }
+        if !gone {
+            return;
         }
-        if gone {
-            remember(list, in_flight, library);
+        let at = list.iter().rposition(|u| u.begun < library.begun).map_or(0, |i| i + 1);
+        // The same library unloaded from where it was before, with nothing else unloaded from
+        // there since (a plugin reloaded in a loop): its entry names the stacks interned until
+        // this unload too. Each unload had an entry of its own, and past the 4,096th a
+        // reloaded plugin's leaks read as `??`. Not once an unload was forgotten: it may have
+        // been from there (its stacks were named after the library unloaded next); nor while
+        // a call that began before this one, of a library that was there, is in flight: it
+        // will be listed before this one.
+        let there = |start: u64, end: u64| start < library.end && library.start < end;
+        let merge = FORGOTTEN.load(Ordering::Relaxed) == 0
+            && !in_flight.iter().any(|c| c.begun < library.begun && there(c.start, c.end));
+        let last_there = list[..at].iter_mut().rev().find(|u| there(u.start, u.end));
+        if let Some(last) = last_there.filter(|_| merge)
+            && (&last.path, last.bias, last.start, last.end)
+                == (&library.path, library.bias, library.start, library.end)
+        {
+            last.stacks_before = library.stacks_before;
+        } else if list.len() < MAX_UNLOADED {
+            list.insert(at, library);
+        } else {
+            FORGOTTEN.fetch_add(1, Ordering::Relaxed);
         }
     });
-}
-
-/// Lists `library`, unloaded, in the order the `dlclose` calls began.
-fn remember(list: &mut Vec<Unloaded>, in_flight: &[InFlight], library: Unloaded) {
-    let at = list.iter().rposition(|u| u.begun < library.begun).map_or(0, |i| i + 1);
-    // The same library unloaded from where it was before, with nothing else unloaded from
-    // there since (a plugin reloaded in a loop): its entry names the stacks interned until
-    // this unload too. Each unload had an entry of its own, and past the 4,096th a reloaded
-    // plugin's leaks read as `??`. Not once an unload was forgotten: it may have been from
-    // there (its stacks were named after the library unloaded next); nor while a call that
-    // began before this one, of a library that was there, is in flight: it will be listed
-    // before this one. (Those it unloads with their library, it may not know yet.)
-    let there = |start: u64, end: u64| start < library.end && library.start < end;
-    let merge = FORGOTTEN.load(Ordering::Relaxed) == 0
-        && !in_flight.iter().any(|c| c.begun < library.begun && there(c.start, c.end));
-    let last_there = list[..at].iter_mut().rev().find(|u| there(u.start, u.end));
-    if let Some(last) = last_there.filter(|_| merge)
-        && (&last.path, last.bias, last.start, last.end) == (&library.path, library.bias, library.start, library.end)
-    {
-        last.stacks_before = library.stacks_before;
-    } else if list.len() < MAX_UNLOADED {
-        list.insert(at, library);
-    } else {
-        FORGOTTEN.fetch_add(1, Ordering::Relaxed);
-    }
 }
 
 /// What the leak report says when unloads were not remembered, if any were not.
