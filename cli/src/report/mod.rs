@@ -150,8 +150,11 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     let path = &args.trace;
     let shown = path_shown(path);
     let failed = |e: &dyn std::fmt::Display| format!("{shown}: {e}");
-    // `-o -` is stdout, as `-` for the trace is stdin (it wrote a file named `-`).
-    let output = args.output.as_deref().filter(|&file| file != Path::new("-"));
+    // `-o -` is stdout, as `-` for the trace is stdin (it wrote a file named `-`); so are the
+    // names of descriptor 1, written through it: opened anew, a file the shell redirected
+    // stdout to was emptied (`>>`), or the shell's next line written over the report (`>`).
+    let stdout_names = ["-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"].map(Path::new);
+    let output = args.output.as_deref().filter(|&file| !stdout_names.contains(&file));
     if let Some(file) = output {
         refuse_the_trace(file, path)?;
     }
