@@ -63,7 +63,7 @@ struct List {
     unloads: UnsafeCell<Unloads>,
 }
 
-// SAFETY: `unloads` is only reached through `List::locked`, under `lock`.
+// SAFETY: `unloads` is only reached through `List::locked` and `List::try_locked`, under `lock`.
 unsafe impl Sync for List {}
 
 static UNLOADED: List = List {
