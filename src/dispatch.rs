@@ -771,7 +771,11 @@ impl<H: Heap> Interposer<H> {
                 cell.report_misaligned();
             }
             self.undo(cell, ptr);
-            return self.alloc_unspied(req, saved);
+            let unspied = self.alloc_unspied(req, saved);
+            if !unspied.ptr.is_null() && cell.call(|spy| spy.served_unspied(unspied.ptr)).is_err() {
+                self.disable(cell, scope);
+            }
+            return unspied;
         }
         self.observe(cell, scope, call(ptr, false));
         os::set_errno(saved);
@@ -782,8 +786,8 @@ impl<H: Heap> Interposer<H> {
     fn say_table_full(&self) {
         if !self.table_full.swap(true, Ordering::Relaxed) {
             sink::to_stderr(
-                b"mallocspy: no room left for the live-block table: blocks allocated from now on may go unspied, \
-                  and spied blocks that are reallocated may leak\n",
+                b"mallocspy: no room left for the live-block table: blocks allocated or reallocated from now on \
+                  may go unspied\n",
             );
         }
     }
@@ -1032,10 +1036,24 @@ impl<H: Heap> Interposer<H> {
         if !keeps_alignment(new, moved, 0) {
             cell.report_misaligned();
         }
+        let mut new = new;
         if !self.spied.insert(new as usize, size) {
-            // No memory for the table: the block keeps the spy's layout but can no longer be
-            // freed through it. Leak rather than corrupt.
             self.say_table_full();
+            // No room to record the block: the caller gets an unspied copy, and the spy's
+            // block goes back through the spy. Kept in the spy's layout and unknown here, its
+            // free reached the real allocator at the spy's offset, and glibc aborted
+            // (review helper 38).
+            let copy = self.heap.malloc(size);
+            if !copy.is_null() {
+                // SAFETY: the spy laid out `new` with `size` bytes for the caller, and `copy`
+                // is a fresh real block of `size` bytes: distinct, both that large.
+                unsafe { core::ptr::copy_nonoverlapping(new.cast::<u8>(), copy.cast::<u8>(), size) };
+                self.undo(cell, new);
+                if cell.call(|spy| spy.served_unspied(copy)).is_err() {
+                    self.disable(cell, scope);
+                }
+                new = copy;
+            }
         }
         self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: new, failed: false });
         os::set_errno(saved);

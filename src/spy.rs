@@ -377,4 +377,9 @@ pub trait MallocSpy: Send + Sync {
 
     /// A call of an entry point completed (or failed), as the caller saw it.
     fn after_call(&self, call: &Call) {}
+
+    /// The dispatcher gave the caller `ptr`, a block of the real allocator, without the spy
+    /// (it could not record one the spy laid out): a spy that keeps addresses of blocks freed
+    /// under it forgets this one, whose free is no double free.
+    fn served_unspied(&self, ptr: *mut c_void) {}
 }

@@ -204,6 +204,27 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     }
 }
 
+/// Under the guard, once the live-block table cannot grow (a small `max_memory`): a realloc
+/// whose block it could not record left it in the guard's layout, and its free made glibc
+/// abort ("munmap_chunk(): invalid pointer", review helper 38); a block served unspied at the
+/// address of a guarded block freed before was reported as a double free (helper 37).
+#[test]
+fn a_full_block_table_under_the_guard_leaves_a_correct_program_alone() {
+    let program = c_program("table_full.c");
+    let out = run(Mode::Shim("spy=guard:max_memory=8m"), &mut Command::new(&program));
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ok\n"), "{stderr}");
+    let said: Vec<&str> = stderr.lines().collect();
+    assert_eq!(
+        said,
+        [
+            "mallocspy: max_memory (8388608 bytes) reached: what does not fit from here on goes unspied",
+            "mallocspy: no room left for the live-block table: blocks allocated or reallocated from now on may go unspied",
+        ],
+        "one line each, and no finding"
+    );
+}
+
 #[test]
 fn thousands_of_short_lived_threads_reuse_the_per_thread_records() {
     // glibc frees a thread's own buffers after its key destructors, through the exported

@@ -437,6 +437,11 @@ impl MallocSpy for GuardSpy {
     fn post_get_size(&self, actual: usize, spied: bool) -> usize {
         if spied { CallScratch::get(S_SIZE) as usize } else { actual }
     }
+
+    fn served_unspied(&self, ptr: *mut c_void) {
+        // Live again, as `finish` says of the blocks it lays out.
+        self.recent.remove(ptr as usize);
+    }
 }
 
 /// The entry point that is giving a block back, as findings name it ([`GuardSpy::before_release`]

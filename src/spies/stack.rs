@@ -82,4 +82,7 @@ impl MallocSpy for SpyStack {
     fn after_call(&self, call: &Call) {
         self.layers.iter().for_each(|l| l.after_call(call))
     }
+    fn served_unspied(&self, ptr: *mut c_void) {
+        self.layers.iter().for_each(|l| l.served_unspied(ptr))
+    }
 }
