@@ -172,8 +172,16 @@ macro_rules! __fast_path {
                 "ret",
                 "2:",
                 "cmp qword ptr [rip + __mallocspy_global + {registry}], 0",
-                "jne {spied}",
+                "jne 3f",
                 "jmp qword ptr [rip + __mallocspy_global + {real}]",
+                "3:",
+                // The spied path: where the caller's stack starts, as for `malloc` (the guard
+                // names the caller of a bad free; left stale, the entry of an earlier call
+                // named the caller's caller).
+                "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
+                "mov qword ptr fs:[rax + {sp}], rsp",
+                "mov qword ptr fs:[rax + {bp}], rbp",
+                "jmp {spied}",
                 ".p2align 6",
                 key = const $crate::fast_path::KEY,
                 tls = const $crate::fast_path::TLS,
@@ -188,6 +196,8 @@ macro_rules! __fast_path {
                 line_shift = const $crate::fast_path::LINE_SHIFT,
                 record = const $crate::fast_path::RECORD,
                 frees = const $crate::fast_path::FREES,
+                sp = const $crate::interpose::ENTRY_SP_OFFSET,
+                bp = const $crate::interpose::ENTRY_BP_OFFSET,
                 spied = sym $crate::fast_path::free_spied,
             )
         }

@@ -411,6 +411,10 @@ fn write_reports(caller: Caller) {
     }
     if let Some(mut summary) = b.guard.and_then(|g| g.report_summary()) {
         sink::write(summary.as_bytes());
+        // Naming the stacks needs the loader (see `write_leak_report`).
+        if let Some(guard) = b.guard.filter(|_| crate::loader::usable()) {
+            sink::write(guard.sites_report(b.options.show_below_main).as_bytes());
+        }
     }
     if let Some(spy) = b.ticks
         && let stats = spy.stats_to_callback()

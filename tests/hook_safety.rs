@@ -168,6 +168,8 @@ fn guard_reports_frees_of_the_threads_stack_from_an_alternate_signal_stack() {
     assert_eq!(stderr.matches("mallocspy: guard: invalid-free: not a live block at ").count(), 2, "{stderr}");
 }
 
+/// Each finding is one line, naming the module and offset of the call; at exit each distinct
+/// call stack of a finding is listed, named (before, a finding said only the entry point).
 #[test]
 fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     let program = c_program("guard_findings.c");
@@ -178,30 +180,66 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
          usable size of a block with a damaged header: 0\nsurvived\n"
     );
     assert_eq!(out.status.code(), Some(0));
-    let findings: Vec<String> =
-        text(&out.stderr).lines().filter(|l| l.starts_with("mallocspy: guard:")).map(String::from).collect();
+    let stderr = text(&out.stderr);
+    let (said, sites) = stderr.split_once("mallocspy: guard: where the findings were made:\n").expect(&stderr);
+    let findings: Vec<&str> = said.lines().filter(|l| l.starts_with("mallocspy: guard:")).collect();
+    let called = ", called from guard_findings+0x";
     let expect = [
-        ("heap-buffer-overflow", "size 48 (in free)"),
-        ("heap-buffer-underflow", "(in free)"),
-        ("double-free", "size 64 (in free)"),
-        ("invalid-free", "(in free)"),
-        ("double-free", "size 20 (in realloc)"),
-        ("heap-buffer-underflow", "(in free)"),
-        ("heap-buffer-underflow", "(in free)"),
-        ("double-free", "size 10 (in free)"),
-        ("invalid-free", "(in free)"),
-        ("invalid-free: not a live block at 0x10000", "(in free)"),
-        ("double-free", "size 10 (in realloc)"),
+        ("heap-buffer-overflow", "size 48 (in free"),
+        ("heap-buffer-underflow", "(in free"),
+        ("double-free", "size 64 (in free"),
+        ("invalid-free", "(in free"),
+        ("double-free", "size 20 (in realloc"),
+        ("heap-buffer-underflow", "(in free"),
+        ("heap-buffer-underflow", "(in free"),
+        ("double-free", "size 10 (in free"),
+        ("invalid-free", "(in free"),
+        ("invalid-free: not a live block at 0x10000", "(in free"),
+        ("double-free", "size 10 (in realloc"),
         // It crashed in malloc_usable_size before the free (review helper 37).
-        ("heap-buffer-underflow", "(in free)"),
+        ("heap-buffer-underflow", "(in free"),
         // Named "realloc" before.
-        ("heap-buffer-overflow", "size 20 (in reallocarray)"),
-        ("13 finding(s): 2 overflow, 4 underflow, 4 double-free, 3 invalid-free", ""),
+        ("heap-buffer-overflow", "size 20 (in reallocarray"),
+        ("double-free", "size 24 (in free"),
+        ("double-free", "size 24 (in free"),
     ];
-    assert_eq!(findings.len(), expect.len(), "{findings:#?}");
-    for (line, (what, tail)) in findings.iter().zip(expect) {
-        assert!(line.contains(what) && line.ends_with(tail), "{line:?} should report {what} ... {tail}");
+    assert_eq!(findings.len(), expect.len() + 1, "{findings:#?}");
+    for (line, (what, place)) in findings.iter().zip(expect) {
+        assert!(
+            line.contains(what) && line.contains(&format!("{place}{called}")),
+            "{line:?} should report {what} {place}"
+        );
     }
+    assert!(findings[expect.len()].ends_with("15 finding(s): 2 overflow, 4 underflow, 6 double-free, 3 invalid-free"));
+    // Each site: its finding, then its frames, each naming a line of the fixture that frees.
+    let source =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/guard_findings.c")).unwrap();
+    let source: Vec<&str> = source.lines().collect();
+    let line_of = |frame: &str| -> &str {
+        let n: usize = frame.rsplit_once("guard_findings.c:").expect(frame).1.parse().expect(frame);
+        source[n - 1]
+    };
+    let mut listed: Vec<(String, Vec<String>)> = Vec::new();
+    for line in sites.lines() {
+        let line = line.strip_prefix("mallocspy: guard: ").expect(line);
+        match line.trim_start().strip_prefix('#') {
+            Some(frame) => listed.last_mut().expect(line).1.push(frame.to_owned()),
+            None => listed.push((line.to_owned(), Vec::new())),
+        }
+    }
+    assert_eq!(listed.len(), 14, "{sites}");
+    for ((site, frames), (what, place)) in listed[..13].iter().zip(&expect) {
+        assert!(site.starts_with(what.split(" at ").next().unwrap()) && site.ends_with("(1 time)"), "{site}");
+        let call = place.rsplit_once("(in ").unwrap().1;
+        assert!(
+            frames[0].contains(" in main ") && line_of(&frames[0]).contains(&format!("{call}(")),
+            "{site}: {frames:?}"
+        );
+    }
+    let (site, frames) = &listed[13];
+    assert_eq!(site, "double-free (2 times)");
+    assert!(frames[0].contains(" in release ") && line_of(&frames[0]).contains("free(p);"), "{frames:?}");
+    assert!(frames[1].contains(" in main ") && line_of(&frames[1]).contains("release(p); /* twice"), "{frames:?}");
 }
 
 /// Under the guard, once the live-block table cannot grow (a small `max_memory`): a realloc

@@ -182,6 +182,13 @@ impl Namer {
         }
         stack
     }
+
+    /// The frames shown of a stack kept outside the stack table (`addrs`, innermost first),
+    /// named from the modules loaded now.
+    pub(crate) fn frames_of_addresses(&mut self, addrs: &[u64]) -> Vec<Frame> {
+        let shown = self.start_up.map_or(addrs.len(), |s| s.frames_above(addrs));
+        addrs[..shown].iter().flat_map(|&addr| self.symbolizer.frames(addr).to_vec()).collect()
+    }
 }
 
 /// The suppression that a frame shown of each of `stack_ids` matches, for those one does.
@@ -318,16 +325,7 @@ impl LeakReport {
                 r.entry
             );
             for (i, f) in r.stack.iter().enumerate() {
-                let _ = write!(out, "{p}    #{i} {} in {}", f.address, f.function.as_deref().unwrap_or("??"));
-                match (&f.file, f.line, &f.module) {
-                    (Some(file), Some(line), _) => {
-                        let _ = writeln!(out, " {file}:{line}");
-                    }
-                    (_, _, Some(module)) => {
-                        let _ = writeln!(out, " ({module})");
-                    }
-                    _ => out.push('\n'),
-                }
+                write_frame(&mut out, &p, i, f);
             }
             if !r.retained_by.is_empty() {
                 let hops = r.retained_by.join(&format!("\n{p}               -> "));
@@ -365,6 +363,21 @@ impl LeakReport {
             let _ = writeln!(out, "{p} note: {note}");
         }
         out
+    }
+}
+
+/// Frame `i` of a stack as the text reports print it, after `prefix`: `#i 0x... in function
+/// file:line`, or the module where the line is not known.
+pub(crate) fn write_frame(out: &mut String, prefix: &str, i: usize, f: &Frame) {
+    let _ = write!(out, "{prefix}    #{i} {} in {}", f.address, f.function.as_deref().unwrap_or("??"));
+    match (&f.file, f.line, &f.module) {
+        (Some(file), Some(line), _) => {
+            let _ = writeln!(out, " {file}:{line}");
+        }
+        (_, _, Some(module)) => {
+            let _ = writeln!(out, " ({module})");
+        }
+        _ => out.push('\n'),
     }
 }
 

@@ -310,7 +310,7 @@ impl Symbolizer {
     }
 
     /// The frames (innermost inlined call first) of return address `addr`.
-    fn frames(&mut self, addr: u64) -> &[Frame] {
+    pub(crate) fn frames(&mut self, addr: u64) -> &[Frame] {
         self.cache.entry(addr).or_insert_with(|| {
             let module = module_of(addr);
             if let Some(frame) = c_library_frame(addr, &module) {

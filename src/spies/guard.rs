@@ -20,18 +20,23 @@
 //! tag and of the trailer is even and from 0x80 up: a zero, a byte of ASCII text, 0xff or any
 //! odd byte written over one is always seen; another byte is missed only when it happens to be
 //! the value already there (one in 64).
-//! Every finding is one line: what, where, how big; the program goes on where it safely can
-//! (a damaged header means the real block cannot be found, so it is leaked, not freed).
+//! Every finding is one line: what, where, how big, and the module and offset of the call;
+//! the program goes on where it safely can (a damaged header means the real block cannot be
+//! found, so it is leaked, not freed). At exit, each distinct call stack of a finding is
+//! listed, named ([`FindingSites`]).
 
 use core::ffi::c_void;
 use core::fmt::Write;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use super::finding_sites::{self, FindingSites};
+use crate::leaks::report::{Namer, write_frame};
+use crate::leaks::{StackOptions, Suppressions};
 use crate::line::Line;
 use crate::live_table::LiveTable;
 use crate::spy::{CallScratch, Entry, MallocSpy};
-use crate::{pool, sink};
+use crate::{os, pool, sink, unwind};
 
 const HEADER: usize = 16;
 const TRAILER: usize = 8;
@@ -62,6 +67,14 @@ enum Finding {
     InvalidFree,
 }
 
+/// What each [`Finding`] is, as its lines say.
+const FINDING_NAMES: [&str; 4] = [
+    "heap-buffer-overflow: trailer canary damaged",
+    "heap-buffer-underflow: header canary damaged, block leaked",
+    "double-free",
+    "invalid-free: not a live block",
+];
+
 /// A recently freed block: its size, and its position in the eviction ring.
 #[derive(Clone, Copy)]
 struct Recent {
@@ -78,6 +91,8 @@ pub(crate) struct GuardSpy {
     /// The sequence number of the next free: its slot in the ring is `ring_next % RECENT`.
     ring_next: AtomicUsize,
     findings: [AtomicU64; 4],
+    /// Where the findings were made.
+    sites: FindingSites,
 }
 
 // SAFETY: the ring is atomics; the rest is atomics and a Sync table.
@@ -204,23 +219,27 @@ impl GuardSpy {
             ring,
             ring_next: AtomicUsize::new(0),
             findings: [const { AtomicU64::new(0) }; 4],
+            sites: FindingSites::new()?,
         })
     }
 
     fn report(&self, finding: Finding, p: usize, size: Option<usize>, place: &str) {
+        let order = self.findings();
         self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
+        let mut frames = [0u64; finding_sites::DEPTH];
+        let depth = unwind::hook_start().map_or(0, |start| unwind::capture_uncached(&mut frames, start));
+        self.sites.record(finding as u32, &frames[..depth], order);
         let mut line = Line::<256>::new();
-        let what = match finding {
-            Finding::Overflow => "heap-buffer-overflow: trailer canary damaged",
-            Finding::Underflow => "heap-buffer-underflow: header canary damaged, block leaked",
-            Finding::DoubleFree => "double-free",
-            Finding::InvalidFree => "invalid-free: not a live block",
-        };
-        let _ = write!(line, "mallocspy: guard: {what} at {p:#x}");
+        let _ = write!(line, "mallocspy: guard: {} at {p:#x}", FINDING_NAMES[finding as usize]);
         if let Some(size) = size {
             let _ = write!(line, ", size {size}");
         }
-        let _ = writeln!(line, " (in {place})");
+        let _ = write!(line, " (in {place}");
+        if depth > 0 {
+            let _ = write!(line, ", called from ");
+            write_code_place(&mut line, frames[0]);
+        }
+        let _ = writeln!(line, ")");
         sink::write(line.as_bytes());
     }
 
@@ -246,6 +265,34 @@ impl GuardSpy {
             n(Finding::InvalidFree)
         );
         Some(line)
+    }
+
+    /// Each distinct call stack of a finding, named, in the order of their first findings
+    /// (frames below `main` left out unless `below_main`); empty when there was none.
+    pub(crate) fn sites_report(&self, below_main: bool) -> String {
+        let (sites, unplaced) = self.sites.sites();
+        let mut out = String::new();
+        if sites.is_empty() && unplaced == 0 {
+            return out;
+        }
+        let prefix = "mallocspy: guard:";
+        let _ = writeln!(out, "{prefix} where the findings were made:");
+        let ids: Vec<u32> = (0..sites.len() as u32).collect();
+        let none = Suppressions::default();
+        let mut namer =
+            Namer::new(StackOptions { suppressions: &none, below_main }, &ids, &|id| sites[id as usize].frames.clone());
+        for site in &sites {
+            let times = if site.count == 1 { "1 time".to_owned() } else { format!("{} times", site.count) };
+            let what = FINDING_NAMES.get(site.kind as usize).copied().unwrap_or("finding");
+            let _ = writeln!(out, "{prefix} {what} ({times})");
+            for (i, frame) in namer.frames_of_addresses(&site.frames).iter().enumerate() {
+                write_frame(&mut out, prefix, i, frame);
+            }
+        }
+        if unplaced > 0 {
+            let _ = writeln!(out, "{prefix} {unplaced} finding(s) at further call stacks, not listed");
+        }
+        out
     }
 
     /// Remembers a freed caller pointer, forgetting the oldest one.
@@ -442,6 +489,42 @@ impl MallocSpy for GuardSpy {
         // Live again, as `finish` says of the blocks it lays out.
         self.recent.remove(ptr as usize);
     }
+}
+
+/// Writes `module+0xoffset` for code address `pc`: the module's file name (the program's
+/// too) and the offset that `addr2line -e` takes. Found without the symbolizer, which a hook
+/// must not run (it allocates, reads files and takes locks); the exit report names the stack.
+fn write_code_place(line: &mut Line<256>, pc: u64) {
+    // A longer name is cut: the line holds 256 bytes.
+    let mut name = [0u8; 64];
+    let mut found = None;
+    os::each_module(|m| {
+        if !m.segments(0).any(|(start, end)| start <= pc && pc < end) {
+            return false;
+        }
+        let path = m.name.to_bytes();
+        let base = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+        let len = base.len().min(name.len());
+        name[..len].copy_from_slice(&base[..len]);
+        found = Some((m.bias, len));
+        true
+    });
+    let Some((bias, mut len)) = found else {
+        let _ = write!(line, "{pc:#x}");
+        return;
+    };
+    if len == 0 {
+        // The loader names the program "": its file, as the kernel knows it.
+        let mut path = [0u8; 256];
+        // SAFETY: readlink writes at most `path.len()` bytes into `path`.
+        let n = unsafe { libc::readlink(c"/proc/self/exe".as_ptr(), path.as_mut_ptr().cast(), path.len()) };
+        let path = &path[..usize::try_from(n).unwrap_or(0)];
+        let base = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+        len = base.len().min(name.len());
+        name[..len].copy_from_slice(&base[..len]);
+    }
+    let module = core::str::from_utf8(&name[..len]).unwrap_or("?");
+    let _ = write!(line, "{module}+{:#x}", pc.wrapping_sub(bias));
 }
 
 /// The entry point that is giving a block back, as findings name it ([`GuardSpy::before_release`]

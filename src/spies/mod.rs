@@ -1,6 +1,7 @@
 //! The built-in spies, chosen by `MALLOCSPY_OPTIONS` (see [`crate::options`]).
 
 pub(crate) mod count;
+pub(crate) mod finding_sites;
 pub(crate) mod guard;
 pub(crate) mod leaks;
 pub(crate) mod sampled;

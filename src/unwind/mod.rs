@@ -140,6 +140,26 @@ pub(crate) fn capture(out: &mut [u64], start: (u64, u64, u64), cache: &mut WalkC
     walk(out, Start { pc, sp, bp, is_return: true }, cache)
 }
 
+/// [`capture`] without a thread's walk cache, for a stack wanted seldom (where a finding of
+/// the guard was made): the rules come from the shared table, as [`walk_out`] takes them.
+pub(crate) fn capture_uncached(out: &mut [u64], start: (u64, u64, u64)) -> usize {
+    let Some(first) = out.first_mut() else { return 0 };
+    let (mut pc, mut sp, mut bp) = start;
+    *first = pc;
+    let read = stack_reader(current_sp(), stack_bounds().1);
+    let rules = rules::Rules::new();
+    let mut recent = rules::Recent::new();
+    let mut n = 1;
+    while n < out.len() {
+        // Every pc here is a return address: its call is a byte before it.
+        let Step::Caller(frame) = step(&rules, &mut recent, pc - 1, sp, bp, &read) else { break };
+        (pc, sp, bp) = (frame.ra, frame.cfa, frame.bp);
+        out[n] = pc;
+        n += 1;
+    }
+    n
+}
+
 /// How [`walk_out`] ended.
 #[derive(Debug, PartialEq)]
 pub(crate) enum WalkOut {
