@@ -934,6 +934,12 @@ impl<H: Heap> Interposer<H> {
             return null();
         }
         let Some(cell) = cell.filter(|c| spied || c.is_active()) else {
+            // Not a block of the revoked spy's: no longer in flight. The spy's last free may
+            // have counted this call among its live blocks and left the release to it.
+            drop(held);
+            if let Some(revoked) = cell {
+                self.retire(revoked, &scope);
+            }
             // SAFETY: unspied: a real block.
             return unsafe { self.heap.realloc(ptr, size) };
         };

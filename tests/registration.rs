@@ -191,6 +191,17 @@ fn a_child_forked_during_a_revoke_can_register() {
     assert_eq!(text(&out.stdout), "children that could not register: 0 of 300\n", "{}", text(&out.stderr));
 }
 
+/// A realloc of a block the spy never saw, on another thread, counted itself among the blocks
+/// in flight while the revoked spy's last block was freed: that free found a block still
+/// live and left the release to the realloc, which never did it; every later register failed
+/// (review helper 39: on the first round, in 4 runs of 4).
+#[test]
+fn a_pending_revoke_ends_while_another_thread_reallocates() {
+    let program = c_program("revoke_during_realloc.c");
+    let out = run(PASS_THROUGH, Command::new(&program).arg("100"));
+    assert_eq!(text(&out.stdout), "rounds that left the spy unreleased: 0 of 100\n", "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
