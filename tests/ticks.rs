@@ -1049,6 +1049,29 @@ fn the_traced_totals_are_what_the_count_spy_counts() {
     }
 }
 
+/// A realloc that fails frees nothing: it was counted as a free before the real call, and
+/// the exact totals said 4 frees of a program that made one (review helper 40).
+#[test]
+fn a_failed_realloc_is_not_counted_as_a_free() {
+    let program = c_program("failed_realloc.c");
+    let frees = |n: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let options = format!("spy=ticks:trace={}", dir.path().join("t.trace").display());
+        let out =
+            Command::new(&program).arg(n).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output().unwrap();
+        assert_eq!(text(&out.stdout), format!("failed: {}\n", 2 * n.parse::<u32>().unwrap()), "{}", text(&out.stderr));
+        let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
+        let last = Reader::new(&bytes)
+            .unwrap()
+            .map(Result::unwrap)
+            .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
+            .last()
+            .expect("heap statistics at exit");
+        last.frees
+    };
+    assert_eq!(frees("3"), frees("0"));
+}
+
 /// The writer drains every `stats_interval_ms`, but a burst of messages that would fill the
 /// queue before then wakes it: churn queues some 90 thousand ticks and frees in half a second,
 /// more than twice the queue's 32,768 slots, and here the writer's own wait is a second.

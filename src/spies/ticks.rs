@@ -814,7 +814,8 @@ impl MallocSpy for TickSpy {
     #[inline]
     fn before_release(&self, _entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
         // Before the real free: once it runs, another thread may get this address and sample it.
-        // (A realloc that then fails keeps a block no longer sampled: it is only unweighted.)
+        // (A realloc that then fails keeps a block no longer sampled: it is only unweighted;
+        // `after_call` takes back the free.)
         if ptr.is_null() {
             return;
         }
@@ -830,6 +831,17 @@ impl MallocSpy for TickSpy {
 
     #[inline]
     fn after_call(&self, call: &Call) {
+        if call.failed && !call.ptr.is_null() && matches!(call.entry, Entry::Realloc | Entry::Reallocarray) {
+            // The block is still the caller's: not a free after all (its sample, dropped in
+            // `before_release`, stays dropped).
+            match self.mine() {
+                Some((_, t)) => bump(&t.counters.frees, u64::MAX),
+                None => {
+                    self.frees_elsewhere.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            return;
+        }
         if call.failed || call.result.is_null() || matches!(call.entry, Entry::MallocUsableSize | Entry::MallocTrim) {
             return;
         }
