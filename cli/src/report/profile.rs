@@ -147,6 +147,15 @@ impl Profile {
         Some((last.own_bytes, self.heap_stats.iter().map(|s| s.own_bytes).max().unwrap_or(0)))
     }
 
+    /// The live heap as the program estimated it at its heap statistics events, from its own
+    /// live samples, which no dropped event touched: the highest, with its time, and the
+    /// newest. `None` without one.
+    pub fn stats_live(&self) -> Option<(Peak, u64)> {
+        let last = self.heap_stats.iter().max_by_key(|s| s.time_ns)?;
+        let top = self.heap_stats.iter().rev().max_by_key(|s| s.live_bytes())?;
+        Some((Peak { live_bytes: top.live_bytes(), time_ns: top.time_ns }, last.live_bytes()))
+    }
+
     /// The exact totals, `(allocation calls, bytes)`, of the newest heap statistics event (they
     /// only grow); `None` without one. Where the estimate falls short, they do not: in tick
     /// mode each thread's bytes since its last tick are in no tick (a thread pool's threads

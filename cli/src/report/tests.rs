@@ -270,6 +270,31 @@ fn the_timeline_charts_the_live_heap_and_marks_its_peak() {
     assert!(svg.trim_end().ends_with("</svg>"));
 }
 
+/// With events lost, the replay keeps samples whose frees were lost live for good: the report
+/// said the estimates were low while its peak was 141 MiB of a heap whose own estimates
+/// never passed 83 MiB (review helper 40). It now says live figures may be high and gives the
+/// program's own, and the timeline draws those alone.
+#[test]
+fn with_events_lost_the_live_heap_comes_from_the_programs_own_estimates() {
+    let mut events = testing::events(&testing::this_executable());
+    // The free of 0xb000 (2000 bytes) is lost: the replay keeps it live to the end, and its
+    // peak, 4000 bytes at 60 ns, is higher than any estimate of the program's.
+    events.retain(|e| !matches!(e, Event::Free { address: 0xb000, .. }));
+    let at = events.iter().position(|e| matches!(e, Event::HeapStats(s) if s.time_ns == 1_500_000_000)).unwrap();
+    events.insert(at, Event::Lost { time_ns: 70, events: 1 });
+    let file = trace_of(&events);
+    let report = text(&file, Format::Text);
+    assert!(report.contains("those of live bytes may be high (frees among the lost)"), "{report}");
+    assert!(
+        report.contains(
+            "the program's own live estimates, at its heap statistics: peak 2.93 KiB at 25.0 ms, 1.95 KiB at the last"
+        ),
+        "{report}"
+    );
+    let svg = text(&file, Format::Timeline);
+    assert!(svg.contains(">peak 2.93 KiB at 25.0 ms</text>"), "{svg}");
+}
+
 /// Heap statistics whose allocator view is all zero (another allocator served the calls)
 /// draw no allocator line: a flat line at zero said the allocator held nothing.
 #[test]

@@ -160,11 +160,24 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         )?;
     }
     if p.lost_events > 0 {
+        // A lost free leaves its sample live in the replay for good: its live figures (the
+        // peak, the end, each site's) grow, where those of what was allocated fall short.
         writeln!(
             out,
-            "  lost         {} events dropped by the writer: the estimates are low",
+            "  lost         {} events dropped by the writer: the estimates of bytes allocated are low; \
+             those of live bytes may be high (frees among the lost)",
             units::count(p.lost_events)
         )?;
+        if let Some((peak, last)) = p.stats_live() {
+            writeln!(
+                out,
+                "               the program's own live estimates, at its heap statistics: peak {} at {}, \
+                 {} at the last",
+                units::bytes(peak.live_bytes),
+                units::duration(peak.time_ns),
+                units::bytes(last)
+            )?;
+        }
     }
     writeln!(out)?;
 

@@ -127,7 +127,11 @@ impl Point {
 
 fn points(profile: &Profile) -> Vec<Point> {
     let point = |time_ns: u64, kinds, allocator| Point { time_ns, seconds: time_ns as f64 / 1e9, kinds, allocator };
-    let replayed = profile.replayed_live.iter().map(|&(time_ns, kinds)| point(time_ns, kinds, None));
+    // With events lost, the replay keeps the samples whose frees were lost live for good:
+    // the heap statistics alone, the program's own estimates, draw the chart.
+    let replay =
+        if profile.lost_events > 0 && !profile.heap_stats.is_empty() { &[][..] } else { &profile.replayed_live[..] };
+    let replayed = replay.iter().map(|&(time_ns, kinds)| point(time_ns, kinds, None));
     let mut points: Vec<Point> = if profile.heap_stats.is_empty() {
         replayed.collect()
     } else {
@@ -188,9 +192,11 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let Some(top) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events or ticks"));
     };
-    // The report's peak, which the replay's points hold; the highest point without ticks.
+    // The report's peak, which the replay's points hold; the highest point without ticks, or
+    // with events lost.
+    let replayed_peak = p.peak.live_bytes > 0 && (p.lost_events == 0 || p.heap_stats.is_empty());
     let (peak_ns, peak_total) =
-        if p.peak.live_bytes > 0 { (p.peak.time_ns, p.peak.live_bytes) } else { (top.time_ns, top.total()) };
+        if replayed_peak { (p.peak.time_ns, p.peak.live_bytes) } else { (top.time_ns, top.total()) };
     let allocator_known = points.iter().any(|p| p.allocator.is_some());
     let last_seconds = points.last().map_or(0.0, |p| p.seconds);
     let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
