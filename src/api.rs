@@ -53,16 +53,17 @@ pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError
 /// is freed. [`SpyError::NotInterposed`] as for [`register_malloc_spy`].
 pub fn revoke_malloc_spy() -> Result<(), SpyError> {
     match target()? {
-        Target::Here => GLOBAL.revoke(),
+        Target::Here => global::revoke_here(),
         Target::Remote(api) => SpyError::from_status((api.revoke_spy)()),
     }
 }
 
 /// Whether `ptr` is a live block of the process's heap (`IMalloc::DidAlloc`).
 ///
-/// [`DidAlloc::Yes`] for a block allocated while a spy was registered and not yet freed;
-/// [`DidAlloc::No`] for NULL and for pointers no block can start at; [`DidAlloc::Unknown`]
-/// otherwise (mallocspy keeps no record of blocks allocated while no spy was registered).
+/// [`DidAlloc::Yes`] for a block allocated while an interposing spy ([`crate::Role::Interpose`])
+/// was registered and not yet freed; [`DidAlloc::No`] for NULL and for pointers no block can
+/// start at; [`DidAlloc::Unknown`] otherwise (mallocspy keeps no record of blocks allocated
+/// while no spy, or an observing one, was registered).
 pub fn did_alloc(ptr: *const c_void) -> DidAlloc {
     let ptr = ptr as *mut c_void;
     match target() {
@@ -120,17 +121,22 @@ pub fn tracker_memory() -> Result<TrackerMemory, SpyError> {
 }
 
 /// Starts leak tracking in a program that is its own interposer (the `interpose` feature):
-/// registers the tracker as the process's spy, capturing `stack_depth` frames per block.
+/// registers a new tracker as the process's spy, capturing `stack_depth` frames per block.
+///
+/// A tracker started again after a revoke is a new one: what the tracker before it recorded
+/// it knows nothing of (that one did not see the frees made while it was revoked), and the
+/// memory of the one before is not given back.
 ///
 /// # Errors
 /// [`SpyError::NotInterposed`] when this module is not the interposer (a preloaded shim
-/// tracks by itself); [`SpyError::AlreadyRegistered`] when a spy is registered.
+/// tracks by itself); [`SpyError::AlreadyRegistered`] when a spy is registered (or its revoke
+/// is pending): nothing is started then.
 pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
     if !global::is_active_here() {
         return Err(SpyError::NotInterposed);
     }
-    if let Some(t) = crate::spies::leaks::tracker() {
-        return global::register_static_here(t);
+    if !GLOBAL.registry.is_empty() {
+        return Err(SpyError::AlreadyRegistered);
     }
     let tracker = crate::spies::leaks::LeakTracker::new(stack_depth).ok_or(SpyError::InvalidArgument)?;
     let tracker: &'static crate::spies::leaks::LeakTracker = Box::leak(Box::new(tracker));
@@ -138,7 +144,11 @@ pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
     if let Some(live) = crate::early::stop() {
         tracker.adopt(&live);
     }
-    global::register_static_here(tracker)
+    // Another thread may have registered a spy since: the queries then still say no tracker
+    // runs.
+    global::register_static_here(tracker)?;
+    global::built_ins_registered();
+    Ok(())
 }
 
 fn api_table() -> Result<&'static ffi::Api, SpyError> {
@@ -178,13 +188,15 @@ pub fn on_heap_stats(callback: Option<StatsCallback>) -> Result<(), SpyError> {
 }
 
 /// Starts allocation ticks in a program that is its own interposer (the `interpose`
-/// feature): registers the ticks spy, sampling as `sampling` says every `interval` bytes on
-/// average, with heap statistics every `stats_interval_ms` (no trace file).
+/// feature): registers a new ticks spy, sampling as `sampling` says every `interval` bytes on
+/// average, with heap statistics every `stats_interval_ms` (no trace file). Started again
+/// after a revoke, it is a new spy, with these arguments (the callbacks are to be set again).
 ///
 /// # Errors
 /// [`SpyError::NotInterposed`] when this module is not the interposer (a preloaded shim
-/// takes `spy=ticks`); [`SpyError::AlreadyRegistered`] when a spy is registered;
-/// [`SpyError::InvalidArgument`] for a zero interval.
+/// takes `spy=ticks`); [`SpyError::AlreadyRegistered`] when a spy is registered (or its
+/// revoke is pending): nothing is started then; [`SpyError::InvalidArgument`] for a zero
+/// interval.
 pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_ms: u64) -> Result<(), SpyError> {
     use crate::spies::ticks::{self, TickSpy};
     if !global::is_active_here() {
@@ -193,8 +205,8 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
     if interval == 0 || stats_interval_ms == 0 {
         return Err(SpyError::InvalidArgument);
     }
-    if let Some(spy) = ticks::spy() {
-        return global::register_static_here(spy);
+    if !GLOBAL.registry.is_empty() {
+        return Err(SpyError::AlreadyRegistered);
     }
     let config = ticks::Config {
         sampling,
@@ -206,6 +218,7 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
     let spy: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).ok_or(SpyError::InvalidArgument)?));
     ticks::set_spy(spy);
     global::register_static_here(spy)?;
+    global::built_ins_registered();
     spy.open_gate(&GLOBAL.gate);
     Ok(())
 }

@@ -135,9 +135,40 @@ extern "C" fn api_revoke() -> i32 {
     if !is_active_here() {
         return ffi::MALLOCSPY_E_NOT_INTERPOSED;
     }
-    let status = ffi::status(GLOBAL.revoke());
+    let status = ffi::status(revoke_here());
     crate::pins::close_left();
     status
+}
+
+/// Whether the built-in spies this module started last (the preloaded shim's, or
+/// [`crate::start_leak_tracking`]'s and [`crate::start_allocation_ticks`]'s) are registered:
+/// the API's queries of the leak tracker and the ticks spy answer only then (a revoked one has
+/// not seen what the program did since).
+static BUILT_INS_RUN: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+
+/// Notes that the built-in spies just started are registered.
+pub(crate) fn built_ins_registered() {
+    BUILT_INS_RUN.store(true, core::sync::atomic::Ordering::Release);
+}
+
+/// Revokes this module's registered spy (`CoRevokeMallocSpy`).
+pub(crate) fn revoke_here() -> Result<(), SpyError> {
+    let revoked = GLOBAL.revoke();
+    if revoked.is_ok() {
+        // Whichever spy it was, none runs now.
+        BUILT_INS_RUN.store(false, core::sync::atomic::Ordering::Release);
+    }
+    revoked
+}
+
+/// The leak tracker, while it is registered.
+fn running_tracker() -> Option<&'static crate::spies::leaks::LeakTracker> {
+    crate::spies::leaks::tracker().filter(|_| BUILT_INS_RUN.load(core::sync::atomic::Ordering::Acquire))
+}
+
+/// The ticks spy, while it is registered.
+fn running_ticks() -> Option<&'static crate::spies::ticks::TickSpy> {
+    crate::spies::ticks::spy().filter(|_| BUILT_INS_RUN.load(core::sync::atomic::Ordering::Acquire))
 }
 
 unsafe extern "C" fn api_did_alloc(ptr: *mut c_void) -> c_int {
@@ -157,7 +188,7 @@ extern "C" fn api_is_active() -> c_int {
 /// # Safety
 /// `out` is NULL or valid for a write of `T`.
 unsafe fn with_tracker<T>(out: *mut T, value: impl FnOnce(&crate::spies::leaks::LeakTracker) -> T) -> i32 {
-    let Some(tracker) = crate::spies::leaks::tracker() else { return ffi::CO_E_OBJNOTREG };
+    let Some(tracker) = running_tracker() else { return ffi::CO_E_OBJNOTREG };
     if out.is_null() {
         return ffi::E_INVALIDARG;
     }
@@ -183,7 +214,7 @@ unsafe extern "C" fn api_tracker_memory(out: *mut crate::TrackerMemory) -> i32 {
 }
 
 extern "C" fn api_on_allocation_tick(callback: Option<crate::TickCallback>) -> i32 {
-    match crate::spies::ticks::spy() {
+    match running_ticks() {
         Some(spy) => {
             // A thread may be calling the callback (or its predecessor) at any time.
             Pins::forever(callback.map_or(0, |f| f as usize));
@@ -195,7 +226,7 @@ extern "C" fn api_on_allocation_tick(callback: Option<crate::TickCallback>) -> i
 }
 
 extern "C" fn api_on_heap_stats(callback: Option<crate::trace::StatsCallback>) -> i32 {
-    match crate::spies::ticks::spy() {
+    match running_ticks() {
         Some(spy) => {
             // As in `api_on_allocation_tick`.
             Pins::forever(callback.map_or(0, |f| f as usize));

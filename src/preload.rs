@@ -198,6 +198,7 @@ fn register_spies() {
         return say(ALREADY_REGISTERED);
     }
     BUILTINS_REGISTERED.store(true, Ordering::Release);
+    global::built_ins_registered();
     if let (Some(ticks), true) = (BUILTINS.get().and_then(|b| b.ticks), alone) {
         ticks.open_gate(&GLOBAL.gate);
     }

@@ -235,6 +235,14 @@ fn through_the_shim_a_spy_may_revoke_itself_and_an_observer_keeps_its_role() {
     assert_eq!(stdout.lines().filter(|l| l.ends_with(": ok")).count(), 8, "{stdout}");
 }
 
+/// See `restart_scenario` in the fixture.
+#[test]
+fn a_refused_start_installs_nothing_and_a_restart_begins_afresh() {
+    let program = rust_program("interposer", "rust-interposer");
+    let out = Command::new(&program).arg("restart").env_remove("LD_PRELOAD").output().unwrap();
+    assert_all_ok("rust-interposer restart", &out);
+}
+
 #[test]
 fn a_rust_program_is_its_own_interposer_and_sees_strdup() {
     let program = rust_program("interposer", "rust-interposer");

@@ -435,15 +435,17 @@ impl MallocSpy for LeakTracker {
     }
 }
 
-static TRACKER: std::sync::OnceLock<&'static LeakTracker> = std::sync::OnceLock::new();
+/// The process's leak tracker: a `&'static LeakTracker`, or null.
+static TRACKER: core::sync::atomic::AtomicPtr<LeakTracker> = core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
 
 /// Makes `tracker` the process's leak tracker (for [`crate::heap_stats`] and
-/// [`crate::leak_check`]). The first one stays.
+/// [`crate::leak_check`]): the newest one started.
 pub(crate) fn set_tracker(tracker: &'static LeakTracker) {
-    let _ = TRACKER.set(tracker);
+    TRACKER.store((tracker as *const LeakTracker).cast_mut(), Ordering::Release);
 }
 
 /// The process's leak tracker, if one was started in this module.
 pub(crate) fn tracker() -> Option<&'static LeakTracker> {
-    TRACKER.get().copied()
+    // SAFETY: only `&'static` trackers are stored.
+    unsafe { TRACKER.load(Ordering::Acquire).as_ref() }
 }

@@ -861,13 +861,16 @@ impl MallocSpy for TickSpy {
     }
 }
 
-static SPY: std::sync::OnceLock<&'static TickSpy> = std::sync::OnceLock::new();
+/// The process's ticks spy: a `&'static TickSpy`, or null.
+static SPY: core::sync::atomic::AtomicPtr<TickSpy> = core::sync::atomic::AtomicPtr::new(core::ptr::null_mut());
 
-/// Makes `spy` the process's ticks spy (for the API and the thread-exit hook).
+/// Makes `spy` the process's ticks spy (for the API and the thread-exit hook): the newest one
+/// started.
 pub(crate) fn set_spy(spy: &'static TickSpy) {
-    if SPY.set(spy).is_ok() {
+    let first = SPY.swap((spy as *const TickSpy).cast_mut(), Ordering::AcqRel).is_null();
+    if first {
         threads::set_exit_hook(|index| {
-            if let Some(spy) = SPY.get() {
+            if let Some(spy) = self::spy() {
                 spy.thread_exit(index);
             }
         });
@@ -876,7 +879,8 @@ pub(crate) fn set_spy(spy: &'static TickSpy) {
 
 /// The process's ticks spy, if one was started in this module.
 pub(crate) fn spy() -> Option<&'static TickSpy> {
-    SPY.get().copied()
+    // SAFETY: only `&'static` spies are stored.
+    unsafe { SPY.load(Ordering::Acquire).as_ref() }
 }
 
 /// Runs a program's callback with its thread marked as inside one (see [`released_unseen`]).
@@ -914,7 +918,7 @@ pub(crate) fn released_unseen(ptr: usize) {
 /// there was most of the spy's time on such a free).
 #[inline]
 pub(crate) fn prefetch_sampled(ptr: usize) {
-    if let Some(spy) = SPY.get() {
+    if let Some(spy) = spy() {
         spy.sampled.prefetch(ptr);
     }
 }
