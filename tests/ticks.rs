@@ -307,6 +307,34 @@ fn a_forked_childs_times_and_totals_count_from_its_fork() {
     assert!((12..40).contains(&child_mib), "the child's 13 MiB and a little of Python's, not its parent's: {ends:?}");
 }
 
+/// The modules a process has at its start are loaded from its start: a short forked child's,
+/// stamped when its writer got to them, came after its end, and its report's duration was
+/// theirs (review helper 40).
+#[test]
+fn a_short_forked_childs_modules_are_loaded_before_its_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let options =
+        format!("spy=ticks:sampling=tick:sample_interval=1:trace={}", dir.path().join("t.%p.trace").display());
+    let out = Command::new(c_program("short_child.c"))
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let traces = traces(dir.path());
+    assert_eq!(traces.len(), 2, "{traces:?}");
+    for f in traces {
+        let bytes = std::fs::read(&f).unwrap();
+        let events: Vec<Event> = Reader::new(&bytes).unwrap().map(Result::unwrap).collect();
+        let Some(&Event::End { time_ns: end }) = events.last() else { panic!("{} ends whole", f.display()) };
+        let loads: Vec<u64> = events
+            .iter()
+            .filter_map(|e| if let Event::ModuleLoad { time_ns, .. } = e { Some(*time_ns) } else { None })
+            .collect();
+        assert!(!loads.is_empty() && loads.iter().all(|&t| t <= end), "{}: end {end}, loads {loads:?}", f.display());
+    }
+}
+
 /// The trace writer is no child of the program's: starting it sends the program no SIGCHLD,
 /// at exec nor in a forked child (whose handler counted one, and a `sigwaitinfo` for its
 /// own child's got the writer's instead).

@@ -294,7 +294,9 @@ fn leave(fds: &[i32]) -> ! {
 impl Writer {
     /// Writes the modules loaded now (after the header).
     fn begin(&self, st: &mut State) {
-        self.rescan_modules(st, self.spy.elapsed_ns());
+        // The modules the process starts with were there from its start (a forked child's
+        // too: stamped when the writer got to them, they came after a short child's end).
+        self.rescan_modules(st, 0, Some(0));
         self.flush(st);
     }
 
@@ -314,15 +316,15 @@ impl Writer {
     }
 
     /// Reads the program's modules again: an unload record (at `unloaded_ns`) for each
-    /// module gone, and a load record for each new one.
-    fn rescan_modules(&self, st: &mut State, unloaded_ns: u64) {
+    /// module gone, and a load record (at `loaded_ns`, or now) for each new one.
+    fn rescan_modules(&self, st: &mut State, unloaded_ns: u64, loaded_ns: Option<u64>) {
         let now = modules::of_process(st.pid, &mut st.elf);
         if now.is_empty() {
             // The program has ended (a live process has its executable mapped at least):
             // its modules were not unloaded.
             return;
         }
-        let time_ns = self.spy.elapsed_ns();
+        let time_ns = loaded_ns.unwrap_or_else(|| self.spy.elapsed_ns());
         let same = |a: &Module, b: &Module| a.path == b.path && a.base == b.base;
         let (kept, gone): (Vec<Module>, Vec<Module>) =
             core::mem::take(&mut st.modules).into_iter().partition(|m| now.iter().any(|n| same(m, n)));
@@ -355,7 +357,7 @@ impl Writer {
             // by its addresses alone, under the unloaded one's name.
             self.note_unloads(st);
             if frames.iter().any(|&pc| !self.known(st, pc)) {
-                self.rescan_modules(st, self.spy.elapsed_ns());
+                self.rescan_modules(st, self.spy.elapsed_ns(), None);
             }
             write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
         }
@@ -370,7 +372,7 @@ impl Writer {
     /// even when no later stack makes the writer read the modules again.
     fn note_unloads(&self, st: &mut State) {
         if let Some(unloaded_ns) = st.ring.take_unloaded() {
-            self.rescan_modules(st, unloaded_ns);
+            self.rescan_modules(st, unloaded_ns, None);
         }
     }
 
