@@ -164,6 +164,11 @@ macro_rules! export_interposer {
         pub extern "C" fn _Exit(status: ::core::ffi::c_int) -> ! {
             $crate::preload::exit_now(status)
         }
+        /// C `daemon`: glibc's leaves the parent by its own `_exit`, not this one.
+        #[unsafe(no_mangle)]
+        pub extern "C" fn daemon(nochdir: ::core::ffi::c_int, noclose: ::core::ffi::c_int) -> ::core::ffi::c_int {
+            $crate::preload::daemon(nochdir, noclose)
+        }
         /// What `at_quick_exit` calls: the exit reports' handler is registered first, to run
         /// after every other.
         ///

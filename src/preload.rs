@@ -527,6 +527,47 @@ pub(crate) fn report_at_signal(signal: core::ffi::c_int, interrupted: Option<Cal
 /// The process is leaving by `_exit`, `_Exit` ([`exit_now`]) or `quick_exit`.
 static LEAVING_BY_EXIT_NOW: AtomicBool = AtomicBool::new(false);
 
+/// C `daemon`, as glibc's (`misc/daemon.c`) does it, but for the parent's exit: glibc's calls
+/// its own `_exit`, which skipped [`exit_now`], and the parent wrote no exit report, and its
+/// trace neither exit statistics nor an end.
+#[doc(hidden)]
+pub fn daemon(nochdir: core::ffi::c_int, noclose: core::ffi::c_int) -> core::ffi::c_int {
+    // SAFETY: plain system calls and libc's fork (its handlers, mallocspy's included, run).
+    unsafe {
+        match libc::fork() {
+            -1 => return -1,
+            0 => {}
+            _ => exit_now(0),
+        }
+        if libc::setsid() == -1 {
+            return -1;
+        }
+        if nochdir == 0 {
+            libc::chdir(c"/".as_ptr());
+        }
+        if noclose == 0 {
+            let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+            if fd == -1 {
+                return -1;
+            }
+            let mut st: libc::stat = core::mem::zeroed();
+            // As glibc: descriptors 0 to 2 go to /dev/null only if it is the null device.
+            let null = libc::makedev(1, 3);
+            if libc::fstat(fd, &mut st) != 0 || st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != null {
+                libc::close(fd);
+                return -1;
+            }
+            for target in 0..3 {
+                libc::dup2(fd, target);
+            }
+            if fd > 2 {
+                libc::close(fd);
+            }
+        }
+    }
+    0
+}
+
 /// `_exit` and `_Exit`: report, then leave with the program's status.
 pub fn exit_now(status: core::ffi::c_int) -> ! {
     LEAVING_BY_EXIT_NOW.store(true, Ordering::Relaxed);

@@ -335,6 +335,40 @@ fn a_short_forked_childs_modules_are_loaded_before_its_end() {
     }
 }
 
+/// glibc's `daemon` leaves the parent by its own `_exit`, which skips the shim's: the parent's
+/// trace had no exit statistics and no end, and its leak report was never written (review
+/// helper 40).
+#[test]
+fn the_parent_that_daemon_leaves_writes_its_trace_to_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let done = dir.path().join("done");
+    let options = format!("spy=ticks:trace={}", dir.path().join("t.%p.trace").display());
+    let out = Command::new(c_program("calls_daemon.c"))
+        .arg(&done)
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ended = |f: &PathBuf| {
+        let bytes = std::fs::read(f).unwrap();
+        let events: Vec<Event> = Reader::new(&bytes).unwrap().filter_map(Result::ok).collect();
+        matches!(events.last(), Some(Event::End { .. })) && events.iter().any(|e| matches!(e, Event::HeapStats(_)))
+    };
+    // The daemon lives on after the parent: its trace is whole once it has ended.
+    for _ in 0..200 {
+        if done.exists() && traces(dir.path()).iter().filter(|f| ended(f)).count() == 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let traces = traces(dir.path());
+    assert_eq!(traces.len(), 2, "the parent's and the daemon's: {traces:?}");
+    for f in &traces {
+        assert!(ended(f), "{}: no exit statistics or no end", f.display());
+    }
+}
+
 /// The trace writer is no child of the program's: starting it sends the program no SIGCHLD,
 /// at exec nor in a forked child (whose handler counted one, and a `sigwaitinfo` for its
 /// own child's got the writer's instead).
