@@ -295,6 +295,19 @@ fn with_events_lost_the_live_heap_comes_from_the_programs_own_estimates() {
     assert!(svg.contains(">peak 2.93 KiB at 25.0 ms</text>"), "{svg}");
 }
 
+/// A trace without an end (the program was killed): its last statistics are exact as of
+/// their time only, not the program's totals (review helper 40: "counted 401 calls (exact)" of a
+/// program that made 501).
+#[test]
+fn the_exact_totals_of_a_trace_without_an_end_say_when_they_were_taken() {
+    let mut events = testing::events(&testing::this_executable());
+    events.retain(|e| !matches!(e, Event::End { .. }));
+    let report = text(&trace_of(&events), Format::Text);
+    assert!(report.contains("allocation calls (exact at 1.50 s, its last heap statistics)\n"), "{report}");
+    let whole = text(&testing::trace(), Format::Text);
+    assert!(whole.contains("allocation calls (exact)\n"), "{whole}");
+}
+
 /// Heap statistics whose allocator view is all zero (another allocator served the calls)
 /// draw no allocator line: a flat line at zero said the allocator held nothing.
 #[test]
@@ -326,7 +339,8 @@ fn the_exact_totals_of_the_heap_statistics_are_shown_beside_the_estimate() {
         Event::HeapStats(HeapStats { time_ns, kinds, ..HeapStats::default() })
     };
     // The newest event by time, not the last in the file: threads queue them out of order.
-    let file = trace_of(&[stats(5, 100, 1000), stats(9, 100_002, 100_004_384), stats(7, 90_000, 9_000_000)]);
+    let end = Event::End { time_ns: 10 };
+    let file = trace_of(&[stats(5, 100, 1000), stats(9, 100_002, 100_004_384), stats(7, 90_000, 9_000_000), end]);
     let report = text(&file, Format::Text);
     assert!(report.contains("  allocated    0 B in 0 objects (estimated)\n"), "{report}");
     assert!(report.contains("  counted      95.4 MiB in 100,002 allocation calls (exact)\n"), "{report}");
@@ -336,7 +350,7 @@ fn the_exact_totals_of_the_heap_statistics_are_shown_beside_the_estimate() {
     assert_eq!(without["counted"], serde_json::Value::Null);
     assert!(!report.contains("no allocation reached mallocspy"), "{report}");
     // Heap statistics that counted nothing: the program's malloc may not be ours to count.
-    let report = text(&trace_of(&[stats(5, 0, 0)]), Format::Text);
+    let report = text(&trace_of(&[stats(5, 0, 0), Event::End { time_ns: 6 }]), Format::Text);
     assert!(report.contains("  counted      0 B in 0 allocation calls (exact)\n               no allocation reached mallocspy: the process made none, or its malloc"), "{report}");
 }
 
@@ -442,7 +456,7 @@ fn damaged_numbers_and_names_make_sound_reports() {
 
     let report = text(&file, Format::Text);
     assert!(shown(&report), "{report:?}");
-    assert!(report.contains("in 18,446,744,073,709,551,615 allocation calls (exact)"), "{report}");
+    assert!(report.contains("in 18,446,744,073,709,551,615 allocation calls (exact"), "{report}");
     assert!(report.contains("lib\u{fffd}]0;owned\u{fffd}\u{fffd}.so+0x1235"), "{report}");
     assert!(report.contains("$'prog\\ufffe' $'\\u001b[2J'"), "{report}");
 

@@ -122,7 +122,12 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         units::objects(p.allocated.objects)
     )?;
     if let Some((calls, bytes)) = p.counted() {
-        writeln!(out, "  counted      {} in {} allocation calls (exact)", units::bytes(bytes), units::count(calls))?;
+        // Without an end, the last statistics are not the program's last word.
+        let exact = match (p.end_ns, p.heap_stats.iter().map(|s| s.time_ns).max()) {
+            (None, Some(at)) => format!("exact at {}, its last heap statistics", units::duration(at)),
+            _ => "exact".to_string(),
+        };
+        writeln!(out, "  counted      {} in {} allocation calls ({exact})", units::bytes(bytes), units::count(calls))?;
         if calls == 0 {
             // The program said why on its stderr, if another module's `malloc` came first. A
             // forked child that only `exec`s or leaves (a daemon's middle process) made none.
