@@ -332,6 +332,35 @@ fn a_thread_waiting_in_pause_or_sleep_is_not_cut_short_by_the_exit_check() {
     }
 }
 
+/// A frame of a stripped program is its file and offset, as `addr2line -e` takes them: it was
+/// `?? (git)`, the loader's name for the program (its `argv[0]`), with no offset (review helper
+/// 42; valgrind prints `(in /usr/local/bin/git)`).
+#[test]
+fn a_frame_of_a_stripped_program_gives_its_file_and_offset() {
+    let program = c_program("lose_one.c");
+    let dir = tempfile::tempdir().unwrap();
+    let stripped = dir.path().join("lose_one");
+    std::fs::copy(&program, &stripped).unwrap();
+    assert!(Command::new("strip").arg(&stripped).status().unwrap().success());
+    let out = run(JSON_REPORT, Command::new(&stripped).arg("100").current_dir(dir.path()));
+    let report = json_report(&out);
+    let lost = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["kind"] == "definitely_lost")
+        .unwrap_or_else(|| panic!("no lost block: {report}"));
+    let frame = &lost["stack"][0];
+    assert_eq!(Path::new(frame["module"].as_str().unwrap()), stripped.canonicalize().unwrap(), "{lost}");
+    let offset = format!("{:#x}", frame["offset"].as_u64().unwrap_or_else(|| panic!("no offset: {lost}")));
+    let named = Command::new("addr2line").args(["-f", "-e"]).arg(&program).arg(&offset).output().unwrap();
+    assert_eq!(text(&named.stdout).lines().next(), Some("lose"), "{offset} in {}", program.display());
+    // And the text report says it beside the file.
+    let out = run(Mode::Shim(""), Command::new(&stripped).arg("100").current_dir(dir.path()));
+    let said = format!("in ?? ({}+{offset})", stripped.canonicalize().unwrap().display());
+    assert!(text(&out.stderr).contains(&said), "{said} in\n{}", text(&out.stderr));
+}
+
 /// Leak checks while other threads fork: a check that stopped a thread inside `fork`'s
 /// handlers waited for the locks they hold, and a child forked during a check inherited its
 /// turn and waited for it at exit (helper 23: a hang every run).

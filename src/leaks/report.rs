@@ -374,9 +374,14 @@ pub(crate) fn write_frame(out: &mut String, prefix: &str, i: usize, f: &Frame) {
         (Some(file), Some(line), _) => {
             let _ = writeln!(out, " {file}:{line}");
         }
-        (_, _, Some(module)) => {
-            let _ = writeln!(out, " ({module})");
-        }
+        (_, _, Some(module)) => match f.offset {
+            Some(offset) => {
+                let _ = writeln!(out, " ({module}+{offset:#x})");
+            }
+            None => {
+                let _ = writeln!(out, " ({module})");
+            }
+        },
         _ => out.push('\n'),
     }
 }

@@ -19,6 +19,10 @@ pub struct Frame {
     pub line: Option<u32>,
     /// The module's path.
     pub module: Option<String>,
+    /// Where the address lies in the module's file (its `p_vaddr`, what `addr2line -e` takes),
+    /// given when nothing names the frame (a stripped module).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
 }
 
 /// A symbol table's name, demangled if it is mangled: C++ and legacy Rust names start with
@@ -85,11 +89,27 @@ fn module_of(addr: u64) -> Option<String> {
     let info = dl_info(addr).filter(|i| !i.dli_fname.is_null())?;
     // SAFETY: dladdr returns a NUL-terminated path owned by the loader.
     let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
-    if name.is_empty() {
+    // The loader names the program by its `argv[0]` ("git", "./prog"): its file, as the
+    // kernel knows it, is what `addr2line -e` needs.
+    if name.is_empty() || load_bias(addr).is_some_and(|(_, program)| program) {
         std::fs::read_link("/proc/thread-self/exe").ok().map(|p| p.display().to_string())
     } else {
         Some(name)
     }
+}
+
+/// The load bias of the module holding `addr` (a `p_vaddr` plus it is an address), and
+/// whether that module is the program.
+fn load_bias(addr: u64) -> Option<(u64, bool)> {
+    let (mut found, mut first) = (None, true);
+    crate::os::each_module(|m| {
+        if m.segments(0).any(|(start, end)| start <= addr && addr < end) {
+            found = Some((m.bias, first));
+        }
+        first = false;
+        found.is_some()
+    });
+    found
 }
 
 /// `dladdr1`'s request for the symbol table entry (`<dlfcn.h>`'s `RTLD_DL_SYMENT`).
@@ -159,7 +179,8 @@ fn c_library_frame(addr: u64, module: &Option<String>) -> Option<Frame> {
     let public = name.trim_start_matches('_');
     let name =
         if public.len() < name.len() && library_symbol(path, public) == Some(start) { public.to_owned() } else { name };
-    Some(Frame { address: format!("{addr:#x}"), function: Some(name), file: None, line: None, module: module.clone() })
+    let module = module.clone();
+    Some(Frame { address: format!("{addr:#x}"), function: Some(name), file: None, line: None, module, offset: None })
 }
 
 /// The code of `__libc_start_main` (`[start, end)`) and the load address of its library.
@@ -277,6 +298,7 @@ impl Symbolizer {
             let module = Some(format!("{} (unloaded)", library.path));
             let frame = |function: Option<String>, file: Option<String>, line: Option<u32>| Frame {
                 address: format!("{addr:#x}"),
+                offset: function.is_none().then_some(addr - library.bias),
                 function,
                 file,
                 line,
@@ -326,10 +348,15 @@ impl Symbolizer {
                     file: sym.filename().map(|p| p.display().to_string()),
                     line: sym.lineno(),
                     module: module.clone(),
+                    offset: None,
                 });
             });
             if frames.is_empty() {
-                frames.push(Frame { address: format!("{addr:#x}"), function: None, file: None, line: None, module });
+                // Nothing names it (a stripped module): where it is in its file, as `addr2line
+                // -e` takes it.
+                let offset = load_bias(addr).map(|(bias, _)| addr - bias);
+                let address = format!("{addr:#x}");
+                frames.push(Frame { address, function: None, file: None, line: None, module, offset });
             }
             frames
         })
