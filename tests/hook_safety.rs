@@ -242,6 +242,31 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     assert!(frames[1].contains(" in main ") && line_of(&frames[1]).contains("release(p); /* twice"), "{frames:?}");
 }
 
+/// A stack walk on a 16 KiB stack (a thread's, or a handler's alternate one) ran out of it:
+/// the unwinder's first look at a new return address takes about 14 KiB, and the guard's
+/// finding more (review helper 41: SIGSEGV under `spy=leaks` with no misuse at all, and under
+/// `spy=guard` at a double free). The walk now stops where the stack has no room for it.
+#[test]
+fn small_stacks_survive_the_stack_walks() {
+    let program = c_program("small_stacks.c");
+    for (options, arg) in [("spy=leaks", "once"), ("spy=guard", "once"), ("spy=guard", "double")] {
+        let out = run(Mode::Shim(options), Command::new(&program).arg(arg));
+        let stderr = text(&out.stderr);
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{options} {arg}: {stderr}");
+        let findings = stderr.lines().filter(|l| l.contains("guard: double-free at")).count();
+        assert_eq!(findings, if arg == "double" { 2 } else { 0 }, "{options} {arg}: {stderr}");
+    }
+}
+
+/// A guard finding in a child forked while another thread held the loader's lock waited for
+/// it for ever, naming the caller's module (review helper 41: 5 children of 5).
+#[test]
+fn a_guard_finding_in_a_child_forked_during_a_module_walk_does_not_hang() {
+    let program = c_program("fork_while_iterating.c");
+    let out = run(Mode::Shim("spy=guard"), Command::new(&program).arg("12"));
+    assert_eq!(text(&out.stdout), "children that did not leave: 0 of 12\n", "{}", text(&out.stderr));
+}
+
 /// Under the guard, once the live-block table cannot grow (a small `max_memory`): a realloc
 /// whose block it could not record left it in the guard's layout, and its free made glibc
 /// abort ("munmap_chunk(): invalid pointer", review helper 38); a block served unspied at the

@@ -47,6 +47,8 @@ const TRAILER_CANARY: u64 = 0xDEAD_BEEF_FEED_FACE;
 const MAX_OFFSET: usize = 1 << 47;
 /// Recently freed blocks remembered for double-free detection.
 const RECENT: usize = 1 << 16;
+/// Stack a finding's walk needs below the finding's frame (its rule cache is 8 KiB).
+const WALK_ROOM: u64 = 16 << 10;
 
 // Scratch words, from a Pre method to its Post method.
 const S_SIZE: usize = 0;
@@ -227,7 +229,12 @@ impl GuardSpy {
         let order = self.findings();
         self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
         let mut frames = [0u64; finding_sites::DEPTH];
-        let depth = unwind::hook_start().map_or(0, |start| unwind::capture_uncached(&mut frames, start));
+        // The walk needs the loader (the module list) and a few KiB of stack: a forked child
+        // whose loader's lock another thread held hung in it, and a thread on a 16 KiB stack
+        // died of it. Without them the finding is said without where.
+        let walkable = unwind::stack_room() >= WALK_ROOM && crate::loader::usable();
+        let start = unwind::hook_start().filter(|_| walkable);
+        let depth = start.map_or(0, |start| unwind::capture_uncached(&mut frames, start));
         self.sites.record(finding as u32, &frames[..depth], order);
         let mut line = Line::<256>::new();
         let _ = write!(line, "mallocspy: guard: {} at {p:#x}", FINDING_NAMES[finding as usize]);
@@ -285,6 +292,13 @@ impl GuardSpy {
             let times = if site.count == 1 { "1 time".to_owned() } else { format!("{} times", site.count) };
             let what = FINDING_NAMES.get(site.kind as usize).copied().unwrap_or("finding");
             let _ = writeln!(out, "{prefix} {what} ({times})");
+            if site.frames.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "{prefix}    no call stack: too little stack left to walk it (a small thread stack or an \
+                     alternate signal stack), or a forked child whose loader was locked"
+                );
+            }
             for (i, frame) in namer.frames_of_addresses(&site.frames).iter().enumerate() {
                 write_frame(&mut out, prefix, i, frame);
             }
@@ -494,6 +508,7 @@ impl MallocSpy for GuardSpy {
 /// Writes `module+0xoffset` for code address `pc`: the module's file name (the program's
 /// too) and the offset that `addr2line -e` takes. Found without the symbolizer, which a hook
 /// must not run (it allocates, reads files and takes locks); the exit report names the stack.
+#[inline(never)]
 fn write_code_place(line: &mut Line<256>, pc: u64) {
     // A longer name is cut: the line holds 256 bytes.
     let mut name = [0u8; 64];

@@ -140,8 +140,19 @@ pub(crate) fn capture(out: &mut [u64], start: (u64, u64, u64), cache: &mut WalkC
     walk(out, Start { pc, sp, bp, is_return: true }, cache)
 }
 
+/// Bytes of the calling thread's stack left below this frame; 0 when the frame is not on the
+/// thread's stack (a signal handler's alternate one) or its extent is unknown.
+#[inline(always)]
+pub(crate) fn stack_room() -> u64 {
+    let (low, high) = stack_bounds();
+    let sp = current_sp();
+    if (low..high).contains(&sp) { sp - low } else { 0 }
+}
+
 /// [`capture`] without a thread's walk cache, for a stack wanted seldom (where a finding of
 /// the guard was made): the rules come from the shared table, as [`walk_out`] takes them.
+/// Out of line: its rule cache (8 KiB) is on the stack only while it runs.
+#[inline(never)]
 pub(crate) fn capture_uncached(out: &mut [u64], start: (u64, u64, u64)) -> usize {
     let Some(first) = out.first_mut() else { return 0 };
     let (mut pc, mut sp, mut bp) = start;

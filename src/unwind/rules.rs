@@ -194,8 +194,16 @@ fn lookup(pc: u64) -> Rule {
     rules.shared(pc | (rules.generation() as u64) << 48, pc)
 }
 
+/// Stack a rule's computation may take below the frame that asks for it: gimli's unwind table
+/// copies its rows by value (about 14 KiB in all), and a thread on a 16 KiB stack died of it.
+const COMPUTE_ROOM: u64 = 32 << 10;
+
 #[cold]
 fn miss(modules: &'static Modules, pc: u64, key: u64, e: &Entry) -> Rule {
+    if super::stack_room() < COMPUTE_ROOM {
+        // The stack ends here this time; a thread with room computes the rule (not cached).
+        return Rule::Stop;
+    }
     let rule = match compute(modules, pc) {
         Some(rule) => rule,
         // Code outside every known module: maybe a library opened since; look once more.
