@@ -135,6 +135,7 @@ pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
     if !global::is_active_here() {
         return Err(SpyError::NotInterposed);
     }
+    let _one_at_a_time = STARTING.lock().unwrap_or_else(|e| e.into_inner());
     if !GLOBAL.registry.is_empty() {
         return Err(SpyError::AlreadyRegistered);
     }
@@ -144,12 +145,16 @@ pub fn start_leak_tracking(stack_depth: usize) -> Result<(), SpyError> {
     if let Some(live) = crate::early::stop() {
         tracker.adopt(&live);
     }
-    // Another thread may have registered a spy since: the queries then still say no tracker
-    // runs.
+    // A spy another thread registered since (with `register_malloc_spy`) makes this fail:
+    // the queries then still say no tracker runs.
     global::register_static_here(tracker)?;
-    global::built_ins_registered();
+    global::built_ins_registered(true, false);
     Ok(())
 }
+
+/// Held while a built-in spy is started: two starts at once both found no spy registered, and
+/// the one whose registration then failed had installed its spy and taken the early blocks.
+static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn api_table() -> Result<&'static ffi::Api, SpyError> {
     Ok(match target()? {
@@ -205,6 +210,7 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
     if interval == 0 || stats_interval_ms == 0 {
         return Err(SpyError::InvalidArgument);
     }
+    let _one_at_a_time = STARTING.lock().unwrap_or_else(|e| e.into_inner());
     if !GLOBAL.registry.is_empty() {
         return Err(SpyError::AlreadyRegistered);
     }
@@ -218,7 +224,7 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
     let spy: &'static TickSpy = Box::leak(Box::new(TickSpy::new(config).ok_or(SpyError::InvalidArgument)?));
     ticks::set_spy(spy);
     global::register_static_here(spy)?;
-    global::built_ins_registered();
+    global::built_ins_registered(false, true);
     spy.open_gate(&GLOBAL.gate);
     Ok(())
 }

@@ -140,15 +140,17 @@ extern "C" fn api_revoke() -> i32 {
     status
 }
 
-/// Whether the built-in spies this module started last (the preloaded shim's, or
-/// [`crate::start_leak_tracking`]'s and [`crate::start_allocation_ticks`]'s) are registered:
-/// the API's queries of the leak tracker and the ticks spy answer only then (a revoked one has
-/// not seen what the program did since).
-static BUILT_INS_RUN: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+/// Whether the leak tracker and the ticks spy this module started last (the preloaded shim's,
+/// or [`crate::start_leak_tracking`]'s and [`crate::start_allocation_ticks`]'s) are
+/// registered: the API's queries of each answer only then (a revoked one has not seen what
+/// the program did since, and one whose registration failed never saw anything).
+static TRACKER_RUNS: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
+static TICKS_RUN: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
 
-/// Notes that the built-in spies just started are registered.
-pub(crate) fn built_ins_registered() {
-    BUILT_INS_RUN.store(true, core::sync::atomic::Ordering::Release);
+/// Notes which built-in spies the registration that just succeeded holds.
+pub(crate) fn built_ins_registered(tracker: bool, ticks: bool) {
+    TRACKER_RUNS.store(tracker, core::sync::atomic::Ordering::Release);
+    TICKS_RUN.store(ticks, core::sync::atomic::Ordering::Release);
 }
 
 /// Revokes this module's registered spy (`CoRevokeMallocSpy`).
@@ -156,19 +158,19 @@ pub(crate) fn revoke_here() -> Result<(), SpyError> {
     let revoked = GLOBAL.revoke();
     if revoked.is_ok() {
         // Whichever spy it was, none runs now.
-        BUILT_INS_RUN.store(false, core::sync::atomic::Ordering::Release);
+        built_ins_registered(false, false);
     }
     revoked
 }
 
 /// The leak tracker, while it is registered.
 fn running_tracker() -> Option<&'static crate::spies::leaks::LeakTracker> {
-    crate::spies::leaks::tracker().filter(|_| BUILT_INS_RUN.load(core::sync::atomic::Ordering::Acquire))
+    crate::spies::leaks::tracker().filter(|_| TRACKER_RUNS.load(core::sync::atomic::Ordering::Acquire))
 }
 
 /// The ticks spy, while it is registered.
 fn running_ticks() -> Option<&'static crate::spies::ticks::TickSpy> {
-    crate::spies::ticks::spy().filter(|_| BUILT_INS_RUN.load(core::sync::atomic::Ordering::Acquire))
+    crate::spies::ticks::spy().filter(|_| TICKS_RUN.load(core::sync::atomic::Ordering::Acquire))
 }
 
 unsafe extern "C" fn api_did_alloc(ptr: *mut c_void) -> c_int {

@@ -198,7 +198,8 @@ fn register_spies() {
         return say(ALREADY_REGISTERED);
     }
     BUILTINS_REGISTERED.store(true, Ordering::Release);
-    global::built_ins_registered();
+    let b = BUILTINS.get();
+    global::built_ins_registered(b.is_some_and(|b| b.leaks.is_some()), b.is_some_and(|b| b.ticks.is_some()));
     if let (Some(ticks), true) = (BUILTINS.get().and_then(|b| b.ticks), alone) {
         ticks.open_gate(&GLOBAL.gate);
     }
