@@ -267,6 +267,24 @@ fn a_guard_finding_in_a_child_forked_during_a_module_walk_does_not_hang() {
     assert_eq!(text(&out.stdout), "children that did not leave: 0 of 12\n", "{}", text(&out.stderr));
 }
 
+/// A finding's frame in a library unloaded before the exit report was named after whatever
+/// was loaded there by then (review helper 41: `other_function` of the library loaded where
+/// the bad one had been).
+#[test]
+fn a_findings_frame_in_a_library_unloaded_since_is_not_named_after_another() {
+    let program = c_program_with("finding_then_unload.c", &["-ldl"]);
+    let (bad, other) = (c_library("bad_free_lib.c"), c_library("other_lib.c"));
+    let out = run(Mode::Shim("spy=guard"), Command::new(&program).arg(&bad).arg(&other));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("called from libbad_free_lib.so+0x"), "{stderr}");
+    let listed = stderr.split_once("where the findings were made:\n").expect(&stderr).1;
+    let first = listed.lines().nth(1).expect(listed);
+    assert!(first.contains("in ?? (a library unloaded since+0x"), "{first}\n{stderr}");
+    assert!(!listed.contains("other_function"), "{stderr}");
+    assert!(listed.contains("in main "), "the program's frames are named: {stderr}");
+}
+
 /// Under the guard, once the live-block table cannot grow (a small `max_memory`): a realloc
 /// whose block it could not record left it in the guard's layout, and its free made glibc
 /// abort ("munmap_chunk(): invalid pointer", review helper 38); a block served unspied at the

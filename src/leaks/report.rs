@@ -183,11 +183,16 @@ impl Namer {
         stack
     }
 
-    /// The frames shown of a stack kept outside the stack table (`addrs`, innermost first),
-    /// named from the modules loaded now.
-    pub(crate) fn frames_of_addresses(&mut self, addrs: &[u64]) -> Vec<Frame> {
-        let shown = self.start_up.map_or(addrs.len(), |s| s.frames_above(addrs));
-        addrs[..shown].iter().flat_map(|&addr| self.symbolizer.frames(addr).to_vec()).collect()
+    /// How many of a stack's addresses (innermost first) are shown: those above `main`,
+    /// unless frames below it are kept.
+    pub(crate) fn shown(&self, addrs: &[u64]) -> usize {
+        self.start_up.map_or(addrs.len(), |s| s.frames_above(addrs))
+    }
+
+    /// The frames of return address `addr` of a stack kept outside the stack table, named from
+    /// the modules loaded now.
+    pub(crate) fn frames_of_address(&mut self, addr: u64) -> &[Frame] {
+        self.symbolizer.frames(addr)
     }
 }
 

@@ -29,13 +29,20 @@ struct Site {
     kind: AtomicU32,
     depth: AtomicU32,
     frames: [AtomicU64; DEPTH],
+    /// Each frame's module when it was found, as [`Module`] says.
+    modules: [[AtomicU64; 2]; DEPTH],
 }
+
+/// Which module held a frame when it was found: its load bias and a hash of its name; `(0, 0)`
+/// when not known. A library unloaded since, or another loaded where it was, does not name it.
+pub(crate) type Module = (u64, u64);
 
 /// A site as the report reads it.
 pub(crate) struct SiteView {
     pub kind: u32,
     pub count: u64,
     pub frames: Vec<u64>,
+    pub modules: Vec<Module>,
 }
 
 /// The table of finding sites, in a region of mallocspy's pool (zeroed: every site free).
@@ -63,8 +70,8 @@ impl FindingSites {
     }
 
     /// Counts a finding of `kind` at the stack `frames` (innermost first, at most [`DEPTH`]
-    /// kept); `order` is its rank among all findings.
-    pub(crate) fn record(&self, kind: u32, frames: &[u64], order: u64) {
+    /// kept), whose modules are `modules` (one a frame); `order` is its rank among all findings.
+    pub(crate) fn record(&self, kind: u32, frames: &[u64], modules: &[Module], order: u64) {
         let frames = &frames[..frames.len().min(DEPTH)];
         let key = (crate::stacks::hash(frames) ^ u64::from(kind).wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
         let at = (key >> 32) as usize;
@@ -77,6 +84,10 @@ impl FindingSites {
                     site.depth.store(frames.len() as u32, Ordering::Relaxed);
                     for (slot, &frame) in site.frames.iter().zip(frames) {
                         slot.store(frame, Ordering::Relaxed);
+                    }
+                    for (slot, &(bias, name)) in site.modules.iter().zip(modules) {
+                        slot[0].store(bias, Ordering::Relaxed);
+                        slot[1].store(name, Ordering::Relaxed);
                     }
                     site.ready.store(1, Ordering::Release);
                     true
@@ -100,8 +111,12 @@ impl FindingSites {
             .map(|s| {
                 let depth = (s.depth.load(Ordering::Relaxed) as usize).min(DEPTH);
                 let frames = s.frames[..depth].iter().map(|f| f.load(Ordering::Relaxed)).collect();
-                let view =
-                    SiteView { kind: s.kind.load(Ordering::Relaxed), count: s.count.load(Ordering::Relaxed), frames };
+                let modules = s.modules[..depth]
+                    .iter()
+                    .map(|[b, n]| (b.load(Ordering::Relaxed), n.load(Ordering::Relaxed)))
+                    .collect();
+                let (kind, count) = (s.kind.load(Ordering::Relaxed), s.count.load(Ordering::Relaxed));
+                let view = SiteView { kind, count, frames, modules };
                 (s.first.load(Ordering::Relaxed), view)
             })
             .collect();
@@ -117,21 +132,23 @@ mod tests {
     #[test]
     fn sites_are_counted_by_kind_and_stack_in_order_of_first_finding() {
         let sites = FindingSites::new().unwrap();
-        sites.record(2, &[0x30, 0x40], 0);
-        sites.record(1, &[0x10, 0x20], 1);
-        sites.record(2, &[0x30, 0x40], 2);
-        sites.record(1, &[0x30, 0x40], 3);
+        let m = [(0x7000, 1), (0x8000, 2)];
+        sites.record(2, &[0x30, 0x40], &m, 0);
+        sites.record(1, &[0x10, 0x20], &m, 1);
+        sites.record(2, &[0x30, 0x40], &m, 2);
+        sites.record(1, &[0x30, 0x40], &m, 3);
         let (seen, unplaced) = sites.sites();
         let seen: Vec<_> = seen.iter().map(|s| (s.kind, s.count, s.frames.clone())).collect();
         assert_eq!(seen, [(2, 2, vec![0x30, 0x40]), (1, 1, vec![0x10, 0x20]), (1, 1, vec![0x30, 0x40])]);
         assert_eq!(unplaced, 0);
+        assert!(sites.sites().0.iter().all(|s| s.modules == m));
     }
 
     #[test]
     fn findings_past_the_last_site_are_counted() {
         let sites = FindingSites::new().unwrap();
         for i in 0..SITES as u64 + 5 {
-            sites.record(0, &[i + 1], i);
+            sites.record(0, &[i + 1], &[(0, 0)], i);
         }
         let (seen, unplaced) = sites.sites();
         assert_eq!((seen.len(), unplaced), (SITES, 5));

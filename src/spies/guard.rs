@@ -32,7 +32,7 @@ use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::finding_sites::{self, FindingSites};
 use crate::leaks::report::{Namer, write_frame};
-use crate::leaks::{StackOptions, Suppressions};
+use crate::leaks::{Frame, StackOptions, Suppressions};
 use crate::line::Line;
 use crate::live_table::LiveTable;
 use crate::spy::{CallScratch, Entry, MallocSpy};
@@ -235,7 +235,11 @@ impl GuardSpy {
         let walkable = unwind::stack_room() >= WALK_ROOM && crate::loader::usable();
         let start = unwind::hook_start().filter(|_| walkable);
         let depth = start.map_or(0, |start| unwind::capture_uncached(&mut frames, start));
-        self.sites.record(finding as u32, &frames[..depth], order);
+        let mut modules = [(0, 0); finding_sites::DEPTH];
+        if depth > 0 {
+            modules_of(&frames[..depth], &mut modules[..depth]);
+        }
+        self.sites.record(finding as u32, &frames[..depth], &modules[..depth], order);
         let mut line = Line::<256>::new();
         let _ = write!(line, "mallocspy: guard: {} at {p:#x}", FINDING_NAMES[finding as usize]);
         if let Some(size) = size {
@@ -288,6 +292,7 @@ impl GuardSpy {
         let none = Suppressions::default();
         let mut namer =
             Namer::new(StackOptions { suppressions: &none, below_main }, &ids, &|id| sites[id as usize].frames.clone());
+        let loaded = loaded_modules();
         for site in &sites {
             let times = if site.count == 1 { "1 time".to_owned() } else { format!("{} times", site.count) };
             let what = FINDING_NAMES.get(site.kind as usize).copied().unwrap_or("finding");
@@ -299,8 +304,30 @@ impl GuardSpy {
                      alternate signal stack), or a forked child whose loader was locked"
                 );
             }
-            for (i, frame) in namer.frames_of_addresses(&site.frames).iter().enumerate() {
-                write_frame(&mut out, prefix, i, frame);
+            let shown = namer.shown(&site.frames);
+            let mut i = 0;
+            for (&addr, &(bias, name)) in site.frames[..shown].iter().zip(&site.modules) {
+                let gone = (bias, name) != (0, 0) && !loaded.contains(&(bias, name));
+                let unloaded;
+                let frames = if gone {
+                    // Its library was unloaded since (another may be where it was): not named
+                    // from what is there now.
+                    unloaded = [Frame {
+                        address: format!("{addr:#x}"),
+                        function: None,
+                        file: None,
+                        line: None,
+                        module: Some("a library unloaded since".to_owned()),
+                        offset: Some(addr.wrapping_sub(bias)),
+                    }];
+                    &unloaded[..]
+                } else {
+                    namer.frames_of_address(addr)
+                };
+                for frame in frames {
+                    write_frame(&mut out, prefix, i, frame);
+                    i += 1;
+                }
             }
         }
         if unplaced > 0 {
@@ -503,6 +530,33 @@ impl MallocSpy for GuardSpy {
         // Live again, as `finish` says of the blocks it lays out.
         self.recent.remove(ptr as usize);
     }
+}
+
+/// The module of each of `frames` (see [`finding_sites::Module`]), in one walk of the
+/// loader's list (free of allocations).
+fn modules_of(frames: &[u64], modules: &mut [finding_sites::Module]) {
+    os::each_module(|m| {
+        for (&pc, module) in frames.iter().zip(modules.iter_mut()) {
+            if module.0 == 0 && m.segments(0).any(|(start, end)| start <= pc && pc < end) {
+                *module = (m.bias, name_hash(m.name));
+            }
+        }
+        false
+    });
+}
+
+/// The modules loaded now, as [`modules_of`] knows them.
+fn loaded_modules() -> Vec<finding_sites::Module> {
+    let mut loaded = Vec::new();
+    os::each_module(|m| {
+        loaded.push((m.bias, name_hash(m.name)));
+        false
+    });
+    loaded
+}
+
+fn name_hash(name: &core::ffi::CStr) -> u64 {
+    crate::stacks::hash_of(name.to_bytes(), u64::from)
 }
 
 /// Writes `module+0xoffset` for code address `pc`: the module's file name (the program's
