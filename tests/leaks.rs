@@ -317,21 +317,6 @@ fn a_sandboxed_program_keeps_its_status_and_report() {
     }
 }
 
-/// Stopped with a signal, a thread waiting in `pause`, `sleep` or `poll` (calls a signal
-/// handler cuts short, SA_RESTART or not) came back early: the main thread returned from
-/// `main` and ended the process with status 0 while another thread's `exit(7)` was writing the
-/// report, which was lost (review helper 42; `stop_threads=auto` signals under strace or gdb).
-#[test]
-fn a_thread_waiting_in_pause_or_sleep_is_not_cut_short_by_the_exit_check() {
-    let program = c_program("exit_from_thread.c");
-    for how in ["pause", "sleep", "poll"] {
-        let out = run(Mode::Shim("report_format=json:stop_threads=signal"), Command::new(&program).arg(how));
-        assert_eq!(out.status.code(), Some(7), "{how}: {}", text(&out.stderr));
-        let s = &json_report(&out)["summary"];
-        assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{how}: {s}");
-    }
-}
-
 /// A frame of a stripped program is its file and offset, as `addr2line -e` takes them: it was
 /// `?? (git)`, the loader's name for the program (its `argv[0]`), with no offset (review helper
 /// 42; valgrind prints `(in /usr/local/bin/git)`).

@@ -283,9 +283,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let mut notes = Vec::new();
     if unstopped > 0 {
         notes.push(format!(
-            "{unstopped} thread(s) could not be stopped (signals blocked, no answer in 500 ms, or waiting \
-             in a call such as pause or sleep, which a signal would cut short): their registers were not \
-             read and their stacks were scanned whole"
+            "{unstopped} thread(s) could not be stopped (signals blocked, or no answer in 500 ms): \
+             their registers were not read and their stacks were scanned whole"
         ));
     }
     let untracked = tracker.untracked();

@@ -255,40 +255,6 @@ fn reach_thread(tid: u32, signal: c_int) -> Reach {
     }
 }
 
-/// Whether the system call a thread is blocked in (the first field of its
-/// `/proc/self/task/TID/syscall`) is one that a signal handler cuts short whatever
-/// `SA_RESTART` says (signal(7)): `pause`, the sleeps, `poll`, `select`, `epoll_wait`,
-/// `sigsuspend`, `sigtimedwait`, System V message and semaphore waits, `io_getevents`.
-fn cut_short_by_a_handler(syscall: &[u8]) -> bool {
-    let number = syscall.split(|c| c.is_ascii_whitespace()).next().and_then(|n| core::str::from_utf8(n).ok());
-    let Some(number) = number.and_then(|n| n.parse::<libc::c_long>().ok()) else { return false };
-    [
-        libc::SYS_pause,
-        libc::SYS_nanosleep,
-        libc::SYS_clock_nanosleep,
-        libc::SYS_select,
-        libc::SYS_pselect6,
-        libc::SYS_poll,
-        libc::SYS_ppoll,
-        libc::SYS_epoll_wait,
-        libc::SYS_epoll_pwait,
-        libc::SYS_epoll_pwait2,
-        libc::SYS_rt_sigsuspend,
-        libc::SYS_rt_sigtimedwait,
-        libc::SYS_msgrcv,
-        libc::SYS_msgsnd,
-        libc::SYS_semop,
-        libc::SYS_semtimedop,
-        libc::SYS_io_getevents,
-    ]
-    .contains(&number)
-}
-
-/// Whether thread `tid` waits in a call that the stop signal's handler would cut short.
-fn waits_in_a_call_cut_short(tid: u32) -> bool {
-    std::fs::read(format!("/proc/self/task/{tid}/syscall")).is_ok_and(|s| cut_short_by_a_handler(&s))
-}
-
 /// A real-time signal with the default disposition (nobody uses it), if any.
 fn free_signal() -> Option<c_int> {
     (libc::SIGRTMIN() + 4..=libc::SIGRTMAX() - 1).rev().find(|&sig| {
@@ -336,14 +302,6 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         let missing = tracer.missing() + all.len().saturating_sub(MAX_PARKED);
         return Some(Stopped { how: How::Traced(tracer), missing, unreachable: 0, main_alive, _turn: turn });
     }
-    // A thread waiting in `pause` or `sleep` would come back from it early: the main thread
-    // then returned from `main` and ended the process with status 0 while another thread's
-    // `exit(7)` wrote the report. Such a thread is left waiting and scanned as one the signal
-    // cannot reach (its stack whole, its registers unread). One that starts waiting right
-    // after this look is still cut short.
-    let (targets, waiting): (Vec<u32>, Vec<u32>) =
-        targets.into_iter().partition(|&tid| !waits_in_a_call_cut_short(tid));
-    unreachable.extend(waiting);
     NEXT.store(0, Ordering::Relaxed);
     ARRIVED.store(0, Ordering::Relaxed);
     LEFT.store(0, Ordering::Relaxed);
@@ -475,18 +433,6 @@ mod tests {
         let (r, slept) = sleeper.join().unwrap();
         assert_eq!(r, 0, "nanosleep interrupted");
         assert!(slept >= Duration::from_millis(300), "{slept:?}");
-    }
-
-    #[test]
-    fn waits_a_handler_cuts_short_are_told_from_the_syscall_file() {
-        assert!(cut_short_by_a_handler(b"34 0x0 0x0 0x0 0x0 0x0 0x0 0x7ffd1c2b9f08 0x7f3b1a2e4b9a\n"), "pause");
-        assert!(cut_short_by_a_handler(b"230 0x0 0x0 0x7ffd 0x7ffd 0x0 0x0 0x7ffd 0x7f3b\n"), "clock_nanosleep");
-        assert!(cut_short_by_a_handler(b"7 0x0 0x0 0x2710 0x0 0x0 0x0 0x7ffd 0x7f3b\n"), "poll");
-        assert!(!cut_short_by_a_handler(b"0 0x3 0x7ffd 0x1000 0x0 0x0 0x0 0x7ffd 0x7f3b\n"), "read restarts");
-        assert!(!cut_short_by_a_handler(b"202 0x7f3b 0x80 0x2 0x0 0x0 0x0 0x7ffd 0x7f3b\n"), "futex restarts");
-        assert!(!cut_short_by_a_handler(b"running\n"));
-        assert!(!cut_short_by_a_handler(b"-1 0x7ffd 0x7f3b\n"));
-        assert!(!cut_short_by_a_handler(b""));
     }
 
     #[test]
