@@ -222,6 +222,10 @@ impl Capture {
         }
         let n = unwind::capture(&mut self.frames[..depth], key, &mut self.walk);
         let id = self.intern(n, stacks);
+        if self.walk.cut_short() {
+            // Not this start's whole stack: the next call from it walks again.
+            return id;
+        }
         let tags = &mut self.start_tags[at];
         tags.copy_within(0..WAYS - 1, 1);
         tags[0] = if id != 0 { tag } else { 0 };

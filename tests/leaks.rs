@@ -317,6 +317,28 @@ fn a_sandboxed_program_keeps_its_status_and_report() {
     }
 }
 
+/// A walk cut short where the thread had too little stack left to compute a rule was taken
+/// for the whole stack, cached as such, and reused by the walks after it, with room again:
+/// two shallow leaks lost their outer frames and merged into one record (review helper 43).
+#[test]
+fn a_walk_cut_short_for_want_of_stack_does_not_shorten_the_next() {
+    let program = c_program("deep_then_shallow.c");
+    let out = run(JSON_REPORT, Command::new(&program).arg("15"));
+    let report = json_report(&out);
+    for size in [3003, 4004] {
+        let record = report["leaks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["bytes"] == size)
+            .unwrap_or_else(|| panic!("no record of {size} bytes alone: {report}"));
+        let functions: Vec<&str> =
+            record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+        assert!(functions.starts_with(&["leak_here", "descend", "enter", "thread_main"]), "{size}: {functions:?}");
+        assert!(functions.contains(&"start_thread"), "{size}: {functions:?}");
+    }
+}
+
 /// A frame of a stripped program is its file and offset, as `addr2line -e` takes them: it was
 /// `?? (git)`, the loader's name for the program (its `argv[0]`), with no offset (review helper
 /// 42; valgrind prints `(in /usr/local/bin/git)`).

@@ -54,6 +54,8 @@ struct PrevWalk {
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
+    /// It was cut short for want of stack to compute a rule ([`Step::Later`]).
+    cut: bool,
     generation: u32,
     /// Which of `frames` holds the previous walk.
     side: usize,
@@ -75,6 +77,7 @@ impl PrevWalk {
     /// Forgets the previous walk: the next one starts from scratch.
     fn forget(&mut self) {
         self.len = 0;
+        self.cut = false;
     }
 }
 
@@ -199,7 +202,7 @@ pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -
         let frame = match step(&rules, &mut recent, if first { pc } else { pc - 1 }, sp, bp, &read) {
             Step::Caller(frame) => frame,
             Step::NoRule => return WalkOut::Ends { pc, sp },
-            Step::Broken => return WalkOut::Lost,
+            Step::Broken | Step::Later => return WalkOut::Lost,
         };
         (pc, sp, bp, first) = (frame.ra, frame.cfa, frame.bp, false);
         if let Some(answer) = visit(pc, sp) {
@@ -230,6 +233,8 @@ enum Step {
     /// The rule leads nowhere readable: a CFA that does not grow, a word outside the stack,
     /// a null return address.
     Broken,
+    /// The rule is not known yet, and the thread has too little stack left to compute it.
+    Later,
 }
 
 #[inline(always)]
@@ -245,6 +250,7 @@ fn step(
         rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp, false),
         rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp, true),
         rules::Rule::Stop => return Step::NoRule,
+        rules::Rule::Later => return Step::Later,
     };
     if cfa <= sp {
         return Step::Broken;
@@ -257,6 +263,14 @@ fn step(
         bp = saved;
     }
     Step::Caller(Frame { cfa, ra, bp, bp_slot, rbp_rule })
+}
+
+impl WalkCache {
+    /// Whether the last walk was cut short for want of stack: its stack is not to be taken
+    /// for the whole one of its start.
+    pub(crate) fn cut_short(&self) -> bool {
+        self.prev.cut
+    }
 }
 
 /// Forgets the last walk (the hook's stack could not be walked).
@@ -411,13 +425,21 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
         out[0] = pc;
         n = 1;
     }
-    let mut truncated = true;
+    let (mut truncated, mut cut) = (true, false);
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
         let lookup = if is_return || walked > 0 { pc - 1 } else { pc };
-        let Step::Caller(frame) = step(&rules, recent, lookup, sp, bp, &read) else {
-            truncated = false;
-            break;
+        let frame = match step(&rules, recent, lookup, sp, bp, &read) {
+            Step::Caller(frame) => frame,
+            // Cut short, not ended: the next walk that takes this one's tail goes on from it.
+            Step::Later => {
+                cut = true;
+                break;
+            }
+            Step::NoRule | Step::Broken => {
+                truncated = false;
+                break;
+            }
         };
         let Frame { cfa, ra, .. } = frame;
         (sp, pc, bp) = (cfa, ra, frame.bp);
@@ -452,6 +474,7 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     prev.walker = tls::thread_key();
     prev.len = walked;
     prev.truncated = truncated;
+    prev.cut = cut;
     prev.generation = rules.generation();
     n
 }
@@ -465,6 +488,7 @@ impl PrevWalk {
             walker: 0,
             len: 0,
             truncated: false,
+            cut: false,
             generation: u32::MAX,
             side: 0,
             frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0, rbp_rule: false }; MAX_WALK]; 2],

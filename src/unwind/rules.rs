@@ -29,6 +29,9 @@ pub(crate) enum Rule {
     Rbp { cfa: u32, rbp: u16 },
     /// No rule this unwinder follows: the stack ends here.
     Stop,
+    /// Not known yet, and too little of the thread's stack left to compute it: the walk is
+    /// cut short here this time. Never cached.
+    Later,
 }
 
 const DWARF_RBP: Register = Register(6);
@@ -40,7 +43,7 @@ impl Rule {
         match self {
             Rule::Rsp { cfa, rbp } => 1 | (rbp as u64) << 8 | (cfa as u64) << 32,
             Rule::Rbp { cfa, rbp } => 2 | (rbp as u64) << 8 | (cfa as u64) << 32,
-            Rule::Stop => 3,
+            Rule::Stop | Rule::Later => 3,
         }
     }
 
@@ -167,14 +170,18 @@ impl Rules {
             return Rule::unpack(set[0].1);
         }
         let rule = self.shared(key, pc);
-        set[1] = set[0];
-        set[0] = (key, rule.pack());
+        if rule != Rule::Later {
+            set[1] = set[0];
+            set[0] = (key, rule.pack());
+        }
         rule
     }
 
     #[inline(always)]
     fn shared(&self, key: u64, pc: u64) -> Rule {
-        let Some(table) = self.table else { return compute(self.modules, pc).unwrap_or(Rule::Stop) };
+        let Some(table) = self.table else {
+            return if room_to_compute() { compute(self.modules, pc).unwrap_or(Rule::Stop) } else { Rule::Later };
+        };
         let e = &table[slot(key)];
         let seq = e.seq.load(Ordering::Acquire);
         if seq & 1 == 0 && e.key.load(Ordering::Acquire) == key {
@@ -196,13 +203,17 @@ fn lookup(pc: u64) -> Rule {
 
 /// Stack a rule's computation may take below the frame that asks for it: gimli's unwind table
 /// copies its rows by value (about 14 KiB in all), and a thread on a 16 KiB stack died of it.
-const COMPUTE_ROOM: u64 = 32 << 10;
+const COMPUTE_ROOM: u64 = 24 << 10;
+
+/// Whether the calling thread has the stack to compute a rule.
+fn room_to_compute() -> bool {
+    super::stack_room() >= COMPUTE_ROOM
+}
 
 #[cold]
 fn miss(modules: &'static Modules, pc: u64, key: u64, e: &Entry) -> Rule {
-    if super::stack_room() < COMPUTE_ROOM {
-        // The stack ends here this time; a thread with room computes the rule (not cached).
-        return Rule::Stop;
+    if !room_to_compute() {
+        return Rule::Later;
     }
     let rule = match compute(modules, pc) {
         Some(rule) => rule,
