@@ -552,10 +552,17 @@ pub fn daemon(nochdir: core::ffi::c_int, noclose: core::ffi::c_int) -> core::ffi
                 return -1;
             }
             let mut st: libc::stat = core::mem::zeroed();
-            // As glibc: descriptors 0 to 2 go to /dev/null only if it is the null device.
-            let null = libc::makedev(1, 3);
-            if libc::fstat(fd, &mut st) != 0 || st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != null {
+            // As glibc: descriptors 0 to 2 go to /dev/null only if it is the null device (else
+            // ENODEV), and the close keeps the errno said.
+            if libc::fstat(fd, &mut st) != 0 {
+                let errno = os::errno();
                 libc::close(fd);
+                os::set_errno(errno);
+                return -1;
+            }
+            if st.st_mode & libc::S_IFMT != libc::S_IFCHR || st.st_rdev != libc::makedev(1, 3) {
+                libc::close(fd);
+                os::set_errno(libc::ENODEV);
                 return -1;
             }
             for target in 0..3 {

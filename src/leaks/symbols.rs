@@ -90,12 +90,28 @@ fn module_of(addr: u64) -> Option<String> {
     // SAFETY: dladdr returns a NUL-terminated path owned by the loader.
     let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
     // The loader names the program by its `argv[0]` ("git", "./prog"): its file, as the
-    // kernel knows it, is what `addr2line -e` needs.
-    if name.is_empty() || load_bias(addr).is_some_and(|(_, program)| program) {
-        std::fs::read_link("/proc/thread-self/exe").ok().map(|p| p.display().to_string())
+    // kernel maps it, is what `addr2line -e` needs (not `/proc/self/exe`, which is the loader
+    // for a program it was asked to run).
+    if name.is_empty() || (!name.starts_with('/') && load_bias(addr).is_some_and(|(_, program)| program)) {
+        mapped_file(addr).or(Some(name).filter(|n| !n.is_empty()))
     } else {
         Some(name)
     }
+}
+
+/// The file mapped at `addr`, as `/proc/self/maps` names it (without " (deleted)").
+fn mapped_file(addr: u64) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines().find_map(|line| {
+        let mut fields = line.split_ascii_whitespace();
+        let (start, end) = fields.next()?.split_once('-')?;
+        let (start, end) = (u64::from_str_radix(start, 16).ok()?, u64::from_str_radix(end, 16).ok()?);
+        let path = fields.nth(4)?;
+        // A path may hold spaces: the rest of the line from the path's start.
+        let path = &line[line.find(path)?..];
+        (start <= addr && addr < end && path.starts_with('/'))
+            .then(|| path.strip_suffix(" (deleted)").unwrap_or(path).to_owned())
+    })
 }
 
 /// The load bias of the module holding `addr` (a `p_vaddr` plus it is an address), and

@@ -229,9 +229,10 @@ impl GuardSpy {
         let order = self.findings();
         self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
         let mut frames = [0u64; finding_sites::DEPTH];
-        // The walk needs the loader (the module list) and a few KiB of stack: a forked child
-        // whose loader's lock another thread held hung in it, and a thread on a 16 KiB stack
-        // died of it. Without them the finding is said without where.
+        // The walk needs the loader (the module list) and a few KiB of the thread's own stack
+        // (the one whose extent it knows: not an alternate signal stack, nor a coroutine's): a
+        // forked child whose loader's lock another thread held hung in it, and a thread on a
+        // 16 KiB stack died of it. Without them the finding is said without where.
         let walkable = unwind::stack_room() >= WALK_ROOM && crate::loader::usable();
         let start = unwind::hook_start().filter(|_| walkable);
         let depth = start.map_or(0, |start| unwind::capture_uncached(&mut frames, start));
@@ -300,8 +301,9 @@ impl GuardSpy {
             if site.frames.is_empty() {
                 let _ = writeln!(
                     out,
-                    "{prefix}    no call stack: too little stack left to walk it (a small thread stack or an \
-                     alternate signal stack), or a forked child whose loader was locked"
+                    "{prefix}    no call stack: found on a stack other than the thread's own (a signal \
+                     handler's alternate one, a coroutine's) or with too little of it left to walk, or in a \
+                     forked child whose loader was locked"
                 );
             }
             let shown = namer.shown(&site.frames);
