@@ -258,6 +258,26 @@ fn small_stacks_survive_the_stack_walks() {
     }
 }
 
+/// The main thread's room below a frame was counted from where its stack started, not from the
+/// top of its mapping, which lies above the arguments and the environment: under `ulimit -s 64`
+/// with a 12 KB environment, a walk that thought it had room to compute a rule died of it; so
+/// did one after a `dlopen`, which takes 20 KiB (review helper 44).
+#[test]
+fn a_walk_knows_the_main_threads_room_under_a_small_stack_limit() {
+    let program = c_program("little_room.c");
+    let big = "x".repeat(12_000);
+    for (room, stack) in [("8", "0"), ("12", "0"), ("16", "0"), ("20", "0"), ("24", "0"), ("20", "64"), ("28", "64")] {
+        let mut cmd = Command::new("sh");
+        // Only the 12 KB variable: mallocspy's start-up itself needs some 40 KiB of stack.
+        cmd.args(["-c", "ulimit -s 64 && exec \"$0\" \"$@\"", program.to_str().unwrap(), room, stack])
+            .env_clear()
+            .env("BIG", &big);
+        let out = run(Mode::Shim("spy=leaks"), &mut cmd);
+        let stderr = text(&out.stderr);
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{room} KiB left: {stderr}");
+    }
+}
+
 /// A guard finding in a child forked while another thread held the loader's lock waited for
 /// it for ever, naming the caller's module (review helper 41: 5 children of 5).
 #[test]

@@ -89,17 +89,17 @@ fn module_of(addr: u64) -> Option<String> {
     let info = dl_info(addr).filter(|i| !i.dli_fname.is_null())?;
     // SAFETY: dladdr returns a NUL-terminated path owned by the loader.
     let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
-    // The loader names the program by its `argv[0]` ("git", "./prog"): its file, as the
-    // kernel maps it, is what `addr2line -e` needs (not `/proc/self/exe`, which is the loader
-    // for a program it was asked to run).
-    if name.is_empty() || (!name.starts_with('/') && load_bias(addr).is_some_and(|(_, program)| program)) {
+    // The loader names the program by its `argv[0]` ("git", "./prog", or whatever `exec -a`
+    // gave): its file, as the kernel maps it, is what `addr2line -e` needs (not
+    // `/proc/self/exe`, which is the loader for a program it was asked to run).
+    if name.is_empty() || load_bias(addr).is_some_and(|(_, program)| program) {
         mapped_file(addr).or(Some(name).filter(|n| !n.is_empty()))
     } else {
         Some(name)
     }
 }
 
-/// The file mapped at `addr`, as `/proc/self/maps` names it (without " (deleted)").
+/// The file mapped at `addr`, as `/proc/self/maps` names it (" (deleted)" included).
 fn mapped_file(addr: u64) -> Option<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     maps.lines().find_map(|line| {
@@ -109,8 +109,7 @@ fn mapped_file(addr: u64) -> Option<String> {
         let path = fields.nth(4)?;
         // A path may hold spaces: the rest of the line from the path's start.
         let path = &line[line.find(path)?..];
-        (start <= addr && addr < end && path.starts_with('/'))
-            .then(|| path.strip_suffix(" (deleted)").unwrap_or(path).to_owned())
+        (start <= addr && addr < end && path.starts_with('/')).then(|| path.to_owned())
     })
 }
 

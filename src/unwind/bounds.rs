@@ -71,7 +71,11 @@ fn is_main_thread() -> bool {
     crate::os::gettid() == crate::os::getpid()
 }
 
-/// The main thread's stack: it grows on demand up to RLIMIT_STACK below its start.
+/// The main thread's stack: its frames lie below where glibc says it started, and it grows on
+/// demand until it spans RLIMIT_STACK from the top of its mapping, which lies above the
+/// arguments and the environment (counted from the start, the room left below a frame was
+/// overstated by their size: a program with a large environment under `ulimit -s 64` died in
+/// a stack walk that thought it had room).
 fn main_stack() -> (u64, u64) {
     unsafe extern "C" {
         /// glibc: the stack address at process start (the main thread's frames lie below).
@@ -84,7 +88,11 @@ fn main_stack() -> (u64, u64) {
         let limit = if libc::getrlimit(libc::RLIMIT_STACK, &mut lim) == 0 { lim.rlim_cur } else { 8 << 20 };
         (__libc_stack_end as u64, limit.min(1 << 32))
     };
-    (top.saturating_sub(limit), top)
+    let mapping_top = match queried(super::current_sp()) {
+        Some((_, end)) if end >= top => end,
+        _ => stack_in_map(super::current_sp()).1.max(top),
+    };
+    (mapping_top.saturating_sub(limit), top)
 }
 
 /// The calling thread's stack as glibc knows it (`(0, 0)`: unknown).
