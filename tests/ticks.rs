@@ -93,6 +93,21 @@ fn record(dir: &Path, args: &[&str], program: &[&str]) -> Output {
         .unwrap()
 }
 
+/// The heap statistics events of a whole trace file, in order.
+fn heap_stats_of(trace: &Path) -> Vec<mallocspy::trace::HeapStats> {
+    let bytes = std::fs::read(trace).unwrap();
+    Reader::new(&bytes)
+        .unwrap()
+        .map(Result::unwrap)
+        .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
+        .collect()
+}
+
+/// The last heap statistics of a whole trace file: its exit's.
+fn exit_stats_of(trace: &Path) -> mallocspy::trace::HeapStats {
+    heap_stats_of(trace).pop().expect("heap statistics at exit")
+}
+
 fn traces(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
@@ -220,12 +235,7 @@ fn the_exit_statistics_do_not_walk_a_fragmented_heap_again() {
     let out = record(dir.path(), &[], &[c_program("fragmented.c").to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     eprint!("{}", text(&out.stdout));
-    let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
-    let stats: Vec<_> = Reader::new(&bytes)
-        .unwrap()
-        .map(Result::unwrap)
-        .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
-        .collect();
+    let stats = heap_stats_of(&traces(dir.path())[0]);
     let [.., before, last] = stats.as_slice() else { panic!("statistics during the run and at exit: {stats:?}") };
     assert!(last.frees >= before.frees + 500_000, "the blocks were freed between the two: {before:?} {last:?}");
     let view = |s: &mallocspy::trace::HeapStats| [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes];
@@ -954,13 +964,7 @@ fn a_sampled_block_freed_by_a_tick_callback_is_no_longer_live() {
         .output()
         .unwrap();
     assert_eq!((out.status.code(), text(&out.stdout)), (Some(0), "ticks: many\n".into()), "{}", text(&out.stderr));
-    let bytes = std::fs::read(&trace).unwrap();
-    let last = Reader::new(&bytes)
-        .unwrap()
-        .map(Result::unwrap)
-        .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
-        .last()
-        .expect("heap statistics at exit");
+    let last = exit_stats_of(&trace);
     // Everything is freed; stdio's buffer, if sampled, stands for about an interval.
     assert!(last.live_bytes() <= 2 * 102_400, "live at exit: {last:?}");
 }
@@ -1079,14 +1083,7 @@ fn the_traced_totals_are_what_the_count_spy_counts() {
         assert!(traced.status.success(), "{}", text(&traced.stderr));
         assert_eq!(traced.stdout, counted.stdout, "churn's result and its own counters are the same");
 
-        let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
-        let mut reader = Reader::new(&bytes).unwrap();
-        let last = reader
-            .by_ref()
-            .map(Result::unwrap)
-            .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
-            .last()
-            .expect("heap statistics at exit");
+        let last = exit_stats_of(&traces(dir.path())[0]);
         let allocating = ["malloc", "calloc", "realloc", "reallocarray", "posix_memalign", "aligned_alloc", "memalign"];
         let allocs: u64 = allocating.iter().map(|e| calls(&report, e)).sum();
         let exact = |kinds: &[mallocspy::trace::KindStats; 3]| {
@@ -1122,14 +1119,7 @@ fn a_failed_realloc_is_not_counted_as_a_free() {
         let out =
             Command::new(&program).arg(n).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output().unwrap();
         assert_eq!(text(&out.stdout), format!("failed: {}\n", 2 * n.parse::<u32>().unwrap()), "{}", text(&out.stderr));
-        let bytes = std::fs::read(&traces(dir.path())[0]).unwrap();
-        let last = Reader::new(&bytes)
-            .unwrap()
-            .map(Result::unwrap)
-            .filter_map(|e| if let Event::HeapStats(s) = e { Some(s) } else { None })
-            .last()
-            .expect("heap statistics at exit");
-        last.frees
+        exit_stats_of(&traces(dir.path())[0]).frees
     };
     assert_eq!(frees("3"), frees("0"));
 }
