@@ -92,11 +92,26 @@ fn module_of(addr: u64) -> Option<String> {
     // The loader names the program by its `argv[0]` ("git", "./prog", or whatever `exec -a`
     // gave): its file, as the kernel maps it, is what `addr2line -e` needs (not
     // `/proc/self/exe`, which is the loader for a program it was asked to run).
-    if name.is_empty() || load_bias(addr).is_some_and(|(_, program)| program) {
-        mapped_file(addr).or(Some(name).filter(|n| !n.is_empty()))
-    } else {
-        Some(name)
+    match program() {
+        Some((base, file)) if name.is_empty() || info.dli_fbase as u64 == *base => Some(file.clone()),
+        _ => Some(name).filter(|n| !n.is_empty()),
     }
+}
+
+/// Where the program is loaded (its lowest mapped address, as `dladdr`'s `dli_fbase` says) and
+/// its mapped file: looked up once, not once a frame (a read of the whole map each time).
+fn program() -> &'static Option<(u64, String)> {
+    static PROGRAM: std::sync::OnceLock<Option<(u64, String)>> = std::sync::OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        let mut base = None;
+        // The loader lists the program first.
+        crate::os::each_module(|m| {
+            base = m.segments(0).map(|(start, _)| start).min();
+            true
+        });
+        let base = base? & !(crate::os::page_size() as u64 - 1);
+        Some((base, mapped_file(base)?))
+    })
 }
 
 /// The file mapped at `addr`, as `/proc/self/maps` names it (" (deleted)" included).
@@ -113,15 +128,13 @@ fn mapped_file(addr: u64) -> Option<String> {
     })
 }
 
-/// The load bias of the module holding `addr` (a `p_vaddr` plus it is an address), and
-/// whether that module is the program.
-fn load_bias(addr: u64) -> Option<(u64, bool)> {
-    let (mut found, mut first) = (None, true);
+/// The load bias of the module holding `addr` (a `p_vaddr` plus it is an address).
+fn load_bias(addr: u64) -> Option<u64> {
+    let mut found = None;
     crate::os::each_module(|m| {
         if m.segments(0).any(|(start, end)| start <= addr && addr < end) {
-            found = Some((m.bias, first));
+            found = Some(m.bias);
         }
-        first = false;
         found.is_some()
     });
     found
@@ -369,7 +382,7 @@ impl Symbolizer {
             if frames.is_empty() {
                 // Nothing names it (a stripped module): where it is in its file, as `addr2line
                 // -e` takes it.
-                let offset = load_bias(addr).map(|(bias, _)| addr - bias);
+                let offset = load_bias(addr).map(|bias| addr - bias);
                 let address = format!("{addr:#x}");
                 frames.push(Frame { address, function: None, file: None, line: None, module, offset });
             }
