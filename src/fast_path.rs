@@ -113,7 +113,7 @@ macro_rules! __fast_path {
                 "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
                 "mov qword ptr fs:[rax + {sp}], rsp",
                 "mov qword ptr fs:[rax + {bp}], rbp",
-                "jmp {spied}",
+                $crate::__jump_aligned!(),
                 // Raises the alignment of the function's own section to a line (the padding
                 // after it never runs): the hot path above is then one line from its start.
                 ".p2align 6",
@@ -128,7 +128,7 @@ macro_rules! __fast_path {
                 bytes = const $crate::fast_path::BYTES,
                 sp = const $crate::interpose::ENTRY_SP_OFFSET,
                 bp = const $crate::interpose::ENTRY_BP_OFFSET,
-                spied = sym $crate::fast_path::malloc_spied,
+                target = sym $crate::fast_path::malloc_spied,
             )
         }
 
@@ -181,7 +181,7 @@ macro_rules! __fast_path {
                 "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
                 "mov qword ptr fs:[rax + {sp}], rsp",
                 "mov qword ptr fs:[rax + {bp}], rbp",
-                "jmp {spied}",
+                $crate::__jump_aligned!(),
                 ".p2align 6",
                 key = const $crate::fast_path::KEY,
                 tls = const $crate::fast_path::TLS,
@@ -198,7 +198,7 @@ macro_rules! __fast_path {
                 frees = const $crate::fast_path::FREES,
                 sp = const $crate::interpose::ENTRY_SP_OFFSET,
                 bp = const $crate::interpose::ENTRY_BP_OFFSET,
-                spied = sym $crate::fast_path::free_spied,
+                target = sym $crate::fast_path::free_spied,
             )
         }
     };

@@ -24,7 +24,8 @@ use crate::global::GLOBAL;
 /// the caller left (the caller's return address is on top) in thread-local storage and jump
 /// to the implementation. Stack capture then starts right at the caller, without walking
 /// mallocspy's own frames. `malloc` and `free` are the assembly of `fast_path.rs`, which
-/// notes them only for a call that goes on to the spy.
+/// notes them only for a call that goes on to the spy. Every export reaches Rust through
+/// [`__jump_aligned!`](crate::__jump_aligned), which aligns a stack the caller left misaligned.
 ///
 /// Invoke it once, at the root of a `cdylib` to preload, or of a program that should be its
 /// own interposer (or enable the `interpose` feature instead).
@@ -40,148 +41,35 @@ macro_rules! export_interposer {
         $crate::__trampoline!(memalign, $crate::interpose::memalign, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
-        /// C `malloc_usable_size`.
-        ///
-        /// # Safety
-        /// `ptr` is NULL or a live block of the malloc family.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn malloc_usable_size(ptr: *mut ::core::ffi::c_void) -> usize {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::malloc_usable_size(ptr) }
-        }
-        /// C `malloc_trim`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn malloc_trim(pad: usize) -> ::core::ffi::c_int {
-            $crate::interpose::malloc_trim(pad)
-        }
-        /// C `pthread_create`: the new thread notes its stack before the routine runs.
-        ///
-        /// # Safety
-        /// As `pthread_create`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn pthread_create(
-            thread: *mut ::core::ffi::c_void,
-            attr: *const ::core::ffi::c_void,
-            routine: ::core::option::Option<$crate::interpose::Routine>,
-            arg: *mut ::core::ffi::c_void,
-        ) -> ::core::ffi::c_int {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::pthread_create(thread, attr, routine, arg) }
-        }
-        /// C `dlclose`: the trace writer sees the library's code before it is unmapped.
-        ///
-        /// # Safety
-        /// As `dlclose`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn dlclose(handle: *mut ::core::ffi::c_void) -> ::core::ffi::c_int {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::dlclose(handle) }
-        }
-        /// C `mmap`: the leak scan notes the program's own anonymous mappings.
-        ///
-        /// # Safety
-        /// As `mmap`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn mmap(
-            addr: *mut ::core::ffi::c_void,
-            len: usize,
-            prot: ::core::ffi::c_int,
-            flags: ::core::ffi::c_int,
-            fd: ::core::ffi::c_int,
-            offset: i64,
-        ) -> *mut ::core::ffi::c_void {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::mmap(addr, len, prot, flags, fd, offset) }
-        }
-        /// C `mmap64`, as `mmap`.
-        ///
-        /// # Safety
-        /// As `mmap`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn mmap64(
-            addr: *mut ::core::ffi::c_void,
-            len: usize,
-            prot: ::core::ffi::c_int,
-            flags: ::core::ffi::c_int,
-            fd: ::core::ffi::c_int,
-            offset: i64,
-        ) -> *mut ::core::ffi::c_void {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::mmap(addr, len, prot, flags, fd, offset) }
-        }
-        /// C `munmap`: the leak scan forgets the range.
-        ///
-        /// # Safety
-        /// As `munmap`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn munmap(addr: *mut ::core::ffi::c_void, len: usize) -> ::core::ffi::c_int {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::munmap(addr, len) }
-        }
-        /// C `mremap` (variadic in C: the fifth argument is read only with `MREMAP_FIXED`).
-        ///
-        /// # Safety
-        /// As `mremap`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn mremap(
-            old: *mut ::core::ffi::c_void,
-            old_len: usize,
-            new_len: usize,
-            flags: ::core::ffi::c_int,
-            new_address: *mut ::core::ffi::c_void,
-        ) -> *mut ::core::ffi::c_void {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::mremap(old, old_len, new_len, flags, new_address) }
-        }
-        /// C `sigaction`: mallocspy's handler of the signals that end a process looks like the
-        /// default action (see `ending_signals.rs`).
-        ///
-        /// # Safety
-        /// As `sigaction`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn sigaction(
-            signal: ::core::ffi::c_int,
-            act: *const $crate::interpose::SigAction,
-            old: *mut $crate::interpose::SigAction,
-        ) -> ::core::ffi::c_int {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::interpose::sigaction(signal, act, old) }
-        }
-        // The `signal` family: as `sigaction` (see `ending_signals.rs`). `bsd_signal` and
-        // `ssignal` are glibc's `signal` under other names.
+        $crate::__jump!(malloc_usable_size, $crate::interpose::malloc_usable_size, (ptr: *mut ::core::ffi::c_void) -> usize);
+        $crate::__jump!(malloc_trim, $crate::interpose::malloc_trim, (pad: usize) -> ::core::ffi::c_int);
+        // The new thread notes its stack before the routine runs.
+        $crate::__jump!(pthread_create, $crate::interpose::pthread_create, (thread: *mut ::core::ffi::c_void, attr: *const ::core::ffi::c_void, routine: ::core::option::Option<$crate::interpose::Routine>, arg: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
+        // The trace writer sees the library's code before it is unmapped.
+        $crate::__jump!(dlclose, $crate::interpose::dlclose, (handle: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
+        // The leak scan notes the program's own anonymous mappings, and forgets them.
+        $crate::__jump!(mmap, $crate::interpose::mmap, (addr: *mut ::core::ffi::c_void, len: usize, prot: ::core::ffi::c_int, flags: ::core::ffi::c_int, fd: ::core::ffi::c_int, offset: i64) -> *mut ::core::ffi::c_void);
+        $crate::__jump!(mmap64, $crate::interpose::mmap, (addr: *mut ::core::ffi::c_void, len: usize, prot: ::core::ffi::c_int, flags: ::core::ffi::c_int, fd: ::core::ffi::c_int, offset: i64) -> *mut ::core::ffi::c_void);
+        $crate::__jump!(munmap, $crate::interpose::munmap, (addr: *mut ::core::ffi::c_void, len: usize) -> ::core::ffi::c_int);
+        // Variadic in C: the fifth argument is read only with `MREMAP_FIXED`.
+        $crate::__jump!(mremap, $crate::interpose::mremap, (old: *mut ::core::ffi::c_void, old_len: usize, new_len: usize, flags: ::core::ffi::c_int, new_address: *mut ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        // mallocspy's handler of the signals that end a process looks like the default action
+        // (see `ending_signals.rs`); the `signal` family as `sigaction` (`bsd_signal` and
+        // `ssignal` are glibc's `signal` under other names).
+        $crate::__jump!(sigaction, $crate::interpose::sigaction, (signal: ::core::ffi::c_int, act: *const $crate::interpose::SigAction, old: *mut $crate::interpose::SigAction) -> ::core::ffi::c_int);
         $crate::__jump!(signal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(bsd_signal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(ssignal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(sysv_signal, $crate::interpose::sysv_signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(sigset, $crate::interpose::sigset, (signal: ::core::ffi::c_int, handler: usize) -> usize);
-        /// C `_exit`: writes the exit reports first (nothing else would).
-        #[unsafe(no_mangle)]
-        pub extern "C" fn _exit(status: ::core::ffi::c_int) -> ! {
-            $crate::preload::exit_now(status)
-        }
-        /// C `_Exit`, as `_exit`.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn _Exit(status: ::core::ffi::c_int) -> ! {
-            $crate::preload::exit_now(status)
-        }
-        /// C `daemon`: glibc's leaves the parent by its own `_exit`, not this one.
-        #[unsafe(no_mangle)]
-        pub extern "C" fn daemon(nochdir: ::core::ffi::c_int, noclose: ::core::ffi::c_int) -> ::core::ffi::c_int {
-            $crate::preload::daemon(nochdir, noclose)
-        }
-        /// What `at_quick_exit` calls: the exit reports' handler is registered first, to run
-        /// after every other.
-        ///
-        /// # Safety
-        /// As `__cxa_at_quick_exit`.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn __cxa_at_quick_exit(
-            f: Option<extern "C" fn()>,
-            dso: *mut ::core::ffi::c_void,
-        ) -> ::core::ffi::c_int {
-            // SAFETY: the caller's guarantee.
-            unsafe { $crate::preload::cxa_at_quick_exit(f, dso) }
-        }
+        // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
+        // `daemon` leaves the parent by its own `_exit`, not this one.
+        $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
+        $crate::__jump!(_Exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
+        $crate::__jump!(daemon, $crate::interpose::daemon, (nochdir: ::core::ffi::c_int, noclose: ::core::ffi::c_int) -> ::core::ffi::c_int);
+        // What `at_quick_exit` calls: the exit reports' handler is registered first, to run
+        // after every other.
+        $crate::__jump!(__cxa_at_quick_exit, $crate::interpose::cxa_at_quick_exit, (f: Option<extern "C" fn()>, dso: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
         /// The C API of this interposer (`include/mallocspy.h`).
         #[unsafe(no_mangle)]
         pub static mallocspy_api_v1: $crate::ffi::Api = $crate::interpose::API;
@@ -201,7 +89,7 @@ macro_rules! __trampoline {
                 "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
                 "mov qword ptr fs:[rax + {sp}], rsp",
                 "mov qword ptr fs:[rax + {bp}], rbp",
-                "jmp {target}",
+                $crate::__jump_aligned!(),
                 sp = const $crate::interpose::ENTRY_SP_OFFSET,
                 bp = const $crate::interpose::ENTRY_BP_OFFSET,
                 target = sym $target,
@@ -210,7 +98,7 @@ macro_rules! __trampoline {
     };
 }
 
-/// One naked jump of [`export_interposer!`], to a target that notes the stack itself.
+/// One naked jump of [`export_interposer!`], to a target that needs no note of the stack.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __jump {
@@ -219,8 +107,37 @@ macro_rules! __jump {
         #[unsafe(naked)]
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> $ret {
-            ::core::arch::naked_asm!("jmp {target}", target = sym $target)
+            ::core::arch::naked_asm!($crate::__jump_aligned!(), target = sym $target)
         }
+    };
+}
+
+/// The assembly that ends an export's naked code: a jump to `{target}` (a `sym` operand),
+/// through a frame that aligns the stack when the caller left it misaligned.
+///
+/// The ABI has `rsp + 8` on a 16-byte boundary at a function's entry, and compiled Rust
+/// relies on it (`movaps` to and from the stack). glibc's allocator happens not to, so
+/// hand-written assembly that calls `malloc` with the stack 8 bytes off runs natively; it
+/// crashed on every spied path. Such a call goes through `push rbp` / `and rsp, -16` /
+/// `call` / `leave`: `rax` is free to test with (no export is variadic, and its notes of the
+/// caller's stack are taken before), and an aligned call pays three instructions.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __jump_aligned {
+    () => {
+        concat!(
+            "lea rax, [rsp + 8]\n",
+            "test al, 15\n",
+            "jnz 9f\n",
+            "jmp {target}\n",
+            "9:\n",
+            "push rbp\n",
+            "mov rbp, rsp\n",
+            "and rsp, -16\n",
+            "call {target}\n",
+            "leave\n",
+            "ret\n",
+        )
     };
 }
 
@@ -279,10 +196,28 @@ pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usiz
 #[doc(hidden)]
 pub use crate::thread_create::Routine;
 
+#[doc(hidden)]
+pub extern "C" fn exit_now(status: c_int) -> ! {
+    crate::preload::exit_now(status)
+}
+
+#[doc(hidden)]
+pub extern "C" fn daemon(nochdir: c_int, noclose: c_int) -> c_int {
+    crate::preload::daemon(nochdir, noclose)
+}
+
+/// # Safety
+/// As `__cxa_at_quick_exit`.
+#[doc(hidden)]
+pub unsafe extern "C" fn cxa_at_quick_exit(f: Option<extern "C" fn()>, dso: *mut c_void) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::preload::cxa_at_quick_exit(f, dso) }
+}
+
 /// # Safety
 /// As `pthread_create`.
 #[doc(hidden)]
-pub unsafe fn pthread_create(
+pub unsafe extern "C" fn pthread_create(
     thread: *mut c_void,
     attr: *const c_void,
     routine: Option<Routine>,
@@ -295,7 +230,14 @@ pub unsafe fn pthread_create(
 /// # Safety
 /// As `mmap`.
 #[doc(hidden)]
-pub unsafe fn mmap(addr: *mut c_void, len: usize, prot: c_int, flags: c_int, fd: c_int, offset: i64) -> *mut c_void {
+pub unsafe extern "C" fn mmap(
+    addr: *mut c_void,
+    len: usize,
+    prot: c_int,
+    flags: c_int,
+    fd: c_int,
+    offset: i64,
+) -> *mut c_void {
     // SAFETY: the caller's guarantee.
     unsafe { crate::program_mappings::mmap(addr, len, prot, flags, fd, offset) }
 }
@@ -307,7 +249,7 @@ pub type SigAction = libc::sigaction;
 /// # Safety
 /// As `sigaction`.
 #[doc(hidden)]
-pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut libc::sigaction) -> c_int {
+pub unsafe extern "C" fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut libc::sigaction) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::sigaction(signal, act, old) }
 }
@@ -339,7 +281,7 @@ pub unsafe extern "C" fn sigset(signal: c_int, handler: libc::sighandler_t) -> l
 /// # Safety
 /// As `munmap`.
 #[doc(hidden)]
-pub unsafe fn munmap(addr: *mut c_void, len: usize) -> c_int {
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::program_mappings::munmap(addr, len) }
 }
@@ -347,7 +289,7 @@ pub unsafe fn munmap(addr: *mut c_void, len: usize) -> c_int {
 /// # Safety
 /// As `mremap`.
 #[doc(hidden)]
-pub unsafe fn mremap(
+pub unsafe extern "C" fn mremap(
     old: *mut c_void,
     old_len: usize,
     new_len: usize,
@@ -361,7 +303,7 @@ pub unsafe fn mremap(
 /// # Safety
 /// As `dlclose`.
 #[doc(hidden)]
-pub unsafe fn dlclose(handle: *mut c_void) -> c_int {
+pub unsafe extern "C" fn dlclose(handle: *mut c_void) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::dl_close::dlclose(handle) }
 }
@@ -397,14 +339,12 @@ pub extern "C" fn pvalloc(size: usize) -> *mut c_void {
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
-#[inline(always)]
-pub unsafe fn malloc_usable_size(ptr: *mut c_void) -> usize {
+pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.malloc_usable_size(ptr) }
 }
 
 #[doc(hidden)]
-#[inline(always)]
-pub fn malloc_trim(pad: usize) -> c_int {
+pub extern "C" fn malloc_trim(pad: usize) -> c_int {
     GLOBAL.malloc_trim(pad)
 }
