@@ -1061,6 +1061,41 @@ fn a_library_loaded_where_an_unloaded_one_was_is_named_in_the_trace() {
     }
 }
 
+/// A C++ program's sites are its own functions, each with its bytes: not the standard
+/// library's `_M_allocate` or `_M_get_node`, which every vector or map shares (all of the
+/// program's vectors were one site, named after `stl_vector.h`).
+#[test]
+fn the_sites_of_a_cxx_program_are_its_functions_not_its_containers() {
+    let program = c_program("cxx_sites.cpp");
+    let dir = tempfile::tempdir().unwrap();
+    // One sample a byte: every block but the tiniest is sampled, and the estimates are
+    // within a fraction of a percent of the bytes.
+    let out = record(dir.path(), &["--interval", "1"], &[program.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report =
+        Command::new(mallocspy()).args(["report", "--format", "json"]).arg(&traces(dir.path())[0]).output().unwrap();
+    assert!(report.status.success(), "{}", text(&report.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
+    let sites: Vec<(&str, u64)> = report["top_by_bytes_allocated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["function"].as_str().unwrap(), s["allocated"]["bytes"].as_u64().unwrap()))
+        .collect();
+    // A vector of 1024 ints grows through 4, 8, ..., 4096 bytes; a map node of two ints is
+    // 40 bytes; a string of n characters takes n + 1.
+    let strings: u64 = (0..20_000).map(|r| 201 + r % 7).sum();
+    let expected =
+        [("grow_big()", 4000 * 8188), ("map_b()", 300_000 * 40), ("grow_small()", 1000 * 8188), ("strings()", strings)];
+    for (i, (function, bytes)) in expected.into_iter().enumerate() {
+        let (named, estimate) = sites[i];
+        assert_eq!(named, function, "rank {}: {sites:?}", i + 1);
+        assert!(estimate.abs_diff(bytes) * 100 <= bytes, "{function}: {estimate} bytes estimated of {bytes}");
+    }
+    assert!(sites.iter().any(|&(f, b)| f == "map_a()" && b.abs_diff(4_000_000) <= 40_000), "{sites:?}");
+    assert!(sites.iter().all(|(f, _)| !f.starts_with("std::")), "{sites:?}");
+}
+
 /// The exact totals of a traced run (its last heap statistics) are the calls, frees and bytes
 /// `spy=count` counts in the same program: every call is counted once, whether the sampling
 /// gate lets it through (`malloc` and `free` in assembly, the rest in Rust) or not.

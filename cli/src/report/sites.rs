@@ -1,8 +1,10 @@
 //! Allocation sites: stacks grouped by where the program asked for memory.
 //!
 //! A stack's site is the analogue of GCAllocationTick's TypeName: its innermost frame outside
-//! the allocator and the C runtime. Grouping by site rather than by whole stack puts the many
-//! paths into one `parse_row` together, which is what the tables rank.
+//! the allocator, the C runtime and the standard libraries' code (a `std::vector`'s growth is
+//! the site of the function that pushed, not of `_M_allocate`, which every vector shares).
+//! Grouping by site rather than by whole stack puts the many paths into one `parse_row`
+//! together, which is what the tables rank.
 
 use std::collections::HashMap;
 
@@ -58,6 +60,22 @@ fn is_runtime_module(name: &str) -> bool {
     RUNTIME_MODULES.iter().any(|m| name.starts_with(m))
 }
 
+/// Where the standard libraries' code comes from: C++'s headers (libstdc++'s
+/// `/usr/include/c++/12/`, libc++'s `.../include/c++/v1/`) and Rust's library sources.
+const LIBRARY_SOURCES: [&str; 2] = ["/include/c++/", "/rustc/"];
+
+/// Namespaces of the standard libraries, for their code in a program without line information.
+const LIBRARY_NAMESPACES: [&str; 6] = ["std::", "__gnu_cxx::", "__cxxabiv1::", "alloc::", "core::", "<alloc::"];
+
+/// Whether `frame` is code of a standard library, such as a container's growth, inlined into
+/// the program or instantiated in it: never the site, as any program's containers share it.
+fn is_library_code(frame: &SymFrame) -> bool {
+    match &frame.file {
+        Some(file) => LIBRARY_SOURCES.iter().any(|s| file.contains(s)),
+        None => LIBRARY_NAMESPACES.iter().any(|n| frame.function.starts_with(n)),
+    }
+}
+
 fn is_allocator_function(name: &str) -> bool {
     let bare = name.split('(').next().unwrap_or(name).trim();
     ALLOCATOR_FUNCTIONS.contains(&bare) || ALLOCATOR_PREFIXES.iter().any(|p| bare.starts_with(p))
@@ -82,11 +100,15 @@ pub fn site_of<'a>(stack: &StackStats, symbols: &'a Symbols) -> Option<SiteFrame
         if location.module.is_some_and(|m| is_runtime_module(symbols.module_name(m))) {
             return None;
         }
-        let frame = location.frames.iter().find(|f| !is_allocator_function(&f.function))?;
+        let frame = location.frames.iter().find(|f| !is_allocator_function(&f.function) && !is_library_code(f))?;
         let named_caller = if location.symbolized {
             None
         } else {
-            locations().skip(i + 1).find(|l| l.symbolized).and_then(|l| l.frames.last())
+            // Not the C library's: below a stripped program's frames that is its start-up code.
+            locations()
+                .skip(i + 1)
+                .find(|l| l.symbolized && !l.module.is_some_and(|m| is_runtime_module(symbols.module_name(m))))
+                .and_then(|l| l.frames.last())
         };
         Some(SiteFrame { location, frame, named_caller })
     });
@@ -207,5 +229,26 @@ mod tests {
             assert!(is_runtime_module(m), "{m}");
         }
         assert!(!is_runtime_module("libcrypto.so.3"));
+    }
+
+    #[test]
+    fn the_standard_libraries_code_is_known_by_its_sources_or_else_its_namespace() {
+        let frame = |function: &str, file: Option<&str>| SymFrame {
+            function: function.into(),
+            file: file.map(Into::into),
+            line: None,
+        };
+        for f in [
+            frame("std::_Vector_base<int>::_M_allocate(unsigned long)", Some("/usr/include/c++/12/bits/stl_vector.h")),
+            frame("std::__1::vector<int>::__append(unsigned long)", Some("/usr/lib/llvm-16/include/c++/v1/vector")),
+            frame("alloc::vec::Vec<T,A>::push", Some("/rustc/59807616e1fa/library/alloc/src/vec/mod.rs")),
+            frame("std::vector<int>::_M_realloc_insert<int const&>", None),
+            frame("__gnu_cxx::__verbose_terminate_handler()", None),
+        ] {
+            assert!(is_library_code(&f), "{}", f.function);
+        }
+        for f in [frame("grow_small()", Some("/src/app.cpp")), frame("app::std_like()", None), frame("main", None)] {
+            assert!(!is_library_code(&f), "{}", f.function);
+        }
     }
 }
