@@ -25,15 +25,81 @@ pub struct Frame {
     pub offset: Option<u64>,
 }
 
-/// A symbol table's name, demangled if it is mangled: C++ and legacy Rust names start with
-/// `_Z`, Rust v0 names with `_R`. Any other name is a C function's, as written: the C++
-/// demangler would read a short one as a type's code (`f` as `float`).
+/// A symbol's name, demangled if it is mangled: C++ and legacy Rust names start with `_Z`,
+/// Rust v0 names with `_R`. Any other name is a C function's, as written: the C++ demangler
+/// would read a short one as a type's code (`f` as `float`).
+///
+/// A C++ name is demangled by the C++ runtime's own `__cxa_demangle` (what `c++filt` and
+/// gdb print) where the process has it: the `cpp_demangle` crate, used otherwise, drops or
+/// misreads parameters of templated constructors and forwarding references
+/// (`basic_string<…>(char, …)` for `(unsigned long, char, …)`) and gives up on some names.
 pub fn demangle(name: &str) -> String {
-    if name.starts_with("_Z") || name.starts_with("_R") {
-        addr2line::demangle_auto(name.into(), None).into_owned()
-    } else {
-        name.to_owned()
+    if !(name.starts_with("_Z") || name.starts_with("_R")) {
+        return name.to_owned();
     }
+    if name.starts_with("_Z")
+        && !is_legacy_rust(name)
+        && let Some(demangled) = cxx_runtime_demangle(name)
+    {
+        return demangled;
+    }
+    addr2line::demangle_auto(name.into(), None).into_owned()
+}
+
+/// A function's name from DWARF: its linkage name demangled, or else its plain name.
+pub fn function_name(function: &addr2line::FunctionName<impl gimli::Reader>) -> Option<String> {
+    function.raw_name().ok().map(|name| demangle(&name))
+}
+
+/// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, before any `.suffix`.
+fn is_legacy_rust(name: &str) -> bool {
+    let name = name.split('.').next().unwrap_or(name);
+    name.len() > 21
+        && name.ends_with('E')
+        && name[name.len() - 20..name.len() - 1]
+            .strip_prefix("17h")
+            .is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+type CxaDemangle = unsafe extern "C" fn(
+    *const core::ffi::c_char,
+    *mut core::ffi::c_char,
+    *mut usize,
+    *mut core::ffi::c_int,
+) -> *mut core::ffi::c_char;
+
+/// The C++ runtime's `__cxa_demangle` (libstdc++'s, or libc++abi's), looked up once.
+static CXA_DEMANGLE: std::sync::OnceLock<Option<CxaDemangle>> = std::sync::OnceLock::new();
+
+/// Makes [`demangle`] use libstdc++'s demangler, loading the library if the process has not
+/// (the report command; a spied program's own reports use its C++ runtime, if it has one).
+/// Call it before the first [`demangle`].
+pub fn load_cxx_runtime_demangler() {
+    // SAFETY: a NUL-terminated name; loading libstdc++ runs only its own constructors.
+    unsafe { libc::dlopen(c"libstdc++.so.6".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+}
+
+/// `name` demangled by the process's C++ runtime, if it has one and it can.
+fn cxx_runtime_demangle(name: &str) -> Option<String> {
+    let found = CXA_DEMANGLE.get_or_init(|| {
+        // SAFETY: a NUL-terminated name, looked up in the process's global scope.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"__cxa_demangle".as_ptr()) };
+        // SAFETY: `__cxa_demangle` has this signature (the Itanium C++ ABI).
+        (!f.is_null()).then(|| unsafe { core::mem::transmute::<*mut libc::c_void, CxaDemangle>(f) })
+    });
+    let cxa_demangle = (*found)?;
+    let mangled = std::ffi::CString::new(name).ok()?;
+    let mut status = 0;
+    // SAFETY: a NUL-terminated name; no buffer given, so the result is malloc'd (or null).
+    let out = unsafe { cxa_demangle(mangled.as_ptr(), core::ptr::null_mut(), core::ptr::null_mut(), &mut status) };
+    if out.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated string from `__cxa_demangle`, ours to free.
+    let demangled = (status == 0).then(|| unsafe { CStr::from_ptr(out) }.to_string_lossy().into_owned());
+    // SAFETY: allocated by `__cxa_demangle` with malloc, freed once.
+    unsafe { libc::free(out.cast()) };
+    demangled
 }
 
 /// Resolves addresses, remembering each answer.
@@ -336,7 +402,7 @@ impl Symbolizer {
             if let Some(loader) = loader.as_ref() {
                 if let Ok(mut found) = loader.find_frames(probe) {
                     while let Ok(Some(f)) = found.next() {
-                        let function = f.function.as_ref().and_then(|n| n.demangle().ok()).map(|n| n.into_owned());
+                        let function = f.function.as_ref().and_then(function_name);
                         let (file, line) = f.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
                         frames.push(frame(function, file, line));
                     }
@@ -372,7 +438,7 @@ impl Symbolizer {
                 frames.push(Frame {
                     address: format!("{addr:#x}"),
                     // `{:#}`: demangled, without the hash suffix of Rust symbols.
-                    function: sym.name().map(|n| format!("{n:#}")),
+                    function: sym.name().map(|n| n.as_str().map_or_else(|| format!("{n:#}"), demangle)),
                     file: sym.filename().map(|p| p.display().to_string()),
                     line: sym.lineno(),
                     module: module.clone(),
@@ -397,6 +463,7 @@ mod tests {
 
     #[test]
     fn only_mangled_names_are_demangled() {
+        load_cxx_runtime_demangler();
         // Short C names are valid C++ type codes: `f` is `float`, `i` is `int`, `Pc` is `char*`.
         for c_name in ["f", "i", "Pc", "main", "sqlite3_malloc", "__libc_start_main"] {
             assert_eq!(demangle(c_name), c_name);
@@ -404,6 +471,28 @@ mod tests {
         assert_eq!(demangle("_Z3fooi"), "foo(int)");
         assert_eq!(demangle("_ZN5tokio4task5spawn17h0123456789abcdefE"), "tokio::task::spawn");
         assert_eq!(demangle("_RNvCs1234_7mycrate3foo"), "mycrate::foo");
+    }
+
+    /// As `c++filt` reads them: the `cpp_demangle` crate dropped the first parameter of a
+    /// templated constructor, turned `void (&)()` into `&&`, and left the last one mangled.
+    #[test]
+    fn cxx_names_read_as_the_cxx_runtime_reads_them() {
+        load_cxx_runtime_demangler();
+        for (mangled, demangled) in [
+            (
+                "_ZNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEC2IS3_EEmcRKS3_",
+                "std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >::basic_string<std::allocator<char> >(unsigned long, char, std::allocator<char> const&)",
+            ),
+            ("_ZNSt6threadC2IRFvvEJEvEEOT_DpOT0_", "std::thread::thread<void (&)(), , void>(void (&)())"),
+            (
+                "_ZSt11make_sharedISt5arrayIcLm200EEJEESt10shared_ptrINSt9enable_ifIXntsrSt8is_arrayIT_E5valueES5_E4typeEEDpOT0_",
+                "std::shared_ptr<std::enable_if<!std::is_array<std::array<char, 200ul> >::value, std::array<char, 200ul> >::type> std::make_shared<std::array<char, 200ul>>()",
+            ),
+        ] {
+            assert_eq!(demangle(mangled), demangled);
+        }
+        // Legacy Rust names stay Rust's (without their hash), even where C++ reads them too.
+        assert_eq!(demangle("_ZN9mallocspy5leaks5check17h0123456789abcdefE.llvm.42"), "mallocspy::leaks::check");
     }
 
     #[test]

@@ -58,6 +58,8 @@ pub struct Symbols {
 impl Symbols {
     /// Resolves every frame of every stack, opening each module's files once.
     pub fn resolve(profile: &Profile, progress: &mut Progress) -> Symbols {
+        // C++ names as `c++filt` gives them (see `mallocspy::leaks::demangle`).
+        mallocspy::leaks::load_cxx_runtime_demangler();
         // Names as shown: a trace's paths and a file's symbols may hold anything.
         let module_names: Vec<String> = profile.modules.iter().map(|m| shown_file_name(&m.path)).collect();
         // Each once, as they are gathered: a copy of every frame of every stack took 24 bytes
@@ -255,7 +257,7 @@ impl DebugInfo {
             && let Ok(mut frames) = dwarf.find_frames(probe)
         {
             while let Ok(Some(frame)) = frames.next() {
-                let function = frame.function.as_ref().and_then(|f| f.demangle().ok()).map(|f| f.into_owned());
+                let function = frame.function.as_ref().and_then(mallocspy::leaks::function_name);
                 let (file, line) = frame.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
                 out.push((function, file, line));
             }
