@@ -559,7 +559,12 @@ fn mallocspy_run_starts_the_program_as_its_caller_would() {
     assert_eq!((text(&out.stdout).as_str(), out.status.code()), ("from sh\n", Some(4)), "{}", text(&out.stderr));
 
     let options = "MALLOCSPY_OPTIONS=max_memory=64m $M run -- sh -c 'echo $MALLOCSPY_OPTIONS' 2>/dev/null";
-    assert_eq!(in_bash(options).0, "max_memory=64m:spy=leaks:stack_depth=32\n");
+    assert_eq!(in_bash(options).0, "max_memory=64m:spy=leaks\n");
+    // A flag follows the environment's option; a flag not given leaves it alone (run gave its
+    // default depth, so the environment's was never used).
+    let options = "MALLOCSPY_OPTIONS=stack_depth=4 $M run -- sh -c 'echo $MALLOCSPY_OPTIONS' 2>/dev/null; \
+                   MALLOCSPY_OPTIONS=stack_depth=4 $M run --stack-depth 8 -- sh -c 'echo $MALLOCSPY_OPTIONS' 2>/dev/null";
+    assert_eq!(in_bash(options).0, "stack_depth=4:spy=leaks\nstack_depth=4:spy=leaks:stack_depth=8\n");
     let (stdout, stderr) = in_bash("MALLOCSPY_OPTIONS=bogus $M run -- echo ran; echo $?");
     assert_eq!((stdout.as_str(), stderr.as_str()), ("2\n", "mallocspy: MALLOCSPY_OPTIONS: 'bogus' is not key=value\n"));
 }

@@ -683,6 +683,30 @@ fn without_pid_in_the_path_a_late_fork_leaves_the_finished_trace_alone() {
     assert_eq!(from, HashSet::from([program]), "the child's inherited blocks come from the program");
 }
 
+/// `record`'s flags follow the environment's `MALLOCSPY_OPTIONS`, and only the flags given:
+/// their defaults silently replaced the environment's interval and sampling mode.
+#[test]
+fn record_keeps_the_environments_options_its_flags_do_not_set() {
+    let header = |env: &str, args: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(mallocspy())
+            .arg("record")
+            .args(args)
+            .args(["--output", dir.path().join("t.trace").to_str().unwrap(), "--", "true"])
+            .env("MALLOCSPY_OPTIONS", env)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let report =
+            Command::new(mallocspy()).args(["report", "--format", "json"]).arg(dir.path().join("t.trace")).output();
+        let report: serde_json::Value = serde_json::from_slice(&report.unwrap().stdout).unwrap();
+        (report["sampling"].as_str().unwrap().to_string(), report["interval"].as_u64().unwrap())
+    };
+    assert_eq!(header("sample_interval=1k:sampling=tick", &[]), ("tick".into(), 1024));
+    assert_eq!(header("sample_interval=1k:sampling=tick", &["--interval", "2k"]), ("tick".into(), 2048));
+    assert_eq!(header("", &[]), ("poisson".into(), 102_400));
+}
+
 #[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();

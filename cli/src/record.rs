@@ -32,21 +32,21 @@ enum SamplingArg {
 /// Options mirror `MALLOCSPY_OPTIONS` (`spy=ticks`).
 #[derive(Args)]
 pub struct RecordArgs {
-    /// Mean bytes between samples (suffixes k, m, g).
-    #[arg(long, value_name = "BYTES", default_value = "102400", value_parser = parse_interval)]
-    interval: u64,
-    /// How allocations are chosen.
-    #[arg(long, value_enum, default_value = "poisson")]
-    sampling: SamplingArg,
+    /// Mean bytes between samples (suffixes k, m, g) [default: 102400].
+    #[arg(long, value_name = "BYTES", value_parser = parse_interval)]
+    interval: Option<u64>,
+    /// How allocations are chosen [default: poisson].
+    #[arg(long, value_enum)]
+    sampling: Option<SamplingArg>,
     /// The trace file (%p = process id).
     #[arg(long, short, value_name = "TRACE", default_value = "mallocspy.%p.trace")]
     output: String,
-    /// Period of the heap statistics events.
-    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=60000))]
-    stats_interval_ms: u64,
-    /// Frames recorded per sample.
-    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=128))]
-    stack_depth: u32,
+    /// Period of the heap statistics events [default: 100].
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=60000))]
+    stats_interval_ms: Option<u64>,
+    /// Frames recorded per sample [default: 32].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=128))]
+    stack_depth: Option<u32>,
     /// The preload library (default: libmallocspy_preload.so next to this executable).
     #[arg(long, value_name = "PATH")]
     shim: Option<PathBuf>,
@@ -130,18 +130,18 @@ pub fn record(args: RecordArgs) -> ExitCode {
     if let Err(why) = check_output(&output) {
         return fail(&format!("cannot write --output '{output}': {why}"), 2);
     }
-    let sampling = match args.sampling {
-        SamplingArg::Poisson => "poisson",
-        SamplingArg::Tick => "tick",
-    };
-    let options = [
-        "spy=ticks".to_string(),
-        format!("sampling={sampling}"),
-        format!("sample_interval={}", args.interval),
-        format!("stats_interval_ms={}", args.stats_interval_ms),
-        format!("stack_depth={}", args.stack_depth),
-        format!("trace={output}"),
-    ];
+    // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others.
+    let sampling = args.sampling.map(|s| match s {
+        SamplingArg::Poisson => "sampling=poisson".to_string(),
+        SamplingArg::Tick => "sampling=tick".to_string(),
+    });
+    let options: Vec<String> = ["spy=ticks".to_string(), format!("trace={output}")]
+        .into_iter()
+        .chain(sampling)
+        .chain(args.interval.map(|n| format!("sample_interval={n}")))
+        .chain(args.stats_interval_ms.map(|ms| format!("stats_interval_ms={ms}")))
+        .chain(args.stack_depth.map(|n| format!("stack_depth={n}")))
+        .collect();
     let (pid, status) = match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
         Ok(done) => done,
         Err(code) => return code,

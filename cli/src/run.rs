@@ -33,9 +33,9 @@ pub struct RunArgs {
     /// leaves the program's status alone).
     #[arg(long, value_name = "N")]
     exitcode: Option<u8>,
-    /// Frames recorded per allocation.
-    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=128))]
-    stack_depth: u32,
+    /// Frames recorded per allocation [default: 32].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=128))]
+    stack_depth: Option<u32>,
     /// List still-reachable records in the text report too.
     #[arg(long)]
     show_reachable: bool,
@@ -51,7 +51,11 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> ExitCode {
-    let mut options = vec!["spy=leaks".to_string(), format!("stack_depth={}", args.stack_depth)];
+    // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others.
+    let mut options = vec!["spy=leaks".to_string()];
+    if let Some(depth) = args.stack_depth {
+        options.push(format!("stack_depth={depth}"));
+    }
     if args.json {
         options.push("report_format=json".into());
     }
