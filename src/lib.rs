@@ -83,6 +83,7 @@ mod prefetch;
 pub mod preload;
 mod program_mappings;
 mod registry;
+mod report_stack;
 mod sink;
 mod spies;
 mod spy;

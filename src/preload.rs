@@ -377,7 +377,8 @@ fn report_all(caller: Caller) {
         return;
     }
     WRITING_REPORTS.store(pid, Ordering::Release);
-    write_reports(caller);
+    let mut caller = Some(caller);
+    crate::report_stack::with_room(&mut || caller.take().into_iter().for_each(write_reports));
     WRITING_REPORTS.store(0, Ordering::Release);
 }
 

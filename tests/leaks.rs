@@ -1558,3 +1558,19 @@ fn python_still_raises_keyboard_interrupt_and_reports_as_it_dies() {
     }
     assert!(text(&out.stderr).contains("note: the process is ending by signal 2 (SIGINT)"), "{}", text(&out.stderr));
 }
+
+/// `exit` where little stack is left: from a thread on a 16 KiB stack, or from a handler on
+/// an alternate signal stack of as much. The reports take more than that (the check's frame
+/// alone is 12 KiB): both died of SIGSEGV. They now run on a mapping of their own.
+#[test]
+fn an_exit_with_little_stack_left_reports_and_keeps_its_status() {
+    let program = c_program("exit_on_little_stack.c");
+    for place in ["thread", "handler"] {
+        let out = run(Mode::Shim(""), Command::new(&program).arg(place));
+        let report = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{place}: {report}");
+        // Not "still reachable from mapped memory": the mapping the reports ran on.
+        assert!(report.contains("77 bytes in 1 blocks are definitely lost (malloc)"), "{place}: {report}");
+        assert!(report.contains(" in lose_one "), "{place}: {report}");
+    }
+}
