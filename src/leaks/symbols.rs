@@ -53,12 +53,13 @@ pub fn function_name(function: &addr2line::FunctionName<impl gimli::Reader>) -> 
 
 /// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, before any `.suffix`.
 fn is_legacy_rust(name: &str) -> bool {
-    let name = name.split('.').next().unwrap_or(name);
+    // Bytes: a C++ name may hold UTF-8 identifiers, and a cut inside a character panicked.
+    let name = name.split('.').next().unwrap_or(name).as_bytes();
     name.len() > 21
-        && name.ends_with('E')
+        && name.ends_with(b"E")
         && name[name.len() - 20..name.len() - 1]
-            .strip_prefix("17h")
-            .is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+            .strip_prefix(b"17h")
+            .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit))
 }
 
 type CxaDemangle = unsafe extern "C" fn(
@@ -491,6 +492,9 @@ mod tests {
         ] {
             assert_eq!(demangle(mangled), demangled);
         }
+        // An identifier in UTF-8 (GCC writes its bytes as they are): the Rust test cut a
+        // character in two, and the panic aborted the program at exit.
+        assert_eq!(demangle("_Z1fN2ns21XééééééééééE"), "f(ns::Xéééééééééé)");
         // Legacy Rust names stay Rust's (without their hash), even where C++ reads them too.
         assert_eq!(demangle("_ZN9mallocspy5leaks5check17h0123456789abcdefE.llvm.42"), "mallocspy::leaks::check");
     }
