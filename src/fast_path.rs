@@ -82,6 +82,7 @@ macro_rules! __fast_path {
         #[unsafe(no_mangle)]
         pub extern "C" fn malloc(size: usize) -> *mut ::core::ffi::c_void {
             ::core::arch::naked_asm!(
+                $crate::__cfi_start!(),
                 ".hidden __mallocspy_global",
                 // The gate is open, the spy set this thread up under this opening and the
                 // call comes from outside the hooks: one compare (`seen_and_depth`). The
@@ -140,6 +141,7 @@ macro_rules! __fast_path {
         #[unsafe(no_mangle)]
         pub unsafe extern "C" fn free(ptr: *mut ::core::ffi::c_void) {
             ::core::arch::naked_asm!(
+                $crate::__cfi_start!(),
                 ".hidden __mallocspy_global",
                 "mov rax, qword ptr [rip + __mallocspy_global + {tls}]",
                 "mov rcx, qword ptr [rip + __mallocspy_global + {key}]",

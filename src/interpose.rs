@@ -86,6 +86,7 @@ macro_rules! __trampoline {
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> $ret {
             ::core::arch::naked_asm!(
+                $crate::__cfi_start!(),
                 "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
                 "mov qword ptr fs:[rax + {sp}], rsp",
                 "mov qword ptr fs:[rax + {bp}], rbp",
@@ -107,7 +108,7 @@ macro_rules! __jump {
         #[unsafe(naked)]
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> $ret {
-            ::core::arch::naked_asm!($crate::__jump_aligned!(), target = sym $target)
+            ::core::arch::naked_asm!($crate::__cfi_start!(), $crate::__jump_aligned!(), target = sym $target)
         }
     };
 }
@@ -121,6 +122,20 @@ macro_rules! __jump {
 /// crashed on every spied path. Such a call goes through `push rbp` / `and rsp, -16` /
 /// `call` / `leave`: `rax` is free to test with (no export is variadic, and its notes of the
 /// caller's stack are taken before), and an aligned call pays three instructions.
+///
+/// It ends the function's unwind information, which [`__cfi_start!`](crate::__cfi_start) begins:
+/// debuggers, profilers and `backtrace()` walk through the realigned frame as through any.
+/// The first line of an export's naked code: the start of its unwind information (the
+/// caller's frame is at `rsp + 8` until [`__jump_aligned!`](crate::__jump_aligned) says
+/// otherwise).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __cfi_start {
+    () => {
+        ".cfi_startproc"
+    };
+}
+
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __jump_aligned {
@@ -132,11 +147,17 @@ macro_rules! __jump_aligned {
             "jmp {target}\n",
             "9:\n",
             "push rbp\n",
+            ".cfi_adjust_cfa_offset 8\n",
+            ".cfi_offset rbp, -16\n",
             "mov rbp, rsp\n",
+            ".cfi_def_cfa_register rbp\n",
             "and rsp, -16\n",
             "call {target}\n",
             "leave\n",
+            ".cfi_def_cfa rsp, 8\n",
+            ".cfi_restore rbp\n",
             "ret\n",
+            ".cfi_endproc\n",
         )
     };
 }
