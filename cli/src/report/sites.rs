@@ -72,11 +72,32 @@ const LIBRARY_NAMESPACES: [&str; 6] = ["std::", "__gnu_cxx::", "__cxxabiv1::", "
 fn is_library_code(frame: &SymFrame) -> bool {
     match &frame.file {
         Some(file) => LIBRARY_SOURCES.iter().any(|s| file.contains(s)),
-        None => LIBRARY_NAMESPACES.iter().any(|n| frame.function.starts_with(n)),
+        None => LIBRARY_NAMESPACES.iter().any(|n| without_return_type(&frame.function).starts_with(n)),
     }
 }
 
+/// A demangled name without the return type that a function template's carries
+/// (`void std::vector<int>::_M_realloc_insert<int const&>(...)`): what follows the last space
+/// outside brackets before the parameters (not the one in `operator new`).
+fn without_return_type(name: &str) -> &str {
+    let mut depth = 0i32;
+    let mut start = 0;
+    for (i, c) in name.char_indices() {
+        match c {
+            '<' | '[' => depth += 1,
+            '>' | ']' => depth -= 1,
+            '(' if depth == 0 && i > 0 => break,
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ' ' if depth == 0 && !name[..i].ends_with("operator") => start = i + 1,
+            _ => {}
+        }
+    }
+    &name[start..]
+}
+
 fn is_allocator_function(name: &str) -> bool {
+    let name = without_return_type(name);
     let bare = name.split('(').next().unwrap_or(name).trim();
     ALLOCATOR_FUNCTIONS.contains(&bare) || ALLOCATOR_PREFIXES.iter().any(|p| bare.starts_with(p))
 }
@@ -244,10 +265,25 @@ mod tests {
             frame("alloc::vec::Vec<T,A>::push", Some("/rustc/59807616e1fa/library/alloc/src/vec/mod.rs")),
             frame("std::vector<int>::_M_realloc_insert<int const&>", None),
             frame("__gnu_cxx::__verbose_terminate_handler()", None),
+            // A function template's name as `__cxa_demangle` gives it, with its return type.
+            frame(
+                "void std::vector<int, std::allocator<int> >::_M_realloc_insert<int const&>(__gnu_cxx::__normal_iterator<int*, std::vector<int, std::allocator<int> > >, int const&)",
+                None,
+            ),
+            frame(
+                "std::shared_ptr<std::enable_if<!std::is_array<std::array<char, 200ul> >::value, std::array<char, 200ul> >::type> std::make_shared<std::array<char, 200ul>>()",
+                None,
+            ),
         ] {
             assert!(is_library_code(&f), "{}", f.function);
         }
-        for f in [frame("grow_small()", Some("/src/app.cpp")), frame("app::std_like()", None), frame("main", None)] {
+        for f in [
+            frame("grow_small()", Some("/src/app.cpp")),
+            frame("app::std_like()", None),
+            frame("main", None),
+            frame("std::vector<int> app::make<std::vector<int> >(unsigned long)", None),
+            frame("app::operator<(app::Key const&, app::Key const&)", None),
+        ] {
             assert!(!is_library_code(&f), "{}", f.function);
         }
     }
