@@ -707,6 +707,27 @@ fn record_keeps_the_environments_options_its_flags_do_not_set() {
     assert_eq!(header("", &[]), ("poisson".into(), 102_400));
 }
 
+/// A command line of more than a megabyte makes a header as long: `record` read a megabyte
+/// of the trace's start, and said the trace it had just been written was not there.
+#[test]
+fn record_finds_the_trace_of_a_program_with_a_long_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let argument = "a".repeat(100_000);
+    // Without %p, `record` reads the headers to find which file is the program's.
+    let trace = dir.path().join("t.trace");
+    let out = Command::new(mallocspy())
+        .args(["record", "--output", trace.to_str().unwrap(), "--", "true"])
+        .args(std::iter::repeat_n(&argument, 12))
+        .output()
+        .unwrap();
+    let said = text(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.starts_with("mallocspy: trace of ") && said.contains("mallocspy report "), "{said}");
+    let trace = std::fs::read(&trace).unwrap();
+    let header = mallocspy::trace::header_of(&trace[..]).expect("a trace");
+    assert_eq!(header.command.len(), 13);
+}
+
 #[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();

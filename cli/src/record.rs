@@ -100,13 +100,9 @@ fn check_output(output: &str) -> Result<(), String> {
 /// candidate is a trace of `pid` (TRACE may be another process's: a child's, when the
 /// program failed to open it).
 fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
-    use std::io::Read;
     let started = |path: &String| -> Option<u64> {
-        // The header is at the start; a command line longer than this is not one to expect.
-        let mut start = Vec::new();
-        std::fs::File::open(path).ok()?.take(1 << 20).read_to_end(&mut start).ok()?;
-        let reader = mallocspy::trace::Reader::new(&start).ok()?;
-        (reader.header().pid == pid).then_some(reader.header().start_unix_ns)
+        let header = mallocspy::trace::header_of(std::fs::File::open(path).ok()?)?;
+        (header.pid == pid).then_some(header.start_unix_ns)
     };
     candidates.iter().filter_map(|c| Some((started(c)?, c))).max().map(|(_, c)| c.clone())
 }

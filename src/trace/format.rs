@@ -123,6 +123,26 @@ impl Kind {
     }
 }
 
+/// The header of the trace `file` reads, read from its start only: a few hundred bytes
+/// usually, up to the command line's length (megabytes at most); `None` when `file` is not a
+/// trace.
+pub fn header_of(file: impl std::io::Read) -> Option<Header> {
+    use std::io::Read;
+    let mut file = file;
+    let mut start = Vec::new();
+    let mut want: u64 = 64 << 10;
+    loop {
+        let missing = want - start.len() as u64;
+        let read = (&mut file).take(missing).read_to_end(&mut start).ok()? as u64;
+        match Reader::new(&start) {
+            Ok(reader) => return Some(reader.header),
+            // Cut inside the header: a longer command line than read so far.
+            Err(e) if read == missing && e.offset >= 20 && want < 1 << 30 => want *= 8,
+            Err(_) => return None,
+        }
+    }
+}
+
 /// What the trace is of.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Header {

@@ -217,14 +217,10 @@ fn remove_trace(path: &str) {
 /// The pid in the header of the trace at `path`, if it is one: a regular file (a FIFO's read
 /// would take the reader's bytes, and wait for ever on our own open end).
 fn header_pid(path: &str) -> Option<u32> {
-    use std::io::Read;
     if !std::fs::metadata(path).ok()?.is_file() {
         return None;
     }
-    // A header is a few hundred bytes: the command line and the options.
-    let mut head = Vec::new();
-    std::fs::File::open(path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
-    super::Reader::new(&head).ok().map(|r| r.header().pid)
+    super::header_of(std::fs::File::open(path).ok()?).map(|h| h.pid)
 }
 
 /// A new, empty, locked file at `path`, replacing a regular file there (see [`open`]).
