@@ -728,6 +728,24 @@ fn record_finds_the_trace_of_a_program_with_a_long_command_line() {
     assert_eq!(header.command.len(), 13);
 }
 
+/// A path that is not UTF-8 cannot go in `MALLOCSPY_OPTIONS`: it was passed with its bytes
+/// replaced, so the trace (or log) was looked for in a directory that does not exist.
+#[test]
+fn a_path_that_is_not_utf8_is_refused_in_one_line() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let odd = dir.path().join(std::ffi::OsStr::from_bytes(b"d\xff"));
+    std::fs::create_dir(&odd).unwrap();
+    for args in [&["record", "--", "true"][..], &["run", "--log", "x.log", "--", "true"]] {
+        let out = Command::new(mallocspy()).args(args).current_dir(&odd).output().unwrap();
+        let said = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {said}");
+        assert!(said.ends_with("is not valid UTF-8, which MALLOCSPY_OPTIONS cannot carry\n"), "{said}");
+        assert_eq!(said.lines().count(), 1, "{said}");
+    }
+    assert_eq!(std::fs::read_dir(&odd).unwrap().count(), 0, "nothing written");
+}
+
 #[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();

@@ -10,10 +10,17 @@ use std::sync::atomic::{AtomicI32, Ordering};
 /// `path`, given as `flag`, as `MALLOCSPY_OPTIONS` carries it: absolute (each process of the
 /// program resolves it where it starts, and a program may change directory first), and
 /// refused if it holds ':' (the options' separator) or ends in white space (trimmed there);
-/// refused, the program would run unspied.
+/// refused, the program would run unspied. Refused too if it is not UTF-8, as the options
+/// must be: passed with its bytes replaced, it named another file.
 pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
     let absolute = match std::path::absolute(path) {
-        Ok(p) => p.display().to_string(),
+        Ok(p) => match p.to_str() {
+            Some(p) => p.to_string(),
+            None => {
+                let why = "is not valid UTF-8, which MALLOCSPY_OPTIONS cannot carry";
+                return Err(fail(&format!("{flag} '{}' {why}", p.display()), 2));
+            }
+        },
         Err(e) => return Err(fail(&format!("bad {flag} '{}': {e}", path.display()), 2)),
     };
     if absolute.contains(':') || absolute.trim_end() != absolute {
