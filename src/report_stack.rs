@@ -3,10 +3,10 @@
 //! The reports run where the process ends: in `exit`'s handlers, `_exit` or a signal handler,
 //! on whatever stack that thread has. The leak check alone takes 12 KiB of frame, and
 //! symbolizing takes more; a thread on a 16 KiB stack (`PTHREAD_STACK_MIN`) that called `exit`
-//! died of SIGSEGV in the check, and so did a main thread under `ulimit -s 48`, where the
-//! program itself exits normally. Such a thread runs the reports on a mapping of its own,
-//! as `sigaltstack` gives a handler one; the scan of its own stack still starts where the
-//! reports' caller left it (see `leaks::Caller`).
+//! died of SIGSEGV in the check, and so did an `exit` from a handler on a small alternate
+//! signal stack, where the program itself exits normally. Such a thread runs the reports on a
+//! mapping of its own, as `sigaltstack` gives a handler one; the scan of its own stack still
+//! starts where the reports' caller left it (see `leaks::Caller`).
 
 use core::ffi::c_void;
 
