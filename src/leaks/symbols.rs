@@ -51,15 +51,18 @@ pub fn function_name(function: &addr2line::FunctionName<impl gimli::Reader>) -> 
     function.raw_name().ok().map(|name| demangle(&name))
 }
 
-/// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, before any `.suffix`.
+/// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, then its end or a
+/// `.suffix` (`.llvm.N`). Not cut at the first `.`: a Rust path holds them (`..` for `::`).
 fn is_legacy_rust(name: &str) -> bool {
     // Bytes: a C++ name may hold UTF-8 identifiers, and a cut inside a character panicked.
-    let name = name.split('.').next().unwrap_or(name).as_bytes();
-    name.len() > 21
-        && name.ends_with(b"E")
-        && name[name.len() - 20..name.len() - 1]
-            .strip_prefix(b"17h")
-            .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit))
+    let name = name.as_bytes();
+    name.starts_with(b"_ZN")
+        && name.windows(20).enumerate().any(|(at, w)| {
+            w.starts_with(b"17h")
+                && w[3..19].iter().all(u8::is_ascii_hexdigit)
+                && w[19] == b'E'
+                && name.get(at + 20).is_none_or(|&next| next == b'.')
+        })
 }
 
 type CxaDemangle = unsafe extern "C" fn(
@@ -495,6 +498,10 @@ mod tests {
         // An identifier in UTF-8 (GCC writes its bytes as they are): the Rust test cut a
         // character in two, and the panic aborted the program at exit.
         assert_eq!(demangle("_Z1fN2ns21XééééééééééE"), "f(ns::Xéééééééééé)");
+        // A trait's impl, whose path holds dots (`..` is `::`): Rust's, not read as C++.
+        let rust = "_ZN88_$LT$app..Cache$LT$fn$LP$u32$RP$$u20$.$GT$$u20$u32$GT$$u20$as$u20$core..clone..Clone$GT$5clone17hbe35a1c2d3e4f567E";
+        assert!(demangle(rust).starts_with("<app::Cache<fn(u32) "), "{}", demangle(rust));
+        assert!(demangle(rust).ends_with(" u32> as core::clone::Clone>::clone"), "{}", demangle(rust));
         // Legacy Rust names stay Rust's (without their hash), even where C++ reads them too.
         assert_eq!(demangle("_ZN9mallocspy5leaks5check17h0123456789abcdefE.llvm.42"), "mallocspy::leaks::check");
     }
