@@ -78,20 +78,60 @@ fn is_library_code(frame: &SymFrame) -> bool {
 
 /// A demangled name without the return type that a function template's carries
 /// (`void std::vector<int>::_M_realloc_insert<int const&>(...)`): what follows the last space
-/// outside brackets before the parameters (not the one in `operator new`).
+/// outside brackets before the parameters. An operator's symbols (`operator>`, `operator()`),
+/// the type of a conversion (`operator char const*`) and Rust's `->` are not brackets;
+/// `decltype (...)` is one.
 fn without_return_type(name: &str) -> &str {
+    /// C++'s operator symbols, each before any that begins it.
+    const OPERATORS: [&str; 40] = [
+        "<=>", "<<=", ">>=", "->*", "()", "[]", "<<", ">>", "<=", ">=", "==", "!=", "&&", "||", "++", "--", "+=", "-=",
+        "*=", "/=", "%=", "^=", "&=", "|=", "->", "<", ">", "=", "!", "+", "-", "*", "/", "%", "^", "&", "|", "~", ",",
+        "\"\"",
+    ];
+    // Bytes, not `str` slices: a name may hold any character (a damaged trace's), and only
+    // the ASCII space where the name starts is ever cut at.
+    let bytes = name.as_bytes();
     let mut depth = 0i32;
     let mut start = 0;
-    for (i, c) in name.char_indices() {
-        match c {
-            '<' | '[' => depth += 1,
-            '>' | ']' => depth -= 1,
-            '(' if depth == 0 && i > 0 => break,
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            ' ' if depth == 0 && !name[..i].ends_with("operator") => start = i + 1,
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &bytes[i..];
+        if rest.starts_with(b"operator") && !bytes[..i].last().is_some_and(|&c| c.is_ascii_alphanumeric() || c == b'_')
+        {
+            i += "operator".len();
+            if bytes[i..].starts_with(b" ") {
+                // `operator new[]`, or a conversion's type (`operator char const*`): up to the
+                // parameters, whatever brackets the type has.
+                let mut nested = 0i32;
+                while i < bytes.len() && !(bytes[i] == b'(' && nested == 0) {
+                    nested += match bytes[i] {
+                        b'<' => 1,
+                        b'>' => -1,
+                        _ => 0,
+                    };
+                    i += 1;
+                }
+            } else if let Some(symbol) = OPERATORS.iter().find(|o| bytes[i..].starts_with(o.as_bytes())) {
+                // Past the operator's symbol: a template's arguments may follow (`operator>=<T>`,
+                // `operator< <T>`).
+                i += symbol.len();
+                if bytes[i..].starts_with(b" <") {
+                    i += 1;
+                }
+            }
+            continue;
+        }
+        match bytes[i] {
+            b'-' if rest.starts_with(b"->") => i += 1,
+            b'<' | b'[' | b'{' => depth += 1,
+            b'>' | b']' | b'}' => depth -= 1,
+            b'(' if depth == 0 && i > 0 && !bytes[..i].trim_ascii_end().ends_with(b"decltype") => break,
+            b'(' => depth += 1,
+            b')' => depth -= 1,
+            b' ' if depth == 0 => start = i + 1,
             _ => {}
         }
+        i += 1;
     }
     &name[start..]
 }
@@ -274,6 +314,21 @@ mod tests {
                 "std::shared_ptr<std::enable_if<!std::is_array<std::array<char, 200ul> >::value, std::array<char, 200ul> >::type> std::make_shared<std::array<char, 200ul>>()",
                 None,
             ),
+            frame(
+                "decltype (__invoke((_S_declval<0ul>)())) std::thread::_Invoker<std::tuple<void (*)()> >::_M_invoke<0ul>(std::_Index_tuple<0ul>)",
+                None,
+            ),
+            frame(
+                "main::{lambda(int)#3}& std::forward<main::{lambda(int)#3}&>(std::remove_reference<main::{lambda(int)#3}&>::type&)",
+                None,
+            ),
+            frame("std::X::operator char const*() const", None),
+            frame(
+                "bool std::operator< <char, std::char_traits<char> >(std::basic_string<char> const&, char const*)",
+                None,
+            ),
+            // Any character: a damaged trace's names (slicing inside one panicked).
+            frame("é std::é::operator→é<é>(é)", None),
         ] {
             assert!(is_library_code(&f), "{}", f.function);
         }
@@ -283,6 +338,12 @@ mod tests {
             frame("main", None),
             frame("std::vector<int> app::make<std::vector<int> >(unsigned long)", None),
             frame("app::operator<(app::Key const&, app::Key const&)", None),
+            // An operator's `>` closed no bracket: the parameters were taken for the name.
+            frame("app::operator>(app::Key const&, std::__cxx11::basic_string<char> )", None),
+            frame("bool app::operator>=<app::Key>(app::Key const&, std::vector<int, std::allocator<int> >)", None),
+            frame("<app::Cache<fn(u32) -> u32> as core::clone::Clone>::clone", None),
+            frame("app::Key::operator std::__cxx11::basic_string<char>() const", None),
+            frame("app::Key::operator()(std::vector<int> const&)", None),
         ] {
             assert!(!is_library_code(&f), "{}", f.function);
         }
