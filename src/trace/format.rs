@@ -124,10 +124,12 @@ impl Kind {
 }
 
 /// The header of the trace `file` reads, read from its start only: a few hundred bytes
-/// usually, up to the command line's length (megabytes at most); `None` when `file` is not a
-/// trace.
+/// usually, up to the command line's length (megabytes at most, never more than the longest
+/// header record); `None` when `file` is not a trace.
 pub fn header_of(file: impl std::io::Read) -> Option<Header> {
     use std::io::Read;
+    // The signature, the version, a header record's tag and length, and its longest payload.
+    let longest = 20 + 11 + max_payload(TAG_HEADER);
     let mut file = file;
     let mut start = Vec::new();
     let mut want: u64 = 64 << 10;
@@ -136,12 +138,23 @@ pub fn header_of(file: impl std::io::Read) -> Option<Header> {
         let read = (&mut file).take(missing).read_to_end(&mut start).ok()? as u64;
         match Reader::new(&start) {
             Ok(reader) => return Some(reader.header),
-            // Cut inside the header: a longer command line than read so far.
-            Err(e) if read == missing && e.offset >= 20 && want < 1 << 30 => want *= 8,
+            // Cut inside the header record, and more to read: a longer command line than
+            // read so far (not a file of zeros after its version).
+            Err(e)
+                if e.what == HEADER_CUT
+                    && read == missing
+                    && start.get(20).is_some_and(|&t| t != 0)
+                    && want < longest =>
+            {
+                want = (want * 8).min(longest);
+            }
             Err(_) => return None,
         }
     }
 }
+
+/// Why [`Reader::new`] stopped, when the header record goes on past the bytes it was given.
+const HEADER_CUT: &str = "the file ends before its header is whole";
 
 /// What the trace is of.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -743,7 +756,7 @@ impl<'a> Reader<'a> {
             }
             Some(Ok(_)) => return Err(err(20, "no header record")),
             Some(Err(e)) => return Err(e),
-            None => return Err(err(20, "the file ends before its header is whole")),
+            None => return Err(err(20, HEADER_CUT)),
         }
         Ok(reader)
     }
@@ -849,6 +862,41 @@ impl Iterator for Reader<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `header_of` reads of a file that is a trace only in its first 20 bytes: no more
+    /// than its first read (it read on while the header "was cut", up to 2 GiB of a damaged
+    /// or zero-filled file).
+    #[test]
+    fn a_header_that_is_not_one_is_read_no_further_than_a_cut_one() {
+        let mut start = MAGIC.to_vec();
+        start.extend(VERSION.to_le_bytes());
+        for rest in [&[0u8][..], &[TAG_HEADER, 200, 1, 7], &[9, 1, 0]] {
+            use std::io::Read;
+            let mut file = start.chain(rest).chain(std::io::repeat(*rest.last().unwrap()));
+            let mut counter = Counting { inner: &mut file, read: 0 };
+            assert!(header_of(&mut counter).is_none(), "{rest:?}");
+            assert!(counter.read <= 64 << 10, "{rest:?}: {} bytes read", counter.read);
+        }
+        // A header record cut by the first read: read on, as far as its length says.
+        let long = Header { command: vec!["a".repeat(100_000); 12], ..Header::default() };
+        let mut file = Vec::new();
+        write_header(&mut file, &long);
+        let mut counter = Counting { inner: &file[..], read: 0 };
+        assert_eq!(header_of(&mut counter).map(|h| h.command.len()), Some(12));
+    }
+
+    struct Counting<R> {
+        inner: R,
+        read: u64,
+    }
+
+    impl<R: std::io::Read> std::io::Read for Counting<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.read += n as u64;
+            Ok(n)
+        }
+    }
 
     fn sample_file() -> (Vec<u8>, Vec<Event>) {
         let header = Header {
