@@ -167,6 +167,10 @@ fn register_spies() {
     if let Some(tracker) = builtins.leaks {
         crate::spies::leaks::set_tracker(tracker);
     }
+    if builtins.ticks.is_none() && builtins.options.trace.is_some() {
+        // Asked for and silently not made, the trace looked lost.
+        say("trace is written by spy=ticks only, which is not among the spies; no trace");
+    }
     if let Some(spy) = builtins.ticks {
         ticks::set_spy(spy);
         if let Some(trace) = builtins.options.trace.as_deref() {

@@ -116,6 +116,35 @@ fn a_log_that_refuses_the_report_is_said_and_the_report_goes_to_stderr() {
     assert!(count_report(&out.stderr).is_some(), "{stderr}");
 }
 
+/// `trace=PATH` is written by the ticks spy only: asked for under another spy, the trace was
+/// silently not made.
+#[test]
+fn a_trace_without_the_ticks_spy_is_said_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let out = run(Mode::Shim(format!("spy=count:trace={}", trace.display()).leak()), &mut ls());
+    assert!(out.status.success());
+    let said = text(&out.stderr);
+    assert!(
+        said.starts_with("mallocspy: trace is written by spy=ticks only, which is not among the spies; no trace\n"),
+        "{said}"
+    );
+    assert!(!trace.exists());
+}
+
+/// A `max_memory` too small for the threads' counters: the calls go uncounted, and the count
+/// report says it is not complete (all zeros read as a program that allocated nothing).
+#[test]
+fn a_count_that_max_memory_cut_short_says_so() {
+    let out = run(Mode::Shim("spy=count:max_memory=3m"), &mut ls());
+    assert!(out.status.success());
+    let report = text(&out.stderr);
+    assert!(report.contains("max_memory (3145728 bytes) reached"), "{report}");
+    assert!(report.trim_end().ends_with(",\"complete\":false}"), "{report}");
+    let out = run(Mode::Shim("spy=count"), &mut ls());
+    assert!(!text(&out.stderr).contains("complete"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn spy_none_is_a_pure_pass_through() {
     let out = run(PASS_THROUGH, &mut ls());

@@ -807,6 +807,23 @@ fn record_reports_bad_arguments_and_missing_programs() {
         .unwrap();
     assert!(out.status.success(), "the directory is 50%: {}", text(&out.stderr));
     assert!(dir.path().join("50%/t.trace").exists());
+    // Through a dangling symbolic link, as the program's writer goes: it creates the target
+    // (refused before, "File exists"); a target in no directory is refused, named.
+    let link = dir.path().join("link.trace");
+    std::os::unix::fs::symlink(dir.path().join("target.trace"), &link).unwrap();
+    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&link).args(["--", "true"]).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.path().join("target.trace").is_file());
+    let nowhere = dir.path().join("nowhere.trace");
+    std::os::unix::fs::symlink("/no/such/dir/t.trace", &nowhere).unwrap();
+    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&nowhere).args(["--", "true"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("its target '/no/such/dir/t.trace': "), "{}", text(&out.stderr));
+    // A shim that is not a file: refused, not run unspied with the loader's error in every process.
+    let out =
+        Command::new(mallocspy()).arg("record").arg("--shim").arg(dir.path()).args(["--", "true"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(text(&out.stderr), format!("mallocspy: no shim at '{}'\n", dir.path().display()));
     let out = record(dir.path(), &[], &["/no/such/program"]);
     assert_eq!(out.status.code(), Some(127));
     assert_eq!(text(&out.stderr).lines().count(), 1, "{}", text(&out.stderr));

@@ -77,7 +77,8 @@ fn preloaded(shim: Option<&Path>, options: &[String], program: &[OsString]) -> R
     let Some(shim) = shim.map(Path::to_path_buf).or_else(default_shim) else {
         return Err(fail("cannot find libmallocspy_preload.so next to this executable; give --shim PATH", 2));
     };
-    if !shim.exists() {
+    if !shim.is_file() {
+        // A directory or a missing file: the loader would say so in every process, and run it unspied.
         return Err(fail(&format!("no shim at '{}'", shim.display()), 2));
     }
     let shim = shim.canonicalize().unwrap_or(shim);

@@ -86,7 +86,16 @@ fn check_output(output: &str) -> Result<(), String> {
         Ok(m) if !m.is_file() => Err("it is not a regular file".into()),
         Ok(_) => OpenOptions::new().append(true).open(&file).map(drop).map_err(|e| e.to_string()),
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            OpenOptions::new().write(true).create_new(true).open(&file).map_err(|e| e.to_string())?;
+            // A dangling symbolic link: the writer will create its target, so ask there.
+            let (file, what) = match std::fs::read_link(&file) {
+                Ok(target) => {
+                    let target = dir.join(target);
+                    let what = format!("its target '{}': ", target.display());
+                    (target, what)
+                }
+                Err(_) => (file, String::new()),
+            };
+            OpenOptions::new().write(true).create_new(true).open(&file).map_err(|e| format!("{what}{e}"))?;
             std::fs::remove_file(&file).map_err(|e| e.to_string())
         }
         Err(e) => Err(e.to_string()),

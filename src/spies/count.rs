@@ -96,7 +96,10 @@ impl CountSpy {
         for (i, entry) in Entry::ALL.iter().enumerate() {
             let _ = write!(line, "{}\"{}\":{}", if i == 0 { "" } else { "," }, entry.name(), t.calls[i]);
         }
-        let _ = writeln!(line, "}},\"bytes_requested\":{},\"failed\":{}}}", t.bytes_requested, t.failed);
+        let _ = write!(line, "}},\"bytes_requested\":{},\"failed\":{}", t.bytes_requested, t.failed);
+        // Under a `max_memory` too small, threads with no slot went uncounted: all zeros read
+        // as a program that allocated nothing.
+        let _ = writeln!(line, "{}}}", if crate::pool::refused() { ",\"complete\":false" } else { "" });
         line
     }
 }
