@@ -261,11 +261,6 @@ fn say_refused() {
     }
 }
 
-/// Whether the limit refused a lease: what the spies report leaves some calls out.
-pub(crate) fn refused() -> bool {
-    REFUSED.load(Ordering::Relaxed)
-}
-
 /// Caps the bytes the pool may map (leases past it fail).
 pub(crate) fn set_limit(bytes: usize) {
     LIMIT.store(bytes, Ordering::Relaxed);

@@ -143,6 +143,12 @@ fn a_count_that_max_memory_cut_short_says_so() {
     assert!(report.trim_end().ends_with(",\"complete\":false}"), "{report}");
     let out = run(Mode::Shim("spy=count"), &mut ls());
     assert!(!text(&out.stderr).contains("complete"), "{}", text(&out.stderr));
+    // The limit refused the leak tracker's records only: every call was counted.
+    let out = run(Mode::Shim("spy=count,leaks:max_memory=8m"), &mut Command::new(c_program("million.c")));
+    let report = text(&out.stderr);
+    assert!(report.contains("max_memory (8388608 bytes) reached"), "{report}");
+    let count = count_report(&out.stderr).expect("a count report");
+    assert_eq!((calls(&count, "malloc"), count.get("complete")), (1_000_002, None), "{report}");
 }
 
 #[test]

@@ -35,6 +35,9 @@ pub(crate) struct CountSpy {
     /// For calls from a thread that has no slot of this module (never the case for the
     /// built-in spy of the shim; kept so the spy is correct anywhere).
     shared: Counters,
+    /// The calls that had gone unspied for want of a thread slot when counting began (at the
+    /// start, or in a forked child): more at the end, and the counts are not complete.
+    unspied_before: AtomicU64,
 }
 
 // SAFETY: the mapping is shared memory of atomics; each slot's counters are written only by
@@ -54,7 +57,11 @@ const fn zeroed() -> Counters {
 impl CountSpy {
     /// A spy with zeroed counters; `None` if the counter table cannot be mapped.
     pub(crate) fn new() -> Option<Self> {
-        Some(Self { per_thread: threads::map_per_thread::<Counters>()?, shared: zeroed() })
+        Some(Self {
+            per_thread: threads::map_per_thread::<Counters>()?,
+            shared: zeroed(),
+            unspied_before: AtomicU64::new(threads::unspied_calls()),
+        })
     }
 
     fn slot(&self, index: u32) -> &Counters {
@@ -82,10 +89,10 @@ impl CountSpy {
 
     /// Child side of `fork`: the child counts its own calls.
     pub(crate) fn reset(&self) {
-        for index in 0..threads::high_water() as u32 {
-            let c = self.slot(index);
+        for c in (0..threads::high_water() as u32).map(|index| self.slot(index)).chain([&self.shared]) {
             c.calls.iter().chain([&c.bytes, &c.failed]).for_each(|n| n.store(0, Ordering::Relaxed));
         }
+        self.unspied_before.store(threads::unspied_calls(), Ordering::Relaxed);
     }
 
     /// The exit report: one JSON object on one line.
@@ -99,7 +106,8 @@ impl CountSpy {
         let _ = write!(line, "}},\"bytes_requested\":{},\"failed\":{}", t.bytes_requested, t.failed);
         // Under a `max_memory` too small, threads with no slot went uncounted: all zeros read
         // as a program that allocated nothing.
-        let _ = writeln!(line, "{}}}", if crate::pool::refused() { ",\"complete\":false" } else { "" });
+        let complete = threads::unspied_calls() == self.unspied_before.load(Ordering::Relaxed);
+        let _ = writeln!(line, "{}}}", if complete { "" } else { ",\"complete\":false" });
         line
     }
 }
