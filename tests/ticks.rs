@@ -814,6 +814,18 @@ fn record_reports_bad_arguments_and_missing_programs() {
     let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&link).args(["--", "true"]).output().unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(dir.path().join("target.trace").is_file());
+    // A chain of them: the last one's target.
+    std::os::unix::fs::symlink(dir.path().join("end.trace"), dir.path().join("middle.trace")).unwrap();
+    std::os::unix::fs::symlink("middle.trace", dir.path().join("start.trace")).unwrap();
+    let out = Command::new(mallocspy())
+        .arg("record")
+        .arg("-o")
+        .arg(dir.path().join("start.trace"))
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.path().join("end.trace").is_file());
     let nowhere = dir.path().join("nowhere.trace");
     std::os::unix::fs::symlink("/no/such/dir/t.trace", &nowhere).unwrap();
     let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&nowhere).args(["--", "true"]).output().unwrap();

@@ -86,15 +86,14 @@ fn check_output(output: &str) -> Result<(), String> {
         Ok(m) if !m.is_file() => Err("it is not a regular file".into()),
         Ok(_) => OpenOptions::new().append(true).open(&file).map(drop).map_err(|e| e.to_string()),
         Err(e) if e.kind() == ErrorKind::NotFound => {
-            // A dangling symbolic link: the writer will create its target, so ask there.
-            let (file, what) = match std::fs::read_link(&file) {
-                Ok(target) => {
-                    let target = dir.join(target);
-                    let what = format!("its target '{}': ", target.display());
-                    (target, what)
-                }
-                Err(_) => (file, String::new()),
-            };
+            // A dangling symbolic link (or a chain of them): the writer will create the last
+            // one's target, so ask there.
+            let (mut file, mut what) = (file, String::new());
+            for _ in 0..40 {
+                let Ok(target) = std::fs::read_link(&file) else { break };
+                file = file.parent().unwrap_or(Path::new("/")).join(target);
+                what = format!("its target '{}': ", file.display());
+            }
             OpenOptions::new().write(true).create_new(true).open(&file).map_err(|e| format!("{what}{e}"))?;
             std::fs::remove_file(&file).map_err(|e| e.to_string())
         }

@@ -139,12 +139,9 @@ pub fn header_of(file: impl std::io::Read) -> Option<Header> {
         match Reader::new(&start) {
             Ok(reader) => return Some(reader.header),
             // Cut inside the header record, and more to read: a longer command line than
-            // read so far (not a file of zeros after its version).
+            // read so far (not another record's length, nor zeros after the version).
             Err(e)
-                if e.what == HEADER_CUT
-                    && read == missing
-                    && start.get(20).is_some_and(|&t| t != 0)
-                    && want < longest =>
+                if e.what == HEADER_CUT && read == missing && start.get(20) == Some(&TAG_HEADER) && want < longest =>
             {
                 want = (want * 8).min(longest);
             }
@@ -870,7 +867,9 @@ mod tests {
     fn a_header_that_is_not_one_is_read_no_further_than_a_cut_one() {
         let mut start = MAGIC.to_vec();
         start.extend(VERSION.to_le_bytes());
-        for rest in [&[0u8][..], &[TAG_HEADER, 200, 1, 7], &[9, 1, 0]] {
+        // Zeros, a header too long for its fields, another record first, one of a later
+        // version's tags claiming 60 MiB.
+        for rest in [&[0u8][..], &[TAG_HEADER, 200, 1, 7], &[9, 1, 0], &[200, 0x80, 0x80, 0x80, 0x1e, 1]] {
             use std::io::Read;
             let mut file = start.chain(rest).chain(std::io::repeat(*rest.last().unwrap()));
             let mut counter = Counting { inner: &mut file, read: 0 };

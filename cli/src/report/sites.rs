@@ -115,7 +115,13 @@ fn without_return_type(name: &str) -> &str {
                 // Past the operator's symbol: a template's arguments may follow (`operator>=<T>`,
                 // `operator< <T>`).
                 i += symbol.len();
-                if bytes[i..].starts_with(b" <") {
+                if *symbol == "\"\"" {
+                    // A literal operator's suffix: `operator"" s`, `operator"" _km`.
+                    i += usize::from(bytes[i..].starts_with(b" "));
+                    while i < bytes.len() && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_') {
+                        i += 1;
+                    }
+                } else if bytes[i..].starts_with(b" <") {
                     i += 1;
                 }
             }
@@ -125,7 +131,7 @@ fn without_return_type(name: &str) -> &str {
             b'-' if rest.starts_with(b"->") => i += 1,
             b'<' | b'[' | b'{' => depth += 1,
             b'>' | b']' | b'}' => depth -= 1,
-            b'(' if depth == 0 && i > 0 && !bytes[..i].trim_ascii_end().ends_with(b"decltype") => break,
+            b'(' if depth == 0 && i > 0 && !ends_with_word(&bytes[..i], b"decltype") => break,
             b'(' => depth += 1,
             b')' => depth -= 1,
             b' ' if depth == 0 => start = i + 1,
@@ -134,6 +140,13 @@ fn without_return_type(name: &str) -> &str {
         i += 1;
     }
     &name[start..]
+}
+
+/// Whether `text`, without trailing spaces, ends with the whole word `word`.
+fn ends_with_word(text: &[u8], word: &[u8]) -> bool {
+    let text = text.trim_ascii_end();
+    text.ends_with(word)
+        && !text[..text.len() - word.len()].last().is_some_and(|&c| c.is_ascii_alphanumeric() || c == b'_' || c == b':')
 }
 
 fn is_allocator_function(name: &str) -> bool {
@@ -327,6 +340,7 @@ mod tests {
                 "bool std::operator< <char, std::char_traits<char> >(std::basic_string<char> const&, char const*)",
                 None,
             ),
+            frame("std::literals::string_literals::operator\"\" s[abi:cxx11](char const*, unsigned long)", None),
             // Any character: a damaged trace's names (slicing inside one panicked).
             frame("é std::é::operator→é<é>(é)", None),
         ] {
@@ -344,6 +358,8 @@ mod tests {
             frame("<app::Cache<fn(u32) -> u32> as core::clone::Clone>::clone", None),
             frame("app::Key::operator std::__cxx11::basic_string<char>() const", None),
             frame("app::Key::operator()(std::vector<int> const&)", None),
+            frame("app::Foo::not_decltype(std::vector<int> const&) const", None),
+            frame("app::operator\"\" _big(unsigned long long)", None),
         ] {
             assert!(!is_library_code(&f), "{}", f.function);
         }
