@@ -749,6 +749,10 @@ fn a_path_that_is_not_utf8_is_refused_in_one_line() {
 #[test]
 fn record_reports_bad_arguments_and_missing_programs() {
     let dir = tempfile::tempdir().unwrap();
+    // `record -o OUTPUT -- true`.
+    let record_true_to = |output: &Path| {
+        Command::new(mallocspy()).arg("record").arg("-o").arg(output).args(["--", "true"]).output().unwrap()
+    };
     let out = record(dir.path(), &["--interval", "lots"], &["true"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("'lots' is not a size"), "{}", text(&out.stderr));
@@ -782,7 +786,7 @@ fn record_reports_bad_arguments_and_missing_programs() {
     }
     // MALLOCSPY_OPTIONS trims white space from its values: such a path would name another file.
     let spaced = dir.path().join("t.trace ");
-    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&spaced).args(["--", "true"]).output().unwrap();
+    let out = record_true_to(&spaced);
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(
         text(&out.stderr),
@@ -793,42 +797,30 @@ fn record_reports_bad_arguments_and_missing_programs() {
     );
     // `%%` is a `%` for `record` as for the program: the trace it names is the one written.
     let percent = dir.path().join("a%%p.trace");
-    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&percent).args(["--", "true"]).output().unwrap();
+    let out = record_true_to(&percent);
     let written = dir.path().join("a%p.trace");
     assert!(text(&out.stderr).contains(&format!(" in {} (", written.display())), "{}", text(&out.stderr));
     assert!(written.exists());
     std::fs::create_dir(dir.path().join("50%")).unwrap();
-    let out = Command::new(mallocspy())
-        .arg("record")
-        .arg("-o")
-        .arg(dir.path().join("50%%/t.trace"))
-        .args(["--", "true"])
-        .output()
-        .unwrap();
+    let out = record_true_to(&dir.path().join("50%%/t.trace"));
     assert!(out.status.success(), "the directory is 50%: {}", text(&out.stderr));
     assert!(dir.path().join("50%/t.trace").exists());
     // Through a dangling symbolic link, as the program's writer goes: it creates the target
     // (refused before, "File exists"); a target in no directory is refused, named.
     let link = dir.path().join("link.trace");
     std::os::unix::fs::symlink(dir.path().join("target.trace"), &link).unwrap();
-    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&link).args(["--", "true"]).output().unwrap();
+    let out = record_true_to(&link);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(dir.path().join("target.trace").is_file());
     // A chain of them: the last one's target.
     std::os::unix::fs::symlink(dir.path().join("end.trace"), dir.path().join("middle.trace")).unwrap();
     std::os::unix::fs::symlink("middle.trace", dir.path().join("start.trace")).unwrap();
-    let out = Command::new(mallocspy())
-        .arg("record")
-        .arg("-o")
-        .arg(dir.path().join("start.trace"))
-        .args(["--", "true"])
-        .output()
-        .unwrap();
+    let out = record_true_to(&dir.path().join("start.trace"));
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(dir.path().join("end.trace").is_file());
     let nowhere = dir.path().join("nowhere.trace");
     std::os::unix::fs::symlink("/no/such/dir/t.trace", &nowhere).unwrap();
-    let out = Command::new(mallocspy()).arg("record").arg("-o").arg(&nowhere).args(["--", "true"]).output().unwrap();
+    let out = record_true_to(&nowhere);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("its target '/no/such/dir/t.trace': "), "{}", text(&out.stderr));
     // A shim that is not a file: refused, not run unspied with the loader's error in every process.
