@@ -64,7 +64,8 @@ pub enum StopThreads {
     /// With ptrace where the kernel allows it (a filter that refuses `clone` or `ptrace` with
     /// an error falls back to the signal; one that kills, kills).
     Ptrace,
-    /// With a signal: a `sleep`, `poll` or `read` a thread is in returns early with EINTR.
+    /// With a signal, whose handler also stops threads that ptrace cannot reach. A `sleep`,
+    /// `poll` or `epoll_wait` it cuts short is made again, with its whole timeout.
     Signal,
 }
 

@@ -3,6 +3,7 @@
 //! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
 pub(crate) mod report;
+mod restart;
 pub(crate) mod roots;
 pub(crate) mod scan;
 pub(crate) mod stop;

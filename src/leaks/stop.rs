@@ -5,7 +5,7 @@
 //! system call as it was. Otherwise with a signal, as without ptrace it must be: each other
 //! thread is sent a real-time signal nobody uses, its handler records the registers the
 //! signal interrupted and waits on a futex until the scan is over (a `sleep` or `pause` it
-//! interrupts then returns early). Nothing may allocate between stopping and resuming (a
+//! interrupts is then made again: `restart.rs`). Nothing may allocate between stopping and resuming (a
 //! stopped thread may hold the allocator's lock), so every buffer the scan needs is
 //! reserved before.
 
@@ -13,6 +13,7 @@ use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use super::restart;
 use super::roots::parse_hex;
 use super::tracer::{self, Tracer};
 use crate::options::StopThreads;
@@ -58,6 +59,9 @@ extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
             slot.tid = os::gettid();
         }
     }
+    // SAFETY: the kernel passes the interrupted context, which this thread alone returns to.
+    let gregs = unsafe { &mut (*(uc as *mut libc::ucontext_t)).uc_mcontext.gregs };
+    restart::restart_in_context(gregs, os::gettid());
     ARRIVED.fetch_add(1, Ordering::Release);
     while RESUME.load(Ordering::Acquire) == 0 {
         // SAFETY: futex wait on a static word; spurious wake-ups loop.
@@ -319,8 +323,10 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
         }
         old
     };
+    restart::clear();
     let mut sent = 0;
     for tid in targets {
+        restart::note_waiting(tid);
         // SAFETY: tgkill to a thread of this process; a thread that exited meanwhile is ESRCH.
         if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, signal) } == 0 {
             sent += 1;
@@ -405,14 +411,9 @@ mod tests {
         format!("Name:\tworker\nUmask:\t0022\nState:\t{state}\nTgid:\t7\nSigQ:\t0/127\nSigPnd:\t0000000000000000\nSigBlk:\t{blocked}\nSigIgn:\t0000000000001000\n").into_bytes()
     }
 
-    /// Stopped with ptrace, a thread's `nanosleep` goes on as if nothing happened; stopped
-    /// with the signal, it returned early with EINTR.
-    #[test]
-    fn a_thread_stopped_with_ptrace_sleeps_on_as_if_never_stopped() {
-        if std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3") {
-            eprintln!("skipped: ptrace is disabled here (Yama ptrace_scope 3)");
-            return;
-        }
+    /// Stops the world once while another thread sleeps 300 ms in `nanosleep`: whether the
+    /// threads were traced, and what the sleep returned and how long it took.
+    fn stop_a_sleeper() -> (bool, libc::c_int, Duration) {
         let (tx, rx) = std::sync::mpsc::channel();
         let sleeper = std::thread::spawn(move || {
             tx.send(os::gettid()).unwrap();
@@ -425,12 +426,35 @@ mod tests {
         let tid = rx.recv().unwrap();
         std::thread::sleep(Duration::from_millis(50));
         let stopped = stop_the_world().expect("the world stopped");
-        assert!(stopped.traced());
+        let traced = stopped.traced();
         let parked = stopped.parked().iter().find(|p| p.tid == tid).copied();
         drop(stopped);
         let parked = parked.expect("the sleeper stopped");
         assert!(parked.sp != 0 && parked.tp != 0);
         let (r, slept) = sleeper.join().unwrap();
+        (traced, r, slept)
+    }
+
+    /// Stopped with ptrace, a thread's `nanosleep` goes on as if nothing happened.
+    #[test]
+    fn a_thread_stopped_with_ptrace_sleeps_on_as_if_never_stopped() {
+        if std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3") {
+            eprintln!("skipped: ptrace is disabled here (Yama ptrace_scope 3)");
+            return;
+        }
+        let (traced, r, slept) = stop_a_sleeper();
+        assert!(traced);
+        assert_eq!(r, 0, "nanosleep interrupted");
+        assert!(slept >= Duration::from_millis(300), "{slept:?}");
+    }
+
+    /// Stopped with the signal, a thread's `nanosleep` is made again: it returned early with
+    /// EINTR.
+    #[test]
+    fn a_thread_stopped_with_the_signal_sleeps_on() {
+        set_stop_threads(StopThreads::Signal);
+        let (traced, r, slept) = stop_a_sleeper();
+        assert!(!traced);
         assert_eq!(r, 0, "nanosleep interrupted");
         assert!(slept >= Duration::from_millis(300), "{slept:?}");
     }

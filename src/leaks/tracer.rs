@@ -5,10 +5,11 @@
 //!
 //! Why not the signal of `stop.rs` alone: running a handler ends the system call it
 //! interrupts, and `sleep`, `pause`, `nanosleep`, `poll` or `epoll_wait` then fail with EINTR
-//! whatever `SA_RESTART` says. A program whose main thread slept while another thread called
-//! `exit` woke during the exit report, returned from `main` and exited 0: its status and the
-//! report were lost (3 of 3 runs). A ptrace stop runs no handler, and the kernel restarts
-//! the call where it was.
+//! whatever `SA_RESTART` says. The handler makes such a call again (`restart.rs`), but with
+//! its whole timeout, and a thread that blocks the signal is not stopped at all. A ptrace
+//! stop runs no handler and stops every thread, and the kernel restarts the call where it
+//! was, with what was left of its timeout. Only `epoll_wait` and a few other calls fail with
+//! EINTR after such a stop: the tracer makes them again.
 //!
 //! The tracer is a raw `clone` without `CLONE_THREAD` or a thread pointer of its own, and
 //! with exit signal 0, so that the program's `wait` never sees it. It runs on the caller's
@@ -23,6 +24,7 @@ use core::ffi::{c_int, c_void};
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
+use super::restart;
 use super::stop::{MAX_PARKED, Parked};
 use crate::{os, pool};
 
@@ -212,6 +214,9 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
                 slot.tp = r.fs_base;
                 slot.tid = tid;
             }
+            if signal == 0 {
+                resume_cut_call(tid);
+            }
             stopped += 1;
         }
     }
@@ -225,6 +230,19 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
         }
     }
     0
+}
+
+/// Points stopped thread `tid`, whose registers are in `SHARED.regs`, back into the wait the
+/// interrupt cut short, if it did (see `restart.rs`); not for a signal-delivery stop, where
+/// the program's own signal is what ends the wait.
+fn resume_cut_call(tid: u32) {
+    // SAFETY: `regs` is the tracer's alone and holds the thread's registers.
+    let r = unsafe { &mut *SHARED.regs.get() };
+    if restart::cut_short(r.orig_rax as i64, r.rax as i64, r.rip) {
+        r.rax = r.orig_rax;
+        r.rip -= 2;
+        ptrace(libc::PTRACE_SETREGS, tid, r as *mut _ as usize);
+    }
 }
 
 /// The other threads, stopped by a tracer until this is dropped.
