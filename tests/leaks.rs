@@ -282,6 +282,40 @@ fn a_thread_exiting_while_main_waits_keeps_its_status_and_report() {
                 text(&out.stderr)
             );
             let s = &json_report(&out)["summary"];
+/// A signal of the program's that comes while a check has a thread stopped still ends the
+/// thread's `pause` or `epoll_wait` with EINTR once it is let go, with ptrace and with the
+/// signal: made again (its handler having run), the wait went on for ever (helper 50).
+#[test]
+fn a_programs_signal_during_a_check_still_ends_the_wait() {
+    let ptrace_disabled = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3");
+    let program = c_program("signal_during_check.c");
+    for stop in ["ptrace", "signal"] {
+        if stop == "ptrace" && ptrace_disabled {
+            continue;
+        }
+        for waits in ["pauses", "epolls"] {
+            let mut cmd = Command::new(&program);
+            cmd.arg(waits).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", format!("stop_threads={stop}"));
+            let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+            let out = output_within(child, std::time::Duration::from_secs(30));
+            let mut lines: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
+            lines.sort();
+            assert_eq!(
+                (out.status.code(), lines),
+                (
+                    Some(0),
+                    vec![
+                        "the watcher saw the stop".to_string(),
+                        "wait returned -1 (Interrupted system call), handler ran 1".to_string()
+                    ]
+                ),
+                "{stop}, {waits}: {}",
+                text(&out.stderr)
+            );
+        }
+    }
+}
+
             assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{stop}, {how}: {s}");
         }
     }

@@ -3,30 +3,45 @@
 //!
 //! A thread waiting in such a call is woken by the stop: by the signal's handler, which ends
 //! `pause`, `sleep`, `poll`, `select`, `epoll_wait`, `sigsuspend` and timed futex waits with
-//! EINTR whatever `SA_RESTART` says, and by a tracer's interrupt, which so ends
-//! `epoll_wait`. A `main` woken so while another thread's `exit` wrote the report returned
-//! 0 and ended the process: its status and its report were lost, every run.
+//! EINTR whatever `SA_RESTART` says, and by a tracer's interrupt, which so ends `epoll_wait`
+//! and `io_uring_enter`. A `main` woken so while another thread's `exit` wrote the report
+//! returned 0 and ended the process: its status and its report were lost, every run.
 //!
 //! The kernel restarts a call that a stop cut short by pointing the thread back at its
 //! `syscall` instruction with the call's number in `rax`: the arguments are still in their
-//! registers. mallocspy does the same for the calls that ended with EINTR because of it: the
-//! tracer in the registers it sets, the signal's handler in the context it returns to. The
-//! handler has no `orig_rax`, so the call's number is read from `/proc` before the signal
-//! is sent, and used only where the thread is still in that call.
+//! registers. mallocspy does the same for the calls that ended with EINTR because of it, when
+//! it lets the thread go: the tracer in the registers it sets, the signal's handler in the
+//! context it returns to. The handler has no `orig_rax`: the call's number is read from
+//! `/proc` before the signal is sent, and used only if the thread is still in that call.
 //!
-//! Only calls that wait and have done nothing when they fail with EINTR are restarted (not
-//! `close`, whose descriptor is gone by then). A restarted call with a relative timeout waits
-//! its whole timeout again, where the kernel's own restart waits out what was left.
+//! Not restarted:
+//! - A call that had a signal of the program's waiting when the thread was let go: its
+//!   handler runs, and the call must fail with EINTR, as it would have without the stop.
+//! - Any call but those that wait and have done nothing when they fail with EINTR (not
+//!   `close`, whose descriptor is gone by then), or one made by `int 0x80` (another table of
+//!   numbers).
+//!
+//! A restarted call with a relative timeout waits it whole again, where the kernel's own
+//! restart waits out what was left (`select`, whose `timeval` Linux counts down, excepted).
+//!
+//! The handler makes no system call of its own for this: under a seccomp filter that traps
+//! a call (Chromium's), the trap's `SIGSYS`, blocked in the handler, would kill the process.
 
-use core::cell::UnsafeCell;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::ffi::CStr;
+use core::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use super::stop::MAX_PARKED;
 use crate::os;
 
+/// A call's `rax` when it failed with EINTR.
+pub(super) const EINTR: i64 = -(libc::EINTR as i64);
+
+/// x86-64's `io_pgetevents`, which the libc crate does not name.
+const SYS_IO_PGETEVENTS: libc::c_long = 333;
+
 /// The calls restarted: those that wait, end with EINTR (or restart) when a stop interrupts
 /// them, and have done nothing when they so end.
-const RESTARTED: [libc::c_long; 34] = [
+const RESTARTED: [libc::c_long; 36] = [
     libc::SYS_pause,
     libc::SYS_rt_sigsuspend,
     libc::SYS_rt_sigtimedwait,
@@ -47,6 +62,7 @@ const RESTARTED: [libc::c_long; 34] = [
     libc::SYS_msgsnd,
     libc::SYS_io_getevents,
     SYS_IO_PGETEVENTS,
+    libc::SYS_io_uring_enter,
     libc::SYS_wait4,
     libc::SYS_waitid,
     libc::SYS_accept,
@@ -57,60 +73,106 @@ const RESTARTED: [libc::c_long; 34] = [
     libc::SYS_recvmmsg,
     libc::SYS_sendto,
     libc::SYS_sendmsg,
+    libc::SYS_sendmmsg,
     libc::SYS_read,
     libc::SYS_readv,
     libc::SYS_write,
     libc::SYS_writev,
 ];
 
-/// x86-64's `io_pgetevents`, which the libc crate does not name.
-const SYS_IO_PGETEVENTS: libc::c_long = 333;
+/// Whether call `nr`, failed with EINTR after a stop, is made again (see the module's docs).
+pub(super) fn restartable(nr: i64) -> bool {
+    RESTARTED.contains(&nr)
+}
 
-/// The two bytes of `syscall`.
-const SYSCALL: [u8; 2] = [0x0f, 0x05];
+/// Whether `insn` are the bytes of `syscall` (not `int 0x80`, two bytes as well).
+pub(super) fn is_syscall(insn: [u8; 2]) -> bool {
+    insn == [0x0f, 0x05]
+}
 
-/// Whether a thread whose `rax` is `ret` just after its call `nr` ended at `pc` was cut
-/// short by a stop and should make the call again. Reads the instruction before `pc` with
-/// `process_vm_readv` (no fault if it is gone), and makes raw system calls only: the tracer
-/// calls this on the caller's thread pointer.
-pub(super) fn cut_short(nr: i64, ret: i64, pc: u64) -> bool {
-    if ret != -(libc::EINTR as i64) || !RESTARTED.contains(&nr) {
-        return false;
+/// `/proc/PID/task/TID/LEAF`, NUL-terminated, in `buf`.
+fn task_path<'a>(buf: &'a mut [u8; 64], pid: u32, tid: u32, leaf: &[u8]) -> Option<&'a CStr> {
+    fn decimal(mut n: u32, out: &mut [u8; 10]) -> &[u8] {
+        let mut i = out.len();
+        loop {
+            i -= 1;
+            out[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                return &out[i..];
+            }
+        }
     }
-    // A call made by `int 0x80` (two bytes as well) has another table of numbers.
-    let mut insn = [0u8; 2];
-    let local = libc::iovec { iov_base: insn.as_mut_ptr().cast(), iov_len: 2 };
-    let remote = libc::iovec { iov_base: pc.wrapping_sub(2) as *mut _, iov_len: 2 };
-    // SAFETY: getpid has no preconditions (the tracer's own id names the same memory); the
-    // kernel writes the two bytes of `insn` and reads the process's memory, failing (EFAULT)
-    // where nothing is mapped.
-    let read = unsafe {
-        let pid = os::raw_syscall(libc::SYS_getpid, [0; 6]) as usize;
-        os::raw_syscall(
-            libc::SYS_process_vm_readv,
-            [pid, &raw const local as usize, 1, &raw const remote as usize, 1, 0],
-        )
+    let (mut p, mut t) = ([0u8; 10], [0u8; 10]);
+    let parts: [&[u8]; 6] = [b"/proc/", decimal(pid, &mut p), b"/task/", decimal(tid, &mut t), b"/", leaf];
+    let mut len = 0;
+    for part in parts {
+        buf.get_mut(len..len + part.len())?.copy_from_slice(part);
+        len += part.len();
+    }
+    *buf.get_mut(len)? = 0;
+    CStr::from_bytes_with_nul(&buf[..=len]).ok()
+}
+
+/// Reads the file at `path` into `buf`: its length, if it opens. Raw system calls only
+/// (nothing allocated, no `errno` written), for the tracer too.
+fn read_file<'a>(path: &CStr, buf: &'a mut [u8]) -> Option<&'a [u8]> {
+    let raw = |nr, args| {
+        // SAFETY: openat reads the NUL-terminated path; read writes at most buf.len() bytes
+        // into buf; close closes the descriptor opened here (see the calls below).
+        unsafe { os::raw_syscall(nr, args) }
     };
-    read == 2 && insn == SYSCALL
+    let flags = (libc::O_RDONLY | libc::O_CLOEXEC) as usize;
+    let fd = raw(libc::SYS_openat, [libc::AT_FDCWD as usize, path.as_ptr() as usize, flags, 0, 0, 0]);
+    if fd < 0 {
+        return None;
+    }
+    let n = raw(libc::SYS_read, [fd as usize, buf.as_mut_ptr() as usize, buf.len(), 0, 0, 0]);
+    raw(libc::SYS_close, [fd as usize, 0, 0, 0, 0, 0]);
+    buf.get(..usize::try_from(n).ok()?)
 }
 
-/// A thread blocked in a call when the signal was sent, as `/proc/<tid>/syscall` showed it.
-#[derive(Clone, Copy)]
+/// The signals pending for thread `tid` of process `pid` (its own and the process's), and
+/// those it blocks, from its `status`; `None` if that cannot be read. Raw system calls only.
+pub(super) fn signals_of(pid: u32, tid: u32) -> Option<(u64, u64)> {
+    let mut path = [0u8; 64];
+    let path = task_path(&mut path, pid, tid, b"status")?;
+    let mut text = [0u8; 8192];
+    let text = read_file(path, &mut text)?;
+    let field = |name: &[u8]| {
+        let line = text.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name))?;
+        super::roots::parse_hex(line.trim_ascii())
+    };
+    Some((field(b"SigPnd:")? | field(b"ShdPnd:")?, field(b"SigBlk:")?))
+}
+
+/// A thread blocked in a call when the signal was sent, as `/proc/<tid>/syscall` showed it,
+/// and the signals pending for it when it was let go. Atomics: a handler that answers late
+/// (after the stop gave up on it) may read its entry while the next stop writes the table.
 struct Waiting {
-    tid: u32,
-    nr: i64,
-    args: [u64; 6],
-    sp: u64,
-    pc: u64,
+    tid: AtomicU32,
+    nr: AtomicI64,
+    args: [AtomicU64; 6],
+    sp: AtomicU64,
+    pc: AtomicU64,
+    pending: AtomicU64,
 }
 
-struct Table(UnsafeCell<[Waiting; MAX_PARKED]>);
+impl Waiting {
+    const fn new() -> Self {
+        Waiting {
+            tid: AtomicU32::new(0),
+            nr: AtomicI64::new(-1),
+            args: [const { AtomicU64::new(0) }; 6],
+            sp: AtomicU64::new(0),
+            pc: AtomicU64::new(0),
+            pending: AtomicU64::new(u64::MAX),
+        }
+    }
+}
 
-// SAFETY: entries below WAITING are written by the stopping thread before it publishes them
-// (Release) and signals their thread; handlers read them after an Acquire load.
-unsafe impl Sync for Table {}
-
-static TABLE: Table = Table(UnsafeCell::new([Waiting { tid: 0, nr: -1, args: [0; 6], sp: 0, pc: 0 }; MAX_PARKED]));
+static TABLE: [Waiting; MAX_PARKED] = [const { Waiting::new() }; MAX_PARKED];
+/// Entries of this stop; written by the stopping thread (the holder of the stop's turn).
 static WAITING: AtomicUsize = AtomicUsize::new(0);
 
 /// Forgets the threads noted for the last stop.
@@ -118,57 +180,65 @@ pub(super) fn clear() {
     WAITING.store(0, Ordering::Release);
 }
 
-/// Notes the call thread `tid` is blocked in, if any, just before it is sent the signal.
-/// Allocates nothing: threads signalled before may hold the allocator's lock.
+/// Notes the call thread `tid` is blocked in, if it is one to restart, just before it is sent
+/// the signal. Allocates nothing: threads signalled before may hold the allocator's lock.
 pub(super) fn note_waiting(tid: u32) {
-    let Some(waiting) = blocked_call(tid) else { return };
-    let n = WAITING.load(Ordering::Relaxed);
-    if n >= MAX_PARKED {
+    let pid = os::getpid();
+    let mut path = [0u8; 64];
+    let mut text = [0u8; 256];
+    let Some(call) = task_path(&mut path, pid, tid, b"syscall").and_then(|p| read_file(p, &mut text)) else {
+        return;
+    };
+    let Some((nr, args, sp, pc)) = parse(call) else { return };
+    if !restartable(nr) || !syscall_before(pc) {
         return;
     }
-    // SAFETY: entry n is above every published one, so no handler reads it; only the
-    // stopping thread (holder of the stop's turn) writes the table.
-    unsafe { (*TABLE.0.get())[n] = waiting };
+    let n = WAITING.load(Ordering::Relaxed);
+    let Some(entry) = TABLE.get(n) else { return };
+    entry.tid.store(tid, Ordering::Relaxed);
+    entry.nr.store(nr, Ordering::Relaxed);
+    for (to, from) in entry.args.iter().zip(args) {
+        to.store(from, Ordering::Relaxed);
+    }
+    entry.sp.store(sp, Ordering::Relaxed);
+    entry.pc.store(pc, Ordering::Relaxed);
+    entry.pending.store(u64::MAX, Ordering::Relaxed);
     WAITING.store(n + 1, Ordering::Release);
 }
 
-/// The call thread `tid` of this process is blocked in, from `/proc/self/task/<tid>/syscall`.
-fn blocked_call(tid: u32) -> Option<Waiting> {
-    let mut path = [0u8; 48];
-    let mut len = 0;
-    let mut push = |bytes: &[u8]| {
-        path[len..len + bytes.len()].copy_from_slice(bytes);
-        len += bytes.len();
+/// Whether the two bytes before `pc` are a `syscall` instruction. Read with
+/// `process_vm_readv`, which fails (EFAULT) where nothing is mapped, in the stopping thread,
+/// where a seccomp filter's `SIGSYS` reaches the program's handler.
+fn syscall_before(pc: u64) -> bool {
+    let mut insn = [0u8; 2];
+    let local = libc::iovec { iov_base: insn.as_mut_ptr().cast(), iov_len: 2 };
+    let remote = libc::iovec { iov_base: pc.wrapping_sub(2) as *mut _, iov_len: 2 };
+    let pid = os::getpid() as usize;
+    // SAFETY: the kernel writes the two bytes of `insn` and reads this process's memory.
+    let read = unsafe {
+        os::raw_syscall(
+            libc::SYS_process_vm_readv,
+            [pid, &raw const local as usize, 1, &raw const remote as usize, 1, 0],
+        )
     };
-    push(b"/proc/self/task/");
-    let mut digits = [0u8; 10];
-    let mut i = digits.len();
-    let mut t = tid;
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (t % 10) as u8;
-        t /= 10;
-        if t == 0 {
-            break;
-        }
-    }
-    push(&digits[i..]);
-    push(b"/syscall\0");
-    let path = core::ffi::CStr::from_bytes_with_nul(&path[..len]).ok()?;
-    let fd = os::open(path, libc::O_RDONLY | libc::O_CLOEXEC);
-    if fd < 0 {
-        return None;
-    }
-    let mut text = [0u8; 256];
-    let n = os::read(fd, &mut text);
-    os::close(fd);
-    parse(tid, text.get(..usize::try_from(n).ok()?)?)
+    read == 2 && is_syscall(insn)
 }
 
-/// A `/proc/<tid>/syscall` text: the call's number, its six arguments, the stack pointer
-/// and the address after the call, or `running`, or `-1` and two addresses (blocked outside a
+/// Notes, just before the threads are let go, the signals pending for each thread noted
+/// waiting: a call with one of them to run its handler is not restarted.
+pub(super) fn note_pending() {
+    let pid = os::getpid();
+    let n = WAITING.load(Ordering::Acquire).min(MAX_PARKED);
+    for entry in &TABLE[..n] {
+        let pending = signals_of(pid, entry.tid.load(Ordering::Relaxed)).map_or(u64::MAX, |(pending, _)| pending);
+        entry.pending.store(pending, Ordering::Release);
+    }
+}
+
+/// A `/proc/<tid>/syscall` text: the call's number, its six arguments, the stack pointer and
+/// the address after the call (not `running`, nor `-1` and two addresses: blocked outside a
 /// call).
-fn parse(tid: u32, text: &[u8]) -> Option<Waiting> {
+fn parse(text: &[u8]) -> Option<(i64, [u64; 6], u64, u64)> {
     let mut fields = text.trim_ascii().split(|&c| c == b' ');
     let nr = core::str::from_utf8(fields.next()?).ok()?.parse::<i64>().ok().filter(|&nr| nr >= 0)?;
     let mut words = [0u64; 8];
@@ -176,23 +246,26 @@ fn parse(tid: u32, text: &[u8]) -> Option<Waiting> {
         *word = super::roots::parse_hex(fields.next()?.strip_prefix(b"0x")?)?;
     }
     let [a0, a1, a2, a3, a4, a5, sp, pc] = words;
-    fields.next().is_none().then_some(Waiting { tid, nr, args: [a0, a1, a2, a3, a4, a5], sp, pc })
+    fields.next().is_none().then_some((nr, [a0, a1, a2, a3, a4, a5], sp, pc))
 }
 
-/// In the signal's handler: makes the interrupted context go back into the call the signal cut
-/// short, if this thread was noted blocked in it and the context is that call's end.
-pub(super) fn restart_in_context(gregs: &mut [libc::greg_t; 23], tid: u32) {
+/// In the signal's handler, as it lets the thread go: points the interrupted context back
+/// into the call the signal cut short, if this thread was noted waiting in it, the context
+/// is that call's end, and no signal of the program's would run its handler on return (the
+/// ones `mask`, the context's, lets through; `own` is the stop's).
+pub(super) fn restart_in_context(gregs: &mut [libc::greg_t; 23], mask: u64, tid: u32, own: u64) {
     let n = WAITING.load(Ordering::Acquire).min(MAX_PARKED);
-    // SAFETY: entries below n were written before their Release store and are not written
-    // again during this stop.
-    let table = unsafe { &(&*TABLE.0.get())[..n] };
-    let Some(waiting) = table.iter().find(|w| w.tid == tid) else { return };
+    let Some(entry) = TABLE[..n].iter().find(|w| w.tid.load(Ordering::Relaxed) == tid) else { return };
     let reg = |r: core::ffi::c_int| gregs[r as usize] as u64;
     let args = [libc::REG_RDI, libc::REG_RSI, libc::REG_RDX, libc::REG_R10, libc::REG_R8, libc::REG_R9].map(reg);
-    let same_call = reg(libc::REG_RIP) == waiting.pc && reg(libc::REG_RSP) == waiting.sp && args == waiting.args;
-    if same_call && cut_short(waiting.nr, gregs[libc::REG_RAX as usize], waiting.pc) {
-        gregs[libc::REG_RAX as usize] = waiting.nr;
-        gregs[libc::REG_RIP as usize] = (waiting.pc - 2) as libc::greg_t;
+    let pc = entry.pc.load(Ordering::Relaxed);
+    let same_call = reg(libc::REG_RIP) == pc
+        && reg(libc::REG_RSP) == entry.sp.load(Ordering::Relaxed)
+        && args.iter().zip(&entry.args).all(|(a, b)| *a == b.load(Ordering::Relaxed));
+    let signalled = entry.pending.load(Ordering::Acquire) & !mask & !own != 0;
+    if same_call && gregs[libc::REG_RAX as usize] == EINTR && !signalled {
+        gregs[libc::REG_RAX as usize] = entry.nr.load(Ordering::Relaxed);
+        gregs[libc::REG_RIP as usize] = pc.wrapping_sub(2) as libc::greg_t;
     }
 }
 
@@ -203,32 +276,57 @@ mod tests {
     #[test]
     fn a_blocked_call_is_read_with_its_arguments_stack_and_address() {
         let text = b"232 0x4 0x7ffc1 0x1 0xffffffffffffffff 0x0 0x8 0x7ffd663f86c8 0x7f279495e2ad\n";
-        let w = parse(7, text).unwrap();
-        assert_eq!((w.tid, w.nr), (7, 232));
-        assert_eq!(w.args, [4, 0x7ffc1, 1, u64::MAX, 0, 8]);
-        assert_eq!((w.sp, w.pc), (0x7ffd663f86c8, 0x7f279495e2ad));
+        let (nr, args, sp, pc) = parse(text).unwrap();
+        assert_eq!(nr, 232);
+        assert_eq!(args, [4, 0x7ffc1, 1, u64::MAX, 0, 8]);
+        assert_eq!((sp, pc), (0x7ffd663f86c8, 0x7f279495e2ad));
     }
 
     #[test]
     fn a_running_thread_or_one_blocked_outside_a_call_has_none() {
-        assert!(parse(7, b"running\n").is_none());
-        assert!(parse(7, b"-1 0x7ffd663f86c8 0x7f279495e2ad\n").is_none());
-        assert!(parse(7, b"232 0x4 0x7ffc1\n").is_none());
-        assert!(parse(7, b"").is_none());
+        assert!(parse(b"running\n").is_none());
+        assert!(parse(b"-1 0x7ffd663f86c8 0x7f279495e2ad\n").is_none());
+        assert!(parse(b"232 0x4 0x7ffc1\n").is_none());
+        assert!(parse(b"").is_none());
     }
 
     #[test]
-    fn only_waits_cut_short_by_eintr_after_a_syscall_instruction_restart() {
+    fn only_waits_after_a_syscall_instruction_restart() {
+        assert!(restartable(libc::SYS_epoll_wait) && restartable(libc::SYS_pause));
+        assert!(!restartable(libc::SYS_close), "close's descriptor is gone");
         // A `syscall` instruction of this test's own code, and the address after it.
         let code: &[u8] = &[0x90, 0x0f, 0x05, 0x90];
         let pc = code.as_ptr() as u64 + 3;
-        let eintr = -(libc::EINTR as i64);
-        assert!(cut_short(libc::SYS_epoll_wait, eintr, pc));
-        assert!(cut_short(libc::SYS_pause, eintr, pc));
-        assert!(!cut_short(libc::SYS_close, eintr, pc), "close's descriptor is gone");
-        assert!(!cut_short(libc::SYS_epoll_wait, -(libc::EAGAIN as i64), pc));
-        assert!(!cut_short(libc::SYS_epoll_wait, 0, pc));
-        assert!(!cut_short(libc::SYS_epoll_wait, eintr, pc + 1), "not after a syscall instruction");
-        assert!(!cut_short(libc::SYS_epoll_wait, eintr, 2), "nothing mapped there");
+        assert!(syscall_before(pc));
+        assert!(!syscall_before(pc + 1), "not after a syscall instruction");
+        assert!(!syscall_before(2), "nothing mapped there");
+        assert!(!is_syscall([0xcd, 0x80]), "int 0x80");
+    }
+
+    #[test]
+    fn a_threads_pending_and_blocked_signals_are_read_from_its_status() {
+        let (pid, tid) = (os::getpid(), os::gettid());
+        let mut path = [0u8; 64];
+        let expected = format!("/proc/{pid}/task/{tid}/status");
+        assert_eq!(task_path(&mut path, pid, tid, b"status").unwrap().to_str().unwrap(), expected);
+        let (pending, blocked) = signals_of(pid, tid).unwrap();
+        assert_eq!(pending, 0);
+        os::with_signals_blocked(|| {
+            // SAFETY: raising a blocked signal leaves it pending, and it is taken back below.
+            unsafe { libc::raise(libc::SIGUSR2) };
+            let (pending, blocked) = signals_of(pid, tid).unwrap();
+            let usr2 = 1u64 << (libc::SIGUSR2 - 1);
+            assert_eq!((pending & usr2, blocked & usr2), (usr2, usr2));
+            // SAFETY: sigset_t is plain data, valid when zeroed.
+            let mut set: libc::sigset_t = unsafe { core::mem::zeroed() };
+            // SAFETY: the set is initialised by sigemptyset; sigwait takes the pending signal.
+            unsafe {
+                libc::sigemptyset(&mut set);
+                libc::sigaddset(&mut set, libc::SIGUSR2);
+                let mut sig = 0;
+                libc::sigwait(&set, &mut sig);
+            }
+        });
+        assert_eq!(blocked & (1u64 << (libc::SIGUSR2 - 1)), 0);
     }
 }

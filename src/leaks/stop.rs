@@ -44,7 +44,7 @@ static LEFT: AtomicUsize = AtomicUsize::new(0);
 /// Futex word: 0 while the world is stopped.
 static RESUME: AtomicU32 = AtomicU32::new(0);
 
-extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
+extern "C" fn park(sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
     let saved = os::errno();
     let i = NEXT.fetch_add(1, Ordering::AcqRel);
     if i < MAX_PARKED {
@@ -59,9 +59,6 @@ extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
             slot.tid = os::gettid();
         }
     }
-    // SAFETY: the kernel passes the interrupted context, which this thread alone returns to.
-    let gregs = unsafe { &mut (*(uc as *mut libc::ucontext_t)).uc_mcontext.gregs };
-    restart::restart_in_context(gregs, os::gettid());
     ARRIVED.fetch_add(1, Ordering::Release);
     while RESUME.load(Ordering::Acquire) == 0 {
         // SAFETY: futex wait on a static word; spurious wake-ups loop.
@@ -74,6 +71,13 @@ extern "C" fn park(_sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
                 core::ptr::null::<libc::timespec>(),
             )
         };
+    }
+    // SAFETY: the kernel passes the interrupted context, which this thread alone returns to;
+    // the first word of its signal mask is the kernel's 64 signals.
+    unsafe {
+        let uc = &mut *(uc as *mut libc::ucontext_t);
+        let mask = *(&raw const uc.uc_sigmask).cast::<u64>();
+        restart::restart_in_context(&mut uc.uc_mcontext.gregs, mask, os::gettid(), 1 << (sig - 1));
     }
     LEFT.fetch_add(1, Ordering::Release);
     os::set_errno(saved);
@@ -383,6 +387,7 @@ impl Drop for Stopped {
     /// signal's disposition once they left the handler.
     fn drop(&mut self) {
         let How::Signalled { signal, old } = &self.how else { return };
+        restart::note_pending();
         RESUME.store(1, Ordering::Release);
         // SAFETY: futex wake on a static word.
         unsafe {

@@ -68,11 +68,13 @@ struct Shared {
     /// `PTRACE_GETREGS`'s buffer: not on the tracer's stack, where a pointer read from a
     /// thread's registers would be left for the scan to find.
     regs: UnsafeCell<libc::user_regs_struct>,
+    /// The tracer's alone: whether the stop cut each thread's call short (`restart.rs`).
+    cut: UnsafeCell<[bool; MAX_PARKED]>,
 }
 
-// SAFETY: `tids` is written by the caller before `clone` and only read after; `state` and
-// `regs` are the tracer's alone; the slots it writes are read after the Release store of
-// STOPPED (see `trace`).
+// SAFETY: `tids` is written by the caller before `clone` and only read after; `state`,
+// `regs` and `cut` are the tracer's alone; the slots it writes are read after the Release
+// store of STOPPED (see `trace`).
 unsafe impl Sync for Shared {}
 
 static SHARED: Shared = Shared {
@@ -85,6 +87,7 @@ static SHARED: Shared = Shared {
     state: UnsafeCell::new([NOT_SEIZED; MAX_PARKED]),
     // SAFETY: user_regs_struct is plain integers, for which zero is valid.
     regs: UnsafeCell::new(unsafe { core::mem::zeroed() }),
+    cut: UnsafeCell::new([false; MAX_PARKED]),
 };
 
 /// A system call of the tracer's: raw, `-errno` on failure.
@@ -145,11 +148,13 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
     }
     wait_while(SETTING_UP, 0);
     let given = SHARED.given.load(Ordering::Relaxed).min(MAX_PARKED);
-    // SAFETY: `tids` was written before this task started; `state` is the tracer's alone.
-    let (tids, state) = unsafe { (&*SHARED.tids.get(), &mut *SHARED.state.get()) };
+    // SAFETY: `tids` was written before this task started; `state` and `cut` are the
+    // tracer's alone.
+    let (tids, state, cut) = unsafe { (&*SHARED.tids.get(), &mut *SHARED.state.get(), &mut *SHARED.cut.get()) };
     let mut seized = 0;
-    for (tid, state) in tids.iter().zip(state.iter_mut()).take(given) {
+    for ((tid, state), cut) in tids.iter().zip(state.iter_mut()).zip(cut.iter_mut()).take(given) {
         *state = NOT_SEIZED;
+        *cut = false;
         match ptrace(libc::PTRACE_SEIZE, *tid, 0) {
             0 => {
                 ptrace(libc::PTRACE_INTERRUPT, *tid, 0);
@@ -214,8 +219,9 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
                 slot.tp = r.fs_base;
                 slot.tid = tid;
             }
-            if signal == 0 {
-                resume_cut_call(tid);
+            if let Some(cut) = cut.get_mut(at) {
+                // Not at a signal-delivery stop: the program's signal is what ends its call.
+                *cut = signal == 0 && cut_short(tid);
             }
             stopped += 1;
         }
@@ -224,25 +230,62 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
     SHARED.missing.store(seized, Ordering::Relaxed);
     publish(STOPPED);
     wait_while(STOPPED, 0);
-    for (tid, state) in tids.iter().zip(state.iter()).take(given) {
+    for ((tid, state), cut) in tids.iter().zip(state.iter()).zip(cut.iter()).take(given) {
         if *state >= STOPPED_FOR {
+            if *cut && !signal_for(pid, *tid) {
+                restart(*tid);
+            }
             ptrace(libc::PTRACE_DETACH, *tid, (*state - STOPPED_FOR) as usize);
         }
     }
     0
 }
 
-/// Points stopped thread `tid`, whose registers are in `SHARED.regs`, back into the wait the
-/// interrupt cut short, if it did (see `restart.rs`); not for a signal-delivery stop, where
-/// the program's own signal is what ends the wait.
-fn resume_cut_call(tid: u32) {
+/// Whether the interrupt cut short the call of stopped thread `tid`, whose registers are in
+/// `SHARED.regs`: one to make again (`restart.rs`) failed with EINTR by a `syscall`.
+fn cut_short(tid: u32) -> bool {
     // SAFETY: `regs` is the tracer's alone and holds the thread's registers.
-    let r = unsafe { &mut *SHARED.regs.get() };
-    if restart::cut_short(r.orig_rax as i64, r.rax as i64, r.rip) {
-        r.rax = r.orig_rax;
-        r.rip -= 2;
-        ptrace(libc::PTRACE_SETREGS, tid, r as *mut _ as usize);
+    let r = unsafe { &*SHARED.regs.get() };
+    r.rax as i64 == restart::EINTR
+        && restart::restartable(r.orig_rax as i64)
+        && instruction_before(tid, r.rip).is_some_and(restart::is_syscall)
+}
+
+/// The two bytes before `pc` in stopped thread `tid`'s memory, read with `PTRACE_PEEKTEXT`
+/// a whole aligned word at a time (no word read crosses into a page of its own).
+fn instruction_before(tid: u32, pc: u64) -> Option<[u8; 2]> {
+    let peek = |addr: u64| {
+        let mut word: u64 = 0;
+        // The system call (unlike glibc's wrapper) stores the word at `data`.
+        let r = sys(
+            libc::SYS_ptrace,
+            [libc::PTRACE_PEEKTEXT as usize, tid as usize, addr as usize, &raw mut word as usize, 0, 0],
+        );
+        (r == 0).then_some(word.to_le_bytes())
+    };
+    let at = pc.checked_sub(2)?;
+    let (word, offset) = (at & !7, (at & 7) as usize);
+    let bytes = peek(word)?;
+    if offset < 7 { Some([bytes[offset], bytes[offset + 1]]) } else { Some([bytes[7], peek(word + 8)?[0]]) }
+}
+
+/// Whether a signal of the program's waits for thread `tid` (unblocked): its handler is to run,
+/// and the call it cut short to fail with EINTR. So too when that cannot be read.
+fn signal_for(pid: u32, tid: u32) -> bool {
+    restart::signals_of(pid, tid).is_none_or(|(pending, blocked)| pending & !blocked != 0)
+}
+
+/// Points stopped thread `tid` back into the call the interrupt cut short.
+fn restart(tid: u32) {
+    let regs = SHARED.regs.get();
+    if ptrace(libc::PTRACE_GETREGS, tid, regs as usize) != 0 {
+        return;
     }
+    // SAFETY: `regs` is the tracer's alone and was just written by the kernel.
+    let r = unsafe { &mut *regs };
+    r.rax = r.orig_rax;
+    r.rip -= 2;
+    ptrace(libc::PTRACE_SETREGS, tid, regs as usize);
 }
 
 /// The other threads, stopped by a tracer until this is dropped.
