@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 
 use crate::global::{self, GLOBAL};
 use crate::leaks::{self, Caller, StackOptions, Suppressions};
-use crate::options::{Options, ReportFormat};
+use crate::options::{Options, ReportFormat, expand_path};
 use crate::spies::count::CountSpy;
 use crate::spies::guard::GuardSpy;
 use crate::spies::leaks::LeakTracker;
@@ -175,6 +175,10 @@ fn register_spies() {
         ticks::set_spy(spy);
         if let Some(trace) = builtins.options.trace.as_deref() {
             let text = std::env::var("MALLOCSPY_OPTIONS").unwrap_or_default();
+            // Asked before the trace replaces or truncates the file.
+            if sink::leave_file(&expand_path(trace, os::getpid())) {
+                say("log_path and trace name the same file; reports go to stderr");
+            }
             if let Err(e) = writer::start(spy, trace, &text, builtins.options.stats_interval_ms) {
                 say(&format!("{e}; sampling without a trace"));
             }

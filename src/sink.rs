@@ -185,6 +185,35 @@ pub(crate) fn use_stderr() {
     }
 }
 
+/// Whether the reports went to a log file that is the file at `path` (the trace's, where
+/// they would damage it): they then go to stderr instead.
+pub(crate) fn leave_file(path: &str) -> bool {
+    let Ok(c) = CString::new(path) else { return false };
+    // SAFETY: stat is plain data, valid when zeroed; stat only writes it.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: c is NUL-terminated and st a valid out-pointer.
+    if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    let fd = FD.load(Ordering::Acquire);
+    let log_file = PATH.lock().is_ok_and(|p| p.is_some());
+    if !log_file || fd < 0 || identity(fd) != Some((st.st_dev, st.st_ino)) {
+        return false;
+    }
+    if let Ok(mut t) = TEMPLATE.lock() {
+        *t = None;
+    }
+    if let Ok(mut p) = PATH.lock() {
+        *p = None;
+    }
+    use_stderr();
+    if FD.load(Ordering::Acquire) != fd {
+        // SAFETY: the log file's descriptor was ours, and is no longer the reports'.
+        unsafe { libc::close(fd) };
+    }
+    true
+}
+
 /// Opens `log_path` (`%p` = pid) for the reports, appending. On failure the reports go to
 /// stderr and the error is returned for a one-line message.
 pub(crate) fn use_path(template: &str) -> Result<(), String> {

@@ -8,11 +8,6 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn mallocspy() -> PathBuf {
-    shim();
-    target_dir().join("mallocspy")
-}
-
 /// leaky.expected as key -> value.
 fn expected() -> HashMap<String, String> {
     let shared = std::env::var_os("MALLOCSPY_SHARED").map(PathBuf::from).unwrap_or_else(|| root().join("../shared"));
@@ -282,6 +277,11 @@ fn a_thread_exiting_while_main_waits_keeps_its_status_and_report() {
                 text(&out.stderr)
             );
             let s = &json_report(&out)["summary"];
+            assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{stop}, {how}: {s}");
+        }
+    }
+}
+
 /// A signal of the program's that comes while a check has a thread stopped still ends the
 /// thread's `pause` or `epoll_wait` with EINTR once it is let go, with ptrace and with the
 /// signal: made again (its handler having run), the wait went on for ever (helper 50).
@@ -312,11 +312,6 @@ fn a_programs_signal_during_a_check_still_ends_the_wait() {
                 "{stop}, {waits}: {}",
                 text(&out.stderr)
             );
-        }
-    }
-}
-
-            assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{stop}, {how}: {s}");
         }
     }
 }

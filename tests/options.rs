@@ -132,6 +132,36 @@ fn a_trace_without_the_ticks_spy_is_said_in_one_line() {
     assert!(!trace.exists());
 }
 
+/// `log_path` and `trace` naming the same file: the reports go to stderr, and that is said.
+/// The leak report was appended to the trace, which then no longer read; with `%p` in both,
+/// the trace replaced the log file and the report was lost.
+#[test]
+fn a_log_path_that_is_the_trace_is_said_and_the_report_goes_to_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["t.trace", "t.%p"] {
+        let path = dir.path().join(name);
+        let options = format!("spy=ticks,leaks:log_path={0}:trace={0}", path.display());
+        let out = run(Mode::Shim(options.leak()), &mut Command::new(bench_dir().join("leaky")));
+        assert_eq!(out.status.code(), Some(0));
+        let stderr = text(&out.stderr);
+        assert_eq!(
+            stderr.lines().next(),
+            Some("mallocspy: log_path and trace name the same file; reports go to stderr"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("definitely lost"), "{stderr}");
+        let trace = path.to_str().unwrap().replace("%p", &out_pid(&stderr));
+        let report = Command::new(mallocspy()).args(["report", &trace]).output().unwrap();
+        assert!(report.status.success(), "{name}: {}", text(&report.stderr));
+    }
+}
+
+/// The process id a leak report's lines begin with (`==PID==`).
+fn out_pid(report: &str) -> String {
+    let line = report.lines().find(|l| l.starts_with("==")).expect("a leak report");
+    line.trim_start_matches('=').split('=').next().unwrap().to_string()
+}
+
 /// A `max_memory` too small for the threads' counters: the calls go uncounted, and the count
 /// report says it is not complete (all zeros read as a program that allocated nothing).
 #[test]

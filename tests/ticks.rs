@@ -9,11 +9,6 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn mallocspy() -> PathBuf {
-    shim();
-    target_dir().join("mallocspy")
-}
-
 fn sites() -> PathBuf {
     c_program_with("sites.c", &["-rdynamic"])
 }
@@ -784,6 +779,11 @@ fn record_reports_bad_arguments_and_missing_programs() {
             "{stderr}"
         );
     }
+    // `-` is no file here (it wrote one named `-`), nor stdout, where the program writes.
+    let out = Command::new(mallocspy()).args(["record", "-o", "-", "--", "true"]).current_dir(&dir).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).starts_with("mallocspy: --output '-': "), "{}", text(&out.stderr));
+    assert!(!dir.path().join("-").exists());
     // MALLOCSPY_OPTIONS trims white space from its values: such a path would name another file.
     let spaced = dir.path().join("t.trace ");
     let out = record_true_to(&spaced);

@@ -127,6 +127,10 @@ fn shell_quoted(path: &str) -> String {
 }
 
 pub fn record(args: RecordArgs) -> ExitCode {
+    if args.output == "-" {
+        // `report -o -` means stdout; here the program's own output would be mixed in.
+        return fail("--output '-': a trace cannot go to stdout, which the program writes; name a file", 2);
+    }
     let output = match launch::option_path("--output", Path::new(&args.output)) {
         Ok(output) => output,
         Err(code) => return code,

@@ -49,6 +49,12 @@ pub fn shim() -> PathBuf {
     .clone()
 }
 
+/// The `mallocspy` command, built with [`shim`].
+pub fn mallocspy() -> PathBuf {
+    shim();
+    target_dir().join("mallocspy")
+}
+
 /// Where compiled fixtures go.
 pub fn fixture_dir() -> PathBuf {
     let dir = target_dir().join("fixtures");
