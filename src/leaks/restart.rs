@@ -20,9 +20,13 @@
 //! - Any call but those that wait and have done nothing when they fail with EINTR (not
 //!   `close`, whose descriptor is gone by then), or one made by `int 0x80` (another table of
 //!   numbers).
+//! - With the signal, a timed wait the kernel was making again with `restart_syscall` (after a
+//!   job-control or ptrace stop): the call's own number is gone, and `sigreturn` ends what
+//!   `restart_syscall` would go on with.
 //!
 //! A restarted call with a relative timeout waits it whole again, where the kernel's own
-//! restart waits out what was left (`select`, whose `timeval` Linux counts down, excepted).
+//! restart waits out what was left: but for `select`, whose `timeval` Linux counts down, and
+//! glibc's `sleep`, whose `nanosleep` is given the same `timespec` for the time left.
 //!
 //! The handler makes no system call of its own for this: under a seccomp filter that traps
 //! a call (Chromium's), the trap's `SIGSYS`, blocked in the handler, would kill the process.

@@ -276,6 +276,11 @@ fn free_signal() -> Option<c_int> {
 /// Stops every other thread of the process: with ptrace, else with a signal. Allocates
 /// (thread list) before stopping anyone.
 pub(crate) fn stop_the_world() -> Option<Stopped> {
+    stop_the_world_by(use_tracer())
+}
+
+/// [`stop_the_world`], trying ptrace first only if `tracer`.
+fn stop_the_world_by(tracer: bool) -> Option<Stopped> {
     let turn = Turn::take()?;
     let me = os::gettid();
     let tids: Vec<u32> = std::fs::read_dir("/proc/self/task")
@@ -299,7 +304,7 @@ pub(crate) fn stop_the_world() -> Option<Stopped> {
     // or traced already makes it give up). None is made for a process of one thread, nor under
     // a sandbox's seccomp filter: one that kills on `clone` killed programs at exit.
     let all: Vec<u32> = targets.iter().chain(&unreachable).copied().collect();
-    let traced = if all.is_empty() || !use_tracer() {
+    let traced = if all.is_empty() || !tracer {
         None
     } else {
         // SAFETY: the slots are read only through `Stopped::parked` until the tracer is
@@ -416,9 +421,14 @@ mod tests {
         format!("Name:\tworker\nUmask:\t0022\nState:\t{state}\nTgid:\t7\nSigQ:\t0/127\nSigPnd:\t0000000000000000\nSigBlk:\t{blocked}\nSigIgn:\t0000000000001000\n").into_bytes()
     }
 
-    /// Stops the world once while another thread sleeps 300 ms in `nanosleep`: whether the
-    /// threads were traced, and what the sleep returned and how long it took.
-    fn stop_a_sleeper() -> (bool, libc::c_int, Duration) {
+    /// Stops the world once (with ptrace first if `tracer`) while another thread sleeps 300 ms
+    /// in `nanosleep`: whether the threads were traced, and what the sleep returned and how
+    /// long it took.
+    fn stop_a_sleeper(tracer: bool) -> (bool, libc::c_int, Duration) {
+        // One at a time: each test's stop stops the other's sleeper too, and a ptrace stop
+        // leaves a sleep in `restart_syscall`, which the signal's handler cannot make again.
+        static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let (tx, rx) = std::sync::mpsc::channel();
         let sleeper = std::thread::spawn(move || {
             tx.send(os::gettid()).unwrap();
@@ -430,7 +440,7 @@ mod tests {
         });
         let tid = rx.recv().unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let stopped = stop_the_world().expect("the world stopped");
+        let stopped = stop_the_world_by(tracer).expect("the world stopped");
         let traced = stopped.traced();
         let parked = stopped.parked().iter().find(|p| p.tid == tid).copied();
         drop(stopped);
@@ -447,7 +457,7 @@ mod tests {
             eprintln!("skipped: ptrace is disabled here (Yama ptrace_scope 3)");
             return;
         }
-        let (traced, r, slept) = stop_a_sleeper();
+        let (traced, r, slept) = stop_a_sleeper(true);
         assert!(traced);
         assert_eq!(r, 0, "nanosleep interrupted");
         assert!(slept >= Duration::from_millis(300), "{slept:?}");
@@ -457,8 +467,7 @@ mod tests {
     /// EINTR.
     #[test]
     fn a_thread_stopped_with_the_signal_sleeps_on() {
-        set_stop_threads(StopThreads::Signal);
-        let (traced, r, slept) = stop_a_sleeper();
+        let (traced, r, slept) = stop_a_sleeper(false);
         assert!(!traced);
         assert_eq!(r, 0, "nanosleep interrupted");
         assert!(slept >= Duration::from_millis(300), "{slept:?}");
