@@ -65,8 +65,8 @@ pub enum StopThreads {
     /// an error falls back to the signal; one that kills, kills).
     Ptrace,
     /// With a signal, whose handler also stops threads that ptrace cannot reach. A `sleep`,
-    /// `poll` or `epoll_wait` it cuts short is made again, with its whole timeout (but
-    /// `sleep`'s and `select`'s, which count down).
+    /// `poll` or `epoll_wait` it cuts short fails with EINTR, but in the exit report, which
+    /// makes it again.
     Signal,
 }
 

@@ -9,24 +9,28 @@
 //!
 //! The kernel restarts a call that a stop cut short by pointing the thread back at its
 //! `syscall` instruction with the call's number in `rax`: the arguments are still in their
-//! registers. mallocspy does the same for the calls that ended with EINTR because of it, when
-//! it lets the thread go: the tracer in the registers it sets, the signal's handler in the
-//! context it returns to. The handler has no `orig_rax`: the call's number is read from
-//! `/proc` before the signal is sent, and used only if the thread is still in that call.
+//! registers. The tracer has the kernel do so: it sets `rax` to `-ERESTARTNOHAND`, and the
+//! kernel, letting the thread go, makes the call again, or fails it with EINTR if a signal's
+//! handler is to run, as it decides for its own stops. The signal's handler points the
+//! context it returns to back at the call itself. It has no `orig_rax`: the call's number is
+//! read from `/proc` before the signal is sent, and used only if the thread is still in that
+//! call, and no signal of the program's with a handler is pending as the thread is let go.
 //!
-//! Not restarted:
-//! - A call that had a signal of the program's waiting when the thread was let go: its
-//!   handler runs, and the call must fail with EINTR, as it would have without the stop.
-//! - Any call but those that wait and have done nothing when they fail with EINTR (not
-//!   `close`, whose descriptor is gone by then), or one made by `int 0x80` (another table of
-//!   numbers).
-//! - With the signal, a timed wait the kernel was making again with `restart_syscall` (after a
-//!   job-control or ptrace stop): the call's own number is gone, and `sigreturn` ends what
-//!   `restart_syscall` would go on with.
+//! How much is made again depends on the check:
+//! - At the end of the process (the exit report), every call that waits and has done nothing
+//!   when it fails with EINTR (not `close`, whose descriptor is gone by then). A call with a
+//!   relative timeout then waits it whole again, but the process is ending.
+//! - In a check of a process that goes on (`leak_check`), with ptrace only, and only calls
+//!   without a relative timeout, or whose timeout counts down in place (`select`, glibc's
+//!   `sleep`): made again, a timed wait would end late, and under checks more frequent than
+//!   its timeout never. The signal's handler makes nothing again there: a signal of the
+//!   program's that came between its look at what was pending and its return would run its
+//!   handler and then find the wait made again, for ever.
 //!
-//! A restarted call with a relative timeout waits it whole again, where the kernel's own
-//! restart waits out what was left: but for `select`, whose `timeval` Linux counts down, and
-//! glibc's `sleep`, whose `nanosleep` is given the same `timespec` for the time left.
+//! Never a call made by `int 0x80` (another table of numbers), nor, with the signal, a timed
+//! wait the kernel was making again with `restart_syscall` (after a job-control or ptrace
+//! stop): the call's own number is gone, and `sigreturn` ends what `restart_syscall` would
+//! go on with.
 //!
 //! The handler makes no system call of its own for this: under a seccomp filter that traps
 //! a call (Chromium's), the trap's `SIGSYS`, blocked in the handler, would kill the process.
@@ -84,9 +88,48 @@ const RESTARTED: [libc::c_long; 36] = [
     libc::SYS_writev,
 ];
 
-/// Whether call `nr`, failed with EINTR after a stop, is made again (see the module's docs).
-pub(super) fn restartable(nr: i64) -> bool {
-    RESTARTED.contains(&nr)
+/// Whether call `nr` with arguments `args`, failed with EINTR after a stop, is made again, at
+/// the process's end (`ending`) or in a check it goes on from (see the module's docs).
+pub(super) fn to_restart(nr: i64, args: [u64; 6], ending: bool) -> bool {
+    RESTARTED.contains(&nr) && (ending || !waits_again(nr, args))
+}
+
+/// Whether call `nr` with arguments `args` has a relative timeout that it would wait whole
+/// again if made again. EINTR from a socket call or a `read` means one: the socket's
+/// `SO_RCVTIMEO` or `SO_SNDTIMEO` (without one, the kernel makes such a call again itself).
+fn waits_again(nr: i64, [a0, a1, a2, a3, a4, _]: [u64; 6]) -> bool {
+    const FUTEX_WAIT: u64 = 0;
+    const IORING_ENTER_EXT_ARG: u64 = 8;
+    match nr {
+        // glibc's `sleep` gives the same `timespec` for the time left, which counts down.
+        libc::SYS_nanosleep => a0 != a1,
+        libc::SYS_clock_nanosleep => a1 & libc::TIMER_ABSTIME as u64 == 0 && a2 != a3,
+        libc::SYS_poll => (a2 as i32) > 0,
+        libc::SYS_epoll_wait | libc::SYS_epoll_pwait => (a3 as i32) > 0,
+        libc::SYS_epoll_pwait2 => a3 != 0,
+        // FUTEX_WAIT's timeout is relative; the other waits' are absolute.
+        libc::SYS_futex => a3 != 0 && a1 & 0x7f == FUTEX_WAIT,
+        libc::SYS_rt_sigtimedwait => a2 != 0,
+        libc::SYS_semtimedop => a3 != 0,
+        libc::SYS_io_getevents | SYS_IO_PGETEVENTS => a4 != 0,
+        libc::SYS_io_uring_enter => a3 & IORING_ENTER_EXT_ARG != 0,
+        libc::SYS_accept
+        | libc::SYS_accept4
+        | libc::SYS_connect
+        | libc::SYS_recvfrom
+        | libc::SYS_recvmsg
+        | libc::SYS_recvmmsg
+        | libc::SYS_sendto
+        | libc::SYS_sendmsg
+        | libc::SYS_sendmmsg
+        | libc::SYS_read
+        | libc::SYS_readv
+        | libc::SYS_write
+        | libc::SYS_writev => true,
+        // `select`'s and `pselect6`'s and `ppoll`'s timeouts count down in place; `pause`,
+        // `sigsuspend`, the IPC calls and the waits for children have none.
+        _ => false,
+    }
 }
 
 /// Whether `insn` are the bytes of `syscall` (not `int 0x80`, two bytes as well).
@@ -137,8 +180,8 @@ fn read_file<'a>(path: &CStr, buf: &'a mut [u8]) -> Option<&'a [u8]> {
 }
 
 /// The signals pending for thread `tid` of process `pid` (its own and the process's), and
-/// those it blocks, from its `status`; `None` if that cannot be read. Raw system calls only.
-pub(super) fn signals_of(pid: u32, tid: u32) -> Option<(u64, u64)> {
+/// those the process has handlers for, from its `status`; `None` if that cannot be read.
+fn signals_of(pid: u32, tid: u32) -> Option<(u64, u64)> {
     let mut path = [0u8; 64];
     let path = task_path(&mut path, pid, tid, b"status")?;
     let mut text = [0u8; 8192];
@@ -147,7 +190,7 @@ pub(super) fn signals_of(pid: u32, tid: u32) -> Option<(u64, u64)> {
         let line = text.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name))?;
         super::roots::parse_hex(line.trim_ascii())
     };
-    Some((field(b"SigPnd:")? | field(b"ShdPnd:")?, field(b"SigBlk:")?))
+    Some((field(b"SigPnd:")? | field(b"ShdPnd:")?, field(b"SigCgt:")?))
 }
 
 /// A thread blocked in a call when the signal was sent, as `/proc/<tid>/syscall` showed it,
@@ -184,8 +227,9 @@ pub(super) fn clear() {
     WAITING.store(0, Ordering::Release);
 }
 
-/// Notes the call thread `tid` is blocked in, if it is one to restart, just before it is sent
-/// the signal. Allocates nothing: threads signalled before may hold the allocator's lock.
+/// Notes the call thread `tid` is blocked in, if it is one to restart at the process's end,
+/// just before it is sent the signal. Allocates nothing: threads signalled before may hold
+/// the allocator's lock.
 pub(super) fn note_waiting(tid: u32) {
     let pid = os::getpid();
     let mut path = [0u8; 64];
@@ -194,7 +238,7 @@ pub(super) fn note_waiting(tid: u32) {
         return;
     };
     let Some((nr, args, sp, pc)) = parse(call) else { return };
-    if !restartable(nr) || !syscall_before(pc) {
+    if !to_restart(nr, args, true) || !syscall_before(pc) {
         return;
     }
     let n = WAITING.load(Ordering::Relaxed);
@@ -229,12 +273,14 @@ fn syscall_before(pc: u64) -> bool {
 }
 
 /// Notes, just before the threads are let go, the signals pending for each thread noted
-/// waiting: a call with one of them to run its handler is not restarted.
+/// waiting that have a handler: a call with one of them to run is not restarted (one without
+/// is thrown away, as a `SIGCHLD` nobody catches).
 pub(super) fn note_pending() {
     let pid = os::getpid();
     let n = WAITING.load(Ordering::Acquire).min(MAX_PARKED);
     for entry in &TABLE[..n] {
-        let pending = signals_of(pid, entry.tid.load(Ordering::Relaxed)).map_or(u64::MAX, |(pending, _)| pending);
+        let signals = signals_of(pid, entry.tid.load(Ordering::Relaxed));
+        let pending = signals.map_or(u64::MAX, |(pending, caught)| pending & caught);
         entry.pending.store(pending, Ordering::Release);
     }
 }
@@ -295,9 +341,28 @@ mod tests {
     }
 
     #[test]
+    fn waits_restart_at_the_end_and_those_without_a_timeout_to_run_again_in_any_check() {
+        let forever = (-1i32) as u32 as u64;
+        for (ending, restarted) in [(true, true), (false, false)] {
+            assert!(to_restart(libc::SYS_epoll_wait, [3, 0x1000, 1, 1000, 0, 0], ending) == restarted);
+            assert!(to_restart(libc::SYS_poll, [0x1000, 1, 1000, 0, 0, 0], ending) == restarted);
+            assert!(to_restart(libc::SYS_nanosleep, [0x1000, 0, 0, 0, 0, 0], ending) == restarted);
+            assert!(to_restart(libc::SYS_recvfrom, [3, 0x1000, 16, 0, 0, 0], ending) == restarted);
+            assert!(to_restart(libc::SYS_pause, [0; 6], ending));
+            assert!(to_restart(libc::SYS_epoll_wait, [3, 0x1000, 1, forever, 0, 0], ending));
+            assert!(to_restart(libc::SYS_poll, [0x1000, 1, forever, 0, 0, 0], ending));
+            // glibc's `sleep`: the time left counts down in the one `timespec`.
+            assert!(to_restart(libc::SYS_clock_nanosleep, [0, 0, 0x1000, 0x1000, 0, 0], ending));
+            assert!(to_restart(libc::SYS_clock_nanosleep, [0, 1, 0x1000, 0, 0, 0], ending), "absolute");
+            assert!(to_restart(libc::SYS_select, [0, 0, 0, 0, 0x1000, 0], ending));
+            assert!(to_restart(libc::SYS_futex, [0x1000, 9, 0, 0x2000, 0, 0], ending), "WAIT_BITSET, absolute");
+            assert!(to_restart(libc::SYS_futex, [0x1000, 128, 0, 0, 0, 0], ending), "WAIT, no timeout");
+            assert!(!to_restart(libc::SYS_close, [3, 0, 0, 0, 0, 0], ending), "close's descriptor is gone");
+        }
+    }
+
+    #[test]
     fn only_waits_after_a_syscall_instruction_restart() {
-        assert!(restartable(libc::SYS_epoll_wait) && restartable(libc::SYS_pause));
-        assert!(!restartable(libc::SYS_close), "close's descriptor is gone");
         // A `syscall` instruction of this test's own code, and the address after it.
         let code: &[u8] = &[0x90, 0x0f, 0x05, 0x90];
         let pc = code.as_ptr() as u64 + 3;
@@ -308,19 +373,21 @@ mod tests {
     }
 
     #[test]
-    fn a_threads_pending_and_blocked_signals_are_read_from_its_status() {
+    fn a_threads_pending_and_caught_signals_are_read_from_its_status() {
         let (pid, tid) = (os::getpid(), os::gettid());
         let mut path = [0u8; 64];
         let expected = format!("/proc/{pid}/task/{tid}/status");
         assert_eq!(task_path(&mut path, pid, tid, b"status").unwrap().to_str().unwrap(), expected);
-        let (pending, blocked) = signals_of(pid, tid).unwrap();
+        let (pending, caught) = signals_of(pid, tid).unwrap();
         assert_eq!(pending, 0);
+        // Rust's runtime catches SIGSEGV, to tell a stack overflow.
+        assert_ne!(caught & (1u64 << (libc::SIGSEGV - 1)), 0);
         os::with_signals_blocked(|| {
             // SAFETY: raising a blocked signal leaves it pending, and it is taken back below.
             unsafe { libc::raise(libc::SIGUSR2) };
-            let (pending, blocked) = signals_of(pid, tid).unwrap();
+            let (pending, _) = signals_of(pid, tid).unwrap();
             let usr2 = 1u64 << (libc::SIGUSR2 - 1);
-            assert_eq!((pending & usr2, blocked & usr2), (usr2, usr2));
+            assert_eq!(pending & usr2, usr2);
             // SAFETY: sigset_t is plain data, valid when zeroed.
             let mut set: libc::sigset_t = unsafe { core::mem::zeroed() };
             // SAFETY: the set is initialised by sigemptyset; sigwait takes the pending signal.
@@ -331,6 +398,5 @@ mod tests {
                 libc::sigwait(&set, &mut sig);
             }
         });
-        assert_eq!(blocked & (1u64 << (libc::SIGUSR2 - 1)), 0);
     }
 }

@@ -5,9 +5,9 @@
 //! system call as it was. Otherwise with a signal, as without ptrace it must be: each other
 //! thread is sent a real-time signal nobody uses, its handler records the registers the
 //! signal interrupted and waits on a futex until the scan is over (a `sleep` or `pause` it
-//! interrupts is then made again: `restart.rs`). Nothing may allocate between stopping and resuming (a
-//! stopped thread may hold the allocator's lock), so every buffer the scan needs is
-//! reserved before.
+//! interrupts fails with EINTR, but at the process's end, where it is made again:
+//! `restart.rs`). Nothing may allocate between stopping and resuming (a stopped thread may
+//! hold the allocator's lock), so every buffer the scan needs is reserved before.
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
@@ -276,11 +276,12 @@ fn free_signal() -> Option<c_int> {
 /// Stops every other thread of the process: with ptrace, else with a signal. Allocates
 /// (thread list) before stopping anyone.
 pub(crate) fn stop_the_world() -> Option<Stopped> {
-    stop_the_world_by(use_tracer())
+    stop_the_world_by(use_tracer(), crate::preload::writing_reports())
 }
 
-/// [`stop_the_world`], trying ptrace first only if `tracer`.
-fn stop_the_world_by(tracer: bool) -> Option<Stopped> {
+/// [`stop_the_world`], trying ptrace first only if `tracer`; `ending`: whether the check is
+/// the process's last, after which the waits it cuts short are all made again (`restart.rs`).
+fn stop_the_world_by(tracer: bool, ending: bool) -> Option<Stopped> {
     let turn = Turn::take()?;
     let me = os::gettid();
     let tids: Vec<u32> = std::fs::read_dir("/proc/self/task")
@@ -309,7 +310,7 @@ fn stop_the_world_by(tracer: bool) -> Option<Stopped> {
     } else {
         // SAFETY: the slots are read only through `Stopped::parked` until the tracer is
         // dropped, and no signal parks a thread meanwhile.
-        unsafe { tracer::stop(&all, PARKED.0.get().cast()) }
+        unsafe { tracer::stop(&all, PARKED.0.get().cast(), ending) }
     };
     if let Some(tracer) = traced {
         let missing = tracer.missing() + all.len().saturating_sub(MAX_PARKED);
@@ -335,7 +336,9 @@ fn stop_the_world_by(tracer: bool) -> Option<Stopped> {
     restart::clear();
     let mut sent = 0;
     for tid in targets {
-        restart::note_waiting(tid);
+        if ending {
+            restart::note_waiting(tid);
+        }
         // SAFETY: tgkill to a thread of this process; a thread that exited meanwhile is ESRCH.
         if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, signal) } == 0 {
             sent += 1;
@@ -424,7 +427,7 @@ mod tests {
     /// Stops the world once (with ptrace first if `tracer`) while another thread sleeps 300 ms
     /// in `nanosleep`: whether the threads were traced, and what the sleep returned and how
     /// long it took.
-    fn stop_a_sleeper(tracer: bool) -> (bool, libc::c_int, Duration) {
+    fn stop_a_sleeper(tracer: bool, ending: bool) -> (bool, libc::c_int, Duration) {
         // One at a time: each test's stop stops the other's sleeper too, and a ptrace stop
         // leaves a sleep in `restart_syscall`, which the signal's handler cannot make again.
         static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -440,7 +443,7 @@ mod tests {
         });
         let tid = rx.recv().unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let stopped = stop_the_world_by(tracer).expect("the world stopped");
+        let stopped = stop_the_world_by(tracer, ending).expect("the world stopped");
         let traced = stopped.traced();
         let parked = stopped.parked().iter().find(|p| p.tid == tid).copied();
         drop(stopped);
@@ -457,20 +460,23 @@ mod tests {
             eprintln!("skipped: ptrace is disabled here (Yama ptrace_scope 3)");
             return;
         }
-        let (traced, r, slept) = stop_a_sleeper(true);
+        let (traced, r, slept) = stop_a_sleeper(true, false);
         assert!(traced);
         assert_eq!(r, 0, "nanosleep interrupted");
         assert!(slept >= Duration::from_millis(300), "{slept:?}");
     }
 
-    /// Stopped with the signal, a thread's `nanosleep` is made again: it returned early with
-    /// EINTR.
+    /// Stopped with the signal at the process's end, a thread's `nanosleep` is made again:
+    /// it returned early with EINTR. In a check the process goes on from, it still does.
     #[test]
-    fn a_thread_stopped_with_the_signal_sleeps_on() {
-        let (traced, r, slept) = stop_a_sleeper(false);
+    fn a_thread_stopped_with_the_signal_at_the_end_sleeps_on() {
+        let (traced, r, slept) = stop_a_sleeper(false, true);
         assert!(!traced);
         assert_eq!(r, 0, "nanosleep interrupted");
         assert!(slept >= Duration::from_millis(300), "{slept:?}");
+        let (_, r, slept) = stop_a_sleeper(false, false);
+        assert_eq!(r, -1, "nanosleep made again with its whole timeout");
+        assert!(slept < Duration::from_millis(300), "{slept:?}");
     }
 
     #[test]

@@ -5,11 +5,11 @@
 //!
 //! Why not the signal of `stop.rs` alone: running a handler ends the system call it
 //! interrupts, and `sleep`, `pause`, `nanosleep`, `poll` or `epoll_wait` then fail with EINTR
-//! whatever `SA_RESTART` says. The handler makes such a call again (`restart.rs`), but with
-//! its whole timeout, and a thread that blocks the signal is not stopped at all. A ptrace
+//! whatever `SA_RESTART` says. The handler makes such a call again (`restart.rs`) only at
+//! the process's end, and a thread that blocks the signal is not stopped at all. A ptrace
 //! stop runs no handler and stops every thread, and the kernel restarts the call where it
-//! was, with what was left of its timeout. Only `epoll_wait` and a few other calls fail with
-//! EINTR after such a stop: the tracer makes them again.
+//! was, with what was left of its timeout. Only `epoll_wait`, `io_uring_enter` and a few
+//! other calls fail with EINTR after such a stop: the tracer has the kernel make them again.
 //!
 //! The tracer is a raw `clone` without `CLONE_THREAD` or a thread pointer of its own, and
 //! with exit signal 0, so that the program's `wait` never sees it. It runs on the caller's
@@ -22,7 +22,7 @@
 use core::cell::UnsafeCell;
 use core::ffi::{c_int, c_void};
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use super::restart;
 use super::stop::{MAX_PARKED, Parked};
@@ -54,6 +54,8 @@ const STOPPED_FOR: u32 = 2;
 
 struct Shared {
     phase: AtomicU32,
+    /// Whether the check is the process's last (`restart.rs`).
+    ending: AtomicBool,
     pid: AtomicU32,
     /// Threads given in `tids`.
     given: AtomicUsize,
@@ -79,6 +81,7 @@ unsafe impl Sync for Shared {}
 
 static SHARED: Shared = Shared {
     phase: AtomicU32::new(SETTING_UP),
+    ending: AtomicBool::new(false),
     pid: AtomicU32::new(0),
     given: AtomicUsize::new(0),
     stopped: AtomicUsize::new(0),
@@ -232,7 +235,7 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
     wait_while(STOPPED, 0);
     for ((tid, state), cut) in tids.iter().zip(state.iter()).zip(cut.iter()).take(given) {
         if *state >= STOPPED_FOR {
-            if *cut && !signal_for(pid, *tid) {
+            if *cut {
                 restart(*tid);
             }
             ptrace(libc::PTRACE_DETACH, *tid, (*state - STOPPED_FOR) as usize);
@@ -246,8 +249,9 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
 fn cut_short(tid: u32) -> bool {
     // SAFETY: `regs` is the tracer's alone and holds the thread's registers.
     let r = unsafe { &*SHARED.regs.get() };
+    let args = [r.rdi, r.rsi, r.rdx, r.r10, r.r8, r.r9];
     r.rax as i64 == restart::EINTR
-        && restart::restartable(r.orig_rax as i64)
+        && restart::to_restart(r.orig_rax as i64, args, SHARED.ending.load(Ordering::Relaxed))
         && instruction_before(tid, r.rip).is_some_and(restart::is_syscall)
 }
 
@@ -269,22 +273,18 @@ fn instruction_before(tid: u32, pc: u64) -> Option<[u8; 2]> {
     if offset < 7 { Some([bytes[offset], bytes[offset + 1]]) } else { Some([bytes[7], peek(word + 8)?[0]]) }
 }
 
-/// Whether a signal of the program's waits for thread `tid` (unblocked): its handler is to run,
-/// and the call it cut short to fail with EINTR. So too when that cannot be read.
-fn signal_for(pid: u32, tid: u32) -> bool {
-    restart::signals_of(pid, tid).is_none_or(|(pending, blocked)| pending & !blocked != 0)
-}
-
-/// Points stopped thread `tid` back into the call the interrupt cut short.
+/// Has the kernel make the call the interrupt cut short again as it lets thread `tid` go,
+/// unless a signal's handler is to run then, which the call then fails with EINTR for: the
+/// kernel's choice for a call that a stop of its own interrupted (`-ERESTARTNOHAND`).
 fn restart(tid: u32) {
+    const ERESTARTNOHAND: i64 = 514;
     let regs = SHARED.regs.get();
     if ptrace(libc::PTRACE_GETREGS, tid, regs as usize) != 0 {
         return;
     }
     // SAFETY: `regs` is the tracer's alone and was just written by the kernel.
     let r = unsafe { &mut *regs };
-    r.rax = r.orig_rax;
-    r.rip -= 2;
+    r.rax = (-ERESTARTNOHAND) as u64;
     ptrace(libc::PTRACE_SETREGS, tid, regs as usize);
 }
 
@@ -301,13 +301,15 @@ fn yama_asks_for_a_ptracer() -> bool {
 }
 
 /// Stops the threads `tids` (not the caller's) with a tracer, their registers written to
-/// `slots`; `None` when ptrace or the tracer is refused, and nothing is stopped.
+/// `slots`; `None` when ptrace or the tracer is refused, and nothing is stopped. `ending`:
+/// whether the check is the process's last.
 ///
 /// # Safety
 /// `slots` points to [`MAX_PARKED`] slots that nothing else writes or reads until the
 /// result is dropped (and that are read only through [`Tracer::stopped`] meanwhile).
-pub(super) unsafe fn stop(tids: &[u32], slots: *mut Parked) -> Option<Tracer> {
+pub(super) unsafe fn stop(tids: &[u32], slots: *mut Parked, ending: bool) -> Option<Tracer> {
     let named = yama_asks_for_a_ptracer();
+    SHARED.ending.store(ending, Ordering::Relaxed);
     let (stack, stack_size) = pool::lease_unbounded(STACK)?;
     SHARED.phase.store(SETTING_UP, Ordering::Relaxed);
     SHARED.pid.store(os::getpid(), Ordering::Relaxed);
