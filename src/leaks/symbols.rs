@@ -25,6 +25,13 @@ pub struct Frame {
     pub offset: Option<u64>,
 }
 
+/// A function's name as a symbol table or DWARF gives it: glibc's hidden alias of a function
+/// (`__GI_setlocale`, its debug information's linkage name, and its symbol table's at the
+/// same address as `setlocale`) reads as the name programs call; then demangled.
+pub fn symbol_name(name: &str) -> String {
+    demangle(name.strip_prefix("__GI_").filter(|rest| !rest.is_empty()).unwrap_or(name))
+}
+
 /// A symbol's name, demangled if it is mangled: C++ and legacy Rust names start with `_Z`,
 /// Rust v0 names with `_R`. Any other name is a C function's, as written: the C++ demangler
 /// would read a short one as a type's code (`f` as `float`).
@@ -48,7 +55,7 @@ pub fn demangle(name: &str) -> String {
 
 /// A function's name from DWARF: its linkage name demangled, or else its plain name.
 pub fn function_name(function: &addr2line::FunctionName<impl gimli::Reader>) -> Option<String> {
-    function.raw_name().ok().map(|name| demangle(&name))
+    function.raw_name().ok().map(|name| symbol_name(&name))
 }
 
 /// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, then its end or a
@@ -415,7 +422,7 @@ impl Symbolizer {
                 if frames.last().is_none_or(|f| f.function.is_none())
                     && let Some(name) = loader.find_symbol(probe)
                 {
-                    let name = demangle(name);
+                    let name = symbol_name(name);
                     match frames.last_mut() {
                         Some(last) => last.function = Some(name),
                         None => frames.push(frame(Some(name), None, None)),
@@ -475,6 +482,15 @@ mod tests {
         assert_eq!(demangle("_Z3fooi"), "foo(int)");
         assert_eq!(demangle("_ZN5tokio4task5spawn17h0123456789abcdefE"), "tokio::task::spawn");
         assert_eq!(demangle("_RNvCs1234_7mycrate3foo"), "mycrate::foo");
+    }
+
+    #[test]
+    fn glibcs_hidden_aliases_read_as_the_functions_programs_call() {
+        assert_eq!(symbol_name("__GI_setlocale"), "setlocale");
+        assert_eq!(symbol_name("__GI___libc_malloc"), "__libc_malloc");
+        assert_eq!(symbol_name("__GI__IO_doallocbuf"), "_IO_doallocbuf");
+        assert_eq!(symbol_name("__GI_"), "__GI_");
+        assert_eq!(symbol_name("_Z3fooi"), "foo(int)");
     }
 
     /// As `c++filt` reads them: the `cpp_demangle` crate dropped the first parameter of a

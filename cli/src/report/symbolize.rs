@@ -266,7 +266,7 @@ impl DebugInfo {
         // DWARF does not cover the address (stripped libraries, assembly).
         let symbol = || {
             let name = self.dwarf.iter().chain(&self.symbols).find_map(|l| l.find_symbol(probe))?;
-            Some(mallocspy::leaks::demangle(name))
+            Some(mallocspy::leaks::symbol_name(name))
         };
         match out.last_mut() {
             Some(last) if last.0.is_none() => last.0 = symbol(),
