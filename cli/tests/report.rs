@@ -243,6 +243,48 @@ fn random_bytes_and_missing_files_are_one_error_line_and_status_1() {
     assert!(lines[0].starts_with(&format!("mallocspy report: {}: No such file", missing.display())), "{lines:?}");
 }
 
+/// A stream that is no trace is refused at its first bytes: `report - < /dev/zero` read it
+/// whole first, gigabytes a second without end (helper 52). Two traces joined into one file
+/// are said to be, where the second was skipped as a record of unknown tag and the report
+/// went on as if the file were cut.
+#[test]
+fn an_endless_stream_or_two_joined_traces_are_refused_in_one_line() {
+    let zeros = std::fs::File::open("/dev/zero").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_mallocspy"))
+        .args(["report", "-"])
+        .stdin(zeros)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "still reading");
+    assert_eq!(
+        stderr_lines(&out),
+        ["mallocspy report: standard input: not a readable mallocspy trace: no mallocspy-trace signature at offset 0"]
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let one = trace(&events());
+    let joined = write(dir.path(), "joined.trace", &[one.as_slice(), one.as_slice()].concat());
+    let out = mallocspy(&[joined.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        stderr_lines(&out),
+        [format!(
+            "mallocspy report: {}: not a readable mallocspy trace: another trace starts here (traces joined into one file?) at offset {}",
+            joined.display(),
+            one.len()
+        )]
+    );
+}
+
 /// `-` reads the trace from the standard input (`zcat app.trace.gz | mallocspy report -`), and a
 /// path with a newline in it is shown quoted, so that an error stays one line.
 #[test]

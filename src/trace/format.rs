@@ -723,6 +723,9 @@ impl<'a> Reader<'a> {
     /// A file that is not a mallocspy trace, of another version, or whose header is damaged.
     pub fn new(bytes: &'a [u8]) -> Result<Self, TraceError> {
         let err = |offset: usize, what: &str| TraceError { offset: offset as u64, what: what.into() };
+        if !bytes.is_empty() && bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) {
+            return Err(err(0, "the file ends inside its signature"));
+        }
         if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
             return Err(err(0, "no mallocspy-trace signature"));
         }
@@ -778,6 +781,14 @@ impl<'a> Reader<'a> {
     fn raw(&mut self) -> Option<Result<(u8, Fields<'a>), TraceError>> {
         let start = self.at;
         let &tag = self.bytes.get(start)?;
+        if self.bytes[start..].starts_with(MAGIC) {
+            // Read as a record of unknown tag `m`, another trace's start was skipped and its
+            // records taken for this one's (`cat a.trace b.trace`).
+            return Some(Err(TraceError {
+                offset: start as u64,
+                what: "another trace starts here (traces joined into one file?)".into(),
+            }));
+        }
         if tag == 0 {
             // A crash can leave the file's tail zero-filled (its size written, its blocks
             // not): the events end there. A zero tag with data after it is damage, not a cut.
@@ -1074,6 +1085,14 @@ mod tests {
     fn random_bytes_are_one_line_errors_never_panics() {
         let e = Reader::new(b"PK\x03\x04 a zip file, not a trace").err().unwrap();
         assert_eq!(e.to_string(), "not a readable mallocspy trace: no mallocspy-trace signature at offset 0");
+        let e = Reader::new(b"mallocspy-").err().unwrap();
+        assert_eq!(e.to_string(), "not a readable mallocspy trace: the file ends inside its signature at offset 0");
+        // Two traces in one file: the second's signature is no record of this one's.
+        let (file, _) = sample_file();
+        let joined = [file.as_slice(), file.as_slice()].concat();
+        let e = Reader::new(&joined).unwrap().find_map(Result::err).expect("an error");
+        let joined_at = format!("another trace starts here (traces joined into one file?) at offset {}", file.len());
+        assert_eq!(e.to_string(), format!("not a readable mallocspy trace: {joined_at}"));
         // Damage inside records: every byte flipped in turn errs or reads, never panics.
         let (file, _) = sample_file();
         let mut x = 0x2545_F491_4F6C_DD1Du64;

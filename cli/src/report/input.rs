@@ -10,6 +10,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use super::text::path_shown;
+use mallocspy::trace::MAGIC;
 
 /// A trace's bytes, mapped (up to where its data ends) or read.
 pub enum TraceBytes {
@@ -45,11 +46,10 @@ pub struct Loaded {
 /// Opens `path` and maps or reads it.
 pub fn load(path: &Path) -> io::Result<Loaded> {
     if path == Path::new(STDIN) {
-        let mut bytes = Vec::new();
-        io::stdin().lock().read_to_end(&mut bytes)?;
+        let bytes = read_stream(io::stdin().lock())?;
         return Ok(Loaded { bytes: TraceBytes::Read(bytes), being_written: false });
     }
-    let mut file = File::open(path)?;
+    let file = File::open(path)?;
     let being_written = locked_by_writer(&file);
     let meta = file.metadata()?;
     if meta.is_file() && meta.len() > 0 {
@@ -62,9 +62,20 @@ pub fn load(path: &Path) -> io::Result<Loaded> {
         let bytes = TraceBytes::Mapped(map, data_end(&file, meta.len()) as usize);
         return Ok(Loaded { bytes, being_written });
     }
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
+    let bytes = read_stream(file)?;
     Ok(Loaded { bytes: TraceBytes::Read(bytes), being_written })
+}
+
+/// Reads a stream (standard input, a FIFO) whole, but past its first bytes only if they are
+/// a trace's signature: one that is none (`report - < /dev/zero`) was read whole before it
+/// was refused, without end.
+fn read_stream(mut stream: impl Read) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    (&mut stream).take(MAGIC.len() as u64).read_to_end(&mut bytes)?;
+    if bytes.as_slice() == MAGIC {
+        stream.read_to_end(&mut bytes)?;
+    }
+    Ok(bytes)
 }
 
 /// Where a regular file's data ends: where a hole starts that runs to its end (the unwritten
