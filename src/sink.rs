@@ -207,10 +207,10 @@ pub(crate) fn leave_file(path: &str) -> bool {
         *p = None;
     }
     use_stderr();
-    if FD.load(Ordering::Acquire) != fd {
-        // SAFETY: the log file's descriptor was ours, and is no longer the reports'.
-        unsafe { libc::close(fd) };
-    }
+    // With stderr closed there is no copy of it: no reports, rather than a damaged trace.
+    let _ = FD.compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Relaxed);
+    // SAFETY: the log file's descriptor was ours, and is no longer the reports'.
+    unsafe { libc::close(fd) };
     true
 }
 
