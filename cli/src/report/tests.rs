@@ -438,7 +438,8 @@ fn sites_skip_the_c_runtime_and_missing_or_changed_files_give_module_offsets() {
 /// are neither written to a terminal nor into an SVG.
 #[test]
 fn damaged_numbers_and_names_make_sound_reports() {
-    let hostile = missing_module("/nonexistent/lib\u{1b}]0;owned\u{7}\u{fffe}.so", &[]);
+    // A right-to-left override reorders the rest of a terminal's line.
+    let hostile = missing_module("/nonexistent/lib\u{1b}]0;owned\u{7}\u{fffe}\u{202e}.so", &[]);
     let mut kinds = [mallocspy::trace::KindStats::default(); 3];
     (kinds[0].allocs, kinds[1].allocs) = (u64::MAX, u64::MAX);
     (kinds[0].live_bytes, kinds[0].bytes) = (1000, 10);
@@ -450,15 +451,15 @@ fn damaged_numbers_and_names_make_sound_reports() {
         testing::tick(2, 0xb0, 10, 1 << 63, 2),
         Event::HeapStats(HeapStats { time_ns: 3, kinds, ..HeapStats::default() }),
     ];
-    let command = vec!["prog\u{fffe}".to_string(), "\u{1b}[2J".to_string()];
+    let command = vec!["prog\u{fffe}".to_string(), "\u{1b}[2J".to_string(), "\u{2067}txt.exe".to_string()];
     let file = trace_with(&mallocspy::trace::Header { command, ..testing::header() }, &events);
     let shown = |s: &str| s.chars().all(|c| c == '\n' || c == '\t' || !super::text::unprintable(c));
 
     let report = text(&file, Format::Text);
     assert!(shown(&report), "{report:?}");
     assert!(report.contains("in 18,446,744,073,709,551,615 allocation calls (exact"), "{report}");
-    assert!(report.contains("lib\u{fffd}]0;owned\u{fffd}\u{fffd}.so+0x1235"), "{report}");
-    assert!(report.contains("$'prog\\ufffe' $'\\u001b[2J'"), "{report}");
+    assert!(report.contains("lib\u{fffd}]0;owned\u{fffd}\u{fffd}\u{fffd}.so+0x1235"), "{report}");
+    assert!(report.contains("$'prog\\ufffe' $'\\u001b[2J' $'\\u2067txt.exe'"), "{report}");
 
     let svg = text(&file, Format::Flamegraph);
     assert!(shown(&svg), "{svg:?}");

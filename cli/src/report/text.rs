@@ -10,12 +10,15 @@ use super::input::STDIN;
 use super::sites::{Site, top_live_at_peak};
 use super::units;
 
-/// Whether `c` is unfit to show: a control character (a terminal runs escape sequences) or a
-/// noncharacter (U+FFFE, U+FFFF and the like, which XML forbids). Names in a trace come from
-/// the program and from files on disk, and a damaged trace may hold anything.
+/// Whether `c` is unfit to show: a control character (a terminal runs escape sequences), a
+/// bidirectional control (an override or isolate reorders what follows it on the line, so
+/// that a name reads as another) or a noncharacter (U+FFFE, U+FFFF and the like, which XML
+/// forbids). Names in a trace come from the program and from files on disk, and a damaged
+/// trace may hold anything.
 pub fn unprintable(c: char) -> bool {
     let n = c as u32;
-    c.is_control() || (0xfdd0..=0xfdef).contains(&n) || n & 0xfffe == 0xfffe
+    let bidi = matches!(n, 0x061c | 0x200e | 0x200f | 0x202a..=0x202e | 0x2066..=0x2069);
+    c.is_control() || bidi || (0xfdd0..=0xfdef).contains(&n) || n & 0xfffe == 0xfffe
 }
 
 /// `name` with each unprintable character replaced by U+FFFD.
