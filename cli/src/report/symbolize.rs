@@ -152,9 +152,10 @@ impl Location {
     }
 }
 
-/// The last component of a path.
+/// The last component of a path that has one, else `??` (a damaged trace's `/` or empty
+/// path named its frames `+0x3000`).
 fn file_name(path: &str) -> &str {
-    path.rsplit('/').next().unwrap_or(path)
+    path.rsplit('/').find(|part| !part.is_empty()).unwrap_or("??")
 }
 
 /// The longest file name a Linux file system holds (`NAME_MAX`).
@@ -336,8 +337,11 @@ mod tests {
     }
 
     #[test]
-    fn a_file_name_longer_than_a_file_system_holds_is_cut() {
+    fn a_modules_shown_name_is_its_last_component_cut_to_name_max() {
         assert_eq!(shown_file_name("/usr/lib/libc.so.6"), "libc.so.6");
+        assert_eq!(shown_file_name("/opt/app/"), "app");
+        assert_eq!(shown_file_name("/"), "??");
+        assert_eq!(shown_file_name(""), "??");
         let long = format!("/lib/{}", "é".repeat(200));
         let shown = shown_file_name(&long);
         assert_eq!(shown, format!("{}…", "é".repeat(127)));
