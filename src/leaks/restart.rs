@@ -112,6 +112,7 @@ fn waits_again(nr: i64, [a0, a1, a2, a3, a4, _]: [u64; 6]) -> bool {
         libc::SYS_rt_sigtimedwait => a2 != 0,
         libc::SYS_semtimedop => a3 != 0,
         libc::SYS_io_getevents | SYS_IO_PGETEVENTS => a4 != 0,
+        // The extended argument may hold a timeout (not read: it is the program's memory).
         libc::SYS_io_uring_enter => a3 & IORING_ENTER_EXT_ARG != 0,
         libc::SYS_accept
         | libc::SYS_accept4
