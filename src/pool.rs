@@ -229,6 +229,15 @@ pub(crate) fn owns(start: u64, end: u64) -> bool {
     })
 }
 
+/// The lowest address of the pool's memory strictly between `start` and `end`, if any: where
+/// a range reaching up from `start` must stop to leave mallocspy's memory out.
+pub(crate) fn first_owned_above(start: u64, end: u64) -> Option<u64> {
+    (0..ARENAS_LEN.load(Ordering::Acquire))
+        .map(|i| ARENA_START[i].load(Ordering::Relaxed) as u64)
+        .filter(|&s| start < s && s < end)
+        .min()
+}
+
 /// Returns a region leased for `bytes`. Its pages go back to the kernel; the mapping stays
 /// in the pool for the next lease of its size.
 ///
@@ -324,5 +333,15 @@ mod tests {
         assert!(!owns(0x1000, 0x2000));
         assert_eq!(class_of(1), Some((4096, 0)));
         assert_eq!(class_of(4097), Some((8192, 1)));
+    }
+
+    #[test]
+    fn a_range_reaching_into_the_pool_stops_where_its_memory_starts() {
+        // An arena, for sure.
+        lease(4096).unwrap();
+        let arena = ARENA_START[0].load(Ordering::Relaxed) as u64;
+        assert_eq!(first_owned_above(arena - 4096, arena + 4096), Some(arena));
+        assert_eq!(first_owned_above(arena - 4096, arena), None, "ends below it");
+        assert_eq!(first_owned_above(arena, arena + 4096), None, "starts in it");
     }
 }

@@ -235,6 +235,10 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         if tp != 0 {
             let (start, end) = (tp.saturating_sub(tls_size), tp + TCB);
             let (start, end) = block_holding(tp).map_or((start, end), |(s, e)| (start.max(s), end.min(e)));
+            // `TCB` rounds the control block up, past the end of the mapping glibc put it at
+            // the top of: when mallocspy's memory came next, the check's own arrays of block
+            // addresses were read as the thread's, and every block was still reachable.
+            let end = crate::pool::first_owned_above(start, end).unwrap_or(end);
             regions.push((start, end));
             kinds.push(Root::Tls(thread));
         }
