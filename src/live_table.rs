@@ -182,6 +182,19 @@ impl<V: Copy> LiveTable<V> {
         Self { shards: [const { Shard::new() }; SHARDS] }
     }
 
+    /// An empty table in memory leased for it alone, never given back. The spies hold their
+    /// tables so because a table is 4 KiB, and a value that size is built on the stack and
+    /// copied: the shim's constructor, on the program's main thread, needed 40 KiB of stack
+    /// where `ls` itself needs 24 (under `ulimit -s 32` every program died at start).
+    pub(crate) fn leased() -> Option<&'static Self> {
+        const { assert!(core::mem::align_of::<Self>() <= 4096) };
+        let region = pool::lease(core::mem::size_of::<Self>())?;
+        // SAFETY: the region is zeroed, page-aligned (a lease is at least a page), large
+        // enough, and never given back; all zero bytes make an empty table (free locks, no
+        // arrays, zero counts: `an_empty_table_is_all_zero_bytes`).
+        Some(unsafe { &*region.as_ptr().cast::<Self>() })
+    }
+
     #[inline]
     fn shard(&self, h: u64) -> &Shard<V> {
         &self.shards[(h >> (64 - SHARD_BITS)) as usize]
@@ -445,6 +458,19 @@ mod tests {
         }
         assert_eq!(t.get(5000 * 16), Some([5000, 0]));
         assert_eq!(t.len(), 2500);
+    }
+
+    #[test]
+    fn an_empty_table_is_all_zero_bytes() {
+        let t = LiveTable::<[u64; 2]>::new();
+        // SAFETY: reads the table's bytes (no padding: every field is a word).
+        let bytes = unsafe {
+            core::slice::from_raw_parts((&t as *const LiveTable<[u64; 2]>).cast::<u8>(), core::mem::size_of_val(&t))
+        };
+        assert!(bytes.iter().all(|&b| b == 0));
+        let leased = LiveTable::<[u64; 2]>::leased().unwrap();
+        assert!(leased.insert(0x7000, [1, 2]));
+        assert_eq!((leased.get(0x7000), leased.get(0x7010), leased.len()), (Some([1, 2]), None, 1));
     }
 
     #[test]

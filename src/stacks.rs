@@ -264,7 +264,7 @@ const MAX_CHUNKS: usize = 1024;
 
 /// The table of interned stacks.
 pub(crate) struct Stacks {
-    by_hash: LiveTable<u32>,
+    by_hash: &'static LiveTable<u32>,
     lock: SpinLock,
     /// Chunk base addresses (`[u64; CHUNK_WORDS]` each), `[usize; MAX_CHUNKS]`.
     chunks: AtomicUsize,
@@ -310,16 +310,17 @@ pub(crate) fn hash_of<T: Copy>(items: &[T], word: impl Fn(T) -> u64) -> u64 {
 }
 
 impl Stacks {
-    pub(crate) const fn new() -> Self {
-        Self {
-            by_hash: LiveTable::new(),
+    /// An empty store; `None` if its table cannot be mapped.
+    pub(crate) fn new() -> Option<Self> {
+        Some(Self {
+            by_hash: LiveTable::leased()?,
             lock: SpinLock::new(),
             chunks: AtomicUsize::new(0),
             chunk_count: AtomicUsize::new(0),
             used: AtomicUsize::new(CHUNK_WORDS),
             count: AtomicU32::new(0),
             words: AtomicUsize::new(0),
-        }
+        })
     }
 
     /// The id of `frames` (at most `u16::MAX` of them), whose [`hash`] is `h`, interning it if
@@ -464,7 +465,7 @@ mod tests {
 
     #[test]
     fn interns_each_distinct_stack_once() {
-        let s = Stacks::new();
+        let s = Stacks::new().unwrap();
         let intern = |frames: &[u64]| s.intern(hash(frames), frames);
         let a = intern(&[1, 2, 3]);
         let b = intern(&[1, 2, 4]);
@@ -481,7 +482,7 @@ mod tests {
 
     #[test]
     fn sent_marks_keep_the_frames_and_are_forgotten_in_every_chunk() {
-        let s = Stacks::new();
+        let s = Stacks::new().unwrap();
         let ids: Vec<u32> = (0..60_000u64).map(|i| s.intern(hash(&[i, 9]), &[i, 9])).collect();
         assert!(s.chunk_count.load(Ordering::Relaxed) > 1, "the stacks span chunks");
         for &id in &ids {

@@ -286,7 +286,7 @@ fn a_walk_knows_the_main_threads_room_under_a_small_stack_limit() {
     let big = "x".repeat(12_000);
     for (room, stack) in [("8", "0"), ("12", "0"), ("16", "0"), ("20", "0"), ("24", "0"), ("20", "64"), ("28", "64")] {
         let mut cmd = Command::new("sh");
-        // Only the 12 KB variable: mallocspy's start-up itself needs some 40 KiB of stack.
+        // Only the 12 KB variable: the walks, not the program, are short of room.
         cmd.args(["-c", "ulimit -s 64 && exec \"$0\" \"$@\"", program.to_str().unwrap(), room, stack])
             .env_clear()
             .env("BIG", &big);
@@ -294,6 +294,26 @@ fn a_walk_knows_the_main_threads_room_under_a_small_stack_limit() {
         let stderr = text(&out.stderr);
         assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{room} KiB left: {stderr}");
     }
+}
+
+/// The shim's constructor built the spies, their 4 KiB tables inline, on the program's main
+/// stack, in one frame of 36 KiB: under `ulimit -s 28` every program died of a segmentation
+/// fault before `main` (`sort` itself runs under `ulimit -s 20`), whatever the spy, `none`
+/// included.
+#[test]
+fn every_spy_starts_under_a_small_stack_limit() {
+    let input: String = (0..5_000u32).map(|i| format!("{}\n", i.wrapping_mul(2_654_435_761) % 100_000)).collect();
+    let dir = std::env::temp_dir().join(format!("mallocspy-small-stack-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("in.txt");
+    std::fs::write(&file, input).unwrap();
+    let outputs = same_in_every_mode("sort under ulimit -s 28", || {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "ulimit -s 28 && exec sort \"$0\"", file.to_str().unwrap()]);
+        cmd
+    });
+    assert_eq!(outputs[0].1.status.code(), Some(0), "{}", text(&outputs[0].1.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A guard finding in a child forked while another thread held the loader's lock waited for

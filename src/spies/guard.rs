@@ -87,7 +87,7 @@ struct Recent {
 /// The guard spy.
 pub(crate) struct GuardSpy {
     /// Recently freed caller pointers, to tell a double free from a foreign pointer.
-    recent: LiveTable<Recent>,
+    recent: &'static LiveTable<Recent>,
     /// FIFO of the pointers in `recent`, `[AtomicUsize; RECENT]` in an anonymous mapping.
     ring: NonNull<AtomicUsize>,
     /// The sequence number of the next free: its slot in the ring is `ring_next % RECENT`.
@@ -217,7 +217,7 @@ impl GuardSpy {
     pub(crate) fn new() -> Option<Self> {
         let ring = pool::lease(RECENT * core::mem::size_of::<usize>())?.cast::<AtomicUsize>();
         Some(Self {
-            recent: LiveTable::new(),
+            recent: LiveTable::leased()?,
             ring,
             ring_next: AtomicUsize::new(0),
             findings: [const { AtomicU64::new(0) }; 4],

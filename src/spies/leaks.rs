@@ -116,7 +116,7 @@ pub struct TrackerMemory {
 
 /// The tracking spy.
 pub(crate) struct LeakTracker {
-    pub(crate) live: LiveTable<Record>,
+    pub(crate) live: &'static LiveTable<Record>,
     pub(crate) stacks: Stacks,
     depth: usize,
     /// `[*mut PerThread; MAX_THREADS]`, each leased by its thread on first use.
@@ -149,8 +149,8 @@ impl LeakTracker {
     pub(crate) fn new(depth: usize) -> Option<Self> {
         crate::leaks::roots::warm_up();
         Some(Self {
-            live: LiveTable::new(),
-            stacks: Stacks::new(),
+            live: LiveTable::leased()?,
+            stacks: Stacks::new()?,
             depth: depth.clamp(1, MAX_DEPTH),
             per_thread: ThreadRecords::new()?,
             live_bytes: AtomicI64::new(0),

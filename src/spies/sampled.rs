@@ -47,21 +47,21 @@ struct Bucket<V> {
 }
 
 /// The set of live sampled blocks, each with its `V`, and their bitmap.
-pub(crate) struct SampledBlocks<V: Copy> {
+pub(crate) struct SampledBlocks<V: Copy + 'static> {
     /// `[AtomicU64; gate::BITS / 64]`: bit [`gate::bit_of`] of every live block is set. A
     /// bucket's bits change only under its lock (other buckets share the word, hence the
     /// atomic read-modify-writes).
     bitmap: NonNull<AtomicU64>,
     /// `[Bucket<V>; BUCKETS]`, zeroed: free locks, empty slots, nothing overflowed.
     buckets: NonNull<Bucket<V>>,
-    overflow: LiveTable<V>,
+    overflow: &'static LiveTable<V>,
 }
 
 // SAFETY: a bucket's slots and count are accessed only under its lock; the bitmap is atomic;
 // the overflow table is Sync.
-unsafe impl<V: Copy + Send> Sync for SampledBlocks<V> {}
+unsafe impl<V: Copy + Send + 'static> Sync for SampledBlocks<V> {}
 // SAFETY: the set owns its leased memory; moving it moves plain pointers.
-unsafe impl<V: Copy + Send> Send for SampledBlocks<V> {}
+unsafe impl<V: Copy + Send + 'static> Send for SampledBlocks<V> {}
 
 /// The bitmap bits of `bucket`, as a mask of its word.
 fn bucket_mask(bucket: usize) -> u64 {
@@ -69,14 +69,14 @@ fn bucket_mask(bucket: usize) -> u64 {
     ((1u64 << BITS_PER_BUCKET) - 1) << (bucket * BITS_PER_BUCKET % 64)
 }
 
-impl<V: Copy> SampledBlocks<V> {
+impl<V: Copy + 'static> SampledBlocks<V> {
     /// An empty set; `None` if its memory cannot be mapped.
     pub(crate) fn new() -> Option<Self> {
         const { assert!(core::mem::size_of::<Bucket<V>>() == 64, "a bucket is one cache line") };
         Some(Self {
             bitmap: pool::lease(gate::BITS / 8)?.cast(),
             buckets: pool::lease(BUCKETS * core::mem::size_of::<Bucket<V>>())?.cast(),
-            overflow: LiveTable::new(),
+            overflow: LiveTable::leased()?,
         })
     }
 

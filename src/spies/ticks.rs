@@ -323,7 +323,7 @@ impl TickSpy {
             gate_epoch: AtomicU32::new(0),
             fork_salt: AtomicU64::new(0),
             streams: AtomicU64::new(0),
-            stacks: Stacks::new(),
+            stacks: Stacks::new()?,
             estimates: Estimates::default(),
             frees_elsewhere: AtomicU64::new(0),
             live_elsewhere: LiveShare::default(),
