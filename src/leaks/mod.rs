@@ -238,6 +238,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             // `TCB` rounds the control block up, past the end of the mapping glibc put it at
             // the top of: when mallocspy's memory came next, the check's own arrays of block
             // addresses were read as the thread's, and every block was still reachable.
+            let end = maps.end_of(tp).map_or(end, |e| end.min(e));
             let end = crate::pool::first_owned_above(start, end).unwrap_or(end);
             regions.push((start, end));
             kinds.push(Root::Tls(thread));
