@@ -133,6 +133,12 @@ pub(crate) fn state() -> &'static ThreadState {
     unsafe { &*block }
 }
 
+/// The block of the thread whose thread pointer is `tp`: `[start, end)`.
+pub(crate) fn block_of(tp: u64) -> (u64, u64) {
+    let start = tp.wrapping_add(block_offset() as u64);
+    (start, start + BLOCK_SIZE as u64)
+}
+
 /// The offset of every thread's block from its thread pointer (`fs:0`): fixed when the loader
 /// placed this library's TLS, the same for every thread, and kept across `fork`.
 pub(crate) fn block_offset() -> usize {

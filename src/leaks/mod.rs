@@ -36,6 +36,34 @@ enum Root {
     Anonymous,
 }
 
+/// Takes `holes` (sorted, disjoint) out of the root `regions`, keeping `kinds` in step: a
+/// region with a hole inside is cut in two, the part above it added at the end; kept whole
+/// when there is no room for it (a root too large only makes blocks reachable).
+fn cut_out(regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>, holes: &[(u64, u64)]) {
+    let mut i = 0;
+    while i < regions.len() {
+        let (start, end) = regions[i];
+        let Some(&(s, e)) = holes.get(holes.partition_point(|h| h.1 <= start)).filter(|h| h.0 < end) else {
+            i += 1;
+            continue;
+        };
+        match (start < s, e < end) {
+            (true, true) if regions.len() == regions.capacity() => i += 1,
+            (true, true) => {
+                regions[i] = (start, s);
+                regions.push((e, end));
+                kinds.push(kinds[i]);
+            }
+            (true, false) => regions[i] = (start, s),
+            (false, true) => regions[i] = (e, end),
+            (false, false) => {
+                regions.swap_remove(i);
+                kinds.swap_remove(i);
+            }
+        }
+    }
+}
+
 /// Hops of a retention path shown per still-reachable record: its root and those nearest the block.
 const PATH_HOPS: usize = 6;
 
@@ -197,7 +225,11 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let mut maps = Maps::reserve();
     let program_mappings = crate::program_mappings::snapshot();
     let mut regions: Vec<(u64, u64)> =
-        Vec::with_capacity(modules.roots.len() + 2 * 4096 + 4 + maps.list.capacity() + program_mappings.len());
+        Vec::with_capacity(modules.roots.len() + 3 * 4096 + 4 + maps.list.capacity() + program_mappings.len());
+    // mallocspy's own block in each thread's static TLS, which keeps copies of the program's
+    // registers (the frame pointer at the last allocator call, which optimized code uses as
+    // any other register) and the spy's words: no root, wherever it lies.
+    let mut own_blocks: Vec<(u64, u64)> = Vec::with_capacity(4098);
     let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4098);
     // The stack the check runs on, when it is not the caller's (a mapping of
@@ -245,6 +277,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         }
     };
     add_thread(live_frames_start(&caller).unwrap_or(caller.sp), own_tp, &mut regions, &mut region_kinds);
+    own_blocks.push(tls::block_of(own_tp));
     stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
     words.extend_from_slice(&by_loader);
@@ -253,6 +286,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         for p in stopped.parked() {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
                 add_thread(p.sp, p.tp, &mut regions, &mut region_kinds);
+                if p.tp != 0 && own_blocks.len() < own_blocks.capacity() {
+                    own_blocks.push(tls::block_of(p.tp));
+                }
                 words.extend_from_slice(&p.regs);
                 if stack_pointers.len() < stack_pointers.capacity() {
                     stack_pointers.push(p.sp);
@@ -268,6 +304,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     }
     let exited = crate::threads::exited_stacks();
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
+    region_kinds.resize(regions.len(), Root::Anonymous);
+    own_blocks.sort_unstable();
+    cut_out(&mut regions, &mut region_kinds, &own_blocks);
     let memory = ProcessMemory::new(&maps, buffers);
     scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
     drop(stopped);
@@ -287,7 +326,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         scan::suppress(&heap, &memory, &mut scratch, |i| patterns.contains_key(&blocks[i].1.stack));
     }
     drop(memory);
-    region_kinds.resize(regions.len(), Root::Anonymous);
 
     let mut notes = Vec::new();
     if unstopped > 0 {
@@ -381,4 +419,35 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         crate::ending_signals::after_hook();
     }
     report
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_blocks_are_cut_out_of_the_roots_and_the_kinds_keep_in_step() {
+        let holes = [(0x1100, 0x1200), (0x1800, 0x1900), (0x3000, 0x3100)];
+        let mut regions = Vec::with_capacity(8);
+        regions.extend([(0x1000, 0x2000), (0x3000, 0x3100), (0x4000, 0x5000), (0x2f00, 0x3080)]);
+        let mut kinds: Vec<Root> = (1..=4).map(Root::Stack).collect();
+        cut_out(&mut regions, &mut kinds, &holes);
+        let mut got: Vec<((u64, u64), u32)> =
+            regions.iter().zip(&kinds).map(|(&r, k)| (r, if let Root::Stack(n) = k { *n } else { 0 })).collect();
+        got.sort_unstable();
+        let want = [
+            ((0x1000, 0x1100), 1),
+            ((0x1200, 0x1800), 1),
+            ((0x1900, 0x2000), 1),
+            ((0x2f00, 0x3000), 4),
+            ((0x4000, 0x5000), 3),
+        ];
+        assert_eq!(got, want);
+        // Without room for the part above, the region stays whole.
+        let mut full = vec![(0x1000, 0x2000)];
+        full.shrink_to_fit();
+        let mut kinds = vec![Root::Global];
+        cut_out(&mut full, &mut kinds, &holes[..1]);
+        assert_eq!((full.as_slice(), kinds.len()), (&[(0x1000, 0x2000)][..], 1));
+    }
 }
