@@ -272,6 +272,10 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             // addresses were read as the thread's, and every block was still reachable.
             let end = maps.end_of(tp).map_or(end, |e| end.min(e));
             let end = crate::pool::first_owned_above(start, end).unwrap_or(end);
+            // The static TLS size counts the control block above the thread pointer too, so
+            // the range starts that much below the TLS, in the top of the thread's stack,
+            // which glibc carves out right under it: below the stack pointer, dead frames.
+            let start = if start < sp && sp < tp { start.max(sp.saturating_sub(RED_ZONE)) } else { start };
             regions.push((start, end));
             kinds.push(Root::Tls(thread));
         }
