@@ -261,12 +261,15 @@ fn reclaim_dead_owners() -> usize {
 /// scan must not take them for roots (memcheck calls a block held only there lost).
 static EXITED_STACKS: [AtomicU64; EXITED_KEPT] = [const { AtomicU64::new(0) }; EXITED_KEPT];
 static EXITED_NEXT: AtomicUsize = AtomicUsize::new(0);
-/// Exited threads remembered (glibc's cache keeps 40 MiB of stacks: five of 8 MiB).
-pub(crate) const EXITED_KEPT: usize = 64;
+/// Exited threads remembered: glibc's cache keeps 40 MiB of stacks (five of 8 MiB, 2,560 of
+/// 16 KiB), and a thread not yet joined keeps its own.
+pub(crate) const EXITED_KEPT: usize = 4096;
 
-/// A stack pointer of each of the latest threads to exit (0: none).
-pub(crate) fn exited_stacks() -> [u64; EXITED_KEPT] {
-    core::array::from_fn(|i| EXITED_STACKS[i].load(Ordering::Relaxed))
+/// A stack pointer of each of the latest threads to exit, in order.
+pub(crate) fn exited_stacks() -> Vec<u64> {
+    let mut sps: Vec<u64> = EXITED_STACKS.iter().map(|sp| sp.load(Ordering::Relaxed)).filter(|&sp| sp != 0).collect();
+    sps.sort_unstable();
+    sps
 }
 
 /// A function told of each thread's exit (its slot index).

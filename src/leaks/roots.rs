@@ -126,7 +126,7 @@ impl Maps {
 /// blocks). Left out: mappings holding a live block (an allocator's heap: its free chunks are
 /// not roots), mallocspy's own memory, the mappings of live threads' stacks (scanned from
 /// their stack pointers only: what lies below is dead frames), the stacks glibc keeps of
-/// exited threads (`exited`: a stack pointer of each, outside the program's own mappings;
+/// exited threads (`exited`: a stack pointer of each, sorted, outside the program's own mappings;
 /// what is left there is stale, and memcheck calls a block held only there lost), and the
 /// zero-filled tails (`.bss`) of the modules' data segments, which are
 /// module data: scanned as such, or mallocspy's own (800 KiB of it, read word by word in
@@ -149,7 +149,10 @@ pub(crate) fn anonymous_roots(
     let root = |start: u64, end: u64| {
         let holds_block = block_starts.get(block_starts.partition_point(|&b| b < start)).is_some_and(|&b| b < end);
         let holds_stack = stack_pointers.iter().any(|&sp| start <= sp && sp < end);
-        let exited_stack = exited.iter().any(|&sp| start <= sp && sp < end && !in_program(sp));
+        let exited_stack = exited[exited.partition_point(|&sp| sp < start)..]
+            .iter()
+            .take_while(|&&sp| sp < end)
+            .any(|&sp| !in_program(sp));
         let module_data =
             modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
         !holds_block
