@@ -838,6 +838,32 @@ fn a_pointer_left_on_an_exited_threads_stack_does_not_keep_its_block() {
     assert!(root.starts_with("the dynamic loader's own block"), "{dtv}");
 }
 
+/// Memory the program mapped from files, writable, is scanned as memcheck scans every mapping
+/// its program made: a private and a shared mapping of a file and a POSIX shared memory
+/// segment each holding the only pointer to a block. Only anonymous memory was, and the three
+/// blocks were definitely lost (review helper 54).
+#[test]
+fn blocks_held_from_the_programs_file_mappings_are_reachable() {
+    let dir = std::env::temp_dir().join(format!("mallocspy-file-mappings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new(c_program("file_mappings.c"));
+    let out = run(JSON_REPORT, cmd.arg(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 77}), "{report}");
+    let reachable: Vec<u64> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "still_reachable")
+        .map(|r| r["bytes"].as_u64().unwrap())
+        .collect();
+    for size in [503, 504, 1501] {
+        assert!(reachable.contains(&size), "{size}: {report}");
+    }
+}
+
 /// The same for 200 threads at once, each with a stack of its own: only the latest 64 exited
 /// threads' stacks were known, and the older ones' were scanned whole, stale words and all
 /// (review helper 54: 36 of 100 lost blocks still reachable).

@@ -13,10 +13,11 @@ pub(crate) struct Mapping {
     pub start: u64,
     pub end: u64,
     pub readable: bool,
-    /// Writable memory not backed by a file nor special (`[heap]`, `[stack]`, ...): what a
-    /// program maps for itself (arenas, caches, dead threads' stacks, shared memory; see
-    /// [`anonymous`]), or an allocator's heap.
-    pub anonymous_data: bool,
+    /// Writable memory not special (`[heap]`, `[stack]`, ...) nor a device's: what a program
+    /// maps for itself (arenas, caches, dead threads' stacks, shared memory; see
+    /// [`anonymous`]), a writable mapping of a file (a module's data segment among them), or
+    /// an allocator's heap.
+    pub writable_data: bool,
     /// What a file mapped read-only holds: constants and vtables (`.rodata`, and
     /// `.data.rel.ro` once relocated), or code.
     pub file: FileKind,
@@ -40,13 +41,16 @@ pub(super) fn parse_hex(s: &[u8]) -> Option<u64> {
     Some(v)
 }
 
-/// Whether a mapping of this path (as the map names it) is memory the program got for itself
-/// rather than a file's: no path, a name given with `PR_SET_VMA_ANON_NAME` (private or
-/// shared), shared anonymous memory (`/dev/zero (deleted)`), a mapping of `/dev/zero`, a System
-/// V segment, a memfd.
-fn anonymous(path: &[u8]) -> bool {
+/// Whether a writable mapping of this path (as the map names it) is data a program may keep
+/// pointers in: memory it got for itself (no path, a name given with `PR_SET_VMA_ANON_NAME`,
+/// private or shared, shared anonymous memory `/dev/zero (deleted)`, a System V segment, a
+/// memfd), or a file's, POSIX shared memory (`/dev/shm`) included. Not a device's (a GPU's
+/// buffers, a frame buffer), whose reads may do something: memcheck leaves those out too.
+fn data(path: &[u8]) -> bool {
     const KINDS: [&[u8]; 5] = [b"[anon:", b"[anon_shmem:", b"/dev/zero", b"/SYSV", b"/memfd:"];
-    path.is_empty() || KINDS.iter().any(|kind| path.starts_with(kind))
+    path.is_empty()
+        || KINDS.iter().any(|kind| path.starts_with(kind))
+        || path.starts_with(b"/") && (!path.starts_with(b"/dev/") || path.starts_with(b"/dev/shm/"))
 }
 
 impl Maps {
@@ -100,7 +104,7 @@ impl Maps {
             // Fields after the permissions: offset, device, inode, then the path if any.
             let path = fields.filter(|f| !f.is_empty()).nth(3).unwrap_or(b"");
             let writable = perms.get(1) == Some(&b'w');
-            let anonymous_data = readable && writable && anonymous(path);
+            let writable_data = readable && writable && data(path);
             if path == b"[stack]" {
                 self.main_stack = Some((start, end));
             }
@@ -109,7 +113,7 @@ impl Maps {
                 (true, false) => FileKind::Constants,
                 (false, _) => FileKind::Other,
             };
-            self.list.push(Mapping { start, end, readable, anonymous_data, file });
+            self.list.push(Mapping { start, end, readable, writable_data, file });
         }
     }
 
@@ -121,9 +125,9 @@ impl Maps {
     }
 }
 
-/// Anonymous data mappings to scan as roots, as memcheck scans the memory a program maps
-/// for itself (GCC's garbage-collected pages and Python's arenas hold pointers to heap
-/// blocks). Left out: mappings holding a live block (an allocator's heap: its free chunks are
+/// Data mappings to scan as roots, as memcheck scans the memory a program maps for itself
+/// (GCC's garbage-collected pages and Python's arenas hold pointers to heap blocks, and so
+/// may a file or shared memory mapped writable; see [`data`]). Left out: mappings holding a live block (an allocator's heap: its free chunks are
 /// not roots), mallocspy's own memory, the mappings of live threads' stacks (scanned from
 /// their stack pointers only: what lies below is dead frames), the stacks glibc keeps of
 /// exited threads (`exited`: a stack pointer of each, sorted, outside the program's own mappings;
@@ -162,7 +166,7 @@ pub(crate) fn anonymous_roots(
             && !crate::pool::owns(start, end)
             && !os::owns_shared(start as usize, end as usize)
     };
-    for m in maps.list.iter().filter(|m| m.anonymous_data) {
+    for m in maps.list.iter().filter(|m| m.writable_data) {
         if root(m.start, m.end) {
             if out.len() < out.capacity() {
                 out.push((m.start, m.end));
