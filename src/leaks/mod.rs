@@ -257,11 +257,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         let (start, size) = spans[at];
         (addr < start + size).then_some((start, start + size))
     };
-    let add_thread = |sp: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
+    // `red_zone`: the words below the stack pointer a leaf function may still use.
+    let add_thread = |sp: u64, red_zone: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
         let thread = kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
         if let Some(end) = maps.end_of(sp) {
             let end = block_holding(sp).map_or(end, |(_, block_end)| block_end.min(end));
-            regions.push((sp.saturating_sub(RED_ZONE), end));
+            regions.push((sp.saturating_sub(red_zone), end));
             kinds.push(Root::Stack(thread));
         }
         if tp != 0 {
@@ -275,12 +276,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             // The static TLS size counts the control block above the thread pointer too, so
             // the range starts that much below the TLS, in the top of the thread's stack,
             // which glibc carves out right under it: below the stack pointer, dead frames.
-            let start = if start < sp && sp < tp { start.max(sp.saturating_sub(RED_ZONE)) } else { start };
+            let start = if start < sp && sp < tp { start.max(sp.saturating_sub(red_zone)) } else { start };
             regions.push((start, end));
             kinds.push(Root::Tls(thread));
         }
     };
-    add_thread(live_frames_start(&caller).unwrap_or(caller.sp), own_tp, &mut regions, &mut region_kinds);
+    add_thread(live_frames_start(&caller).unwrap_or(caller.sp), RED_ZONE, own_tp, &mut regions, &mut region_kinds);
     own_blocks.push(tls::block_of(own_tp));
     stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
@@ -289,7 +290,13 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     if let Some(stopped) = &stopped {
         for p in stopped.parked() {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
-                add_thread(p.sp, p.tp, &mut regions, &mut region_kinds);
+                // A thread stopped in a system call uses no red zone: what lies below its
+                // stack pointer is what the calls before it left, the allocator's frames
+                // among them (a block allocated and dropped just before a wait was still
+                // reachable from there, where memcheck, whose allocator leaves other words,
+                // calls it lost).
+                let red_zone = if restart::stopped_in_a_call(p.pc) { 0 } else { RED_ZONE };
+                add_thread(p.sp, red_zone, p.tp, &mut regions, &mut region_kinds);
                 if p.tp != 0 && own_blocks.len() < own_blocks.capacity() {
                     own_blocks.push(tls::block_of(p.tp));
                 }

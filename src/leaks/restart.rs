@@ -259,9 +259,21 @@ pub(super) fn note_waiting(tid: u32) {
 /// `process_vm_readv`, which fails (EFAULT) where nothing is mapped, in the stopping thread,
 /// where a seccomp filter's `SIGSYS` reaches the program's handler.
 fn syscall_before(pc: u64) -> bool {
+    syscall_at(pc.wrapping_sub(2))
+}
+
+/// Whether a thread stopped at `pc` was stopped in a system call: the kernel lets it go on
+/// after its `syscall` instruction, or, to make the call again, at it. Read as
+/// [`syscall_before`] reads.
+pub(super) fn stopped_in_a_call(pc: u64) -> bool {
+    syscall_before(pc) || syscall_at(pc)
+}
+
+/// Whether the two bytes at `at` are a `syscall` instruction.
+fn syscall_at(at: u64) -> bool {
     let mut insn = [0u8; 2];
     let local = libc::iovec { iov_base: insn.as_mut_ptr().cast(), iov_len: 2 };
-    let remote = libc::iovec { iov_base: pc.wrapping_sub(2) as *mut _, iov_len: 2 };
+    let remote = libc::iovec { iov_base: at as *mut _, iov_len: 2 };
     let pid = os::getpid() as usize;
     // SAFETY: the kernel writes the two bytes of `insn` and reads this process's memory.
     let read = unsafe {

@@ -24,6 +24,8 @@ use crate::os;
 pub(crate) struct Parked {
     pub regs: [u64; 23],
     pub sp: u64,
+    /// Where the thread was stopped: the instruction it goes on with.
+    pub pc: u64,
     pub tp: u64,
     pub tid: u32,
 }
@@ -37,7 +39,8 @@ struct Slots(core::cell::UnsafeCell<[Parked; MAX_PARKED]>);
 // after that thread published it (see `park` and `Stopped::parked`).
 unsafe impl Sync for Slots {}
 
-static PARKED: Slots = Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, tp: 0, tid: 0 }; MAX_PARKED]));
+static PARKED: Slots =
+    Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, pc: 0, tp: 0, tid: 0 }; MAX_PARKED]));
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 static ARRIVED: AtomicUsize = AtomicUsize::new(0);
 static LEFT: AtomicUsize = AtomicUsize::new(0);
@@ -55,6 +58,7 @@ extern "C" fn park(sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
             let slot = &mut (*PARKED.0.get())[i];
             slot.regs = gregs.map(|r| r as u64);
             slot.sp = gregs[libc::REG_RSP as usize] as u64;
+            slot.pc = gregs[libc::REG_RIP as usize] as u64;
             slot.tp = os::thread_pointer();
             slot.tid = os::gettid();
         }
