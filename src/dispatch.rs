@@ -413,8 +413,9 @@ impl<H: Heap> Interposer<H> {
     /// IMalloc::DidAlloc: whether `ptr` is a live block of this heap, as far as can be told.
     ///
     /// The heap's own answer comes from the table of blocks allocated under the spy, keyed by
-    /// the caller's pointer; the spy's `pre_did_alloc` is called as the contract says, and its
-    /// `post_did_alloc` has the last word.
+    /// the caller's pointer; the spy's `pre_did_alloc` is called as the contract says (a spy
+    /// that moves pointers maps the caller's back to its real block, which is live when the
+    /// caller's is), and its `post_did_alloc` has the last word.
     pub(crate) fn did_alloc(&self, ptr: *mut c_void) -> DidAlloc {
         let plain = |p: *mut c_void, spied: bool| {
             if spied {
@@ -438,8 +439,14 @@ impl<H: Heap> Interposer<H> {
         let answer = match cell.call(|spy| spy.pre_did_alloc(ptr, spied)) {
             Ok(lookup) => {
                 // The pointer the spy asks about, as COM's heap looks up what PreDidAlloc
-                // returns (NULL: none).
-                let actual = if lookup == ptr { plain(ptr, spied) } else { plain(lookup, self.is_spied(lookup)) };
+                // returns (NULL: none). For a block of the spy's, any other pointer is its
+                // real block, mapped back as in every Pre method: this heap knows it by the
+                // caller's (it was -1, "cannot tell", for every live block of such a spy).
+                let actual = if lookup == ptr || spied && !lookup.is_null() {
+                    plain(ptr, spied)
+                } else {
+                    plain(lookup, self.is_spied(lookup))
+                };
                 cell.call(|spy| spy.post_did_alloc(ptr, spied, actual)).map_err(|e| (e, actual))
             }
             Err(panicked) => Err((panicked, plain(ptr, spied))),

@@ -161,6 +161,11 @@ impl MallocSpy for HeaderSpy {
     fn post_get_size(&self, actual: usize, spied: bool) -> usize {
         if spied { CallScratch::get(0) as usize } else { actual }
     }
+    // Maps the caller's pointer back to the real block, as in every Pre method (the README's
+    // and COM's PreDidAlloc).
+    fn pre_did_alloc(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        if spied { Self::real(request) } else { request }
+    }
     fn after_call(&self, _call: &Call) {
         self.log.calls.fetch_add(1, Ordering::SeqCst);
     }

@@ -347,9 +347,10 @@ pub trait MallocSpy: Send + Sync {
         actual
     }
 
-    /// Before [`crate::did_alloc`]: returns the pointer to look up among the live blocks,
-    /// which are known by the pointers their callers got (`request` itself, the default, for
-    /// a spy that moves pointers too); NULL for none, whose answer is [`DidAlloc::No`].
+    /// Before [`crate::did_alloc`]: returns the pointer to look up among the live blocks; NULL
+    /// for none, whose answer is [`DidAlloc::No`]. A spy that moves pointers maps a block of
+    /// its own (`spied`) back to the real block, as in every Pre method; `request` itself,
+    /// the default, asks about the caller's block all the same.
     fn pre_did_alloc(&self, request: *mut c_void, spied: bool) -> *mut c_void {
         request
     }
