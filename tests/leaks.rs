@@ -27,6 +27,12 @@ fn json_report(out: &Output) -> serde_json::Value {
     serde_json::from_str(line).unwrap()
 }
 
+/// The bytes of each still-reachable record of a JSON report.
+fn still_reachable_bytes(report: &serde_json::Value) -> Vec<u64> {
+    let records = report["leaks"].as_array().unwrap().iter();
+    records.filter(|r| r["kind"] == "still_reachable").map(|r| r["bytes"].as_u64().unwrap()).collect()
+}
+
 /// The first frame of a record that lies in the program (leaky.c).
 fn program_frame(record: &serde_json::Value) -> (String, String) {
     let frame = record["stack"]
@@ -798,13 +804,7 @@ fn blocks_of_constructors_run_before_ours_are_tracked() {
         .map(|r| (r["entry"].as_str().unwrap(), r["stack"][0]["function"].as_str().unwrap()))
         .collect();
     assert_eq!(lost, [("aligned_alloc", "lose_early"), ("malloc", "lose_early")], "{report}");
-    let reachable: Vec<u64> = report["leaks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["kind"] == "still_reachable")
-        .map(|r| r["bytes"].as_u64().unwrap())
-        .collect();
+    let reachable = still_reachable_bytes(&report);
     assert!(reachable.contains(&48), "the program's node, through the constructor's: {report}");
     assert!(reachable.contains(&32), "the constructor's node, from the global: {report}");
     assert!(reachable.contains(&200), "the constructor's aligned block, from the global: {report}");
@@ -852,13 +852,7 @@ fn blocks_held_from_the_programs_file_mappings_are_reachable() {
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
     let report = json_report(&out);
     assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 77}), "{report}");
-    let reachable: Vec<u64> = report["leaks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["kind"] == "still_reachable")
-        .map(|r| r["bytes"].as_u64().unwrap())
-        .collect();
+    let reachable = still_reachable_bytes(&report);
     for size in [503, 504, 1501] {
         assert!(reachable.contains(&size), "{size}: {report}");
     }
@@ -1435,39 +1429,37 @@ fn mallocspys_own_thread_state_is_no_root() {
     }
 }
 
+/// Three runs of `waiting_threads_lose.c MODE` under each way of stopping the threads: each
+/// report has the 8 blocks the threads lost definitely lost, as memcheck says.
+fn waiting_threads_lose_all(mode: &str) {
+    let program = c_program("waiting_threads_lose.c");
+    for options in ["report_format=json", "report_format=json:stop_threads=signal"] {
+        for round in 0..3 {
+            let out = run(Mode::Shim(options), Command::new(&program).arg(mode));
+            assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+            let summary = &json_report(&out)["summary"];
+            assert_eq!(summary["definitely_lost"]["blocks"], 8, "{mode}, {options}, round {round}: {summary}");
+        }
+    }
+}
+
 /// A thread's TLS root started below its TLS by the size of its control block (glibc's static
 /// TLS size counts both), at the top of its stack, which glibc carves out just under the TLS:
 /// the dead frames under a waiting thread's stack pointer were read as TLS, and the blocks
 /// whose addresses lingered there were still reachable (review helper 54: 148 of 150 lost
-/// blocks; here 2 or 3 of 4). memcheck: 4 definitely lost.
+/// blocks).
 #[test]
 fn dead_frames_under_a_threads_tls_are_no_root() {
-    let program = c_program("dead_frames_under_tls.c");
-    for options in ["report_format=json", "report_format=json:stop_threads=signal"] {
-        for round in 0..3 {
-            let out = run(Mode::Shim(options), &mut Command::new(&program));
-            assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
-            let summary = &json_report(&out)["summary"];
-            assert_eq!(summary["definitely_lost"]["blocks"], 4, "{options}, round {round}: {summary}");
-        }
-    }
+    waiting_threads_lose_all("deep");
 }
 
 /// A block allocated and dropped just before its thread waits: its address stays in the red
 /// zone under the waiting thread's stack pointer, where the allocator's frames left it, and
 /// was scanned as the red zone of a thread stopped in user code is: still reachable, for 7
-/// of 8 threads (review helper 54: 148 of 150), where memcheck says lost.
+/// of 8 threads (review helper 54: 148 of 150).
 #[test]
 fn a_block_dropped_just_before_its_thread_waits_is_lost() {
-    let program = c_program("lost_before_waiting.c");
-    for options in ["report_format=json", "report_format=json:stop_threads=signal"] {
-        for round in 0..3 {
-            let out = run(Mode::Shim(options), &mut Command::new(&program));
-            assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
-            let summary = &json_report(&out)["summary"];
-            assert_eq!(summary["definitely_lost"]["blocks"], 8, "{options}, round {round}: {summary}");
-        }
-    }
+    waiting_threads_lose_all("dropped");
 }
 
 /// A signal that lands inside an allocator call, where a program busy allocating mostly is,
