@@ -14,9 +14,9 @@ pub(crate) struct Mapping {
     pub end: u64,
     pub readable: bool,
     /// Writable memory not special (`[heap]`, `[stack]`, ...) nor a device's: what a program
-    /// maps for itself (arenas, caches, dead threads' stacks, shared memory; see
-    /// [`anonymous`]), a writable mapping of a file (a module's data segment among them), or
-    /// an allocator's heap.
+    /// maps for itself (arenas, caches, dead threads' stacks, shared memory), a writable
+    /// mapping of a file (a module's data segment among them), or an allocator's heap; see
+    /// [`data`].
     pub writable_data: bool,
     /// What a file mapped read-only holds: constants and vtables (`.rodata`, and
     /// `.data.rel.ro` once relocated), or code.
@@ -127,8 +127,8 @@ impl Maps {
 
 /// Data mappings to scan as roots, as memcheck scans the memory a program maps for itself
 /// (GCC's garbage-collected pages and Python's arenas hold pointers to heap blocks, and so
-/// may a file or shared memory mapped writable; see [`data`]). Left out: mappings holding a live block (an allocator's heap: its free chunks are
-/// not roots), mallocspy's own memory, the mappings of live threads' stacks (scanned from
+/// may a file or shared memory mapped writable; see [`data`]). Left out: mappings holding a
+/// live block (an allocator's heap: its free chunks are not roots), mallocspy's own memory, the mappings of live threads' stacks (scanned from
 /// their stack pointers only: what lies below is dead frames), the stacks glibc keeps of
 /// exited threads (`exited`: a stack pointer of each, sorted, outside the program's own mappings;
 /// what is left there is stale, and memcheck calls a block held only there lost), and the
