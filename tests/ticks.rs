@@ -592,13 +592,21 @@ fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-    // The reader opens the FIFO at once but reads only later: the first image's writer, its
-    // trace past the pipe's 64 KiB, still holds the path when the exec'd image starts.
+    // The reader opens the FIFO at once but reads only once the exec'd image has made its own
+    // trace, `PATH.PID`: the first image's writer, its trace past the pipe's 64 KiB, still
+    // holds the path when the exec'd image starts. (A fixed 2 s before reading was not always
+    // enough on a loaded machine: the first image's trace was drained and the path free before
+    // the `exec`.) Should the exec'd image take the path instead, the reader gives up waiting.
+    let (send_pid, pid_of_child) = std::sync::mpsc::channel::<u32>();
     let reader = {
         let fifo = fifo.clone();
         std::thread::spawn(move || {
-            let mut file = std::fs::File::open(fifo).unwrap();
-            std::thread::sleep(std::time::Duration::from_secs(2));
+            let mut file = std::fs::File::open(&fifo).unwrap();
+            let own = format!("{}.{}", fifo.display(), pid_of_child.recv().unwrap());
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while std::time::Instant::now() < deadline && !std::path::Path::new(&own).exists() {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
             let mut read = Vec::new();
             std::io::Read::read_to_end(&mut file, &mut read).unwrap();
             read
@@ -619,6 +627,7 @@ fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
         .spawn()
         .unwrap();
     let pid = child.id();
+    send_pid.send(pid).unwrap();
     let out = output_within(child, std::time::Duration::from_secs(30));
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "42\n"), "{}", text(&out.stderr));
     let read = reader.join().unwrap();
