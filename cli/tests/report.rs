@@ -642,6 +642,59 @@ fn the_timeline_shows_a_spike_between_statistics_and_marks_the_reports_peak() {
     assert!(lowest_y < 200.0, "the spike is drawn: {large}");
 }
 
+/// Between two heap statistics events the timeline follows the replayed heap down as well as up:
+/// it kept only the highest moment of each stretch and its two neighbours, so a heap freed just
+/// after one statistics event sloped down to the next, drawn live where nothing was, and the
+/// rise before the first was cut to its top (review helper 57: 24 MiB drawn live at 450 ms of a
+/// program that had freed all at 300 ms).
+#[test]
+fn the_timeline_follows_the_heap_down_between_statistics_and_up_before_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    const MIB: u64 = 1 << 20;
+    let large = |time_ns, address| tick(time_ns, Kind::Large, 2 * MIB, address, 2 * MIB);
+    let free = |time_ns, address| Event::Free { time_ns, thread: 0, address };
+    let stats = |time_ns, live_bytes| {
+        let mut kinds = [KindStats::default(); 3];
+        kinds[1].live_bytes = live_bytes;
+        Event::HeapStats(HeapStats { time_ns, kinds, ..HeapStats::default() })
+    };
+    let ms = 1_000_000;
+    let events = vec![
+        Event::ModuleLoad { time_ns: 0, module: this_executable() },
+        Event::Stack { id: 1, frames: vec![in_fn(parse_row), in_fn(load_table)] },
+        large(100 * ms, 0xd0),
+        large(110 * ms, 0xe0),
+        large(120 * ms, 0xf0),
+        stats(250 * ms, 6 * MIB),
+        free(300 * ms, 0xd0),
+        free(301 * ms, 0xe0),
+        free(302 * ms, 0xf0),
+        stats(1000 * ms, 0),
+        Event::End { time_ns: 1250 * ms },
+    ];
+    let path = write(dir.path(), "drop.trace", &trace(&events));
+    let out = mallocspy(&["--format", "timeline", path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let svg = String::from_utf8(out.stdout).unwrap();
+    let area = svg.lines().find(|l| l.contains("<title>large</title>")).unwrap();
+    let d = area.split_once(" d=\"").unwrap().1.split_once('"').unwrap().0;
+    let points: Vec<(f64, f64)> = d
+        .split(['M', 'L', ' ', 'Z'])
+        .filter_map(|p| p.split_once(','))
+        .map(|(x, y)| (x.parse().unwrap(), y.parse().unwrap()))
+        .collect();
+    // The top edge, in time order, then the bottom edge back.
+    let top = &points[..points.len() / 2];
+    // The axes: 0-1.4 s over x 90-930, 0-6 MiB over y 490-96.
+    let x = |seconds: f64| 90.0 + seconds / 1.4 * 840.0;
+    let y = |mib: f64| 490.0 - mib / 6.0 * 394.0;
+    let at =
+        |seconds: f64, mib: f64| top.iter().any(|&(px, py)| (px - x(seconds)).abs() < 0.2 && (py - y(mib)).abs() < 0.2);
+    for (seconds, mib) in [(0.100, 2.0), (0.110, 4.0), (0.120, 6.0), (0.300, 4.0), (0.301, 2.0), (0.302, 0.0)] {
+        assert!(at(seconds, mib), "{mib} MiB at {seconds} s: {top:?}");
+    }
+}
+
 /// A trace without heap statistics (one cut before the first) still has a timeline: the live
 /// heap replayed from its ticks and frees, without the allocator's line. One with no ticks
 /// either is one error line.

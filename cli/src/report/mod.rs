@@ -8,6 +8,7 @@
 //! [`sites`] groups stacks by allocation site; then one module per format writes the report,
 //! a pure function of those.
 
+mod envelope;
 mod flame;
 mod input;
 mod json;

@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use mallocspy::trace::{Event, Header, HeapStats, Module, Reader, Tick, TraceError};
 
+use super::envelope::Envelope;
 use super::progress::Progress;
 
 /// Estimates of a set of allocations.
@@ -90,11 +91,10 @@ pub struct Profile {
     pub stacks: Vec<StackStats>,
     /// The heap statistics events, in order.
     pub heap_stats: Vec<HeapStats>,
-    /// The estimated live bytes per kind replayed from the ticks and frees, `(time, bytes)`:
-    /// after each, in a trace without heap statistics events (cut before the first);
-    /// otherwise the highest moment of each stretch before, between and after them, with the
-    /// moments just before and after it. Taken every `stats_interval_ms`, the statistics miss
-    /// a short spike, the peak among them.
+    /// The estimated live bytes per kind replayed from the ticks and frees, `(time, bytes)`,
+    /// thinned to its envelope ([`Envelope`]): taken every `stats_interval_ms`, and only when
+    /// the program allocates, the statistics miss a short spike (the peak among them), and a
+    /// heap freed just after one of them.
     pub replayed_live: Vec<(u64, [u64; 3])>,
     /// All ticks together.
     pub allocated: Figures,
@@ -256,9 +256,8 @@ pub struct Aggregator {
     /// over the events and memory per stack, not per event.
     since_peak: Vec<SincePeak>,
     touched: Vec<usize>,
-    /// Since the last heap statistics event: the highest replayed moment (see
-    /// [`Profile::replayed_live`]).
-    stretch: Stretch,
+    /// The replayed live heap (see [`Profile::replayed_live`]).
+    replayed: Envelope,
 }
 
 impl Aggregator {
@@ -273,7 +272,7 @@ impl Aggregator {
             live_kinds: [0; 3],
             since_peak: Vec::new(),
             touched: Vec::new(),
-            stretch: Stretch::default(),
+            replayed: Envelope::default(),
         }
     }
 
@@ -322,17 +321,7 @@ impl Aggregator {
                 }
                 None => self.profile.unmatched_frees += 1,
             },
-            Event::HeapStats(stats) => {
-                // The statistics draw the timeline, with the replay's highest moment in each
-                // stretch between them.
-                let stretch = std::mem::take(&mut self.stretch).moments();
-                let replayed = &mut self.profile.replayed_live;
-                if self.profile.heap_stats.is_empty() {
-                    replayed.clear();
-                }
-                replayed.extend(stretch);
-                self.profile.heap_stats.push(stats);
-            }
+            Event::HeapStats(stats) => self.profile.heap_stats.push(stats),
             Event::ThreadStart { .. } => self.profile.threads += 1,
             Event::ThreadExit { .. } => {}
             Event::Lost { events, .. } => self.profile.lost_events = self.profile.lost_events.saturating_add(events),
@@ -432,50 +421,18 @@ impl Aggregator {
         self.changed(block.stack, block.figures, false);
     }
 
-    /// Notes the live heap per kind at `time_ns`: every moment until the first heap
-    /// statistics event, the highest of each stretch after (see [`Profile::replayed_live`]).
+    /// Notes the live heap per kind at `time_ns`.
     fn replay(&mut self, time_ns: u64) {
-        let now = (time_ns, self.live_kinds);
-        if self.profile.heap_stats.is_empty() {
-            self.profile.replayed_live.push(now);
-        }
-        self.stretch.note(now);
+        self.replayed.note((time_ns, self.live_kinds));
     }
 
     /// The profile of the events taken in.
     pub fn finish(mut self) -> Profile {
-        if !self.profile.heap_stats.is_empty() {
-            self.profile.replayed_live.extend(std::mem::take(&mut self.stretch).moments());
-        }
+        self.profile.replayed_live = self.replayed.finish();
         for s in &self.profile.stacks {
             self.profile.live_at_end.add(s.live_at_end);
         }
         self.profile
-    }
-}
-
-/// The highest moment of the replayed live heap in a stretch of the trace, with the moments
-/// just before and after it: a spike, drawn as one.
-#[derive(Default)]
-struct Stretch {
-    last: Option<(u64, [u64; 3])>,
-    before: Option<(u64, [u64; 3])>,
-    top: Option<(u64, [u64; 3])>,
-    after: Option<(u64, [u64; 3])>,
-}
-
-impl Stretch {
-    fn note(&mut self, now: (u64, [u64; 3])) {
-        if self.top.is_none_or(|top| total(&now.1) > total(&top.1)) {
-            (self.before, self.top, self.after) = (self.last, Some(now), None);
-        } else if self.after.is_none() {
-            self.after = Some(now);
-        }
-        self.last = Some(now);
-    }
-
-    fn moments(self) -> impl Iterator<Item = (u64, [u64; 3])> {
-        [self.before, self.top, self.after].into_iter().flatten()
     }
 }
 

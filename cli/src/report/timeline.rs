@@ -3,11 +3,12 @@
 //! The heap statistics events give, at each moment, the estimated live bytes per kind (small,
 //! large, aligned: stacked areas, whose top is the estimated live heap) and the allocator's own
 //! view (`mallinfo2`'s in-use arena bytes plus its mmapped blocks: a dashed line), so that the
-//! sampled estimate can be read against what the allocator holds. Between two statistics
-//! events, the highest moment of the live heap replayed from the ticks and frees is drawn too: a
-//! spike shorter than `stats_interval_ms` showed nowhere. The peak marked is the report's (the
-//! replay's highest). A trace without heap statistics (cut before the first) is drawn from the
-//! replay alone, without the allocator's line.
+//! sampled estimate can be read against what the allocator holds. Between them, the live heap
+//! replayed from the ticks and frees is drawn too (its envelope: see
+//! [`super::envelope`]): a spike shorter than `stats_interval_ms` showed nowhere, and a heap
+//! freed just after one statistics event sloped down to the next. The peak marked is the
+//! report's (the replay's highest). A trace without heap statistics (cut before the first) is
+//! drawn from the replay alone, without the allocator's line.
 
 use std::fmt::Write as _;
 use std::io::{self, Write};
