@@ -313,7 +313,10 @@ fn the_exact_totals_of_a_trace_without_an_end_say_when_they_were_taken() {
 #[test]
 fn a_timeline_without_the_allocators_view_draws_no_allocator_line() {
     let with_view = text(&testing::trace(), Format::Timeline);
-    assert!(with_view.contains("allocator: in use + mmapped") && with_view.contains("<polyline"), "{with_view}");
+    assert!(
+        with_view.contains("allocator: in use + mmapped") && with_view.contains(r#"class="allocator""#),
+        "{with_view}"
+    );
     let events: Vec<Event> = testing::events(&testing::this_executable())
         .into_iter()
         .map(|e| match e {
@@ -326,6 +329,23 @@ fn a_timeline_without_the_allocators_view_draws_no_allocator_line() {
     let svg = text(&trace_of(&events), Format::Timeline);
     assert!(svg.contains(">peak 2.93 KiB at 20 ns</text>"), "{svg}");
     assert!(!svg.contains("allocator") && !svg.contains("<polyline"), "{svg}");
+}
+
+/// The allocator's line joins the heap statistics that came at their interval only; one alone
+/// is a dot (review helper 57: a line of one point showed nothing, and one across a quiet half
+/// second drew a steady growth no event saw).
+#[test]
+fn the_allocators_line_joins_only_statistics_at_their_interval() {
+    let mut events = testing::events(&testing::this_executable());
+    // Statistics at 25 ms (in the events), 100 ms and 200 ms, then 1.5 s; every 100 ms.
+    let at = events.iter().position(|e| matches!(e, Event::HeapStats(s) if s.time_ns == 1_500_000_000)).unwrap();
+    events.splice(at..at, [testing::stats(100_000_000, 2000, 0), testing::stats(200_000_000, 3000, 0)]);
+    let svg = text(&trace_of(&events), Format::Timeline);
+    let marks: Vec<&str> = svg.lines().filter(|l| l.contains(r#"class="allocator""#)).collect();
+    assert_eq!(marks.len(), 2, "{marks:#?}");
+    let joined = marks[0].split_once("points=\"").unwrap().1.split_once('"').unwrap().0;
+    assert!(marks[0].starts_with("<polyline") && joined.split(' ').count() == 3, "{}", marks[0]);
+    assert!(marks[1].starts_with("<circle"), "{}", marks[1]);
 }
 
 /// The exact totals of the newest heap statistics are shown beside the estimate: in tick mode

@@ -182,6 +182,27 @@ fn thin(points: Vec<Point>, column: impl Fn(&Point) -> i64) -> Vec<Point> {
     points.into_iter().zip(keep).filter_map(|(p, kept)| kept.then_some(p)).collect()
 }
 
+/// The points with the allocator's view, in runs to be joined by a line: the statistics come
+/// every `stats_interval_ms` only while the program allocates, and across a longer gap a line
+/// would draw what no event saw (a program that allocated 30 MB in a few milliseconds after a
+/// quiet half second was drawn growing steadily to its exit). A run of one point is a dot.
+/// Without the interval (0: a damaged header), all are one run.
+fn allocator_runs(points: &[Point], stats_interval_ms: u64) -> Vec<Vec<&Point>> {
+    let longest_gap_ns = stats_interval_ms.saturating_mul(2_000_000);
+    let mut runs: Vec<Vec<&Point>> = Vec::new();
+    let mut previous_ns = None;
+    for point in points.iter().filter(|p| p.allocator.is_some()) {
+        match (runs.last_mut(), previous_ns) {
+            (Some(run), Some(t)) if longest_gap_ns == 0 || point.time_ns.saturating_sub(t) <= longest_gap_ns => {
+                run.push(point)
+            }
+            _ => runs.push(vec![point]),
+        }
+        previous_ns = Some(point.time_ns);
+    }
+    runs
+}
+
 /// Writes the chart.
 ///
 /// # Errors
@@ -290,13 +311,23 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         );
     }
     if allocator_known {
-        let line: Vec<String> =
-            points.iter().filter_map(|p| Some(format!("{:.1},{:.1}", x(p.seconds), y(p.allocator?)))).collect();
-        let _ = writeln!(
-            svg,
-            r#"<polyline points="{}" fill="none" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"#,
-            line.join(" ")
-        );
+        for run in allocator_runs(&points, p.header.stats_interval_ms) {
+            let at = |point: &Point| (x(point.seconds), y(point.allocator.unwrap_or(0)));
+            if let [single] = run.as_slice() {
+                let (cx, cy) = at(single);
+                let _ = writeln!(
+                    svg,
+                    r#"<circle class="allocator" cx="{cx:.1}" cy="{cy:.1}" r="2.5" fill="{ALLOCATOR_COLOR}"/>"#
+                );
+            } else {
+                let line: Vec<String> = run.iter().map(|p| at(p)).map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
+                let _ = writeln!(
+                    svg,
+                    r#"<polyline class="allocator" points="{}" fill="none" stroke="{ALLOCATOR_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/>"#,
+                    line.join(" ")
+                );
+            }
+        }
     }
     let _ = writeln!(
         svg,
