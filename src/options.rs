@@ -102,6 +102,9 @@ pub struct Options {
     pub sample_seed: Option<u64>,
     /// The trace file (`%p` not yet expanded).
     pub trace: Option<String>,
+    /// The process that took a `trace` path without `%p`, set by mallocspy in that process's
+    /// environment for its descendants (see [`crate::trace`]'s writer); 0: none.
+    pub trace_owner: u32,
     /// Period of the heap statistics events.
     pub stats_interval_ms: u64,
     /// How a leak check stops the other threads.
@@ -125,6 +128,7 @@ impl Default for Options {
             sample_interval: 102_400,
             sample_seed: None,
             trace: None,
+            trace_owner: 0,
             stats_interval_ms: 100,
             stop_threads: StopThreads::Auto,
         }
@@ -297,6 +301,7 @@ impl Options {
                 "sample_seed" => o.sample_seed = Some(value.parse().map_err(|_| bad("sample_seed", "a number"))?),
                 "trace" if !value.is_empty() => o.trace = Some(value.to_string()),
                 "trace" => return Err(bad("trace", "a file path")),
+                "trace_owner" => o.trace_owner = value.parse().map_err(|_| bad("trace_owner", "a process id"))?,
                 "stats_interval_ms" => {
                     o.stats_interval_ms = value
                         .parse()
@@ -373,6 +378,7 @@ mod tests {
         assert_eq!(o.sampling, crate::trace::Sampling::Tick);
         assert_eq!((o.sample_interval, o.sample_seed, o.stats_interval_ms), (512 << 10, Some(7), 20));
         assert_eq!(o.trace.as_deref(), Some("t.%p"));
+        assert_eq!((o.trace_owner, Options::parse("trace_owner=4242").unwrap().trace_owner), (0, 4242));
         assert_eq!(Options::default().sample_interval, 102_400);
         assert_eq!(Options::default().stop_threads, StopThreads::Auto);
         assert_eq!(Options::parse("stop_threads=signal").unwrap().stop_threads, StopThreads::Signal);
@@ -409,6 +415,7 @@ mod tests {
         assert_eq!(Options::parse("sample_interval=4611686018427387904").unwrap().sample_interval, 1 << 62);
         assert!(Options::parse("stats_interval_ms=0").is_err());
         assert!(Options::parse("trace=").is_err());
+        assert!(Options::parse("trace_owner=-1").is_err());
         assert_eq!(parse_size("4g"), Some(4 << 30));
         assert_eq!(parse_size("100k"), Some(102400));
     }

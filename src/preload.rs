@@ -179,7 +179,8 @@ fn register_spies() {
             if sink::leave_file(&expand_path(trace, os::getpid())) {
                 say("log_path and trace name the same file; reports go to stderr");
             }
-            if let Err(e) = writer::start(spy, trace, &text, builtins.options.stats_interval_ms) {
+            let o = &builtins.options;
+            if let Err(e) = writer::start(spy, trace, o.trace_owner, &text, o.stats_interval_ms) {
                 say(&format!("{e}; sampling without a trace"));
             }
         }

@@ -8,6 +8,7 @@ use mallocspy::trace::{Event, Reader};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 fn sites() -> PathBuf {
     c_program_with("sites.c", &["-rdynamic"])
@@ -554,6 +555,51 @@ fn without_pid_in_the_path_a_forked_child_writes_path_dot_pid() {
     assert!(matches!(events.last(), Some(Event::End { .. })), "the child's trace ends whole");
     let ticks = events.iter().filter(|e| matches!(e, Event::Tick(_))).count();
     assert!(ticks >= 50, "the child's 13 MiB sampled every 4 KiB: {ticks} ticks");
+}
+
+/// Without `%p`, a descendant that `exec`s after the program has ended writes `PATH.PID`: it
+/// found `PATH` unlocked, its writer gone, and truncated the program's trace (review helper
+/// 56: a shell's background job's `ls`, run after the shell's exit, left its trace in the
+/// shell's place).
+#[test]
+fn without_pid_in_the_path_a_late_descendant_leaves_the_programs_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = dir.path().join("late.trace");
+    let python = python();
+    let python = python.to_str().unwrap();
+    let script = format!(
+        "import os, time\n\
+         x = [bytearray(4096) for _ in range(2000)]\n\
+         pid = os.fork()\n\
+         if pid == 0:\n    time.sleep(0.3)\n    os.execv({python:?}, [{python:?}, '-c', 'x = [bytearray(4096) for _ in range(2000)]'])\n\
+         print(pid)\n"
+    );
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--output", shared.to_str().unwrap(), "--", python, "-c", &script])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let child = text(&out.stdout).trim().to_owned();
+    let program = text(&out.stderr)
+        .lines()
+        .find_map(|l| l.strip_prefix("mallocspy: trace of ")?.split(' ').next())
+        .map(str::to_owned);
+    let own = dir.path().join(format!("late.trace.{child}"));
+    // The child's exec'd image ends its trace within seconds.
+    let whole = |path: &Path| {
+        std::fs::read(path).is_ok_and(|b| {
+            Reader::new(&b).is_ok_and(|r| r.map_while(Result::ok).any(|e| matches!(e, Event::End { .. })))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !whole(&own) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let header = |path: &Path| Reader::new(&std::fs::read(path).unwrap()).unwrap().header().clone();
+    assert_eq!(Some(header(&shared).pid.to_string()), program, "the program's trace stays in PATH");
+    assert!(whole(&shared), "and whole");
+    assert!(whole(&own), "the descendant's exec'd image writes PATH.PID");
+    assert_eq!(header(&own).command.last().map(String::as_str), Some("x = [bytearray(4096) for _ in range(2000)]"));
 }
 
 /// Without `%p`, the program a wrapper `exec`s (pyenv's `python3` is a bash script that does)

@@ -100,6 +100,9 @@ pub(crate) struct Writer {
     spy: &'static TickSpy,
     /// `trace=` as given (`%p` for the pid).
     template: String,
+    /// The process that took `template` (without `%p`) before this one, if not this one: an
+    /// ancestor (`trace_owner`, see [`open`]); 0 for none.
+    owner: u32,
     /// The header, but for the pid and the start time of each process.
     header: Header,
     interval_ms: u64,
@@ -140,20 +143,23 @@ fn unix_now_ns() -> u64 {
 /// truncated file they would land over the new trace; into an unlinked one they go nowhere.
 ///
 /// Without `%p` the path is shared by every process of the run: the first one takes it, and
-/// a process that finds it locked by another's writer (a child that `exec`s a program, and
-/// that program's children) writes `PATH.PID` instead of clobbering it. A `forked` child
-/// always does: its parent's trace is there, whose writer may have finished already. A trace
-/// locked by the writer of this very process's image before an `exec` (its header has our
-/// pid) is replaced as with `%p`: the program a wrapper `exec`s (pyenv's shim of `python3`
-/// is a bash script) is the one asked for, and it wrote `PATH.PID` while `PATH` kept the
-/// wrapper's few milliseconds.
-fn open(template: &str, forked: bool) -> Result<(i32, String), String> {
+/// the others write `PATH.PID` instead of clobbering it. A `descendant` always does: a forked
+/// child, whose parent's trace is there, or a process whose environment names another
+/// process as the path's taker (`trace_owner`, which the first process adds to the
+/// `MALLOCSPY_OPTIONS` its descendants inherit: a child that `exec`d after its parent had
+/// ended found the path unlocked and truncated the parent's trace). So does a process that
+/// finds it locked by another's writer (a run started while another writes the same path).
+/// A trace locked by the writer of this very process's image before an `exec` (its header
+/// has our pid) is replaced as with `%p`: the program a wrapper `exec`s (pyenv's shim of
+/// `python3` is a bash script) is the one asked for, and it wrote `PATH.PID` while `PATH`
+/// kept the wrapper's few milliseconds.
+fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
     if options::names_pid(template) {
         return replace(path);
     }
-    if forked {
+    if descendant {
         return replace(format!("{path}.{pid}"));
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
@@ -173,8 +179,8 @@ fn open(template: &str, forked: bool) -> Result<(i32, String), String> {
 /// header was not always there yet (a shell's chain of `exec`s left an image's trace at
 /// `PATH.PID`, 3 runs in 20). Anything else (a FIFO, a device) is left to the writer, which
 /// blocks every signal: the program's own write to a FIFO its reader closed raised `SIGPIPE`.
-fn create(template: &str, forked: bool, header: &Header) -> Result<(i32, String, HeaderWrite), String> {
-    let (fd, path) = open(template, forked)?;
+fn create(template: &str, descendant: bool, header: &Header) -> Result<(i32, String, HeaderWrite), String> {
+    let (fd, path) = open(template, descendant)?;
     if !is_regular(fd) {
         return Ok((fd, path, HeaderWrite::ByWriter));
     }
@@ -249,6 +255,18 @@ fn locked_by_another(fd: i32) -> bool {
     // SAFETY: flock on a descriptor we own.
     let failed = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } != 0;
     failed && os::errno() == libc::EWOULDBLOCK
+}
+
+/// Adds `trace_owner=PID` to this process's `MALLOCSPY_OPTIONS`, which its descendants
+/// inherit: they then write `PATH.PID` (see [`open`]). Called at start-up, before the
+/// program's code runs; the entry replaces the variable's in `environ` (no other variable is
+/// added, and the program sees one more key in a variable that is ours).
+fn name_owner_for_descendants(pid: u32) {
+    let Ok(options) = std::env::var("MALLOCSPY_OPTIONS") else { return };
+    let Ok(entry) = std::ffi::CString::new(format!("MALLOCSPY_OPTIONS={options}:trace_owner={pid}")) else { return };
+    // SAFETY: a NUL-terminated `name=value` string that is never freed (putenv keeps it);
+    // replacing an existing variable, glibc's putenv allocates nothing.
+    unsafe { libc::putenv(entry.into_raw()) };
 }
 
 /// `fork` without the program's `pthread_atfork` handlers (ours included): the writer
@@ -498,7 +516,13 @@ impl Writer {
     /// forks the writer process for this process.
     fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
         let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
-        let (trace_fd, path, header_write) = create(&self.template, forked, &header)?;
+        let descendant = forked || (self.owner != 0 && self.owner != header.pid);
+        let (trace_fd, path, header_write) = create(&self.template, descendant, &header)?;
+        let took_the_path =
+            !options::names_pid(&self.template) && path == options::expand_path(&self.template, header.pid);
+        if took_the_path && !descendant && self.owner != header.pid {
+            name_owner_for_descendants(header.pid);
+        }
         // A writer that cannot start leaves no empty trace behind.
         let give_up = |fds: &[i32], why: String| {
             fds.iter().for_each(|&fd| close(fd));
@@ -769,6 +793,7 @@ fn keep_only(keep: &[i32]) {
 pub(crate) fn start(
     spy: &'static TickSpy,
     template: &str,
+    owner: u32,
     options: &str,
     stats_interval_ms: u64,
 ) -> Result<&'static Writer, String> {
@@ -784,6 +809,7 @@ pub(crate) fn start(
     let writer = Writer {
         spy,
         template: template.to_string(),
+        owner,
         header,
         interval_ms: stats_interval_ms.max(1),
         ring: AtomicPtr::new(core::ptr::null_mut()),
