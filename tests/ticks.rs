@@ -936,8 +936,6 @@ fn forked_children_sample_other_allocations_than_their_parent() {
     }
 }
 
-/// A trace whose writes fail (a full disk: here `/dev/full`) is not cut silently: the
-/// program runs on, and says at its exit where the trace stops and why.
 /// A busy program that closed every descriptor (the writer's socket with them) keeps its
 /// trace's exact totals: the writer, which nothing can wake then, slept a whole interval after
 /// each drain, the queue overflowed, and the exit statistics were lost with half the events.
@@ -989,6 +987,36 @@ fn a_writer_that_cannot_start_leaves_no_trace_and_the_summary_comes() {
     assert!(!trace.exists(), "no empty trace left behind");
 }
 
+/// A program that closed every descriptor (the writer's socket with them) and then went quiet
+/// is not held at its exit, and its trace is whole when `record` names it: the writer, which
+/// the socket could no longer wake, slept a whole `stats_interval_ms` at a time, and the
+/// program waited for it up to 10 s (review helper 56: 11.9 s for a program of 1 s, its
+/// trace finished a minute later). The program now wakes it through a futex in the queue.
+#[test]
+fn a_quiet_program_that_closed_the_writers_socket_ends_at_once_with_its_trace_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let script = "import os, time\n\
+                  x = [bytearray(4096) for _ in range(1000)]\n\
+                  os.closerange(3, 65536)\n\
+                  time.sleep(0.5)\n\
+                  print('done')\n";
+    let started = std::time::Instant::now();
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--stats-interval-ms", "60000", "-o", trace.to_str().unwrap(), "--"])
+        .args([python().to_str().unwrap(), "-c", script])
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+    assert!(took < Duration::from_secs(5), "the program waited for its writer: {took:?}");
+    let bytes = std::fs::read(&trace).unwrap();
+    let events: Vec<Event> = Reader::new(&bytes).unwrap().map(Result::unwrap).collect();
+    assert!(matches!(events.last(), Some(Event::End { .. })), "the trace is whole when record ends");
+}
+
+/// A trace whose writes fail (a full disk: here `/dev/full`) is not cut silently: the
+/// program runs on, and says at its exit where the trace stops and why.
 #[test]
 fn a_trace_the_disk_refuses_is_said_at_exit() {
     let native = Command::new("ls").arg("/").output().unwrap();

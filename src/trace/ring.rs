@@ -48,6 +48,9 @@ struct Control {
     /// When the program last unloaded a library (ns since its start, at least 1), until the
     /// consumer takes it (0).
     unloaded_ns: AtomicU64,
+    /// A futex shared by the two processes, for when the program has closed its socket to the
+    /// consumer (see [`Ring::nudge`]).
+    nudges: AtomicU32,
 }
 
 /// A queue in memory shared with the writer process.
@@ -335,6 +338,34 @@ impl Ring {
             return false;
         }
         true
+    }
+
+    /// Producer: wakes a consumer that sleeps in [`Ring::sleep_unless_nudged`] (one the
+    /// socket cannot reach: the program closed it). A system call: only where the socket's
+    /// byte would have been sent.
+    pub(crate) fn nudge(&self) {
+        let word = &self.control().nudges;
+        word.fetch_add(1, Ordering::Release);
+        // SAFETY: FUTEX_WAKE on a word of the shared mapping (not private: the consumer is
+        // another process) reads nothing else.
+        unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1) };
+    }
+
+    /// Consumer: the nudges so far, read before looking at the queue.
+    pub(crate) fn nudges(&self) -> u32 {
+        self.control().nudges.load(Ordering::Acquire)
+    }
+
+    /// Consumer: sleeps up to `timeout_ms` unless nudged since [`Ring::nudges`] said `seen`.
+    pub(crate) fn sleep_unless_nudged(&self, seen: u32, timeout_ms: i32) {
+        let timeout = libc::timespec {
+            tv_sec: (timeout_ms / 1000) as libc::time_t,
+            tv_nsec: (timeout_ms % 1000) as libc::c_long * 1_000_000,
+        };
+        let word = &self.control().nudges;
+        // SAFETY: FUTEX_WAIT on a word of the shared mapping with a relative timeout; it
+        // returns at once if the word is no longer `seen`.
+        unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, seen, &timeout) };
     }
 
     /// Whether the consumer sleeps and is now to be woken (once), for a producer that wakes

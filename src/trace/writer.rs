@@ -23,9 +23,11 @@
 //! (shared memory outlives the program) and leaves: a crash loses nothing already queued.
 //! A program can also close the socket itself (daemons and `closefrom`-style loops close
 //! every descriptor they did not open): then the queue is still mapped in the program, and
-//! the writer, unable to be woken, drains it on its own (at once again while messages come,
-//! every [`IDLE_POLL_MS`] for a while after, then every `stats_interval_ms`) until the
-//! program has gone (it no longer maps the queue: it exited, or `exec`'d).
+//! the writer drains it on its own (at once again while messages come, every
+//! [`IDLE_POLL_MS`] for a while after, then every `stats_interval_ms`, or when the program
+//! nudges a futex in the queue's memory: at its exit, before it unmaps a library, when the
+//! queue fills) until the program has gone (it no longer maps the queue: it exited, or
+//! `exec`'d).
 
 use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::collections::HashSet;
@@ -66,15 +68,22 @@ fn is_our_socket(fd: i32) -> bool {
 
 /// Wakes the writer, which sleeps for want of messages or waits for its next drain. Called by
 /// a producer that saw the ring's idle flag (once per sleep) or found it filling (at most
-/// eight times a lap): a `send` that never blocks and never raises `SIGPIPE`.
-/// `false` when there is no writer's socket to write to.
+/// eight times a lap): a `send` that never blocks and never raises `SIGPIPE`, or, once the
+/// program has closed the socket, a nudge of the queue's futex, on which the writer then
+/// sleeps. `false` when there is no writer.
 pub(crate) fn wake() -> bool {
     let fd = WAKE_FD.load(Ordering::Relaxed);
-    if !is_our_socket(fd) {
-        return false;
+    if is_our_socket(fd) {
+        os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
+        return true;
     }
-    os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
-    true
+    match writer().and_then(Writer::ring) {
+        Some(ring) => {
+            ring.nudge();
+            true
+        }
+        None => false,
+    }
 }
 
 /// What only the writer process touches.
@@ -464,6 +473,8 @@ impl Writer {
         // Drains in a row that found nothing, once the socket is closed.
         let mut quiet = 0;
         loop {
+            // Read before the queue: a nudge while it drains cuts the sleep after short.
+            let nudges = ring.nudges();
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
                 leave(&[st.fd, socket]);
@@ -490,8 +501,12 @@ impl Writer {
                 // was preempted there. Look again shortly rather than spin.
                 1
             };
-            if timeout != 0 {
-                // With a negative fd, poll only sleeps.
+            if timeout != 0 && socket < 0 {
+                // The program's `wake` nudges the queue's futex instead (at its exit, before
+                // it unmaps a library): with only the timeout, a program that had closed the
+                // socket waited at exit for up to `stats_interval_ms`.
+                ring.sleep_unless_nudged(nudges, timeout);
+            } else if timeout != 0 {
                 let mut pfd = libc::pollfd { fd: socket, events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd.
                 unsafe { libc::poll(&mut pfd, 1, timeout) };
@@ -510,6 +525,12 @@ impl Writer {
                 }
             }
         }
+    }
+
+    /// The queue of the current writer process, if one runs.
+    fn ring(&self) -> Option<&'static Ring> {
+        // SAFETY: only `launch`, `finish` and `after_fork_child` store here: null or a leaked ring.
+        unsafe { self.ring.load(Ordering::Acquire).as_ref() }
     }
 
     /// Opens the trace (`forked`: in the child of a fork; see [`open`]), makes a queue and
@@ -628,9 +649,10 @@ impl Writer {
         wait_for_room(1);
         ring.push_one(&end);
         if !is_our_socket(fd) {
-            // The program closed our socket: the writer drains the queue on its own (every
-            // `IDLE_POLL_MS` at most), and marks the end done once it is written.
+            // The program closed our socket: the writer, nudged, drains the queue and marks
+            // the end done once it is written.
             let claimed = ring.claimed();
+            ring.nudge();
             let limit = (2 * self.interval_ms).clamp(1000, FINISH_WAIT_MS as u64);
             let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
             for _ in 0..limit {
@@ -661,8 +683,7 @@ impl Writer {
     /// After the program unloaded a library (`dlclose` succeeded): the writer reads the
     /// program's modules again at its next drain, for the unload record. Not waited for.
     pub(crate) fn after_unload(&self) {
-        // SAFETY: only `launch` and `finish` store here: null or a leaked ring.
-        if let Some(ring) = unsafe { self.ring.load(Ordering::Acquire).as_ref() } {
+        if let Some(ring) = self.ring() {
             ring.note_unloaded(self.spy.elapsed_ns());
         }
     }
@@ -673,8 +694,7 @@ impl Writer {
     /// most: a writer that does not answer by then is not waited for again.
     pub(crate) fn sync_before_unload(&self) {
         static UNRESPONSIVE: core::sync::atomic::AtomicBool = core::sync::atomic::AtomicBool::new(false);
-        // SAFETY: only `launch` and `finish` store here: null or a leaked ring.
-        let Some(ring) = (unsafe { self.ring.load(Ordering::Acquire).as_ref() }) else { return };
+        let Some(ring) = self.ring() else { return };
         let claimed = ring.claimed();
         if ring.done(claimed) || UNRESPONSIVE.load(Ordering::Relaxed) {
             return;
