@@ -81,6 +81,7 @@ mod pool;
 mod prefetch;
 #[doc(hidden)]
 pub mod preload;
+mod process_mark;
 mod program_mappings;
 mod registry;
 mod report_stack;

@@ -1228,6 +1228,30 @@ fn a_library_loaded_where_an_unloaded_one_was_is_named_in_the_trace() {
     }
 }
 
+/// A child made by the fork system call itself (no atfork handler runs: bubblewrap, runc,
+/// Chromium's zygote) writes nothing into its parent's trace: it shared the parent's queue,
+/// and its 64 MiB were charged to the parent (review helper 56: 584 MiB in a parent that
+/// allocated 2 MiB).
+#[test]
+fn a_child_forked_without_atfork_handlers_writes_nothing_into_its_parents_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("t.%p.trace");
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "16k", "-o", template.to_str().unwrap(), "--"])
+        .arg(c_program("raw_fork.c"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let traces = traces(dir.path());
+    assert_eq!(traces.len(), 1, "the parent's trace alone: {traces:?}");
+    let report = Command::new(mallocspy()).args(["report", "--format", "json"]).arg(&traces[0]).output().unwrap();
+    assert!(report.status.success(), "{}", text(&report.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
+    let allocated = report["allocated"]["bytes"].as_u64().unwrap();
+    assert!(allocated < 16 << 20, "the parent's trace holds the child's allocations: {allocated} bytes");
+    assert!(allocated > 0, "the parent's own MiB is there");
+}
+
 /// A C++ program's sites are its own functions, each with its bytes: not the standard
 /// library's `_M_allocate` or `_M_get_node`, which every vector or map shares (all of the
 /// program's vectors were one site, named after `stl_vector.h`).

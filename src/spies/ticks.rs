@@ -34,7 +34,7 @@ use crate::stacks::{Capture, Stacks};
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
 use crate::trace::ring::{Push, Ring};
 use crate::trace::{self, Kind, Sampling, message, writer};
-use crate::{os, threads};
+use crate::{os, process_mark, threads};
 use crate::{pool, tls};
 
 /// How the spy samples.
@@ -341,12 +341,20 @@ impl TickSpy {
     /// The queue to the trace writer, if one runs.
     #[inline]
     pub(crate) fn ring(&self) -> Option<&'static Ring> {
+        // A child forked without atfork handlers shares its parent's queue: what it does is
+        // not the parent's.
+        if !process_mark::set_up_here() {
+            return None;
+        }
         // SAFETY: only `set_ring` stores here: null or a leaked ring, never freed.
         unsafe { self.ring.load(Ordering::Acquire).as_ref() }
     }
 
-    /// Sends the ticks to `ring` from now on (`None`: to no writer).
+    /// Sends the ticks to `ring` from now on (`None`: to no writer), from this process.
     pub(crate) fn set_ring(&self, ring: Option<&'static Ring>) {
+        if ring.is_some() {
+            process_mark::set_here();
+        }
         self.ring.store(ring.map_or(core::ptr::null_mut(), |r| r as *const Ring as *mut Ring), Ordering::Release);
     }
 
