@@ -109,8 +109,8 @@ pub(crate) struct Writer {
     spy: &'static TickSpy,
     /// `trace=` as given (`%p` for the pid).
     template: String,
-    /// The process that took `template` (without `%p`) before this one, if not this one: an
-    /// ancestor (`trace_owner`, see [`open`]); 0 for none.
+    /// `trace_owner`: the process that took `template` (without `%p`) first, as this process's
+    /// environment names it (this one after an `exec`, an ancestor, or 0 for none; see [`open`]).
     owner: u32,
     /// The header, but for the pid and the start time of each process.
     header: Header,
@@ -473,7 +473,7 @@ impl Writer {
         // Drains in a row that found nothing, once the socket is closed.
         let mut quiet = 0;
         loop {
-            // Read before the queue: a nudge while it drains cuts the sleep after short.
+            // Read before the queue: a nudge during the drain ends the sleep after it at once.
             let nudges = ring.nudges();
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
@@ -541,7 +541,7 @@ impl Writer {
         let (trace_fd, path, header_write) = create(&self.template, descendant, &header)?;
         let took_the_path =
             !options::names_pid(&self.template) && path == options::expand_path(&self.template, header.pid);
-        if took_the_path && !descendant && self.owner != header.pid {
+        if took_the_path && self.owner != header.pid {
             name_owner_for_descendants(header.pid);
         }
         // A writer that cannot start leaves no empty trace behind.

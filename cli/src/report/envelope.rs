@@ -34,8 +34,9 @@ struct Span {
     last: Moment,
 }
 
-fn total(m: &Moment) -> u64 {
-    m.1.iter().fold(0, |sum: u64, &k| sum.saturating_add(k))
+/// The live bytes of all kinds (a damaged trace's may reach 2^64 together: they stop there).
+pub fn total(kinds: &[u64; 3]) -> u64 {
+    kinds.iter().fold(0, |sum: u64, &k| sum.saturating_add(k))
 }
 
 impl Default for Envelope {
@@ -51,10 +52,10 @@ impl Envelope {
         let index = moment.0 / self.width_ns;
         match &mut self.span {
             Some(span) if span.index == index => {
-                if total(&moment) < total(&span.low) {
+                if total(&moment.1) < total(&span.low.1) {
                     span.low = moment;
                 }
-                if total(&moment) > total(&span.high) {
+                if total(&moment.1) > total(&span.high.1) {
                     span.high = moment;
                 }
                 span.last = moment;

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use mallocspy::trace::{Event, Header, HeapStats, Module, Reader, Tick, TraceError};
 
-use super::envelope::Envelope;
+use super::envelope::{Envelope, total};
 use super::progress::Progress;
 
 /// Estimates of a set of allocations.
@@ -434,11 +434,6 @@ impl Aggregator {
         }
         self.profile
     }
-}
-
-/// The live bytes of all kinds (a damaged trace's may reach 2^64 together: they stop there).
-fn total(kinds: &[u64; 3]) -> u64 {
-    kinds.iter().fold(0, |sum: u64, &k| sum.saturating_add(k))
 }
 
 fn time_of(event: &Event) -> Option<u64> {
