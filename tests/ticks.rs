@@ -222,6 +222,39 @@ fn reports_of_a_recorded_sqlite3_run_name_its_allocating_functions() {
     assert!(timeline.contains("<svg") && timeline.contains("peak "), "the timeline marks its peak");
 }
 
+/// The pprof export's mapping of a program's code is where the code was, with its offset in
+/// the file (what profiling servers such as Parca symbolize by), for a position-independent
+/// executable and a fixed-address one (whose code's addresses are not its file offsets).
+#[test]
+fn the_pprof_mapping_of_a_programs_code_is_its_memory_map_line() {
+    for program in [c_program("text_mapping.c"), fixed_address_c_program("text_mapping.c")] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = record(dir.path(), &[], &[program.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        // "00401000-00402000 r-xp 00001000 08:01 1234  /path"
+        let line = text(&out.stdout);
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (start, end) = fields[0].split_once('-').unwrap();
+        let hex = |s: &str| u64::from_str_radix(s, 16).unwrap();
+        let expected = format!("{:#x}/{:#x}/{:#x} {}", hex(start), hex(end), hex(fields[2]), program.display());
+
+        let pprof = dir.path().join("heap.pb.gz");
+        let report = Command::new(mallocspy())
+            .args(["report", "--format", "pprof", "--output"])
+            .args([&pprof, &traces(dir.path())[0]])
+            .output()
+            .unwrap();
+        assert!(report.status.success(), "{}", text(&report.stderr));
+        let go = Command::new("go").args(["tool", "pprof", "-raw"]).arg(&pprof).output().expect("go (golang-go) runs");
+        let raw = text(&go.stdout);
+        assert!(go.status.success(), "{}", text(&go.stderr));
+        assert!(raw.contains(" main ") && raw.contains("text_mapping.c:"), "symbolized: {raw}");
+        let mappings = raw.split_once("\nMappings\n").map_or("", |m| m.1);
+        let mapping = mappings.lines().find(|l| l.contains(&*program.to_string_lossy())).unwrap_or_default();
+        assert!(mapping.contains(&expected), "{mapping:?} is {expected:?}, as in the memory map:\n{line}");
+    }
+}
+
 /// `mallinfo2` walks every free chunk: on a heap of half a million, once is enough for a run
 /// of a second. The exit event repeats the last figures then, rather than walk the heap again
 /// after the program freed it all.

@@ -16,6 +16,7 @@ use prost::Message;
 
 use super::Report;
 use super::profile::RawFrame;
+use super::symbolize;
 use super::text::command_line;
 use super::units;
 
@@ -293,9 +294,7 @@ pub fn profile(report: &Report<'_>) -> Profile {
                 id: i as u64 + 1,
                 memory_start: start,
                 memory_limit: limit,
-                // The first executable address in the file. For the usual layouts (the text
-                // segment's file offset equals its address) that is also its file offset.
-                file_offset: start.wrapping_sub(m.base),
+                file_offset: symbolize::file_offset(m, start),
                 filename: strings.get(&m.path),
                 build_id: strings.get(&build_id),
                 has_functions: r[0],

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use addr2line::Loader;
 use mallocspy::trace::Module;
-use object::{Object, ObjectSection};
+use object::{Object, ObjectSection, ObjectSegment};
 
 use super::profile::{Profile, RawFrame};
 use super::progress::Progress;
@@ -187,6 +187,8 @@ struct ElfFacts {
     debuglink: Option<Vec<u8>>,
     altlink: Option<(Vec<u8>, Vec<u8>)>,
     has_dwarf: bool,
+    /// The loaded segments: file address, size in memory, offset in the file.
+    segments: Vec<(u64, u64, u64)>,
 }
 
 impl ElfFacts {
@@ -206,8 +208,28 @@ impl ElfFacts {
             debuglink: file.gnu_debuglink().ok().flatten().map(|(name, _crc)| name.to_vec()),
             altlink: file.gnu_debugaltlink().ok().flatten().map(|(name, id)| (name.to_vec(), id.to_vec())),
             has_dwarf,
+            segments: file.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect(),
         })
     }
+}
+
+/// The offset in `module`'s file of the byte loaded at `address`, which pprof's mappings
+/// give and profiling servers (Parca, Pyroscope) turn back into a file address through the
+/// file's segments. Without the file that ran, the file address itself: the two are equal in
+/// the executable segment of a shared library or position-independent executable as the GNU
+/// linker lays them out, not in a fixed-address executable (0x401000 against 0x1000).
+pub(crate) fn file_offset(module: &Module, address: u64) -> u64 {
+    let file_address = address.wrapping_sub(module.base);
+    ElfFacts::read(Path::new(&module.path))
+        .filter(|f| module.build_id.is_empty() || f.build_id.as_deref() == Some(module.build_id.as_slice()))
+        .and_then(|f| {
+            let (start, _, offset) = f
+                .segments
+                .into_iter()
+                .find(|&(start, size, _)| (start..start.saturating_add(size)).contains(&file_address))?;
+            Some(file_address - start + offset)
+        })
+        .unwrap_or(file_address)
 }
 
 fn hex(bytes: &[u8]) -> String {
