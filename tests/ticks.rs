@@ -946,6 +946,68 @@ fn record_reports_bad_arguments_and_missing_programs() {
     assert_eq!(status.code(), Some(1));
 }
 
+/// A program killed by a signal that `record`'s caller had blocked (which the program, and
+/// `record`, inherit) is reported killed by it: `record` raised it still blocked, and its
+/// caller saw an exit with status 134 for an abort. A program that names a FIFO is refused as
+/// the kernel refuses it, not waited on: the check for a statically linked program opened it.
+#[test]
+fn record_dies_of_the_programs_signal_and_refuses_a_fifo() {
+    let (m, py) = (mallocspy(), python());
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let caller = format!(
+        "import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGABRT}})\npid = os.fork()\n\
+         if pid == 0: os.execv({m:?}, [{m:?}, 'record', '-o', {trace:?}, '--', {py:?}, '-c', 'import os; os.abort()'])\n\
+         _, status = os.waitpid(pid, 0)\nprint(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status))"
+    );
+    let out = Command::new(&py).args(["-c", &caller]).output().unwrap();
+    assert_eq!(text(&out.stdout).trim(), libc::SIGABRT.to_string(), "killed by SIGABRT: {}", text(&out.stderr));
+
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").args(["-m", "755"]).arg(&fifo).status().unwrap().success());
+    for subcommand in ["record", "run"] {
+        let child = Command::new(&m)
+            .args([subcommand, "--"])
+            .arg(&fifo)
+            .current_dir(dir.path())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = output_within(child, Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(126), "{subcommand}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("Permission denied"), "{}", text(&out.stderr));
+    }
+}
+
+/// `record` under `record` (a program that records another): the inner program's trace is
+/// where the inner `record` was told, as the outer program's is. The outer process told its
+/// descendants whose trace it was, and the inner program took itself for one of them.
+#[test]
+fn a_record_under_record_writes_each_trace_where_it_was_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (outer, inner) = (dir.path().join("outer.trace"), dir.path().join("inner.trace"));
+    let out = Command::new(mallocspy())
+        .arg("record")
+        .arg("-o")
+        .arg(&outer)
+        .arg("--")
+        .arg(mallocspy())
+        .arg("record")
+        .arg("-o")
+        .arg(&inner)
+        .args(["--", "sort", "/etc/passwd"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stderr);
+    assert!(said.contains(&format!(" in {} (", inner.display())), "{said}");
+    assert!(said.contains(&format!(" in {} (", outer.display())), "{said}");
+    let header = |path: &Path| mallocspy::trace::header_of(std::fs::File::open(path).unwrap()).expect("a trace");
+    assert_eq!(header(&inner).command[0], "sort");
+    assert!(header(&outer).command[0].ends_with("mallocspy"));
+}
+
 /// A forked child samples bytes of its own. On its parent's generator state it sampled the
 /// very allocations its parent sampled, and a server's workers, forked in a row, each other's:
 /// their estimates moved together instead of averaging out.

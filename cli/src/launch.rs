@@ -125,7 +125,10 @@ fn with_the_environment(ours: &[String]) -> Result<String, ExitCode> {
     if let Err(e) = mallocspy::options::Options::parse(theirs) {
         return Err(fail(&format!("MALLOCSPY_OPTIONS: {e}"), 2));
     }
-    Ok(format!("{theirs}:{ours}"))
+    // The trace's owner, which a traced process adds for its descendants: this program starts
+    // a trace of its own (a `record` under `record`), and its trace goes where it was asked to.
+    let theirs: Vec<&str> = theirs.split(':').filter(|o| !o.trim_start().starts_with("trace_owner=")).collect();
+    Ok(theirs.into_iter().chain([ours.as_str()]).collect::<Vec<_>>().join(":"))
 }
 
 /// The exit code for a program that could not be started (127: not found, 126: not
@@ -166,6 +169,12 @@ extern "C" fn note_start_state() {
         (pipe, blocked)
     };
     let _ = START.set(StartState { closed, pipe_ignored: pipe.sa_sigaction == libc::SIG_IGN, blocked });
+}
+
+/// Whether descriptor `fd` (0, 1 or 2) was closed when this process started (the runtime
+/// has put `/dev/null` there since).
+pub fn closed_at_start(fd: u8) -> bool {
+    START.get().is_some_and(|start| start.closed & 1 << fd != 0)
 }
 
 /// In the child, just before the program is executed: puts back [`START`].
@@ -233,7 +242,7 @@ fn out_of_reach(program: &Path) -> Option<&'static str> {
     } else {
         std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(program)).find(|p| p.is_file())?
     };
-    let meta = std::fs::metadata(&path).ok()?;
+    let meta = std::fs::metadata(&path).ok().filter(|m| m.is_file())?;
     // SAFETY: geteuid and getegid have no preconditions.
     let (euid, egid) = unsafe { (libc::geteuid(), libc::getegid()) };
     if (meta.mode() & libc::S_ISUID != 0 && meta.uid() != euid)
@@ -263,14 +272,19 @@ pub fn forward(status: ExitStatus) -> ExitCode {
         return ExitCode::from(code as u8);
     }
     // Killed by a signal: die of the same one, so that our parent sees what happened; with no
-    // core of our own, which would overwrite the program's.
+    // core of our own, which would overwrite the program's. Unblocked first: we inherited the
+    // mask the program started with, and one that blocks the signal would leave it pending.
     if let Some(signal) = status.signal() {
-        // SAFETY: setting our own core limit, restoring the default action and raising a
-        // signal in our own process.
+        // SAFETY: setting our own core limit, default action and mask, and raising a signal in
+        // our own process; the set is plain data.
         unsafe {
             let none = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
             libc::setrlimit(libc::RLIMIT_CORE, &none);
             libc::signal(signal, libc::SIG_DFL);
+            let mut only: libc::sigset_t = core::mem::zeroed();
+            libc::sigemptyset(&mut only);
+            libc::sigaddset(&mut only, signal);
+            libc::sigprocmask(libc::SIG_UNBLOCK, &only, core::ptr::null_mut());
             libc::raise(signal);
         }
         return ExitCode::from(128 + signal as u8);

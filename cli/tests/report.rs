@@ -492,6 +492,30 @@ fn every_format_writes_its_output_file() {
     assert!(text.contains(type_name_of_val(&parse_row)));
 }
 
+/// With stdout closed (`>&-`) the report has nowhere to go, and says so, as `cat` does: Rust's
+/// runtime had put `/dev/null` there, which took the report with status 0.
+#[test]
+fn a_closed_stdout_is_one_line_and_status_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "ok.trace", &trace(&events()));
+    let out = Command::new("sh")
+        .args(["-c", r#"exec "$0" report "$1" >&-"#, env!("CARGO_BIN_EXE_mallocspy")])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(stderr_lines(&out), ["mallocspy report: stdout: Bad file descriptor"]);
+    // With an --output, a closed stdout does not matter.
+    let output = dir.path().join("report.txt");
+    let out = Command::new("sh")
+        .args(["-c", r#"exec "$0" report -o "$2" "$1" >&-"#, env!("CARGO_BIN_EXE_mallocspy")])
+        .args([&path, &output])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(std::fs::read_to_string(&output).unwrap().contains(type_name_of_val(&parse_row)));
+}
+
 /// `--output` naming the trace itself (directly or by a symbolic link) is refused: the report
 /// would replace the recording. A device that refuses the report is one line.
 #[test]

@@ -156,8 +156,11 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     // stdout to was emptied (`>>`), or the shell's next line written over the report (`>`).
     let stdout_names = ["-", "/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"].map(Path::new);
     let output = args.output.as_deref().filter(|&file| !stdout_names.contains(&file));
-    if let Some(file) = output {
-        refuse_the_trace(file, path)?;
+    match output {
+        Some(file) => refuse_the_trace(file, path)?,
+        // The runtime put /dev/null there, which would take the report without a word.
+        None if crate::launch::closed_at_start(1) => return Err("stdout: Bad file descriptor".into()),
+        None => {}
     }
     // A FIFO is read (a shell's `<(zcat trace.gz)` is one); a device never ends or is no file.
     if path == Path::new(input::STDIN) {
