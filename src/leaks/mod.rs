@@ -2,6 +2,7 @@
 //! allocated. `scan` classifies, `roots` finds where the program's pointers live while `stop`
 //! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
+pub(crate) mod freed_meanwhile;
 pub(crate) mod report;
 mod restart;
 pub(crate) mod roots;
@@ -205,6 +206,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let ts = tls::state();
     let depth = ts.depth.replace(ts.depth.get().max(1));
 
+    let watch = tracker.freed_meanwhile.watch();
     let mut blocks = tracker.snapshot();
     blocks.sort_unstable_by_key(|b| b.0);
     // A record whose block overlaps the previous one is stale (its free went unseen).
@@ -369,12 +371,17 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         .collect();
     // The other threads ran on between the snapshot and their stop: a block one of them freed
     // meanwhile has no pointer left and would be called lost. A lost block is the program's
-    // only while its record is still the one taken (a free is applied before the next record).
+    // only while its record is still the one taken (a free is applied before the next record)
+    // and no free of its address was noted (the record of a new block there may be the same).
     tracker.apply_all_pending();
+    let freed = watch.end().unwrap_or_default();
     let freed_meanwhile: Vec<bool> = blocks
         .iter()
         .zip(&classified)
-        .map(|((addr, r), c)| c.kind != LeakKind::StillReachable && tracker.live.get(*addr as usize) != Some(*r))
+        .map(|((addr, r), c)| {
+            c.kind != LeakKind::StillReachable
+                && (tracker.live.get(*addr as usize) != Some(*r) || freed.binary_search(addr).is_ok())
+        })
         .collect();
     let stats = tracker.stats();
     let retained = if reachable_stacks {

@@ -17,6 +17,7 @@
 
 use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
+use crate::leaks::freed_meanwhile::FreedMeanwhile;
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
@@ -132,6 +133,8 @@ pub(crate) struct LeakTracker {
     /// are adopted: [`LeakTracker::adopt`]).
     adopted_allocs: AtomicU64,
     adopted_bytes: AtomicU64,
+    /// The frees made while a leak check runs (see [`crate::leaks::check`]).
+    pub(crate) freed_meanwhile: FreedMeanwhile,
 }
 
 // SAFETY: per-thread records are written only by the thread owning the slot (counters are
@@ -159,6 +162,7 @@ impl LeakTracker {
             untracked: AtomicU64::new(0),
             adopted_allocs: AtomicU64::new(0),
             adopted_bytes: AtomicU64::new(0),
+            freed_meanwhile: FreedMeanwhile::new(),
         })
     }
 
@@ -377,6 +381,7 @@ impl LeakTracker {
     pub(crate) fn after_fork_child(&self) {
         self.live.force_unlock();
         self.stacks.force_unlock();
+        self.freed_meanwhile.after_fork_child();
         tls::state().tid.set(0);
     }
 }
@@ -387,6 +392,7 @@ impl MallocSpy for LeakTracker {
     }
 
     fn before_release(&self, entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
+        self.freed_meanwhile.note(ptr as usize);
         if entry == Entry::Free {
             if let Some(t) = self.mine() {
                 self.free_later(ptr as usize, t);

@@ -1,0 +1,141 @@
+//! The addresses the program frees while a leak check runs, from its snapshot of the live
+//! blocks until it looks back at them after the scan.
+//!
+//! The other threads run on until they are stopped, and again once resumed: a block of the
+//! snapshot that one of them freed meanwhile has no pointer left at the scan, and is no leak.
+//! Its record being gone says so, unless the address was handed out again to the same call
+//! site, size and thread, whose new record is the snapshot's to the bit: a loop of
+//! `aligned_alloc(4096, 4096)` gets one address back and back, and a program calling `exit`
+//! while its threads ran such loops was told of blocks "definitely lost" that it had freed.
+//! So while a check runs, every free notes its address here (one load of a flag otherwise).
+
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+
+use crate::pool;
+
+/// Addresses noted per check at most; past them, a check can no longer tell.
+const CAPACITY: usize = 1 << 15;
+
+/// The frees of the running leak checks' time.
+pub(crate) struct FreedMeanwhile {
+    /// Leak checks running; frees are noted while it is not 0.
+    watching: AtomicU32,
+    /// Frees noted since the first running check began (beyond `CAPACITY` too).
+    next: AtomicUsize,
+    /// `[AtomicUsize; CAPACITY]`, leased at the first check; null until then, or if it could
+    /// not be mapped.
+    addresses: AtomicPtr<AtomicUsize>,
+}
+
+impl FreedMeanwhile {
+    pub(crate) const fn new() -> Self {
+        Self {
+            watching: AtomicU32::new(0),
+            next: AtomicUsize::new(0),
+            addresses: AtomicPtr::new(core::ptr::null_mut()),
+        }
+    }
+
+    /// Notes the free of `ptr` if a check is running. For the hook path: no lock, no allocation.
+    #[inline(always)]
+    pub(crate) fn note(&self, ptr: usize) {
+        if self.watching.load(Ordering::Acquire) != 0 {
+            self.push(ptr);
+        }
+    }
+
+    #[inline(never)]
+    fn push(&self, ptr: usize) {
+        let i = self.next.fetch_add(1, Ordering::AcqRel);
+        let addresses = self.addresses.load(Ordering::Acquire);
+        if i < CAPACITY && !addresses.is_null() {
+            // SAFETY: a non-null array has CAPACITY entries (leased in `watch`, never freed).
+            unsafe { (*addresses.add(i)).store(ptr, Ordering::Release) };
+        }
+    }
+
+    /// Starts noting frees, for a check about to take its snapshot. Leases the array the
+    /// first time (an `mmap`: not from inside a hook).
+    pub(crate) fn watch(&self) -> Watch<'_> {
+        if self.addresses.load(Ordering::Acquire).is_null()
+            && let Some(array) = pool::lease(CAPACITY * core::mem::size_of::<AtomicUsize>())
+        {
+            // Another check may have leased one first: its array stays, this one is unused.
+            let _ = self.addresses.compare_exchange(
+                core::ptr::null_mut(),
+                array.cast().as_ptr(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        if self.watching.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.next.store(0, Ordering::Release);
+        }
+        Watch { log: self }
+    }
+
+    /// The child side of `fork`: a check of the parent's other threads does not go on here.
+    pub(crate) fn after_fork_child(&self) {
+        self.watching.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A running check's view of [`FreedMeanwhile`].
+pub(crate) struct Watch<'a> {
+    log: &'a FreedMeanwhile,
+}
+
+impl Watch<'_> {
+    /// Stops watching: the addresses freed since [`FreedMeanwhile::watch`] (another check
+    /// running at once may add some of its own time), sorted; `None` if there were more than
+    /// could be noted.
+    pub(crate) fn end(self) -> Option<Vec<u64>> {
+        let noted = self.log.next.load(Ordering::Acquire);
+        let addresses = NonNull::new(self.log.addresses.load(Ordering::Acquire));
+        let freed = match addresses {
+            Some(array) if noted <= CAPACITY => {
+                // SAFETY: the array has CAPACITY entries; each read is atomic (a free noted
+                // just now may read 0, which no block has).
+                let entries = unsafe { core::slice::from_raw_parts(array.as_ptr(), noted) };
+                let mut freed: Vec<u64> = entries.iter().map(|a| a.load(Ordering::Acquire) as u64).collect();
+                freed.sort_unstable();
+                Some(freed)
+            }
+            _ => None,
+        };
+        drop(self);
+        freed
+    }
+}
+
+impl Drop for Watch<'_> {
+    fn drop(&mut self) {
+        self.log.watching.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frees_are_noted_only_while_a_check_watches() {
+        let log = FreedMeanwhile::new();
+        log.note(0x1000);
+        let watch = log.watch();
+        log.note(0x3000);
+        log.note(0x2000);
+        assert_eq!(watch.end(), Some(vec![0x2000, 0x3000]));
+        log.note(0x4000);
+        assert_eq!(log.watch().end(), Some(vec![]), "a new check starts with nothing noted");
+    }
+
+    #[test]
+    fn a_check_that_saw_more_frees_than_it_could_note_cannot_tell() {
+        let log = FreedMeanwhile::new();
+        let watch = log.watch();
+        (1..=CAPACITY + 1).for_each(|i| log.note(i * 16));
+        assert_eq!(watch.end(), None);
+    }
+}
