@@ -182,7 +182,8 @@ pub fn on_allocation_tick(callback: Option<TickCallback>) -> Result<(), SpyError
 }
 
 /// Calls `callback` with every heap statistics event: at the first sampled allocation once
-/// `stats_interval_ms` has passed since the last event, and at exit. Like the tick callback
+/// `stats_interval_ms` has passed since the last event, and at exit (after the `atexit`
+/// handlers registered after the spy started). Like the tick callback
 /// it runs **inside the allocator**, on the allocating thread (its own allocations go
 /// straight to the real allocator, unsampled); it must not block. `None` stops the calls.
 ///
@@ -201,13 +202,14 @@ pub fn on_heap_stats(callback: Option<StatsCallback>) -> Result<(), SpyError> {
 /// [`SpyError::NotInterposed`] when this module is not the interposer (a preloaded shim
 /// takes `spy=ticks`); [`SpyError::AlreadyRegistered`] when a spy is registered (or its
 /// revoke is pending): nothing is started then; [`SpyError::InvalidArgument`] for a zero
-/// interval.
+/// `interval` or `stats_interval_ms`, or an `interval` above 2^62 bytes (as the
+/// `sample_interval` option).
 pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_ms: u64) -> Result<(), SpyError> {
     use crate::spies::ticks::{self, TickSpy};
     if !global::is_active_here() {
         return Err(SpyError::NotInterposed);
     }
-    if interval == 0 || stats_interval_ms == 0 {
+    if interval == 0 || interval > crate::options::MAX_SAMPLE_INTERVAL as u64 || stats_interval_ms == 0 {
         return Err(SpyError::InvalidArgument);
     }
     let _one_at_a_time = STARTING.lock().unwrap_or_else(|e| e.into_inner());
@@ -226,5 +228,22 @@ pub fn start_allocation_ticks(sampling: Sampling, interval: u64, stats_interval_
     global::register_static_here(spy)?;
     global::built_ins_registered(false, true);
     spy.open_gate(&GLOBAL.gate);
+    stats_at_exit();
     Ok(())
+}
+
+/// Has the running ticks spy's heap statistics taken at exit, for its callback (a preloaded
+/// shim's exit reports do so for the spy of `spy=ticks`). Registered once, at the first start.
+fn stats_at_exit() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    extern "C" fn at_exit() {
+        if let Some(spy) = global::running_ticks() {
+            spy.stats_to_callback();
+        }
+    }
+    // SAFETY: registers an `extern "C"` function that never unwinds; a refusal (no memory)
+    // only costs the exit's event.
+    REGISTERED.call_once(|| unsafe {
+        libc::atexit(at_exit);
+    });
 }

@@ -169,7 +169,7 @@ fn running_tracker() -> Option<&'static crate::spies::leaks::LeakTracker> {
 }
 
 /// The ticks spy, while it is registered.
-fn running_ticks() -> Option<&'static crate::spies::ticks::TickSpy> {
+pub(crate) fn running_ticks() -> Option<&'static crate::spies::ticks::TickSpy> {
     crate::spies::ticks::spy().filter(|_| TICKS_RUN.load(core::sync::atomic::Ordering::Acquire))
 }
 

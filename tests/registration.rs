@@ -243,6 +243,20 @@ fn a_refused_start_installs_nothing_and_a_restart_begins_afresh() {
     assert_all_ok("rust-interposer restart", &out);
 }
 
+/// See `ticks_at_exit_scenario` in the fixture.
+#[test]
+fn an_own_interposers_statistics_callback_is_called_at_exit() {
+    let program = rust_program("interposer", "rust-interposer");
+    let out = Command::new(&program).arg("ticks-exit").env_remove("LD_PRELOAD").output().unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
+    let lines: Vec<&str> = stdout.lines().collect();
+    let [refused, "main returns", at_exit] = lines[..] else { panic!("{stdout}") };
+    assert_eq!(refused, "an interval beyond 2^62 refused: ok");
+    let allocs: u64 = at_exit.strip_prefix("statistics: ").and_then(|l| l.split(' ').next()).unwrap().parse().unwrap();
+    assert!(allocs >= 5001, "the run's allocations: {at_exit}");
+}
+
 #[test]
 fn a_rust_program_is_its_own_interposer_and_sees_strdup() {
     let program = rust_program("interposer", "rust-interposer");

@@ -237,7 +237,9 @@ pub struct HeapStats {
     pub time_ns: u64,
     /// small, large, aligned.
     pub kinds: [KindStats; 3],
-    /// Blocks freed so far (exact).
+    /// Blocks freed so far (exact): every free seen, including those of blocks allocated
+    /// before the spy started or by a tick or statistics callback, which no `allocs` counts;
+    /// so `allocs - frees` is no count of live blocks (`live_blocks` estimates that).
     pub frees: u64,
     /// Largest estimated live bytes seen at a stats event so far.
     pub peak_live_bytes: u64,
