@@ -160,16 +160,30 @@ const KEYS: &str = "spy, log_path, report_format, show_reachable, show_below_mai
 impl fmt::Display for OptionsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            OptionsError::UnknownKey(k) => write!(f, "unknown key '{k}' (known: {KEYS})"),
+            OptionsError::UnknownKey(k) => write!(f, "unknown key '{}' (known: {KEYS})", Shown(k)),
             OptionsError::BadValue { key, value, expected } => {
-                write!(f, "bad value '{value}' for {key} (expected {expected})")
+                write!(f, "bad value '{}' for {key} (expected {expected})", Shown(value))
             }
-            OptionsError::Malformed(p) => write!(f, "'{p}' is not key=value"),
+            OptionsError::Malformed(p) => write!(f, "'{}' is not key=value", Shown(p)),
         }
     }
 }
 
 impl std::error::Error for OptionsError {}
+
+/// A piece of the options as an error line shows it: its first 60 characters and how many
+/// more there are (a `MALLOCSPY_OPTIONS` of a megabyte made an error line as long).
+struct Shown<'a>(&'a str);
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const SHOWN: usize = 60;
+        match self.0.char_indices().nth(SHOWN) {
+            Some((cut, _)) => write!(f, "{}... ({} more characters)", &self.0[..cut], self.0[cut..].chars().count()),
+            None => f.write_str(self.0),
+        }
+    }
+}
 
 /// The largest `sample_interval`, 2^62 bytes: the countdowns are signed 64-bit, and an
 /// interval of 2^63 or more wrapped to a negative one (every allocation sampled).
@@ -399,6 +413,11 @@ mod tests {
             "bad value 'count,bogus' for spy (expected a comma-separated list of leaks, count, guard, ticks, none)"
         );
         assert_eq!(Options::parse("spy").unwrap_err().to_string(), "'spy' is not key=value");
+        // A long value is shown by its start: the line stays a line.
+        let long = format!("spy={}", "é".repeat(100_000));
+        let e = Options::parse(&long).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("bad value '{}... (99940 more characters)' for spy", "é".repeat(60))), "{e}");
+        assert!(e.len() < 300, "{e}");
         assert_eq!(
             Options::parse("exitcode=300").unwrap_err().to_string(),
             "bad value '300' for exitcode (expected a number from 0 to 255)"
