@@ -171,8 +171,58 @@ fn stderr_is_original() -> bool {
 /// not reports (warnings), which go to stderr even with a `log_path`.
 pub(crate) fn to_stderr(bytes: &[u8]) {
     if stderr_is_original() {
-        os::write_all(2, bytes);
+        write_whole(2, bytes);
     }
+}
+
+/// Writes `bytes` to `fd` with no other process's report in between: processes of one program
+/// that end together share its stderr, and a pipe takes at most 64 KiB of a write at a time
+/// (4 KiB whole), so their reports of a megabyte came out cut into each other (JSON objects
+/// that no longer parsed). A longer report is written holding an exclusive `flock` on the
+/// file behind `fd`, opened anew through `/proc` so that the lock is this process's own: a
+/// lock on `fd` itself would be on the open file description the processes forked from one
+/// another share, and theirs too. Without `/proc`, or for a file that cannot be opened again
+/// (a socket; a FIFO left without a reader), or after ten seconds of waiting behind another
+/// report (whose reader may have stopped reading), the report goes unlocked.
+fn write_whole(fd: i32, bytes: &[u8]) -> bool {
+    if bytes.len() <= libc::PIPE_BUF {
+        return os::write_all(fd, bytes);
+    }
+    let lock = lock_file_of(fd);
+    let written = os::write_all(fd, bytes);
+    if let Some(lock) = lock {
+        // Closing the descriptor releases the lock.
+        os::close(lock);
+    }
+    written
+}
+
+/// A new descriptor of the file behind `fd`, locked (see [`write_whole`]). Never allocates.
+fn lock_file_of(fd: i32) -> Option<i32> {
+    use core::fmt::Write;
+    let mut path = crate::line::Line::<32>::new();
+    write!(path, "/proc/self/fd/{fd}\0").ok()?;
+    // SAFETY: `path` is NUL-terminated; O_NONBLOCK: a FIFO's open does not wait for a reader.
+    let lock = unsafe {
+        libc::open(
+            path.as_bytes().as_ptr().cast(),
+            libc::O_WRONLY | libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    };
+    if lock < 0 {
+        return None;
+    }
+    let deadline = os::monotonic_ns() + 10_000_000_000;
+    // SAFETY: flock on a descriptor of ours.
+    while unsafe { libc::flock(lock, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if os::errno() != libc::EWOULDBLOCK || os::monotonic_ns() > deadline {
+            break;
+        }
+        let millisecond = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+        // SAFETY: a valid timespec; no remainder wanted.
+        unsafe { libc::nanosleep(&millisecond, core::ptr::null_mut()) };
+    }
+    Some(lock)
 }
 
 /// Duplicates stderr for the reports.
@@ -267,7 +317,7 @@ pub(crate) fn write(bytes: &[u8]) {
     if !still_ours(fd) {
         return to_stderr(bytes);
     }
-    if !os::write_all(fd, bytes) {
+    if !write_whole(fd, bytes) {
         // A full disk, or a path that takes no writes (`/dev/full`, a file in /proc): said once,
         // then the report goes where it would without a log.
         static SAID: AtomicBool = AtomicBool::new(false);

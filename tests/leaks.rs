@@ -696,6 +696,28 @@ fn the_newest_block_lost_is_definitely_lost_whatever_its_size() {
     }
 }
 
+/// Processes of one program that end together write their reports on the stderr they share
+/// one after another: a pipe takes a long write in pieces, and five JSON reports of 80 KB came
+/// out cut into each other, two to four of five no longer parsing (review helper 61).
+#[test]
+fn reports_of_processes_ending_together_are_not_cut_into_each_other() {
+    let program = c_program("exit_together.c");
+    for round in 0..3 {
+        let out = Command::new(mallocspy()).args(["run", "--json", "--"]).arg(&program).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        let reports: Vec<serde_json::Value> = text(&out.stderr)
+            .lines()
+            .map(|line| {
+                serde_json::from_str(line).unwrap_or_else(|e| panic!("round {round}: {e} in a line of {}", line.len()))
+            })
+            .collect();
+        assert_eq!(reports.len(), 5, "round {round}");
+        for report in reports {
+            assert_eq!(report["summary"]["definitely_lost"]["blocks"], 300, "round {round}");
+        }
+    }
+}
+
 /// A block freed while the exit's check runs, by a thread still running, and allocated again
 /// at its address by the same call site with the same size and thread, is no leak: its new
 /// record is the old one to the bit, and such blocks were called definitely lost in two runs
