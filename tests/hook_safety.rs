@@ -316,6 +316,27 @@ fn every_spy_starts_under_a_small_stack_limit() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `realloc` of a pointer that is no block but passes the guard's checks (16-aligned, in
+/// mapped memory) goes to the real `realloc`, which refuses it as it does natively: the guard
+/// measured it first with `malloc_usable_size`, which trusts the size word before it, and the
+/// program died of a segmentation fault inside mallocspy, without a word (review helper 60).
+#[test]
+fn the_guard_leaves_a_realloc_of_no_block_to_the_allocators_own_checks() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("realloc_not_a_block.c");
+    for case in ["global", "inside"] {
+        let native = run(Mode::Native, Command::new(&program).arg(case));
+        let guarded = run(Mode::Shim("spy=guard"), Command::new(&program).arg(case));
+        assert_eq!(native.status.signal(), Some(libc::SIGABRT), "{case}: {}", text(&native.stderr));
+        assert_eq!(guarded.status.signal(), native.status.signal(), "{case}: {}", text(&guarded.stderr));
+        assert!(
+            text(&guarded.stderr).starts_with(text(&native.stderr).trim_end()),
+            "{case}: {}",
+            text(&guarded.stderr)
+        );
+    }
+}
+
 /// A guard finding in a child forked while another thread held the loader's lock waited for
 /// it for ever, naming the caller's module (review helper 41: 5 children of 5).
 #[test]

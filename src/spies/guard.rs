@@ -57,6 +57,9 @@ const S_KEEP: usize = 2;
 /// The caller's pointer a realloc was given, and its size: freed if the block moves.
 const S_OLD: usize = 3;
 const S_OLD_SIZE: usize = 4;
+
+/// The size remembered of a freed block the guard did not lay out (never measured).
+const UNKNOWN_SIZE: usize = usize::MAX;
 /// The entry point of a release (a free, or a realloc to 0 that frees), for the findings.
 const S_ENTRY: usize = 5;
 
@@ -243,7 +246,7 @@ impl GuardSpy {
         self.sites.record(finding as u32, &frames[..depth], &modules[..depth], order);
         let mut line = Line::<256>::new();
         let _ = write!(line, "mallocspy: guard: {} at {p:#x}", FINDING_NAMES[finding as usize]);
-        if let Some(size) = size {
+        if let Some(size) = size.filter(|&s| s != UNKNOWN_SIZE) {
             let _ = write!(line, ", size {size}");
         }
         let _ = write!(line, " (in {place}");
@@ -461,12 +464,13 @@ impl MallocSpy for GuardSpy {
                 return (request, 0);
             }
             // An unspied block becomes spied: its bytes move up behind a header afterwards.
-            // SAFETY: an unspied pointer that passed the checks is a block of the real heap;
-            // this call is nested, so it goes straight to the real allocator.
-            let old = unsafe { libc::malloc_usable_size(request) };
-            CallScratch::set(S_KEEP, old.min(size) as u64);
+            // Its size is not asked for: `malloc_usable_size` trusts the pointer, and one that
+            // passed these checks but is no block (a global buffer, a pointer into a block)
+            // crashed it, where the real `realloc` checks and says "invalid old size". The
+            // first `size` bytes move, the old ones among them (the new block holds them all).
+            CallScratch::set(S_KEEP, size as u64);
             CallScratch::set(S_OLD, p as u64);
-            CallScratch::set(S_OLD_SIZE, old as u64);
+            CallScratch::set(S_OLD_SIZE, UNKNOWN_SIZE as u64);
             let total = self.plan(size, HEADER);
             CallScratch::set(S_OFFSET, 0);
             return (request, total);
