@@ -696,6 +696,23 @@ fn the_newest_block_lost_is_definitely_lost_whatever_its_size() {
     }
 }
 
+/// A program whose file is deleted (or replaced) while it runs still has its functions named:
+/// the memory map calls the file "PATH (deleted)", which no one can open, and its frames were
+/// `?? (PATH (deleted)+0x1167)`; valgrind and LeakSanitizer name them (review helper 61).
+#[test]
+fn a_program_that_deleted_its_file_has_its_functions_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("deletes_itself");
+    std::fs::copy(c_program("deletes_itself.c"), &copy).unwrap();
+    let out = Command::new(mallocspy()).args(["run", "--"]).arg(&copy).output().unwrap();
+    let report = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert!(!copy.exists(), "the program deleted its file");
+    assert!(report.contains("17 bytes in 1 blocks are definitely lost"), "{report}");
+    assert!(report.contains(" in lose_one_block ") && report.contains("deletes_itself.c:8"), "{report}");
+    assert!(report.contains(" in main "), "{report}");
+}
+
 /// Processes of one program that end together write their reports on the stderr they share
 /// one after another: a pipe takes a long write in pieces, and five JSON reports of 80 KB came
 /// out cut into each other, two to four of five no longer parsing (review helper 61).

@@ -123,6 +123,8 @@ pub(crate) struct Symbolizer {
     unloaded_files: HashMap<String, Option<addr2line::Loader>>,
     /// Data symbols of each module (`(start, end, name)` sorted, link-time addresses).
     data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
+    /// The program's file through `/proc/self/exe`, once asked for (see `deleted_program`).
+    deleted_program: Option<Option<addr2line::Loader>>,
 }
 
 /// The data symbols (objects with a size) of the ELF file at `path`, from its full symbol
@@ -409,26 +411,7 @@ impl Symbolizer {
                 line,
                 module: module.clone(),
             };
-            let mut frames = Vec::new();
-            if let Some(loader) = loader.as_ref() {
-                if let Ok(mut found) = loader.find_frames(probe) {
-                    while let Ok(Some(f)) = found.next() {
-                        let function = f.function.as_ref().and_then(function_name);
-                        let (file, line) = f.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
-                        frames.push(frame(function, file, line));
-                    }
-                }
-                // The symbol table names the function where DWARF does not cover the address.
-                if frames.last().is_none_or(|f| f.function.is_none())
-                    && let Some(name) = loader.find_symbol(probe)
-                {
-                    let name = symbol_name(name);
-                    match frames.last_mut() {
-                        Some(last) => last.function = Some(name),
-                        None => frames.push(frame(Some(name), None, None)),
-                    }
-                }
-            }
+            let mut frames = loader.as_ref().map_or_else(Vec::new, |loader| frames_in_file(loader, probe, frame));
             if frames.is_empty() {
                 frames.push(frame(None, None, None));
             }
@@ -438,34 +421,97 @@ impl Symbolizer {
 
     /// The frames (innermost inlined call first) of return address `addr`.
     pub(crate) fn frames(&mut self, addr: u64) -> &[Frame] {
-        self.cache.entry(addr).or_insert_with(|| {
-            let module = module_of(addr);
-            if let Some(frame) = c_library_frame(addr, &module) {
-                return vec![frame];
-            }
-            let mut frames = Vec::new();
-            // A return address points after the call; the call's line is one byte earlier.
-            backtrace::resolve((addr - 1) as *mut core::ffi::c_void, |sym| {
-                frames.push(Frame {
-                    address: format!("{addr:#x}"),
-                    // `{:#}`: demangled, without the hash suffix of Rust symbols.
-                    function: sym.name().map(|n| n.as_str().map_or_else(|| format!("{n:#}"), demangle)),
-                    file: sym.filename().map(|p| p.display().to_string()),
-                    line: sym.lineno(),
-                    module: module.clone(),
-                    offset: None,
-                });
-            });
-            if frames.is_empty() {
-                // Nothing names it (a stripped module): where it is in its file, as `addr2line
-                // -e` takes it.
-                let offset = load_bias(addr).map(|bias| addr - bias);
-                let address = format!("{addr:#x}");
-                frames.push(Frame { address, function: None, file: None, line: None, module, offset });
-            }
-            frames
-        })
+        if !self.cache.contains_key(&addr) {
+            let frames = self.resolve(addr);
+            self.cache.insert(addr, frames);
+        }
+        &self.cache[&addr]
     }
+
+    fn resolve(&mut self, addr: u64) -> Vec<Frame> {
+        let module = module_of(addr);
+        if let Some(frame) = c_library_frame(addr, &module) {
+            return vec![frame];
+        }
+        let mut frames = Vec::new();
+        // A return address points after the call; the call's line is one byte earlier.
+        backtrace::resolve((addr - 1) as *mut core::ffi::c_void, |sym| {
+            frames.push(Frame {
+                address: format!("{addr:#x}"),
+                // `{:#}`: demangled, without the hash suffix of Rust symbols.
+                function: sym.name().map(|n| n.as_str().map_or_else(|| format!("{n:#}"), demangle)),
+                file: sym.filename().map(|p| p.display().to_string()),
+                line: sym.lineno(),
+                module: module.clone(),
+                offset: None,
+            });
+        });
+        let offset = load_bias(addr).map(|bias| addr - bias);
+        if frames.is_empty()
+            && let (Some(offset), Some(exe)) = (offset, self.deleted_program(&module))
+        {
+            let frame = |function, file, line| Frame {
+                address: format!("{addr:#x}"),
+                offset: None,
+                function,
+                file,
+                line,
+                module: module.clone(),
+            };
+            frames = frames_in_file(exe, offset - 1, frame);
+        }
+        if frames.is_empty() {
+            // Nothing names it (a stripped module): where it is in its file, as `addr2line
+            // -e` takes it.
+            let address = format!("{addr:#x}");
+            frames.push(Frame { address, function: None, file: None, line: None, module, offset });
+        }
+        frames
+    }
+
+    /// The program's file, read through `/proc/self/exe`, when `module` is the program and
+    /// its file was deleted or replaced since it started (the map names it "PATH (deleted)",
+    /// which no one can open, so nothing named its frames): the link still reads the file
+    /// that runs. Not when `/proc/self/exe` is another file (the loader, for a program it was
+    /// asked to run).
+    fn deleted_program(&mut self, module: &Option<String>) -> Option<&addr2line::Loader> {
+        let module = module.as_deref().filter(|m| m.ends_with(" (deleted)"))?;
+        program().as_ref().filter(|(_, file)| file == module)?;
+        self.deleted_program
+            .get_or_insert_with(|| {
+                let exe = std::fs::read_link("/proc/self/exe").ok()?;
+                (exe.as_os_str() == module).then(|| addr2line::Loader::new("/proc/self/exe").ok()).flatten()
+            })
+            .as_ref()
+    }
+}
+
+/// The frames of file address `probe` in the file `loader` read (innermost inlined call
+/// first), each made by `frame` from its function, file and line; none if nothing names it.
+fn frames_in_file(
+    loader: &addr2line::Loader,
+    probe: u64,
+    frame: impl Fn(Option<String>, Option<String>, Option<u32>) -> Frame,
+) -> Vec<Frame> {
+    let mut frames = Vec::new();
+    if let Ok(mut found) = loader.find_frames(probe) {
+        while let Ok(Some(f)) = found.next() {
+            let function = f.function.as_ref().and_then(function_name);
+            let (file, line) = f.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
+            frames.push(frame(function, file, line));
+        }
+    }
+    // The symbol table names the function where DWARF does not cover the address.
+    if frames.last().is_none_or(|f| f.function.is_none())
+        && let Some(name) = loader.find_symbol(probe)
+    {
+        let name = symbol_name(name);
+        match frames.last_mut() {
+            Some(last) => last.function = Some(name),
+            None => frames.push(frame(Some(name), None, None)),
+        }
+    }
+    frames
 }
 
 #[cfg(test)]
