@@ -286,7 +286,19 @@ pub(crate) fn build(
         let retained_by = path.cloned().unwrap_or_default();
         leaks.push(LeakRecord { kind, blocks: tally.blocks, bytes: tally.bytes, entry, stack, retained_by });
     }
-    leaks.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(b.blocks.cmp(&a.blocks)).then(a.kind.cmp(&b.kind)));
+    // Ties go by the stacks' names, the same from run to run (the records come from a hash
+    // map, whose order is not): reports of two runs can be compared line by line.
+    type Named<'a> = (Option<&'a str>, Option<&'a str>, Option<u32>, Option<&'a str>, Option<u64>);
+    fn named(f: &Frame) -> Named<'_> {
+        (f.function.as_deref(), f.file.as_deref(), f.line, f.module.as_deref(), f.offset)
+    }
+    leaks.sort_by(|a, b| {
+        b.bytes
+            .cmp(&a.bytes)
+            .then(b.blocks.cmp(&a.blocks))
+            .then(a.kind.cmp(&b.kind))
+            .then_with(|| a.stack.iter().map(named).cmp(b.stack.iter().map(named)))
+    });
     let mut suppressions_used: Vec<SuppressionUsed> = used
         .into_iter()
         .map(|(pattern, t)| SuppressionUsed { pattern: pattern.to_owned(), blocks: t.blocks, bytes: t.bytes })
