@@ -1206,7 +1206,21 @@ fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     assert_eq!(first["function"], "plugin_leak", "{record}");
     assert!(first["file"].as_str().is_some_and(|f| f.ends_with("unload_leaky.c")), "{record}");
     assert_eq!(first["line"], 6, "{record}");
-    assert_eq!(first["module"], format!("{} (unloaded)", leaky.display()), "{record}");
+    // The module is its path, as `addr2line -e` and suppressions take it (it was "PATH
+    // (unloaded)", which a pattern ending in `$` did not match: review helper 61).
+    assert_eq!(first["module"], leaky.display().to_string(), "{record}");
+    assert_eq!(first["unloaded"], true, "{record}");
+    let text_report = text(&run(Mode::Shim(""), Command::new(&program).args([&leaky, &other])).stderr);
+    assert!(text_report.contains(" in plugin_leak "), "{text_report}");
+    let dir = tempfile::tempdir().unwrap();
+    let suppressions = dir.path().join("plugin.supp");
+    std::fs::write(&suppressions, "leak:unload_leaky.so$\n").unwrap();
+    let options = format!("report_format=json:suppressions={}", suppressions.display());
+    let suppressed = json_report(&run(
+        Mode::Shim(Box::leak(options.into_boxed_str())),
+        Command::new(&program).args([&leaky, &other]),
+    ));
+    assert_eq!(suppressed["summary"]["suppressed"]["bytes"], 111, "{suppressed}");
 }
 
 /// A library loaded where an unloaded one was, with code at the same addresses: the same

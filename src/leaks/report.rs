@@ -391,14 +391,17 @@ pub(crate) fn write_frame(out: &mut String, prefix: &str, i: usize, f: &Frame) {
         (Some(file), Some(line), _) => {
             let _ = writeln!(out, " {file}:{line}");
         }
-        (_, _, Some(module)) => match f.offset {
-            Some(offset) => {
-                let _ = writeln!(out, " ({module}+{offset:#x})");
+        (_, _, Some(module)) => {
+            let unloaded = if f.unloaded { " (unloaded)" } else { "" };
+            match f.offset {
+                Some(offset) => {
+                    let _ = writeln!(out, " ({module}{unloaded}+{offset:#x})");
+                }
+                None => {
+                    let _ = writeln!(out, " ({module}{unloaded})");
+                }
             }
-            None => {
-                let _ = writeln!(out, " ({module})");
-            }
-        },
+        }
         _ => out.push('\n'),
     }
 }

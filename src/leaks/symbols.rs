@@ -23,6 +23,10 @@ pub struct Frame {
     /// given when nothing names the frame (a stripped module).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offset: Option<u64>,
+    /// The module was unloaded (`dlclose`) before the report; its frames were read from its
+    /// file. In JSON only when true.
+    #[serde(skip_serializing_if = "core::ops::Not::not")]
+    pub unloaded: bool,
 }
 
 /// A function's name as a symbol table or DWARF gives it: glibc's hidden alias of a function
@@ -287,7 +291,15 @@ fn c_library_frame(addr: u64, module: &Option<String>) -> Option<Frame> {
     let name =
         if public.len() < name.len() && library_symbol(path, public) == Some(start) { public.to_owned() } else { name };
     let module = module.clone();
-    Some(Frame { address: format!("{addr:#x}"), function: Some(name), file: None, line: None, module, offset: None })
+    Some(Frame {
+        address: format!("{addr:#x}"),
+        function: Some(name),
+        file: None,
+        line: None,
+        module,
+        offset: None,
+        unloaded: false,
+    })
 }
 
 /// The code of `__libc_start_main` (`[start, end)`) and the load address of its library.
@@ -402,7 +414,7 @@ impl Symbolizer {
             .entry(library.path.clone())
             .or_insert_with(|| addr2line::Loader::new(&library.path).ok());
         self.unloaded_cache.entry((library.path.clone(), probe)).or_insert_with(|| {
-            let module = Some(format!("{} (unloaded)", library.path));
+            let module = Some(library.path.clone());
             let frame = |function: Option<String>, file: Option<String>, line: Option<u32>| Frame {
                 address: format!("{addr:#x}"),
                 offset: function.is_none().then_some(addr - library.bias),
@@ -410,6 +422,7 @@ impl Symbolizer {
                 file,
                 line,
                 module: module.clone(),
+                unloaded: true,
             };
             let mut frames = loader.as_ref().map_or_else(Vec::new, |loader| frames_in_file(loader, probe, frame));
             if frames.is_empty() {
@@ -444,6 +457,7 @@ impl Symbolizer {
                 line: sym.lineno(),
                 module: module.clone(),
                 offset: None,
+                unloaded: false,
             });
         });
         let offset = load_bias(addr).map(|bias| addr - bias);
@@ -457,6 +471,7 @@ impl Symbolizer {
                 file,
                 line,
                 module: module.clone(),
+                unloaded: false,
             };
             frames = frames_in_file(exe, offset - 1, frame);
         }
@@ -464,7 +479,7 @@ impl Symbolizer {
             // Nothing names it (a stripped module): where it is in its file, as `addr2line
             // -e` takes it.
             let address = format!("{addr:#x}");
-            frames.push(Frame { address, function: None, file: None, line: None, module, offset });
+            frames.push(Frame { address, function: None, file: None, line: None, module, offset, unloaded: false });
         }
         frames
     }

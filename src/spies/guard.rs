@@ -324,6 +324,7 @@ impl GuardSpy {
                         line: None,
                         module: Some("a library unloaded since".to_owned()),
                         offset: Some(addr.wrapping_sub(bias)),
+                        unloaded: false,
                     }];
                     &unloaded[..]
                 } else {
