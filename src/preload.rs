@@ -122,7 +122,7 @@ fn register_spies() {
     }
     let suppressions = match &options.suppressions {
         None => Suppressions::default(),
-        Some(path) => match std::fs::read_to_string(path)
+        Some(path) => match Suppressions::read(path)
             .map_err(|e| e.to_string())
             .and_then(|t| Suppressions::parse(&t).map_err(|e| e.to_string()))
         {

@@ -1044,6 +1044,18 @@ fn suppressions_move_matching_leaks_out_of_the_totals() {
     let s = &json_report(&out)["summary"];
     assert_eq!(s["suppressed"], serde_json::json!({"blocks": 10, "bytes": 3336}), "{s}");
     assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 3, "bytes": 8256}), "{s}");
+    // Bytes that are not UTF-8 (a comment in Latin-1) do not refuse the file, as LeakSanitizer
+    // does not (review helper 61).
+    let latin1 = dir.path().join("latin1.supp");
+    std::fs::write(&latin1, b"# caf\xe9 de la gare\nleak:leak_small\nleak:^leak_cal*$\n").unwrap();
+    let out = Command::new(mallocspy())
+        .args(["run", "--json", "--suppressions"])
+        .arg(&latin1)
+        .arg("--")
+        .arg(bench_dir().join("leaky"))
+        .output()
+        .unwrap();
+    assert_eq!(json_report(&out)["summary"]["suppressed"], serde_json::json!({"blocks": 10, "bytes": 3336}));
     // A broken or missing file is one clear line, before anything runs.
     let bad = write(dir.path(), "bad.supp", "leak:x\nrace:y\n");
     for (file, message) in [

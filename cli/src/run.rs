@@ -76,7 +76,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     }
     if let Some(path) = &args.suppressions {
         // Checked here, so that a typo fails before the program runs, not after.
-        let text = match std::fs::read_to_string(path) {
+        let text = match Suppressions::read(path) {
             Ok(t) => t,
             Err(e) => return fail(&format!("cannot read suppressions file '{}': {e}", path.display()), 2),
         };

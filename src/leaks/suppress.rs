@@ -29,6 +29,12 @@ impl fmt::Display for SuppressionError {
 }
 
 impl Suppressions {
+    /// The text of the suppressions file at `path`, bytes that are not UTF-8 read as U+FFFD,
+    /// as the names they are matched against are (LeakSanitizer reads such files too).
+    pub fn read(path: impl AsRef<std::path::Path>) -> std::io::Result<String> {
+        std::fs::read(path).map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+    }
+
     /// Parses the text of a suppressions file.
     pub fn parse(text: &str) -> Result<Self, SuppressionError> {
         let mut patterns = Vec::new();
