@@ -1033,29 +1033,24 @@ fn blocks_held_by_a_suppressed_leak_are_suppressed_with_it() {
 #[test]
 fn suppressions_move_matching_leaks_out_of_the_totals() {
     let dir = tempfile::tempdir().unwrap();
-    let supp = write(dir.path(), "leaky.supp", "# known\nleak:leak_small\nleak:^leak_cal*$\n");
-    let out = Command::new(mallocspy())
-        .args(["run", "--json", "--suppressions"])
-        .arg(&supp)
-        .arg("--")
-        .arg(bench_dir().join("leaky"))
-        .output()
-        .unwrap();
-    let s = &json_report(&out)["summary"];
+    let summary_with = |supp: &Path| {
+        let out = Command::new(mallocspy())
+            .args(["run", "--json", "--suppressions"])
+            .arg(supp)
+            .arg("--")
+            .arg(bench_dir().join("leaky"))
+            .output()
+            .unwrap();
+        json_report(&out)["summary"].clone()
+    };
+    let s = summary_with(&write(dir.path(), "leaky.supp", "# known\nleak:leak_small\nleak:^leak_cal*$\n"));
     assert_eq!(s["suppressed"], serde_json::json!({"blocks": 10, "bytes": 3336}), "{s}");
     assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 3, "bytes": 8256}), "{s}");
     // Bytes that are not UTF-8 (a comment in Latin-1) do not refuse the file, as LeakSanitizer
     // does not (review helper 61).
     let latin1 = dir.path().join("latin1.supp");
     std::fs::write(&latin1, b"# caf\xe9 de la gare\nleak:leak_small\nleak:^leak_cal*$\n").unwrap();
-    let out = Command::new(mallocspy())
-        .args(["run", "--json", "--suppressions"])
-        .arg(&latin1)
-        .arg("--")
-        .arg(bench_dir().join("leaky"))
-        .output()
-        .unwrap();
-    assert_eq!(json_report(&out)["summary"]["suppressed"], serde_json::json!({"blocks": 10, "bytes": 3336}));
+    assert_eq!(summary_with(&latin1), s);
     // A broken or missing file is one clear line, before anything runs.
     let bad = write(dir.path(), "bad.supp", "leak:x\nrace:y\n");
     for (file, message) in [
