@@ -127,8 +127,9 @@ fn with_the_environment(ours: &[String]) -> Result<String, ExitCode> {
     }
     // The trace's owner, which a traced process adds for its descendants: this program starts
     // a trace of its own (a `record` under `record`), and its trace goes where it was asked to.
-    let theirs: Vec<&str> = theirs.split(':').filter(|o| !o.trim_start().starts_with("trace_owner=")).collect();
-    Ok(theirs.into_iter().chain([ours.as_str()]).collect::<Vec<_>>().join(":"))
+    let mut options: Vec<&str> = theirs.split(':').filter(|o| !o.trim_start().starts_with("trace_owner=")).collect();
+    options.push(&ours);
+    Ok(options.join(":"))
 }
 
 /// The exit code for a program that could not be started (127: not found, 126: not
