@@ -211,6 +211,12 @@ impl ElfFacts {
             segments: file.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect(),
         })
     }
+
+    /// Whether this file is the one that ran as `module`: the same build id, unless the trace
+    /// has none to compare.
+    fn is_the_file_of(&self, module: &Module) -> bool {
+        module.build_id.is_empty() || self.build_id.as_deref() == Some(module.build_id.as_slice())
+    }
 }
 
 /// The offset in `module`'s file of the byte loaded at `address`, which pprof's mappings
@@ -221,7 +227,7 @@ impl ElfFacts {
 pub(crate) fn file_offset(module: &Module, address: u64) -> u64 {
     let file_address = address.wrapping_sub(module.base);
     ElfFacts::read(Path::new(&module.path))
-        .filter(|f| module.build_id.is_empty() || f.build_id.as_deref() == Some(module.build_id.as_slice()))
+        .filter(|f| f.is_the_file_of(module))
         .and_then(|f| {
             let (start, _, offset) = f
                 .segments
@@ -252,9 +258,7 @@ impl DebugInfo {
         let path = Path::new(&module.path);
         let facts = ElfFacts::read(path);
         // The file on disk is the one that ran, unless its build id says otherwise.
-        let current = facts
-            .as_ref()
-            .is_some_and(|f| module.build_id.is_empty() || f.build_id.as_deref() == Some(module.build_id.as_slice()));
+        let current = facts.as_ref().is_some_and(|f| f.is_the_file_of(module));
         if current
             && facts.as_ref().is_some_and(|f| f.has_dwarf)
             && let Ok(loader) = Loader::new(path)
