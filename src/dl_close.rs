@@ -29,30 +29,34 @@ pub(crate) unsafe fn dlclose(handle: *mut c_void) -> c_int {
         // Nothing to forward to (no libdl after us): as dlclose does for a bad handle.
         return -1;
     }
-    // The leak report must still name the code of a library this call unloads.
+    let loaded_before = crate::os::modules_code();
+    // The leak report must still name the code of the libraries this call unloads.
     let closing = crate::spies::leaks::tracker()
-        .and_then(|tracker| crate::leaks::unloaded::before_dlclose(handle, tracker.stacks.next_id()));
+        .zip(loaded_before.clone())
+        .and_then(|(tracker, loaded)| crate::leaks::unloaded::before_dlclose(handle, loaded, tracker.stacks.next_id()));
     let unloaded_before = crate::os::objects_unloaded();
-    let code_before = crate::os::code_extents();
     // SAFETY: libc's dlclose has this signature; the caller's guarantee covers the handle.
     let status = unsafe { core::mem::transmute::<*mut c_void, Close>(f)(handle) };
+    // Whether something was unmapped: a `dlclose` mostly drops a reference (one from a
+    // library's destructor, inside this one, leaves the unloading to this one).
+    let unloaded = crate::os::objects_unloaded() != unloaded_before;
+    let loaded_after = if unloaded { crate::os::modules_code() } else { None };
     if let Some(closing) = closing {
-        crate::leaks::unloaded::after_dlclose(closing);
+        crate::leaks::unloaded::after_dlclose(closing, unloaded, loaded_after.as_deref());
     }
-    if status == 0 {
-        // Only when something was unmapped (a `dlclose` mostly drops a reference): stacks
-        // through the code it unmapped get ids of their own from now on.
-        if crate::os::objects_unloaded() != unloaded_before {
-            // By name too: a library that another thread loaded meanwhile may lie where this
-            // one was, with the same extent.
-            let unmapped = code_before.zip(crate::os::code_extents()).map(|(before, after)| {
-                before.into_iter().filter(|e| !after.contains(e)).map(|e| (e.start, e.end)).collect::<Vec<_>>()
-            });
-            crate::stacks::after_unload(unmapped.as_deref());
-        }
-        if let Some(writer) = crate::trace::writer::writer() {
-            writer.after_unload();
-        }
+    if unloaded {
+        // Stacks through the code it unmapped get ids of their own from now on. By name too:
+        // a library that another thread loaded meanwhile may lie where this one was, with
+        // the same extent.
+        let unmapped = loaded_before.zip(loaded_after).map(|(before, after)| {
+            before.into_iter().filter(|m| !after.contains(m)).map(|m| (m.start, m.end)).collect::<Vec<_>>()
+        });
+        crate::stacks::after_unload(unmapped.as_deref());
+    }
+    if status == 0
+        && let Some(writer) = crate::trace::writer::writer()
+    {
+        writer.after_unload();
     }
     // A spy released inside a hook left its library to give back; the program closing it is
     // waiting for it to go.

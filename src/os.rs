@@ -410,34 +410,50 @@ pub(crate) fn objects_unloaded() -> u64 {
 
 /// Where a loaded module's code lies, and which module it is: two libraries loaded one after
 /// the other at one place may have the same extent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct CodeExtent {
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ModuleCode {
+    /// Its load bias.
+    pub bias: u64,
+    /// Its executable segments' extent.
     pub start: u64,
     pub end: u64,
-    /// A hash of the module's name.
-    name: u64,
+    /// The loader's name of it.
+    pub name: std::ffi::CString,
 }
 
-/// The extent of the executable segments of each loaded module that has some, in the loader's
-/// order; `None` when more came than room was made for (a `dlopen` meanwhile, on another
-/// thread). Room is made first: nothing allocates while the loader holds its lock.
-pub(crate) fn code_extents() -> Option<Vec<CodeExtent>> {
-    let mut modules = 0;
-    each_module(|_| {
+/// The code of each loaded module that has some, in the loader's order; `None` when more came
+/// than room was made for (a `dlopen` meanwhile, on another thread). Room is made first, names
+/// included: nothing allocates while the loader holds its lock.
+pub(crate) fn modules_code() -> Option<Vec<ModuleCode>> {
+    let (mut modules, mut name_bytes) = (0, 0);
+    each_module(|m| {
         modules += 1;
+        name_bytes += m.name.to_bytes_with_nul().len();
         false
     });
-    let mut extents = Vec::with_capacity(modules + 16);
+    // Each module's extent and where its name lies in `names`.
+    let mut found: Vec<(u64, u64, u64, core::ops::Range<usize>)> = Vec::with_capacity(modules + 16);
+    let mut names: Vec<u8> = Vec::with_capacity(name_bytes + 4096);
     let mut complete = true;
     each_module(|m| {
         let Some((start, end)) = m.code_extent() else { return false };
-        complete = extents.len() < extents.capacity();
+        let name = m.name.to_bytes_with_nul();
+        complete = found.len() < found.capacity() && names.capacity() - names.len() >= name.len();
         if complete {
-            extents.push(CodeExtent { start, end, name: crate::stacks::hash_of(m.name.to_bytes(), u64::from) });
+            found.push((m.bias, start, end, names.len()..names.len() + name.len()));
+            names.extend_from_slice(name);
         }
         !complete
     });
-    complete.then_some(extents)
+    complete.then(|| {
+        found
+            .into_iter()
+            .filter_map(|(bias, start, end, name)| {
+                let name = core::ffi::CStr::from_bytes_with_nul(&names[name]).ok()?.to_owned();
+                Some(ModuleCode { bias, start, end, name })
+            })
+            .collect()
+    })
 }
 
 /// The extent of the executable segments of the module loaded with bias `bias`, if one is.

@@ -388,6 +388,10 @@ impl LeakReport {
 pub(crate) fn write_frame(out: &mut String, prefix: &str, i: usize, f: &Frame) {
     let _ = write!(out, "{prefix}    #{i} {} in {}", f.address, f.function.as_deref().unwrap_or("??"));
     match (&f.file, f.line, &f.module) {
+        // Named from the file of a library unloaded since: which one, and that it is gone.
+        (Some(file), Some(line), Some(module)) if f.unloaded => {
+            let _ = writeln!(out, " {file}:{line} ({module} (unloaded))");
+        }
         (Some(file), Some(line), _) => {
             let _ = writeln!(out, " {file}:{line}");
         }

@@ -392,8 +392,9 @@ impl Symbolizer {
         let at = if fixed { addr } else { addr - base };
         let i = symbols.partition_point(|s| s.0 <= at);
         match i.checked_sub(1).map(|i| &symbols[i]).filter(|s| at < s.1) {
-            Some((start, _, name)) if *start == at => format!("{name} ({module})"),
-            Some((start, _, name)) => format!("{name}+{:#x} ({module})", at - start),
+            // Demangled here, not when read: a library has thousands, a report names a few.
+            Some((start, _, name)) if *start == at => format!("{} ({module})", demangle(name)),
+            Some((start, _, name)) => format!("{}+{:#x} ({module})", demangle(name), at - start),
             None => format!("{module}+{:#x}", addr - base),
         }
     }
@@ -411,10 +412,10 @@ impl Symbolizer {
         let probe = addr - library.bias - 1;
         let loader = self
             .unloaded_files
-            .entry(library.path.clone())
-            .or_insert_with(|| addr2line::Loader::new(&library.path).ok());
-        self.unloaded_cache.entry((library.path.clone(), probe)).or_insert_with(|| {
-            let module = Some(library.path.clone());
+            .entry(library.path.to_string())
+            .or_insert_with(|| addr2line::Loader::new(&*library.path).ok());
+        self.unloaded_cache.entry((library.path.to_string(), probe)).or_insert_with(|| {
+            let module = Some(library.path.to_string());
             let frame = |function: Option<String>, file: Option<String>, line: Option<u32>| Frame {
                 address: format!("{addr:#x}"),
                 offset: function.is_none().then_some(addr - library.bias),

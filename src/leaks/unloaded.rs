@@ -4,7 +4,10 @@
 //! allocated by a plugin that was `dlclose`d since keeps return addresses into a range that is
 //! unmapped, or mapped by another library by then: they read as `??`, or as the wrong
 //! library's functions. So the `dlclose` wrapper notes each library that a call really
-//! unloads (its path, load bias and code range) with the id the next interned stack will get:
+//! unloads (its path, load bias and code range) with the id the next interned stack will get
+//! (not only the library the handle names: every one loaded when the call began and gone when
+//! it ended, the ones it alone needed and those whose `dlclose` from a destructor only dropped
+//! a reference, the outer call unloading them; unless a call on another thread overlapped it):
 //! a frame of an earlier stack that lies in that range is the unloaded library's, and is read
 //! from its file. heaptrack records module loads and unloads in its trace for the same reason.
 //!
@@ -19,15 +22,16 @@
 
 use core::cell::UnsafeCell;
 use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
-use crate::os;
+use crate::os::{self, ModuleCode};
 use crate::sync::SpinLock;
 
 /// A library that was unloaded.
 #[derive(Clone, Debug)]
 pub(crate) struct Unloaded {
     /// Its path, as the loader named it.
-    pub path: String,
+    pub path: Arc<str>,
     /// Its load bias: the file address of a code address is `address - bias`.
     pub bias: u64,
     /// Its executable segments' extent.
@@ -43,6 +47,8 @@ pub(crate) struct Unloaded {
 struct Unloads {
     /// The libraries unloaded, in the order their `dlclose` calls began.
     libraries: Vec<Unloaded>,
+    /// Their paths, each once (a plugin reloaded in a loop has many entries).
+    paths: Vec<Arc<str>>,
     /// How many calls have begun: the next one's place in that order.
     begun: u64,
     /// The calls that noted their library and have not yet said what became of it: where
@@ -55,6 +61,10 @@ struct InFlight {
     begun: u64,
     start: u64,
     end: u64,
+    /// Its thread (`pthread_self`).
+    thread: usize,
+    /// Whether a call on another thread began while it was under way.
+    overlapped: bool,
 }
 
 /// The unloads, under their lock.
@@ -68,7 +78,7 @@ unsafe impl Sync for List {}
 
 static UNLOADED: List = List {
     lock: SpinLock::new(),
-    unloads: UnsafeCell::new(Unloads { libraries: Vec::new(), begun: 0, in_flight: Vec::new() }),
+    unloads: UnsafeCell::new(Unloads { libraries: Vec::new(), paths: Vec::new(), begun: 0, in_flight: Vec::new() }),
 };
 
 impl List {
@@ -113,21 +123,31 @@ pub(crate) fn fork_child() {
     UNLOADED.try_locked(|unloads| unloads.in_flight.clear());
 }
 
-/// At most this many unloads are remembered (a program that reloads a plugin in a loop).
-const MAX_UNLOADED: usize = 4096;
+/// At most this many unloads are remembered (plugins unloaded in turn from one place, in a
+/// loop: each unload is an entry; a plugin reloaded alone counts once).
+const MAX_UNLOADED: usize = 16_384;
 
 /// Unloads past [`MAX_UNLOADED`], not remembered.
 static FORGOTTEN: AtomicUsize = AtomicUsize::new(0);
 
-/// The library of a `dlopen` handle, as it is before `dlclose`.
+/// A `dlclose` call under way: its library, and every one loaded when it began.
 pub(crate) struct Closing {
-    library: Unloaded,
-    /// The loader's name of it, as the loader has it.
-    name: std::ffi::CString,
+    begun: u64,
+    stacks_before: u32,
+    /// The library of the handle (by its place in `loaded`).
+    library: usize,
+    loaded: Vec<ModuleCode>,
+    /// Whether no call on another thread was under way when this one began.
+    began_alone: bool,
 }
 
-/// Notes the library behind `handle` before `dlclose` runs (its headers are gone after).
-pub(crate) fn before_dlclose(handle: *mut libc::c_void, next_stack_id: u32) -> Option<Closing> {
+/// Notes the library behind `handle`, and the libraries `loaded` with it, before `dlclose`
+/// runs (their headers are gone after).
+pub(crate) fn before_dlclose(
+    handle: *mut libc::c_void,
+    loaded: Vec<ModuleCode>,
+    next_stack_id: u32,
+) -> Option<Closing> {
     let mut map: *mut libc::c_void = core::ptr::null_mut();
     // SAFETY: RTLD_DI_LINKMAP writes the handle's `struct link_map *` into `map`; a bad handle
     // makes it fail (dlclose will then fail too).
@@ -140,51 +160,82 @@ pub(crate) fn before_dlclose(handle: *mut libc::c_void, next_stack_id: u32) -> O
         return None;
     }
     // SAFETY: the loader's NUL-terminated name of a loaded library.
-    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_owned();
-    let path = name.to_string_lossy().into_owned();
-    let (start, end) = os::code_extent(bias)?;
-    let begun = UNLOADED.locked(|unloads| {
+    let name = unsafe { std::ffi::CStr::from_ptr(name) };
+    let library = loaded.iter().position(|m| m.bias == bias && m.name.as_c_str() == name)?;
+    let (start, end) = (loaded[library].start, loaded[library].end);
+    // SAFETY: pthread_self has no preconditions.
+    let thread = unsafe { libc::pthread_self() } as usize;
+    let (begun, began_alone) = UNLOADED.locked(|unloads| {
         unloads.begun += 1;
-        unloads.in_flight.push(InFlight { begun: unloads.begun, start, end });
-        unloads.begun
+        let mut alone = true;
+        for other in unloads.in_flight.iter_mut().filter(|c| c.thread != thread) {
+            other.overlapped = true;
+            alone = false;
+        }
+        unloads.in_flight.push(InFlight { begun: unloads.begun, start, end, thread, overlapped: false });
+        (unloads.begun, alone)
     });
-    Some(Closing { library: Unloaded { path, bias, start, end, stacks_before: next_stack_id, begun }, name })
+    Some(Closing { begun, stacks_before: next_stack_id, library, loaded, began_alone })
 }
 
-/// After `dlclose`: remembers the library if it is gone (the call may only have dropped a
-/// reference). By its name as well as its place: another thread may have loaded another
-/// library where it was meanwhile (whose code then read as this one's, or this one's as it).
-pub(crate) fn after_dlclose(closing: Closing) {
-    let gone = !os::is_loaded(closing.library.bias, &closing.name);
-    let library = closing.library;
-    UNLOADED.locked(|Unloads { libraries: list, in_flight, .. }| {
-        if let Some(i) = in_flight.iter().position(|c| c.begun == library.begun) {
-            in_flight.swap_remove(i);
-        }
-        if !gone {
+/// After `dlclose`: remembers the libraries it unloaded, if it unloaded any (`unloaded`: a
+/// `dlclose` mostly drops a reference). `loaded` is what is loaded now (`None`: not known,
+/// each library is looked for). By name as well as place: another thread may have loaded
+/// another library where one was meanwhile (whose code then read as this one's, or this
+/// one's as it).
+///
+/// The handle's library, if it is gone; with it, the other libraries gone since the call
+/// began, if no call on another thread was under way meanwhile (that one may have unloaded
+/// them, and only it knows what was there before). A `dlclose` from a destructor that this
+/// call runs is on this thread: it leaves its library to this call to unload.
+pub(crate) fn after_dlclose(closing: Closing, unloaded: bool, loaded: Option<&[ModuleCode]>) {
+    let is_gone = |m: &ModuleCode| match loaded {
+        Some(loaded) => !loaded.iter().any(|l| l.bias == m.bias && l.name == m.name),
+        None => !os::is_loaded(m.bias, &m.name),
+    };
+    let Closing { begun, stacks_before, library, loaded: before, began_alone } = closing;
+    UNLOADED.locked(|Unloads { libraries: list, paths, in_flight, .. }| {
+        let overlapped = match in_flight.iter().position(|c| c.begun == begun) {
+            Some(i) => in_flight.swap_remove(i).overlapped,
+            None => true,
+        };
+        if !unloaded {
             return;
         }
-        let at = list.iter().rposition(|u| u.begun < library.begun).map_or(0, |i| i + 1);
-        // The same library unloaded from where it was before, with nothing else unloaded from
-        // there since (a plugin reloaded in a loop): its entry names the stacks interned until
-        // this unload too. Each unload had an entry of its own, and past the 4,096th a
-        // reloaded plugin's leaks read as `??`. Not once an unload was forgotten: it may have
-        // been from there (its stacks were named after the library unloaded next); nor while
-        // a call that began before this one, of a library that was there, is in flight: it
-        // will be listed before this one.
-        let there = |start: u64, end: u64| start < library.end && library.start < end;
-        let merge = FORGOTTEN.load(Ordering::Relaxed) == 0
-            && !in_flight.iter().any(|c| c.begun < library.begun && there(c.start, c.end));
-        let last_there = list[..at].iter_mut().rev().find(|u| there(u.start, u.end));
-        if let Some(last) = last_there.filter(|_| merge)
-            && (&last.path, last.bias, last.start, last.end)
-                == (&library.path, library.bias, library.start, library.end)
-        {
-            last.stacks_before = library.stacks_before;
-        } else if list.len() < MAX_UNLOADED {
-            list.insert(at, library);
-        } else {
-            FORGOTTEN.fetch_add(1, Ordering::Relaxed);
+        let alone = began_alone && !overlapped;
+        // The program (no name) is never unloaded.
+        let gone =
+            before.iter().enumerate().filter(|&(i, m)| (i == library || alone) && !m.name.is_empty() && is_gone(m));
+        for (_, m) in gone {
+            let there = |start: u64, end: u64| start < m.end && m.start < end;
+            let at = list.iter().rposition(|u| u.begun < begun).map_or(0, |i| i + 1);
+            // The same library unloaded from where it was before, with nothing else unloaded
+            // from there since (a plugin reloaded in a loop): its entry names the stacks
+            // interned until this unload too. Each unload had an entry of its own, and past
+            // the limit a reloaded plugin's leaks read as `??`. Not once an unload was
+            // forgotten: it may have been from there (its stacks were named after the library
+            // unloaded next); nor while a call that began before this one, of a library that
+            // was there, is in flight: it will be listed before this one.
+            let merge = FORGOTTEN.load(Ordering::Relaxed) == 0
+                && !in_flight.iter().any(|c| c.begun < begun && there(c.start, c.end));
+            let path = m.name.to_string_lossy();
+            let last_there = list[..at].iter_mut().rev().find(|u| there(u.start, u.end));
+            if let Some(last) = last_there.filter(|_| merge)
+                && (&*last.path, last.bias, last.start, last.end) == (&*path, m.bias, m.start, m.end)
+            {
+                last.stacks_before = stacks_before;
+            } else if list.len() < MAX_UNLOADED {
+                let path = match paths.iter().find(|p| ***p == *path) {
+                    Some(p) => p.clone(),
+                    None => {
+                        paths.push(Arc::from(&*path));
+                        paths[paths.len() - 1].clone()
+                    }
+                };
+                list.insert(at, Unloaded { path, bias: m.bias, start: m.start, end: m.end, stacks_before, begun });
+            } else {
+                FORGOTTEN.fetch_add(1, Ordering::Relaxed);
+            }
         }
     });
 }
