@@ -7,8 +7,9 @@
 //! * a sampling spy alone: a call it would only count is counted by the gate ([`Gate`]) and
 //!   goes to the real allocator;
 //! * a call from inside a hook (the spy allocating, a signal handler that interrupted a hook)
-//!   goes to the real allocator unseen; its frees of spied blocks are parked in
-//!   [`DeferredFrees`] because only the spy knows where their real block starts;
+//!   goes to the real allocator unseen (a handler's allocations are counted, for the report
+//!   to say what it missed: [`crate::signal_frames`]); its frees of spied blocks are parked
+//!   in [`DeferredFrees`] because only the spy knows where their real block starts;
 //! * otherwise: enter the hook (re-entrancy guard, in-flight mark), Pre, real call, Post,
 //!   record the block as spied, `after_call`.
 //!
@@ -20,7 +21,7 @@
 //! not disturb it); `free` preserves it.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use crate::deferred::DeferredFrees;
 use crate::gate::{self, Gate};
@@ -106,7 +107,9 @@ impl Scope {
         // is trusted only if it lies above this frame (a signal handler could have run an
         // export of its own in between, deeper on the stack).
         let entry = ts.entry_sp.get();
-        let valid = entry > crate::unwind::current_sp();
+        let sp = crate::unwind::current_sp();
+        ts.scope_sp.set(sp);
+        let valid = entry > sp;
         ts.hook_sp.set(if valid { entry } else { 0 });
         ts.hook_bp.set(ts.entry_bp.get());
         let slot = threads::current(ts)?;
@@ -149,6 +152,10 @@ pub(crate) struct Interposer<H: Heap> {
     /// in that window was dropped, and the block the realloc then recorded outlived it (its
     /// free went to the real allocator past the spy's header).
     reallocating: AtomicUsize,
+    /// Allocations made by signal handlers that interrupted a hook, which no spy saw: calls
+    /// and bytes ([`Self::unseen`]).
+    unseen_calls: AtomicU64,
+    unseen_bytes: AtomicU64,
 }
 
 /// The smallest power of two `>= align` (`align` itself when it is one), saturating.
@@ -176,6 +183,8 @@ impl<H: Heap> Interposer<H> {
             table_full: AtomicBool::new(false),
             builtin_revoked: AtomicBool::new(false),
             revoked_in_hook: AtomicBool::new(false),
+            unseen_calls: AtomicU64::new(0),
+            unseen_bytes: AtomicU64::new(0),
             reallocating: AtomicUsize::new(0),
         }
     }
@@ -697,9 +706,37 @@ impl<H: Heap> Interposer<H> {
         self.builtin_revoked.load(Ordering::Relaxed)
     }
 
+    /// Allocations made by signal handlers inside a hook so far, which no spy saw: calls and
+    /// bytes.
+    pub(crate) fn unseen(&self) -> (u64, u64) {
+        (self.unseen_calls.load(Ordering::Relaxed), self.unseen_bytes.load(Ordering::Relaxed))
+    }
+
+    /// Counts an allocation of `size` bytes that no spy sees, if a signal handler that
+    /// interrupted a hook made it (not mallocspy's own, nor one on a thread without a slot:
+    /// [`crate::threads::unspied_calls`] counts those).
+    fn note_unseen(&self, size: usize) {
+        let ts = tls::state();
+        // Above every frame of the hook: the caller's stack pointer at the export, if known.
+        let hook_sp = match ts.scope_sp.get() {
+            0 => 0,
+            scope_sp => scope_sp.max(ts.hook_sp.get()),
+        };
+        if ts.depth.get() != 0 && crate::signal_frames::handler_interrupted(hook_sp) {
+            self.unseen_calls.fetch_add(1, Ordering::Relaxed);
+            self.unseen_bytes.fetch_add(size as u64, Ordering::Relaxed);
+        }
+    }
+
     /// An allocating call while a spy may be registered.
     fn alloc(&self, req: AllocRequest) -> Outcome {
-        let Some(scope) = Scope::enter() else { return self.real_alloc(&req, req.size) };
+        let Some(scope) = Scope::enter() else {
+            let out = self.real_alloc(&req, req.size);
+            if !out.ptr.is_null() {
+                self.note_unseen(req.size);
+            }
+            return out;
+        };
         if self.deferred.has_pending() {
             self.drain_deferred(&scope);
         }
@@ -1086,6 +1123,9 @@ impl<H: Heap> Interposer<H> {
                 if !new.is_null() || size == 0 {
                     crate::spies::ticks::released_unseen(ptr as usize);
                 }
+                if ptr.is_null() && !new.is_null() {
+                    self.note_unseen(size);
+                }
                 new
             }
             Lookup::Found(old) => {
@@ -1095,6 +1135,7 @@ impl<H: Heap> Interposer<H> {
                 }
                 let new = self.heap.malloc(size);
                 if !new.is_null() {
+                    self.note_unseen(size);
                     // SAFETY: the old block holds `old` caller bytes, the new one `size`.
                     unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
                     self.deferred.push(ptr);

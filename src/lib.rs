@@ -85,6 +85,7 @@ mod process_mark;
 mod program_mappings;
 mod registry;
 mod report_stack;
+mod signal_frames;
 mod sink;
 mod spies;
 mod spy;

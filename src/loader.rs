@@ -9,7 +9,9 @@
 //! hung in their report, where natively none did.
 //!
 //! So a forked child asks the loader once, from a throwaway thread, and waits for the answer
-//! at most [`PATIENCE_MS`]. The thread is a raw `clone` (glibc's `pthread_create` takes locks
+//! [`PATIENCE_MS`], longer while the thread is still runnable (a machine so loaded that it
+//! has not run yet: review helper 63 saw a child give up there, one run in nine at a load
+//! average of 56), up to [`RUNNABLE_PATIENCE_MS`]; a thread waiting on a lock sleeps. The thread is a raw `clone` (glibc's `pthread_create` takes locks
 //! of the loader's itself) that shares the caller's thread pointer, so that it calls the
 //! loader as the caller would, with every signal blocked; if it never returns, the process's
 //! exit ends it. A process that was not forked, or whose loader answered once, is not asked.
@@ -21,6 +23,9 @@ use crate::os;
 
 /// How long a forked child waits for its loader to answer, in milliseconds.
 pub(crate) const PATIENCE_MS: u64 = 500;
+
+/// How long it waits at most while the asking thread is runnable.
+const RUNNABLE_PATIENCE_MS: u64 = 10_000;
 
 /// The probe thread's stack.
 const STACK: usize = 64 << 10;
@@ -100,7 +105,7 @@ fn answers_within(timeout_ms: u64) -> bool {
         }
     }) > 0;
     // A thread that could not start says nothing about the loader: it is taken as answering.
-    let ended = !started || ended_within(tid, timeout_ms);
+    let ended = !started || ended_within(tid, timeout_ms, RUNNABLE_PATIENCE_MS);
     if ended {
         // SAFETY: no thread uses the mapping: none started, or the kernel cleared the id
         // after the thread's last use of its stack.
@@ -110,8 +115,9 @@ fn answers_within(timeout_ms: u64) -> bool {
 }
 
 /// Waits at most `timeout_ms` for the kernel to clear `tid`, at the thread's exit.
-fn ended_within(tid: &AtomicU32, timeout_ms: u64) -> bool {
-    let deadline = os::monotonic_ns() + timeout_ms * 1_000_000;
+fn ended_within(tid: &AtomicU32, timeout_ms: u64, runnable_ms: u64) -> bool {
+    let start = os::monotonic_ns();
+    let (mut deadline, last) = (start + timeout_ms * 1_000_000, start + runnable_ms * 1_000_000);
     loop {
         let id = tid.load(Ordering::Acquire);
         if id == 0 {
@@ -119,11 +125,58 @@ fn ended_within(tid: &AtomicU32, timeout_ms: u64) -> bool {
         }
         let now = os::monotonic_ns();
         if now >= deadline {
-            return false;
+            if now >= last || !runnable(id) {
+                return false;
+            }
+            deadline = (now + 100_000_000).min(last);
         }
         let left = deadline - now;
         let wait = libc::timespec { tv_sec: (left / 1_000_000_000) as _, tv_nsec: (left % 1_000_000_000) as _ };
         // SAFETY: waits while the word still holds `id`, at most `wait`.
         unsafe { libc::syscall(libc::SYS_futex, tid.as_ptr(), libc::FUTEX_WAIT, id, &wait) };
+    }
+}
+
+/// Whether thread `tid` of this process is running or waiting for a processor (`R` in its
+/// `stat`), rather than asleep.
+fn runnable(tid: u32) -> bool {
+    let mut path = [0u8; 64];
+    let mut stat = [0u8; 512];
+    let Some(stat) = os::task_path(&mut path, os::getpid(), tid, b"stat").and_then(|p| os::read_file(p, &mut stat))
+    else {
+        return false;
+    };
+    // `tid (name) S ...`: the name may hold anything, the state follows its last `)`.
+    let state = stat.iter().rposition(|&c| c == b')').and_then(|i| stat.get(i + 2));
+    state == Some(&b'R')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_running_thread_is_runnable_and_a_sleeping_one_is_not() {
+        assert!(runnable(os::gettid()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let sleeper = std::thread::spawn(move || {
+            tx.send(os::gettid()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        let tid = rx.recv().unwrap();
+        // Asleep in `recv` once it has sent its id (a moment after, on a loaded machine).
+        let asleep = (0..200).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            !runnable(tid)
+        });
+        done_tx.send(()).unwrap();
+        sleeper.join().unwrap();
+        assert!(asleep);
+    }
+
+    #[test]
+    fn a_loader_that_answers_is_found_answering() {
+        assert!(answers_within(PATIENCE_MS));
     }
 }

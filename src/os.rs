@@ -329,6 +329,48 @@ pub(crate) fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// `/proc/PID/task/TID/LEAF`, NUL-terminated, in `buf`.
+pub(crate) fn task_path<'a>(buf: &'a mut [u8; 64], pid: u32, tid: u32, leaf: &[u8]) -> Option<&'a CStr> {
+    fn decimal(mut n: u32, out: &mut [u8; 10]) -> &[u8] {
+        let mut i = out.len();
+        loop {
+            i -= 1;
+            out[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                return &out[i..];
+            }
+        }
+    }
+    let (mut p, mut t) = ([0u8; 10], [0u8; 10]);
+    let parts: [&[u8]; 6] = [b"/proc/", decimal(pid, &mut p), b"/task/", decimal(tid, &mut t), b"/", leaf];
+    let mut len = 0;
+    for part in parts {
+        buf.get_mut(len..len + part.len())?.copy_from_slice(part);
+        len += part.len();
+    }
+    *buf.get_mut(len)? = 0;
+    CStr::from_bytes_with_nul(&buf[..=len]).ok()
+}
+
+/// Reads the file at `path` into `buf`: its length, if it opens. Raw system calls only
+/// (nothing allocated, no `errno` written), for the tracer too.
+pub(crate) fn read_file<'a>(path: &CStr, buf: &'a mut [u8]) -> Option<&'a [u8]> {
+    let raw = |nr, args| {
+        // SAFETY: openat reads the NUL-terminated path; read writes at most buf.len() bytes
+        // into buf; close closes the descriptor opened here (see the calls below).
+        unsafe { raw_syscall(nr, args) }
+    };
+    let flags = (libc::O_RDONLY | libc::O_CLOEXEC) as usize;
+    let fd = raw(libc::SYS_openat, [libc::AT_FDCWD as usize, path.as_ptr() as usize, flags, 0, 0, 0]);
+    if fd < 0 {
+        return None;
+    }
+    let n = raw(libc::SYS_read, [fd as usize, buf.as_mut_ptr() as usize, buf.len(), 0, 0, 0]);
+    raw(libc::SYS_close, [fd as usize, 0, 0, 0, 0, 0]);
+    buf.get(..usize::try_from(n).ok()?)
+}
+
 /// Gives up the processor while spinning on a lock or a quiescence wait.
 #[inline]
 pub(crate) fn yield_now() {

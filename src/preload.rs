@@ -284,6 +284,21 @@ fn bypassed_note() -> Option<String> {
     ))
 }
 
+/// Said when allocations were made from inside mallocspy's hooks: by a signal handler that
+/// interrupted one (no spy code may run then: the hook it interrupted may hold the locks it
+/// would take).
+fn unseen_note() -> Option<String> {
+    let (calls, bytes) = GLOBAL.unseen();
+    (calls > 0).then(|| {
+        format!(
+            "{} allocation(s) of {} bytes were made by signal handlers while mallocspy's hooks ran, \
+             which they interrupted: not tracked, their leaks not reported",
+            crate::leaks::report::grouped(calls),
+            crate::leaks::report::grouped(bytes)
+        )
+    })
+}
+
 /// Said when the program revoked the built-in spies (`revoke_spy` in the C API): the reports
 /// cover only what came before.
 fn revoked_note() -> Option<String> {
@@ -506,6 +521,7 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     let mut report = leaks::check(tracker, stacks, reachable_stacks, caller);
     report.notes.extend(bypassed_note());
     report.notes.extend(revoked_note());
+    report.notes.extend(unseen_note());
     report.notes.extend(leaks::unloaded::forgotten_note());
     let signal = ENDING_SIGNAL.load(Ordering::Relaxed);
     if signal != 0 {

@@ -55,7 +55,9 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
     // and go straight to the real allocator, unseen by the spies.
     let ts = tls::state();
     let depth = ts.depth.replace(1);
+    let scope_sp = ts.scope_sp.replace(0);
     crate::unwind::note_thread_start();
+    ts.scope_sp.set(scope_sp);
     ts.depth.set(depth);
     if depth == 0 {
         crate::ending_signals::after_hook();

@@ -57,6 +57,10 @@ pub(crate) struct ThreadState {
     /// starts.
     pub hook_sp: Cell<u64>,
     pub hook_bp: Cell<u64>,
+    /// The stack pointer of the top-level hook in progress, in the hook itself: a call from
+    /// inside the hook is deeper (see [`crate::signal_frames`]). 0 while mallocspy's own code
+    /// runs as if in a hook (a leak check, a new thread's first steps).
+    pub scope_sp: Cell<u64>,
     /// Bounds of this thread's stack, for the unwinder (0 until first needed).
     pub stack_top: Cell<u64>,
     pub stack_low: Cell<u64>,

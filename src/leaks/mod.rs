@@ -205,6 +205,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     // Allocations made by libc on our behalf from here on are not the program's.
     let ts = tls::state();
     let depth = ts.depth.replace(ts.depth.get().max(1));
+    // The check's own calls into the C library are not a signal handler's.
+    let scope_sp = ts.scope_sp.replace(0);
 
     let watch = tracker.freed_meanwhile.watch();
     let mut blocks = tracker.snapshot();
@@ -432,6 +434,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         retained.as_ref(),
         notes,
     );
+    ts.scope_sp.set(scope_sp);
     ts.depth.set(depth);
     if depth == 0 {
         crate::ending_signals::after_hook();

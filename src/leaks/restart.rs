@@ -35,7 +35,6 @@
 //! The handler makes no system call of its own for this: under a seccomp filter that traps
 //! a call (Chromium's), the trap's `SIGSYS`, blocked in the handler, would kill the process.
 
-use core::ffi::CStr;
 use core::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use super::stop::MAX_PARKED;
@@ -138,55 +137,13 @@ pub(super) fn is_syscall(insn: [u8; 2]) -> bool {
     insn == [0x0f, 0x05]
 }
 
-/// `/proc/PID/task/TID/LEAF`, NUL-terminated, in `buf`.
-fn task_path<'a>(buf: &'a mut [u8; 64], pid: u32, tid: u32, leaf: &[u8]) -> Option<&'a CStr> {
-    fn decimal(mut n: u32, out: &mut [u8; 10]) -> &[u8] {
-        let mut i = out.len();
-        loop {
-            i -= 1;
-            out[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                return &out[i..];
-            }
-        }
-    }
-    let (mut p, mut t) = ([0u8; 10], [0u8; 10]);
-    let parts: [&[u8]; 6] = [b"/proc/", decimal(pid, &mut p), b"/task/", decimal(tid, &mut t), b"/", leaf];
-    let mut len = 0;
-    for part in parts {
-        buf.get_mut(len..len + part.len())?.copy_from_slice(part);
-        len += part.len();
-    }
-    *buf.get_mut(len)? = 0;
-    CStr::from_bytes_with_nul(&buf[..=len]).ok()
-}
-
-/// Reads the file at `path` into `buf`: its length, if it opens. Raw system calls only
-/// (nothing allocated, no `errno` written), for the tracer too.
-fn read_file<'a>(path: &CStr, buf: &'a mut [u8]) -> Option<&'a [u8]> {
-    let raw = |nr, args| {
-        // SAFETY: openat reads the NUL-terminated path; read writes at most buf.len() bytes
-        // into buf; close closes the descriptor opened here (see the calls below).
-        unsafe { os::raw_syscall(nr, args) }
-    };
-    let flags = (libc::O_RDONLY | libc::O_CLOEXEC) as usize;
-    let fd = raw(libc::SYS_openat, [libc::AT_FDCWD as usize, path.as_ptr() as usize, flags, 0, 0, 0]);
-    if fd < 0 {
-        return None;
-    }
-    let n = raw(libc::SYS_read, [fd as usize, buf.as_mut_ptr() as usize, buf.len(), 0, 0, 0]);
-    raw(libc::SYS_close, [fd as usize, 0, 0, 0, 0, 0]);
-    buf.get(..usize::try_from(n).ok()?)
-}
-
 /// The signals pending for thread `tid` of process `pid` (its own and the process's), and
 /// those the process has handlers for, from its `status`; `None` if that cannot be read.
 fn signals_of(pid: u32, tid: u32) -> Option<(u64, u64)> {
     let mut path = [0u8; 64];
-    let path = task_path(&mut path, pid, tid, b"status")?;
+    let path = os::task_path(&mut path, pid, tid, b"status")?;
     let mut text = [0u8; 8192];
-    let text = read_file(path, &mut text)?;
+    let text = os::read_file(path, &mut text)?;
     let field = |name: &[u8]| {
         let line = text.split(|&c| c == b'\n').find_map(|line| line.strip_prefix(name))?;
         super::roots::parse_hex(line.trim_ascii())
@@ -235,7 +192,7 @@ pub(super) fn note_waiting(tid: u32) {
     let pid = os::getpid();
     let mut path = [0u8; 64];
     let mut text = [0u8; 256];
-    let Some(call) = task_path(&mut path, pid, tid, b"syscall").and_then(|p| read_file(p, &mut text)) else {
+    let Some(call) = os::task_path(&mut path, pid, tid, b"syscall").and_then(|p| os::read_file(p, &mut text)) else {
         return;
     };
     let Some((nr, args, sp, pc)) = parse(call) else { return };
@@ -390,7 +347,7 @@ mod tests {
         let (pid, tid) = (os::getpid(), os::gettid());
         let mut path = [0u8; 64];
         let expected = format!("/proc/{pid}/task/{tid}/status");
-        assert_eq!(task_path(&mut path, pid, tid, b"status").unwrap().to_str().unwrap(), expected);
+        assert_eq!(os::task_path(&mut path, pid, tid, b"status").unwrap().to_str().unwrap(), expected);
         let (pending, caught) = signals_of(pid, tid).unwrap();
         assert_eq!(pending, 0);
         // Rust's runtime catches SIGSEGV, to tell a stack overflow.

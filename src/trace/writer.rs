@@ -430,6 +430,7 @@ impl Writer {
     /// of the socket closes (it died or exec'd), then leave.
     fn serve(&self, header: &Header, trace_fd: i32, header_write: HeaderWrite, socket: i32, ring: &'static Ring) -> ! {
         tls::state().depth.set(1);
+        tls::state().scope_sp.set(0);
         // SAFETY: plain system calls on this process: a session of its own, every signal
         // blocked (it leaves when the program's end closes), a name for `ps`.
         unsafe {
