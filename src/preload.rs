@@ -44,6 +44,25 @@ static BUILTINS_REGISTERED: AtomicBool = AtomicBool::new(false);
 /// Where `malloc` resolved at start, when not to mallocspy ([`bypassed_note`]).
 static MALLOC_ELSEWHERE: OnceLock<String> = OnceLock::new();
 
+/// Says in the report's place, to its log, why there is none: as a JSON object (`{"error":
+/// "mallocspy: ..."}`) if the leak report would have been JSON, so that a reader of one value
+/// per process still reads one. `reason` needs no escaping in JSON. Put together on the stack,
+/// as [`say`] does.
+fn no_report(reason: &str) {
+    debug_assert!(!reason.contains(['"', '\\']));
+    let json = BUILTINS.get().is_some_and(|b| b.options.report_format == ReportFormat::Json);
+    let (open, close): (&[u8], &[u8]) =
+        if json { (b"{\"error\":\"mallocspy: ", b"\"}\n") } else { (b"mallocspy: ", b"\n") };
+    let mut line = [0u8; 512];
+    let mut at = 0;
+    for part in [open, reason.as_bytes(), close] {
+        let n = part.len().min(line.len() - at);
+        line[at..at + n].copy_from_slice(&part[..n]);
+        at += n;
+    }
+    sink::write(&line[..at]);
+}
+
 fn say(message: &str) {
     // Put together on the stack, not formatted: the line may be the one that says memory ran
     // out (under `ulimit -v`), and a failed allocation aborts the program.
@@ -418,9 +437,9 @@ fn write_reports(caller: Caller) {
         // holds locks (and half-made changes) that every report needs, and waiting for them
         // would hang the exit. Nothing that allocates or locks may run here.
         if ENDING_SIGNAL.load(Ordering::Relaxed) != 0 {
-            sink::write(b"mallocspy: the signal ending the process interrupted mallocspy; no report\n");
+            no_report("the signal ending the process interrupted mallocspy; no report");
         } else {
-            sink::write(b"mallocspy: the process exited from a signal handler that interrupted mallocspy; no report\n");
+            no_report("the process exited from a signal handler that interrupted mallocspy; no report");
         }
         return;
     }
@@ -502,17 +521,16 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     if !crate::loader::usable() {
         // The scan and the names need the loader, whose locks a thread that did not survive
         // the fork holds (see `loader.rs`): waiting for them would hang the process.
-        sink::write(
-            b"mallocspy: this process was forked while another thread held the dynamic loader's lock; \
-              asking the loader would wait forever, so no leak report\n",
+        no_report(
+            "this process was forked while another thread held the dynamic loader's lock; \
+             asking the loader would wait forever, so no leak report",
         );
         return leaks::Summary::default();
     }
     if !leaks::room_for_check(tracker.memory().live_blocks as usize) {
-        // A line with nothing to format: formatting would allocate.
-        sink::write(
-            b"mallocspy: the leak check needs more memory than this process may map \
-              (its address-space limit, ulimit -v, or the system's commit limit); no leak report\n",
+        no_report(
+            "the leak check needs more memory than this process may map \
+             (its address-space limit, ulimit -v, or the system's commit limit); no leak report",
         );
         return leaks::Summary::default();
     }

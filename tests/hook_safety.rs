@@ -72,6 +72,18 @@ fn a_child_forked_while_another_thread_loads_a_library_leaves_without_hanging() 
     let reported = stderr.matches("LEAK SUMMARY").count();
     // Every child and the parent leave a line: a report or the reason for none.
     assert_eq!(skipped + reported, 101, "{skipped} skipped, {reported} reported:\n{stderr}");
+    // In JSON, the reason is a JSON value too: a reader of one per process read a line of
+    // text (review helper 63).
+    let out = run(Mode::Shim("report_format=json"), Command::new(&program).arg(&library));
+    assert_eq!(text(&out.stdout), "forks: 100, hung: 0\n", "{}", text(&out.stderr));
+    let values: Vec<serde_json::Value> = serde_json::Deserializer::from_slice(&out.stderr)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out.stderr)));
+    let is_error = |v: &&serde_json::Value| v["error"].as_str().is_some_and(|e| e.contains("dynamic loader's lock"));
+    let errors = values.iter().filter(is_error).count();
+    let reports = values.iter().filter(|v| v["leaks"].is_array()).count();
+    assert_eq!((errors + reports, values.len()), (101, 101), "{errors} errors, {reports} reports");
 }
 
 #[test]
