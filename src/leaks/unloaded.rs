@@ -194,19 +194,19 @@ pub(crate) fn after_dlclose(closing: Closing, unloaded: bool, loaded: Option<&[M
         None => !os::is_loaded(m.bias, &m.name),
     };
     let Closing { begun, stacks_before, library, loaded: before, began_alone } = closing;
+    // Before the list's lock: `is_loaded` takes the loader's, which a `dlclose` from a
+    // destructor holds while it waits for the list's. The program (no name) is never unloaded.
+    let gone: Vec<(usize, &ModuleCode)> = match unloaded {
+        true => before.iter().enumerate().filter(|(_, m)| !m.name.is_empty() && is_gone(m)).collect(),
+        false => Vec::new(),
+    };
     UNLOADED.locked(|Unloads { libraries: list, paths, in_flight, .. }| {
         let overlapped = match in_flight.iter().position(|c| c.begun == begun) {
             Some(i) => in_flight.swap_remove(i).overlapped,
             None => true,
         };
-        if !unloaded {
-            return;
-        }
         let alone = began_alone && !overlapped;
-        // The program (no name) is never unloaded.
-        let gone =
-            before.iter().enumerate().filter(|&(i, m)| (i == library || alone) && !m.name.is_empty() && is_gone(m));
-        for (_, m) in gone {
+        for &(_, m) in gone.iter().filter(|&&(i, _)| i == library || alone) {
             let there = |start: u64, end: u64| start < m.end && m.start < end;
             let at = list.iter().rposition(|u| u.begun < begun).map_or(0, |i| i + 1);
             // The same library unloaded from where it was before, with nothing else unloaded
