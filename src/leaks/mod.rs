@@ -324,6 +324,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     cut_out(&mut regions, &mut region_kinds, &own_blocks);
     let memory = ProcessMemory::new(&maps, buffers);
     scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
+    let freed_before_resuming = watch.noted();
     drop(stopped);
     memory.others_run();
     // Suppressions, as LeakSanitizer has them: a suppressed leak takes with it what it reaches.
@@ -376,7 +377,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     // only while its record is still the one taken (a free is applied before the next record)
     // and no free of its address was noted (the record of a new block there may be the same).
     tracker.apply_all_pending();
-    let freed = watch.end().unwrap_or_default();
+    let freed = watch.end(freed_before_resuming).unwrap_or_default();
     let freed_meanwhile: Vec<bool> = blocks
         .iter()
         .zip(&classified)
