@@ -10,6 +10,7 @@ use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::global::GLOBAL;
+use crate::heap::Heap;
 
 /// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` and
 /// `__cxa_at_quick_exit` (so that exit reports are written), `pthread_create` (so that a new thread notes its stack before its
@@ -42,6 +43,16 @@ macro_rules! export_interposer {
         $crate::__trampoline!(valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__jump!(malloc_usable_size, $crate::interpose::malloc_usable_size, (ptr: *mut ::core::ffi::c_void) -> usize);
+        // glibc's names of its functions, which programs call too (one that defines `malloc`
+        // may serve it with `__libc_malloc`): a block they give is freed by `free`, and theirs
+        // free what `malloc` gave, so they go where those go (valgrind's replacements too).
+        $crate::__trampoline!(__libc_malloc, $crate::interpose::libc_malloc, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(__libc_free, $crate::interpose::libc_free, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!(__libc_calloc, $crate::interpose::calloc, (nmemb: usize, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(__libc_realloc, $crate::interpose::realloc, (ptr: *mut ::core::ffi::c_void, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(__libc_memalign, $crate::interpose::memalign, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(__libc_valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!(__libc_pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__jump!(malloc_trim, $crate::interpose::malloc_trim, (pad: usize) -> ::core::ffi::c_int);
         // The new thread notes its stack before the routine runs.
         $crate::__jump!(pthread_create, $crate::interpose::pthread_create, (thread: *mut ::core::ffi::c_void, attr: *const ::core::ffi::c_void, routine: ::core::option::Option<$crate::interpose::Routine>, arg: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
@@ -167,6 +178,28 @@ pub use crate::tls::{ENTRY_BP_OFFSET, ENTRY_SP_OFFSET};
 
 #[doc(hidden)]
 pub use crate::global::API;
+
+/// `__libc_malloc`: `malloc`'s steps in Rust (the exported `malloc` is reached through the
+/// process's lookup order, where a program's own `malloc` may come first and call this).
+#[doc(hidden)]
+pub extern "C" fn libc_malloc(size: usize) -> *mut c_void {
+    if GLOBAL.has_spy() { GLOBAL.malloc_slow(size) } else { GLOBAL.heap.malloc(size) }
+}
+
+/// `__libc_free`, as [`libc_malloc`].
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+pub unsafe extern "C" fn libc_free(ptr: *mut c_void) {
+    if GLOBAL.has_spy() {
+        // SAFETY: the caller's guarantee.
+        unsafe { GLOBAL.free_slow(ptr) }
+    } else {
+        // SAFETY: the caller's guarantee; with no spy every block is a real block.
+        unsafe { GLOBAL.heap.free(ptr) }
+    }
+}
 
 #[doc(hidden)]
 pub extern "C" fn calloc(nmemb: usize, size: usize) -> *mut c_void {

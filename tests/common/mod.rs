@@ -117,17 +117,21 @@ pub fn c_program_linked(source: &str, library: &str) -> PathBuf {
     c_program_with(source, &[&format!("-L{dir}"), &format!("-l{name}"), &format!("-Wl,-rpath,{dir}")])
 }
 
+/// A C fixture built with `extra` flags as `<name>-<variant>`, beside its plain build.
+pub fn c_program_variant(source: &str, variant: &str, extra: &[&str]) -> PathBuf {
+    let name = source.rsplit_once('.').unwrap().0;
+    compile(source, &format!("{name}-{variant}"), extra)
+}
+
 /// A C fixture built as a fixed-address executable (`<name>-no-pie`): its code lies at the
 /// addresses of its file, 0x400000 and up, at another offset in the file.
 pub fn fixed_address_c_program(source: &str) -> PathBuf {
-    let name = source.rsplit_once('.').unwrap().0;
-    compile(source, &format!("{name}-no-pie"), &["-fno-pie", "-no-pie"])
+    c_program_variant(source, "no-pie", &["-fno-pie", "-no-pie"])
 }
 
 /// A C fixture linked statically (`<name>-static`): no loader, so no `LD_PRELOAD`.
 pub fn static_c_program(source: &str) -> PathBuf {
-    let name = source.rsplit_once('.').unwrap().0;
-    compile(source, &format!("{name}-static"), &["-static"])
+    c_program_variant(source, "static", &["-static"])
 }
 
 /// A C fixture built as a shared library `lib<name>.so`.
