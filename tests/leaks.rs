@@ -211,6 +211,21 @@ fn glibcs_own_names_of_the_malloc_family_are_spied() {
     }
 }
 
+/// Code that no unwind table covers, built with frame pointers: the stack ended at its first
+/// frame (review helper 66). The walk follows the frame pointers there.
+#[test]
+fn code_without_unwind_tables_is_walked_by_its_frame_pointers() {
+    let program = c_program_with("no_unwind_tables.c", &["-fno-asynchronous-unwind-tables"]);
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "lost\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let record = report["leaks"].as_array().unwrap().iter().find(|r| r["bytes"] == 321);
+    let record = record.unwrap_or_else(|| panic!("no record of 321 bytes: {report}"));
+    let functions: Vec<&str> =
+        record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+    assert_eq!(functions, ["c_leaks", "b_calls", "a_calls", "main"], "{record}");
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

@@ -201,7 +201,7 @@ pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -
     for _ in 0..MAX_WALK {
         let frame = match step(&rules, &mut recent, if first { pc } else { pc - 1 }, sp, bp, &read) {
             Step::Caller(frame) => frame,
-            Step::NoRule => return WalkOut::Ends { pc, sp },
+            Step::NoRule | Step::NoTable => return WalkOut::Ends { pc, sp },
             Step::Broken | Step::Later => return WalkOut::Lost,
         };
         (pc, sp, bp, first) = (frame.ra, frame.cfa, frame.bp, false);
@@ -230,6 +230,8 @@ enum Step {
     Caller(Frame),
     /// No rule goes further: the outermost frame, or code this unwinder cannot follow.
     NoRule,
+    /// No unwind table covers the code (see [`frame_pointer_step`]).
+    NoTable,
     /// The rule leads nowhere readable: a CFA that does not grow, a word outside the stack,
     /// a null return address.
     Broken,
@@ -250,6 +252,7 @@ fn step(
         rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp, false),
         rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp, true),
         rules::Rule::Stop => return Step::NoRule,
+        rules::Rule::NoTable => return Step::NoTable,
         rules::Rule::Later => return Step::Later,
     };
     if cfa <= sp {
@@ -263,6 +266,25 @@ fn step(
         bp = saved;
     }
     Step::Caller(Frame { cfa, ra, bp, bp_slot, rbp_rule })
+}
+
+/// The caller's frame by the frame pointer, for code that no unwind table covers: built with
+/// frame pointers but `-fno-asynchronous-unwind-tables`, its stacks ended at its first frame
+/// (review helper 66). What a frame-pointer walk takes: CFA = RBP + 16, the return address
+/// at CFA - 8 and the caller's RBP at CFA - 16, every word inside the stack. Code without a
+/// frame pointer either may leave anything in RBP: a walk through it may then read a frame or
+/// two that are not (as libunwind's and valgrind's do); it ends where RBP leaves the stack.
+/// Not for the leak check's walks ([`walk_out`]), which must not guess.
+#[inline(always)]
+fn frame_pointer_step(sp: u64, bp: u64, read: &impl Fn(u64) -> Option<u64>) -> Option<Frame> {
+    // The saved RBP and return address lie at or above the frame's stack pointer.
+    let cfa = bp.checked_add(16)?;
+    if bp < sp {
+        return None;
+    }
+    let ra = read(cfa - 8).filter(|&ra| ra != 0)?;
+    let saved = read(bp)?;
+    Some(Frame { cfa, ra, bp: saved, bp_slot: bp, rbp_rule: true })
 }
 
 impl WalkCache {
@@ -436,7 +458,8 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
                 cut = true;
                 break;
             }
-            Step::NoRule | Step::Broken => {
+            Step::NoTable if let Some(frame) = frame_pointer_step(sp, bp, &read) => frame,
+            Step::NoRule | Step::NoTable | Step::Broken => {
                 truncated = false;
                 break;
             }

@@ -5,7 +5,9 @@
 //! alone or saved at CFA - m. Such a rule packs into 64 bits; applying it is a couple of
 //! loads. The DWARF work (finding the FDE through `.eh_frame_hdr`'s binary-search table and
 //! running its CFA program, with gimli) happens once per distinct address, on a miss.
-//! Anything else (a CFA expression, a signal trampoline) is cached as `Stop`.
+//! Anything else (a CFA expression, a signal trampoline) is cached as `Stop`; code that no
+//! unwind table covers (built with `-fno-asynchronous-unwind-tables`, or no module's) as
+//! `NoTable`, which a walk may follow by the frame pointer.
 //!
 //! The cache is a fixed, direct-mapped table in an anonymous mapping; each entry is
 //! published under a sequence number, so readers never lock and never see half an entry.
@@ -29,6 +31,9 @@ pub(crate) enum Rule {
     Rbp { cfa: u32, rbp: u16 },
     /// No rule this unwinder follows: the stack ends here.
     Stop,
+    /// No unwind table covers the address: only the frame pointer may lead further, if the
+    /// code keeps one (CFA = RBP + 16, the caller's RBP at CFA - 16).
+    NoTable,
     /// Not known yet, and too little of the thread's stack left to compute it: the walk is
     /// cut short here this time. Never cached.
     Later,
@@ -44,6 +49,7 @@ impl Rule {
             Rule::Rsp { cfa, rbp } => 1 | (rbp as u64) << 8 | (cfa as u64) << 32,
             Rule::Rbp { cfa, rbp } => 2 | (rbp as u64) << 8 | (cfa as u64) << 32,
             Rule::Stop | Rule::Later => 3,
+            Rule::NoTable => 7,
         }
     }
 
@@ -52,6 +58,7 @@ impl Rule {
         match v & 3 {
             1 => Rule::Rsp { cfa, rbp },
             2 => Rule::Rbp { cfa, rbp },
+            _ if v == 7 => Rule::NoTable,
             _ => Rule::Stop,
         }
     }
@@ -182,7 +189,7 @@ impl Rules {
     #[inline(always)]
     fn shared(&self, key: u64, pc: u64) -> Rule {
         let Some(table) = self.table else {
-            return if room_to_compute() { compute(self.modules, pc).unwrap_or(Rule::Stop) } else { Rule::Later };
+            return if room_to_compute() { compute(self.modules, pc).unwrap_or(Rule::NoTable) } else { Rule::Later };
         };
         let e = &table[slot(key)];
         let seq = e.seq.load(Ordering::Acquire);
@@ -223,7 +230,7 @@ fn miss(modules: &'static Modules, pc: u64, key: u64, e: &Entry) -> Rule {
         // Code outside every known module: maybe a library opened since; look once more.
         None => match compute(modules::refresh(), pc) {
             Some(rule) => return rule, // cached under the new generation next time
-            None => Rule::Stop,
+            None => Rule::NoTable,
         },
     };
     // Publish; a writer that finds the entry busy just skips caching.
@@ -247,6 +254,7 @@ mod tests {
             Rule::Rbp { cfa: 16, rbp: 16 },
             Rule::Rsp { cfa: 70_000, rbp: 48 },
             Rule::Stop,
+            Rule::NoTable,
         ] {
             assert_eq!(Rule::unpack(r.pack()), r);
         }
