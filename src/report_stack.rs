@@ -23,7 +23,7 @@ const MAPPED: usize = 1 << 20;
 /// Runs `f` on this thread's stack if it has [`ROOM`] left below this frame, and otherwise on
 /// a mapping of [`MAPPED`] bytes (or, if none can be had, on this stack all the same).
 pub(crate) fn with_room(f: &mut dyn FnMut()) {
-    if unwind::stack_room() >= ROOM {
+    if unwind::thread_stack_room() >= ROOM {
         return f();
     }
     let Some(stack) = os::map(MAPPED) else { return f() };
@@ -71,13 +71,13 @@ mod tests {
     fn a_thread_with_little_stack_runs_on_a_mapping_and_gets_its_bounds_back() {
         let little = std::thread::Builder::new().stack_size(64 << 10).spawn(|| {
             let ts = tls::state();
-            unwind::stack_room();
+            unwind::thread_stack_room();
             let before = (ts.stack_low.get(), ts.stack_top.get());
             let mut inside = (0, 0, 0);
             with_room(&mut || {
                 // A frame far larger than the thread's whole stack.
                 let big = core::hint::black_box([7u8; 200 << 10]);
-                inside = (unwind::stack_room(), big[12345] as u64, ts.stack_top.get());
+                inside = (unwind::thread_stack_room(), big[12345] as u64, ts.stack_top.get());
             });
             (before, inside, (ts.stack_low.get(), ts.stack_top.get()))
         });

@@ -226,6 +226,24 @@ fn code_without_unwind_tables_is_walked_by_its_frame_pointers() {
     assert_eq!(functions, ["c_leaks", "b_calls", "a_calls", "main"], "{record}");
 }
 
+/// Blocks allocated on a stack other than the thread's had no frame at all (review helper
+/// 66): a signal handler's alternate stack is walked within its extent (to the signal's
+/// frame), and of a coroutine's, whose extent is unknown, the allocating function is named.
+#[test]
+fn allocations_on_other_stacks_keep_their_frames() {
+    let program = c_program("other_stacks.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let functions = |bytes: u64| -> Vec<String> {
+        let record = report["leaks"].as_array().unwrap().iter().find(|r| r["bytes"] == bytes);
+        let record = record.unwrap_or_else(|| panic!("no record of {bytes} bytes: {report}"));
+        record["stack"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("??").to_string()).collect()
+    };
+    assert_eq!(functions(34)[..2], ["leak_in_handler", "on_usr1"]);
+    assert_eq!(functions(55)[..1], ["leak_in_coroutine"]);
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

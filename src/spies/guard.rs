@@ -47,8 +47,6 @@ const TRAILER_CANARY: u64 = 0xDEAD_BEEF_FEED_FACE;
 const MAX_OFFSET: usize = 1 << 47;
 /// Recently freed blocks remembered for double-free detection.
 const RECENT: usize = 1 << 16;
-/// Stack a finding's walk needs below the finding's frame (its rule cache is 8 KiB).
-const WALK_ROOM: u64 = 16 << 10;
 
 // Scratch words, from a Pre method to its Post method.
 const S_SIZE: usize = 0;
@@ -232,11 +230,11 @@ impl GuardSpy {
         let order = self.findings();
         self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
         let mut frames = [0u64; finding_sites::DEPTH];
-        // The walk needs the loader (the module list) and a few KiB of the thread's own stack
-        // (the one whose extent it knows: not an alternate signal stack, nor a coroutine's): a
+        // The walk needs the loader (the module list) and a few KiB of a stack whose extent it
+        // knows (the thread's, or the alternate signal stack it is on; not a coroutine's): a
         // forked child whose loader's lock another thread held hung in it, and a thread on a
         // 16 KiB stack died of it. Without them the finding is said without where.
-        let walkable = unwind::stack_room() >= WALK_ROOM && crate::loader::usable();
+        let walkable = unwind::stack_room() >= unwind::UNCACHED_WALK_ROOM && crate::loader::usable();
         let start = unwind::hook_start().filter(|_| walkable);
         let depth = start.map_or(0, |start| unwind::capture_uncached(&mut frames, start));
         let mut modules = [(0, 0); finding_sites::DEPTH];

@@ -124,12 +124,48 @@ pub(crate) fn hook_start() -> Option<(u64, u64, u64)> {
     let entry = ts.hook_sp.get();
     let (_, high) = stack_bounds();
     let here = current_sp();
-    if !entry.is_multiple_of(8) || entry <= here || entry + 8 > high {
+    // On the thread's stack, or close above this frame on another one (a signal handler's
+    // alternate stack, a coroutine's), where the export's caller pushed it.
+    if !entry.is_multiple_of(8) || entry <= here || (entry + 8 > high && entry - here > OTHER_STACK_ENTRY) {
         return None;
     }
-    // SAFETY: entry lies between this frame and the top of the thread's stack: mapped.
+    // SAFETY: entry lies between this frame and the top of the thread's stack, or close above
+    // this frame on the same stack, where the caller's call pushed it: mapped.
     let ra = unsafe { *(entry as *const u64) };
     Some((ra, entry + 8, ts.hook_bp.get()))
+}
+
+/// How far above a hook's frame its entry may lie on a stack other than the thread's.
+const OTHER_STACK_ENTRY: u64 = 1 << 20;
+
+/// The extent of the alternate signal stack (`sigaltstack`) the calling thread runs on, if
+/// it runs on one.
+fn alternate_stack() -> Option<(u64, u64)> {
+    // SAFETY: zero is a valid stack_t; a query (no new stack) writes only `now`.
+    let mut now: libc::stack_t = unsafe { core::mem::zeroed() };
+    // SAFETY: as above.
+    let on = unsafe { libc::sigaltstack(core::ptr::null(), &mut now) } == 0 && now.ss_flags & libc::SS_ONSTACK != 0;
+    on.then(|| (now.ss_sp as u64, now.ss_sp as u64 + now.ss_size as u64))
+}
+
+/// A walk that starts on a stack other than the thread's: a signal handler's alternate stack
+/// is walked within its extent (to the signal's frame, where its rules stop); of any other
+/// (a coroutine's), whose extent is unknown, only the caller's return address is taken.
+/// Without the walk cache, as [`capture_uncached`]. Such stacks had no frame at all (review
+/// helper 66).
+#[cold]
+#[inline(never)]
+fn walk_other_stack(out: &mut [u64], start: Start) -> usize {
+    let Start { pc, sp, bp, is_return } = start;
+    if out.is_empty() || pc == 0 || !is_return {
+        return 0;
+    }
+    // Not on a small alternate stack, which the walk's own rule cache would overflow.
+    if stack_room() < UNCACHED_WALK_ROOM {
+        out[0] = pc;
+        return 1;
+    }
+    capture_uncached(out, (pc, sp, bp))
 }
 
 /// Fills `out` with the return addresses of the stack that starts at `start` (from
@@ -143,24 +179,49 @@ pub(crate) fn capture(out: &mut [u64], start: (u64, u64, u64), cache: &mut WalkC
     walk(out, Start { pc, sp, bp, is_return: true }, cache)
 }
 
-/// Bytes of the calling thread's stack left below this frame; 0 when the frame is not on the
-/// thread's stack (a signal handler's alternate one) or its extent is unknown.
+/// Bytes of the stack the calling thread runs on left below this frame; 0 when its extent is
+/// unknown (a coroutine's).
 #[inline(always)]
 pub(crate) fn stack_room() -> u64 {
+    current_stack().map_or(0, |(low, _)| current_sp() - low)
+}
+
+/// Bytes of the calling thread's own stack left below this frame; 0 when the frame is on
+/// another one (a signal handler's alternate stack, a coroutine's). The reports, whose walks
+/// take the thread's stack for the one they run on, run on a mapping of their own then.
+#[inline(always)]
+pub(crate) fn thread_stack_room() -> u64 {
     let (low, high) = stack_bounds();
     let sp = current_sp();
     if (low..high).contains(&sp) { sp - low } else { 0 }
 }
 
+/// The extent of the stack the calling thread runs on: its own, or the alternate signal stack
+/// it is on; `None` on any other (a coroutine's).
+#[inline(always)]
+fn current_stack() -> Option<(u64, u64)> {
+    let (low, high) = stack_bounds();
+    let sp = current_sp();
+    if (low..high).contains(&sp) {
+        return Some((low, high));
+    }
+    alternate_stack().filter(|&(bottom, top)| (bottom..top).contains(&sp))
+}
+
+/// Stack that [`capture_uncached`] needs below its caller's frame (its rule cache is 8 KiB).
+pub(crate) const UNCACHED_WALK_ROOM: u64 = 16 << 10;
+
 /// [`capture`] without a thread's walk cache, for a stack wanted seldom (where a finding of
-/// the guard was made): the rules come from the shared table, as [`walk_out`] takes them.
-/// Out of line: its rule cache (8 KiB) is on the stack only while it runs.
+/// the guard was made, or on a stack other than the thread's): the rules come from the shared
+/// table, as [`walk_out`] takes them. Out of line: its rule cache (8 KiB) is on the stack only
+/// while it runs; its caller makes sure of [`UNCACHED_WALK_ROOM`].
 #[inline(never)]
 pub(crate) fn capture_uncached(out: &mut [u64], start: (u64, u64, u64)) -> usize {
     let Some(first) = out.first_mut() else { return 0 };
     let (mut pc, mut sp, mut bp) = start;
     *first = pc;
-    let read = stack_reader(current_sp(), stack_bounds().1);
+    let Some((_, high)) = current_stack() else { return 1 };
+    let read = stack_reader(current_sp(), high);
     let rules = rules::Rules::new();
     let mut recent = rules::Recent::new();
     let mut n = 1;
@@ -432,9 +493,8 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     let (bottom, high) = stack_bounds();
     let low = current_sp();
     if low < bottom || low >= high || out.is_empty() || pc == 0 {
-        // On another stack (sigaltstack, a coroutine's): its extent is unknown, walk nothing.
         prev.forget();
-        return 0;
+        return walk_other_stack(out, start);
     }
     let read = stack_reader(low, high);
     let rules = rules::Rules::new();
