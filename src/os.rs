@@ -433,21 +433,30 @@ pub(crate) fn each_module(mut visit: impl FnMut(&LoadedModule) -> bool) {
 /// How many objects the loader has unloaded so far: glibc's `dlpi_subs`, which the `libc`
 /// crate's `dl_phdr_info` leaves out; 0 when the loader does not say.
 pub(crate) fn objects_unloaded() -> u64 {
+    objects_loaded_and_unloaded().1
+}
+
+/// How many objects the loader has loaded and unloaded so far (glibc's `dlpi_adds` and
+/// `dlpi_subs`): a change says the module list changed. `(0, 0)` when the loader does not say.
+pub(crate) fn objects_loaded_and_unloaded() -> (u64, u64) {
     unsafe extern "C" fn call(info: *mut libc::dl_phdr_info, size: usize, data: *mut core::ffi::c_void) -> c_int {
         // glibc's layout: dlpi_addr, dlpi_name, dlpi_phdr, dlpi_phnum (padded to 8 bytes),
         // dlpi_adds, dlpi_subs.
-        const SUBS: usize = 40;
-        if size >= SUBS + 8 {
-            // SAFETY: `size` says the structure dl_iterate_phdr passes holds the word at SUBS;
-            // `data` is the u64 below.
-            unsafe { *(data as *mut u64) = ((info as *const u8).add(SUBS) as *const u64).read_unaligned() };
+        const ADDS: usize = 32;
+        if size >= ADDS + 16 {
+            // SAFETY: `size` says the structure dl_iterate_phdr passes holds the words at ADDS
+            // and after; `data` is the pair below.
+            unsafe {
+                let at = (info as *const u8).add(ADDS) as *const u64;
+                *(data as *mut (u64, u64)) = (at.read_unaligned(), at.add(1).read_unaligned());
+            }
         }
         1
     }
-    let mut subs = 0u64;
-    // SAFETY: the callback matches dl_iterate_phdr's contract and writes only `subs`.
-    unsafe { libc::dl_iterate_phdr(Some(call), (&raw mut subs).cast()) };
-    subs
+    let mut counts = (0u64, 0u64);
+    // SAFETY: the callback matches dl_iterate_phdr's contract and writes only `counts`.
+    unsafe { libc::dl_iterate_phdr(Some(call), (&raw mut counts).cast()) };
+    counts
 }
 
 /// Where a loaded module's code lies, and which module it is: two libraries loaded one after

@@ -26,6 +26,8 @@ pub(crate) struct Modules {
     pub list: Vec<Module>,
     /// Bumped on every refresh: unwind rules cached under an older generation are stale.
     pub generation: u32,
+    /// The loader's counts of objects loaded and unloaded when the list was read.
+    pub loader_counts: (u64, u64),
 }
 
 static CURRENT: AtomicPtr<Modules> = AtomicPtr::new(core::ptr::null_mut());
@@ -66,6 +68,8 @@ fn unwind_module(m: &os::LoadedModule) -> Option<Module> {
 /// stays as the parent left it: code loaded since is not unwound through.
 pub(crate) fn refresh() -> &'static Modules {
     let mut list: Vec<Module> = Vec::with_capacity(64);
+    // Before the list: a library loaded in between makes the next look read it again.
+    let loader_counts = os::objects_loaded_and_unloaded();
     if crate::loader::usable() {
         os::each_module(|m| {
             list.extend(unwind_module(m));
@@ -79,7 +83,7 @@ pub(crate) fn refresh() -> &'static Modules {
     }
     list.sort_by_key(|m| m.text.0);
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed) + 1;
-    let fresh = Box::into_raw(Box::new(Modules { list, generation }));
+    let fresh = Box::into_raw(Box::new(Modules { list, generation, loader_counts }));
     // The old list stays allocated: other threads may be reading it.
     CURRENT.store(fresh, Ordering::Release);
     // SAFETY: just published, never freed.
@@ -96,6 +100,14 @@ pub(crate) fn current() -> &'static Modules {
 }
 
 impl Modules {
+    /// Whether the loader has loaded or unloaded something since the list was read: an
+    /// address outside every module may then be in a new one. Code that no module holds (a
+    /// JIT's) is found outside at every walk: read the list again each time, and node's
+    /// walks through its JIT frames (by their frame pointers) hung for minutes.
+    pub(crate) fn stale(&self) -> bool {
+        crate::loader::usable() && os::objects_loaded_and_unloaded() != self.loader_counts
+    }
+
     /// The module whose code contains `pc`.
     pub(crate) fn find(&self, pc: u64) -> Option<&Module> {
         let i = self.list.partition_point(|m| m.text.0 <= pc);

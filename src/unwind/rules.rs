@@ -227,11 +227,13 @@ fn miss(modules: &'static Modules, pc: u64, key: u64, e: &Entry) -> Rule {
     }
     let rule = match compute(modules, pc) {
         Some(rule) => rule,
-        // Code outside every known module: maybe a library opened since; look once more.
-        None => match compute(modules::refresh(), pc) {
+        // Code outside every known module: maybe a library opened since; look once more, if
+        // the loader has loaded or unloaded anything since the list was read.
+        None if modules.stale() => match compute(modules::refresh(), pc) {
             Some(rule) => return rule, // cached under the new generation next time
             None => Rule::NoTable,
         },
+        None => Rule::NoTable,
     };
     // Publish; a writer that finds the entry busy just skips caching.
     let seq = e.seq.load(Ordering::Relaxed);
