@@ -509,6 +509,28 @@ fn within_a_minute(done: impl Fn() -> bool) -> bool {
     true
 }
 
+/// A header spy, revoked while two of its blocks live (the revoke pending), and the pauses
+/// reset: the interposer, the spy's log and the two blocks.
+fn revoked_spy_with_two_blocks() -> (&'static Interposer<Tracked>, Arc<Log>, usize, usize) {
+    let log = Arc::new(Log::default());
+    let ip: &'static Interposer<Tracked> = Box::leak(Box::new(Interposer::new(Tracked::default())));
+    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
+    let (first, second) = (ip.malloc(24) as usize, ip.malloc(24) as usize);
+    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
+    for flag in [&PAUSED, &RESUME, &COUNT_PAUSED, &COUNT_RESUME] {
+        flag.store(false, Ordering::SeqCst);
+    }
+    (ip, log, first, second)
+}
+
+/// After [`revoked_spy_with_two_blocks`] and the last block's free: nothing of the caller's
+/// reached the real allocator, the spy was dropped once, every real block was freed.
+fn assert_all_given_back(ip: &Interposer<Tracked>, log: &Log) {
+    assert_eq!(*ip.heap.wild.lock().unwrap(), Vec::<usize>::new(), "no caller's pointer reached the real allocator");
+    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped after the last block");
+    assert!(ip.heap.live.lock().unwrap().is_empty(), "every real block freed");
+}
+
 /// Two threads free a revoked spy's last two blocks at once. The second finds the table empty
 /// and takes the spy out of the registry; the first, which had taken its block out of the
 /// table just before, must still give it back through the spy. It looked the spy up only
@@ -548,13 +570,7 @@ fn a_block_taken_from_the_table_goes_back_through_its_spy_when_another_free_reti
 #[test]
 fn a_block_held_by_a_realloc_keeps_its_revoked_spy() {
     let _serial = serial();
-    let log = Arc::new(Log::default());
-    let ip: &'static Interposer<Tracked> = Box::leak(Box::new(Interposer::new(Tracked::default())));
-    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
-    let (moved, freed) = (ip.malloc(24) as usize, ip.malloc(24) as usize);
-    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
-    PAUSED.store(false, Ordering::SeqCst);
-    RESUME.store(false, Ordering::SeqCst);
+    let (ip, log, moved, freed) = revoked_spy_with_two_blocks();
     PAUSE_AT.store(moved, Ordering::SeqCst);
     // SAFETY: a live spied block, reallocated once.
     let reallocating = std::thread::spawn(move || unsafe { ip.realloc(moved as *mut c_void, 4000) as usize });
@@ -573,9 +589,7 @@ fn a_block_held_by_a_realloc_keeps_its_revoked_spy() {
     assert!(!ip.registry.is_empty(), "the realloc's block keeps the spy");
     // SAFETY: the live block the realloc returned, freed once.
     unsafe { ip.free(block as *mut c_void) };
-    assert_eq!(*ip.heap.wild.lock().unwrap(), Vec::<usize>::new(), "no caller's pointer reached the real allocator");
-    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped after the last block");
-    assert!(ip.heap.live.lock().unwrap().is_empty(), "every real block freed");
+    assert_all_given_back(ip, &log);
 }
 
 /// A revoked spy's last two blocks: one is freed while a realloc moves the other. The free
@@ -587,14 +601,7 @@ fn a_block_held_by_a_realloc_keeps_its_revoked_spy() {
 #[test]
 fn a_realloc_that_ends_while_a_free_counts_the_blocks_keeps_its_revoked_spy() {
     let _serial = serial();
-    let log = Arc::new(Log::default());
-    let ip: &'static Interposer<Tracked> = Box::leak(Box::new(Interposer::new(Tracked::default())));
-    ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
-    let (moved, freed) = (ip.malloc(24) as usize, ip.malloc(24) as usize);
-    assert_eq!(ip.revoke(), Err(SpyError::AccessDenied), "pending while two blocks live");
-    for flag in [&PAUSED, &RESUME, &COUNT_PAUSED, &COUNT_RESUME] {
-        flag.store(false, Ordering::SeqCst);
-    }
+    let (ip, log, moved, freed) = revoked_spy_with_two_blocks();
     PAUSE_AT.store(moved, Ordering::SeqCst);
     // SAFETY: a live spied block, reallocated once.
     let reallocating = std::thread::spawn(move || unsafe { ip.realloc(moved as *mut c_void, 4000) as usize });
@@ -614,9 +621,7 @@ fn a_realloc_that_ends_while_a_free_counts_the_blocks_keeps_its_revoked_spy() {
     assert_eq!(log.dropped.load(Ordering::SeqCst), 0);
     // SAFETY: the live block the realloc returned, freed once.
     unsafe { ip.free(block as *mut c_void) };
-    assert_eq!(*ip.heap.wild.lock().unwrap(), Vec::<usize>::new(), "no caller's pointer reached the real allocator");
-    assert_eq!(log.dropped.load(Ordering::SeqCst), 1, "dropped after the last block");
-    assert!(ip.heap.live.lock().unwrap().is_empty(), "every real block freed");
+    assert_all_given_back(ip, &log);
 }
 
 /// Hands over to a successor from its drop (a C spy's `release`): registers `next`, or
