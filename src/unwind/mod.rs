@@ -227,7 +227,7 @@ pub(crate) fn capture_uncached(out: &mut [u64], start: (u64, u64, u64)) -> usize
     let mut n = 1;
     while n < out.len() {
         // Every pc here is a return address: its call is a byte before it.
-        let Step::Caller(frame) = step(&rules, &mut recent, pc - 1, sp, bp, &read) else { break };
+        let Step::Caller(frame) = step(&rules, &mut recent, pc - 1, sp, bp, &read, false) else { break };
         (pc, sp, bp) = (frame.ra, frame.cfa, frame.bp);
         out[n] = pc;
         n += 1;
@@ -260,9 +260,9 @@ pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -
     let mut recent = rules::Recent::new();
     let mut first = true;
     for _ in 0..MAX_WALK {
-        let frame = match step(&rules, &mut recent, if first { pc } else { pc - 1 }, sp, bp, &read) {
+        let frame = match step(&rules, &mut recent, if first { pc } else { pc - 1 }, sp, bp, &read, false) {
             Step::Caller(frame) => frame,
-            Step::NoRule | Step::NoTable => return WalkOut::Ends { pc, sp },
+            Step::NoRule => return WalkOut::Ends { pc, sp },
             Step::Broken | Step::Later => return WalkOut::Lost,
         };
         (pc, sp, bp, first) = (frame.ra, frame.cfa, frame.bp, false);
@@ -291,8 +291,6 @@ enum Step {
     Caller(Frame),
     /// No rule goes further: the outermost frame, or code this unwinder cannot follow.
     NoRule,
-    /// No unwind table covers the code (see [`frame_pointer_step`]).
-    NoTable,
     /// The rule leads nowhere readable: a CFA that does not grow, a word outside the stack,
     /// a null return address.
     Broken,
@@ -308,12 +306,21 @@ fn step(
     sp: u64,
     bp: u64,
     read: &impl Fn(u64) -> Option<u64>,
+    frame_pointers: bool,
 ) -> Step {
     let (cfa, saved_bp, rbp_rule) = match rules.get(recent, lookup) {
         rules::Rule::Rsp { cfa, rbp } => (sp.wrapping_add(cfa as u64), rbp, false),
         rules::Rule::Rbp { cfa, rbp } => (bp.wrapping_add(cfa as u64), rbp, true),
         rules::Rule::Stop => return Step::NoRule,
-        rules::Rule::NoTable => return Step::NoTable,
+        // Code that no unwind table covers (built with frame pointers but
+        // `-fno-asynchronous-unwind-tables`: its stacks ended at its first frame, review helper
+        // 66), followed by the frame pointer if `frame_pointers`: CFA = RBP + 16, the caller's
+        // RBP at CFA - 16. Code without a frame pointer may leave anything in RBP: a walk
+        // through it may then read a frame or two that are not (as libunwind's and valgrind's
+        // do), and ends where RBP leaves the stack. Not for the leak check's walks, which must
+        // not guess.
+        rules::Rule::NoTable if frame_pointers => (bp.wrapping_add(16), 16, true),
+        rules::Rule::NoTable => return Step::NoRule,
         rules::Rule::Later => return Step::Later,
     };
     if cfa <= sp {
@@ -327,25 +334,6 @@ fn step(
         bp = saved;
     }
     Step::Caller(Frame { cfa, ra, bp, bp_slot, rbp_rule })
-}
-
-/// The caller's frame by the frame pointer, for code that no unwind table covers: built with
-/// frame pointers but `-fno-asynchronous-unwind-tables`, its stacks ended at its first frame
-/// (review helper 66). What a frame-pointer walk takes: CFA = RBP + 16, the return address
-/// at CFA - 8 and the caller's RBP at CFA - 16, every word inside the stack. Code without a
-/// frame pointer either may leave anything in RBP: a walk through it may then read a frame or
-/// two that are not (as libunwind's and valgrind's do); it ends where RBP leaves the stack.
-/// Not for the leak check's walks ([`walk_out`]), which must not guess.
-#[inline(always)]
-fn frame_pointer_step(sp: u64, bp: u64, read: &impl Fn(u64) -> Option<u64>) -> Option<Frame> {
-    // The saved RBP and return address lie at or above the frame's stack pointer.
-    let cfa = bp.checked_add(16)?;
-    if bp < sp {
-        return None;
-    }
-    let ra = read(cfa - 8).filter(|&ra| ra != 0)?;
-    let saved = read(bp)?;
-    Some(Frame { cfa, ra, bp: saved, bp_slot: bp, rbp_rule: true })
 }
 
 impl WalkCache {
@@ -511,15 +499,14 @@ fn walk(out: &mut [u64], start: Start, cache: &mut WalkCache) -> usize {
     while n < out.len() && walked < MAX_WALK {
         // A return address points after the call: look up the call itself.
         let lookup = if is_return || walked > 0 { pc - 1 } else { pc };
-        let frame = match step(&rules, recent, lookup, sp, bp, &read) {
+        let frame = match step(&rules, recent, lookup, sp, bp, &read, true) {
             Step::Caller(frame) => frame,
             // Cut short, not ended: the next walk that takes this one's tail goes on from it.
             Step::Later => {
                 cut = true;
                 break;
             }
-            Step::NoTable if let Some(frame) = frame_pointer_step(sp, bp, &read) => frame,
-            Step::NoRule | Step::NoTable | Step::Broken => {
+            Step::NoRule | Step::Broken => {
                 truncated = false;
                 break;
             }
