@@ -36,6 +36,10 @@ struct Json<'a> {
     /// mallocspy's own memory in the process (from the heap statistics), if the trace says.
     own_memory: Option<JsonOwnMemory>,
     peak: JsonPeak,
+    /// The live heap as the program estimated it from its own samples (at its heap statistics
+    /// events), if the trace has one: with events lost, the replay's `peak` and `live_at_end`
+    /// keep samples whose frees were lost, these do not.
+    program_estimates: Option<JsonProgramEstimates>,
     live_at_end: JsonFigures,
     /// A forked child's: the sampled blocks live in its parent at the fork.
     inherited: Option<JsonInherited>,
@@ -61,6 +65,15 @@ struct JsonCounted {
 struct JsonInherited {
     parent: u32,
     at_fork: JsonFigures,
+}
+
+#[derive(Serialize)]
+struct JsonProgramEstimates {
+    peak_live_bytes: u64,
+    /// The time of the first event that saw the peak: it came at or before then.
+    peak_by_ns: u64,
+    /// At the newest event.
+    live_bytes_at_last: u64,
 }
 
 #[derive(Serialize)]
@@ -249,6 +262,11 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         counted: p.counted().map(|(calls, bytes)| JsonCounted { calls, bytes }),
         own_memory: p.own_memory().map(|(at_end, most)| JsonOwnMemory { at_end, most }),
         peak: JsonPeak { live_bytes: p.peak.live_bytes, time_ns: p.peak.time_ns },
+        program_estimates: p.stats_live().map(|(peak, last)| JsonProgramEstimates {
+            peak_live_bytes: peak.live_bytes,
+            peak_by_ns: peak.time_ns,
+            live_bytes_at_last: last,
+        }),
         live_at_end: p.live_at_end.into(),
         inherited: p.inherited.map(|i| JsonInherited { parent: i.parent, at_fork: i.at_fork.into() }),
         top_by_bytes_allocated: sites

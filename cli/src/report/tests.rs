@@ -273,13 +273,24 @@ fn the_timeline_charts_the_live_heap_and_marks_its_peak() {
 /// With events lost, the replay keeps samples whose frees were lost live for good: the report
 /// said the estimates were low while its peak was 141 MiB of a heap whose own estimates
 /// never passed 83 MiB (review helper 40). It now says live figures may be high and gives the
-/// program's own, and the timeline draws those alone.
+/// program's own, and the timeline draws those alone. Their peak is the events' own
+/// `peak_live_bytes`: the highest live bytes of an event missed a peak between two events
+/// (review helper 67: 37.1 MiB of a program whose estimates peaked at 40.4 MiB).
 #[test]
 fn with_events_lost_the_live_heap_comes_from_the_programs_own_estimates() {
     let mut events = testing::events(&testing::this_executable());
     // The free of 0xb000 (2000 bytes) is lost: the replay keeps it live to the end, and its
     // peak, 4000 bytes at 60 ns, is higher than any estimate of the program's.
     events.retain(|e| !matches!(e, Event::Free { address: 0xb000, .. }));
+    // The program's estimate peaked at 3000 bytes, but had fallen to 1000 by the first event.
+    for e in &mut events {
+        if let Event::HeapStats(s) = e {
+            s.peak_live_bytes = 3000;
+            if s.time_ns == 25_000_000 {
+                s.kinds[1].live_bytes = 0;
+            }
+        }
+    }
     let at = events.iter().position(|e| matches!(e, Event::HeapStats(s) if s.time_ns == 1_500_000_000)).unwrap();
     events.insert(at, Event::Lost { time_ns: 70, events: 1 });
     let file = trace_of(&events);
@@ -287,12 +298,17 @@ fn with_events_lost_the_live_heap_comes_from_the_programs_own_estimates() {
     assert!(report.contains("those of live bytes may be high (frees among the lost)"), "{report}");
     assert!(
         report.contains(
-            "the program's own live estimates, at its heap statistics: peak 2.93 KiB at 25.0 ms, 1.95 KiB at the last"
+            "the program's own live estimates, at its heap statistics: peak 2.93 KiB by 25.0 ms, 1.95 KiB at the last"
         ),
         "{report}"
     );
+    let json: serde_json::Value = serde_json::from_str(&text(&file, Format::Json)).unwrap();
+    assert_eq!(
+        json["program_estimates"],
+        serde_json::json!({"peak_live_bytes": 3000, "peak_by_ns": 25_000_000, "live_bytes_at_last": 2000})
+    );
     let svg = text(&file, Format::Timeline);
-    assert!(svg.contains(">peak 2.93 KiB at 25.0 ms</text>"), "{svg}");
+    assert!(svg.contains(">peak 2.93 KiB by 25.0 ms</text>"), "{svg}");
 }
 
 /// A trace without an end (the program was killed): its last statistics are exact as of

@@ -179,7 +179,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         if let Some((peak, last)) = p.stats_live() {
             writeln!(
                 out,
-                "               the program's own live estimates, at its heap statistics: peak {} at {}, \
+                "               the program's own live estimates, at its heap statistics: peak {} by {}, \
                  {} at the last",
                 units::bytes(peak.live_bytes),
                 units::duration(peak.time_ns),

@@ -214,15 +214,19 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let Some(top) = points.iter().reduce(|best, x| if x.total() > best.total() { x } else { best }) else {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "no heap statistics events or ticks"));
     };
-    // The report's peak, which the replay's points hold; the highest point without ticks, or
-    // with events lost.
+    // The report's peak, which the replay's points hold; without ticks, or with events lost,
+    // the highest point, or the program's own peak if that came between two events (the line
+    // joins the events, below it): marked at the first event that saw it.
     let replayed_peak = p.peak.live_bytes > 0 && (p.lost_events == 0 || p.heap_stats.is_empty());
-    let (peak_ns, peak_total) =
-        if replayed_peak { (p.peak.time_ns, p.peak.live_bytes) } else { (top.time_ns, top.total()) };
+    let (peak_ns, peak_total, between) = match p.stats_live() {
+        _ if replayed_peak => (p.peak.time_ns, p.peak.live_bytes, false),
+        Some((peak, _)) if peak.live_bytes > top.total() => (peak.time_ns, peak.live_bytes, true),
+        _ => (top.time_ns, top.total(), false),
+    };
     let allocator_known = points.iter().any(|p| p.allocator.is_some());
     let last_seconds = points.last().map_or(0.0, |p| p.seconds);
     let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
-    let bytes_max = points.iter().map(|p| p.total().max(p.allocator.unwrap_or(0))).max().unwrap_or(0);
+    let bytes_max = points.iter().map(|p| p.total().max(p.allocator.unwrap_or(0))).max().unwrap_or(0).max(peak_total);
     let space = Axis::bytes(bytes_max);
     let x = |seconds: f64| LEFT + time.fraction(seconds) * (RIGHT - LEFT);
     let y = |bytes: u64| BOTTOM - space.fraction(bytes as f64) * (BOTTOM - TOP);
@@ -364,7 +368,8 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
 
     // The peak: a dot on the top of the stack, and its label beside it, kept inside the plot.
     let (px, py) = (x(peak_seconds), y(peak_total));
-    let label = format!("peak {} at {}", units::bytes(peak_total), units::duration(peak_ns));
+    let when = if between { "by" } else { "at" };
+    let label = format!("peak {} {when} {}", units::bytes(peak_total), units::duration(peak_ns));
     let (tx, anchor) = if px > RIGHT - 240.0 { (px - 8.0, "end") } else { (px + 8.0, "start") };
     let ty = if py < TOP + 20.0 { py + 18.0 } else { py - 8.0 };
     let _ = writeln!(
