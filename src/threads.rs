@@ -101,6 +101,29 @@ fn register_membarrier() {
     SLOTS.membarrier.store(membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED), Ordering::Release);
 }
 
+/// The hook's side of the asymmetric fence (see the module docs): orders the caller's
+/// stores before its loads against a [`heavy_fence`] on another thread. A compiler fence
+/// where the process is registered for the expedited membarrier, a full fence elsewhere.
+#[inline(always)]
+pub(crate) fn light_fence() {
+    if SLOTS.membarrier.load(Ordering::Relaxed) {
+        compiler_fence(Ordering::SeqCst);
+    } else {
+        fence(Ordering::SeqCst);
+    }
+}
+
+/// The waiter's side of the asymmetric fence: whatever the caller stored before it, every
+/// thread's loads after its own [`light_fence`] see; whatever a thread stored before a
+/// `light_fence` whose loads missed the caller's stores, the caller's loads after it see.
+pub(crate) fn heavy_fence() {
+    fence(Ordering::SeqCst);
+    if SLOTS.membarrier.load(Ordering::Acquire) {
+        membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
+    }
+    fence(Ordering::SeqCst);
+}
+
 fn slot(index: u32) -> &'static Slot {
     let table = SLOTS.table.load(Ordering::Acquire);
     debug_assert!(!table.is_null() && (index as usize) < MAX_THREADS);
@@ -316,11 +339,7 @@ impl InFlight {
             let seq = ts.in_flight_seq.get() | 1;
             ts.in_flight_seq.set(seq);
             slot.seq.store(seq, Ordering::Relaxed);
-            if SLOTS.membarrier.load(Ordering::Relaxed) {
-                compiler_fence(Ordering::SeqCst);
-            } else {
-                fence(Ordering::SeqCst);
-            }
+            light_fence();
             if !SLOTS.forking.load(Ordering::Relaxed) {
                 return Self { slot, ts };
             }
@@ -353,11 +372,7 @@ impl Drop for InFlight {
 /// [`crate::registry::Registry::retire_if_unused`]); `fork` from inside a spy method is the
 /// one case left out.
 pub(crate) fn quiesce(except: Option<u32>) {
-    fence(Ordering::SeqCst);
-    if SLOTS.membarrier.load(Ordering::Acquire) {
-        membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
-    }
-    fence(Ordering::SeqCst);
+    heavy_fence();
     if SLOTS.table.load(Ordering::Acquire).is_null() {
         return;
     }

@@ -10,19 +10,26 @@
 //! So while a check runs, every free notes its address here (one load of a flag otherwise).
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 
-use crate::pool;
+use crate::{pool, threads};
 
 /// Addresses noted per check at most; past them, a check can no longer tell.
 const CAPACITY: usize = 1 << 15;
 
+/// [`FreedMeanwhile::state`]: the checks running above this bit, the frees noted below it.
+const WATCHER_SHIFT: u32 = 48;
+const WATCHER: u64 = 1 << WATCHER_SHIFT;
+const NOTED_MASK: u64 = WATCHER - 1;
+
 /// The frees of the running leak checks' time.
 pub(crate) struct FreedMeanwhile {
-    /// Leak checks running; frees are noted while it is not 0.
-    watching: AtomicU32,
-    /// Frees noted since the first running check began (beyond `CAPACITY` too).
-    next: AtomicUsize,
+    /// Leak checks running (frees are noted while there is one) and frees noted since the
+    /// first of them began (beyond `CAPACITY` too), in one word: a check that starts when
+    /// none runs sets both at once. Reset apart, after the count went up, a free noted in
+    /// between was overwritten by the next (CI, 2026-12-05: a block freed meanwhile called
+    /// lost).
+    state: AtomicU64,
     /// `[AtomicUsize; CAPACITY]`, leased at the first check; null until then, or if it could
     /// not be mapped.
     addresses: AtomicPtr<AtomicUsize>,
@@ -30,33 +37,38 @@ pub(crate) struct FreedMeanwhile {
 
 impl FreedMeanwhile {
     pub(crate) const fn new() -> Self {
-        Self {
-            watching: AtomicU32::new(0),
-            next: AtomicUsize::new(0),
-            addresses: AtomicPtr::new(core::ptr::null_mut()),
-        }
+        Self { state: AtomicU64::new(0), addresses: AtomicPtr::new(core::ptr::null_mut()) }
     }
 
-    /// Notes the free of `ptr` if a check is running. For the hook path: no lock, no allocation.
+    /// Notes the free of `ptr` if a check is running. For the hook path: no lock, no
+    /// allocation. Called after the free is queued or applied: a check that began after
+    /// this load saw it (see [`Self::watch`]).
     #[inline(always)]
     pub(crate) fn note(&self, ptr: usize) {
-        if self.watching.load(Ordering::Acquire) != 0 {
+        threads::light_fence();
+        if self.state.load(Ordering::Relaxed) >= WATCHER {
             self.push(ptr);
         }
     }
 
     #[inline(never)]
     fn push(&self, ptr: usize) {
-        let i = self.next.fetch_add(1, Ordering::AcqRel);
+        let before = self.state.fetch_add(1, Ordering::AcqRel);
+        let i = (before & NOTED_MASK) as usize;
         let addresses = self.addresses.load(Ordering::Acquire);
-        if i < CAPACITY && !addresses.is_null() {
+        // A free whose check ended meanwhile notes nothing (it counted in a word the next
+        // check resets).
+        if before >= WATCHER && i < CAPACITY && !addresses.is_null() {
             // SAFETY: a non-null array has CAPACITY entries (leased in `watch`, never freed).
             unsafe { (*addresses.add(i)).store(ptr, Ordering::Release) };
         }
     }
 
     /// Starts noting frees, for a check about to take its snapshot. Leases the array the
-    /// first time (an `mmap`: not from inside a hook).
+    /// first time (an `mmap`: not from inside a hook). A free made before this returns and not
+    /// noted was queued or applied before its note looked ([`Self::note`]): the snapshot, taken
+    /// after, sees it (the asymmetric fence of `threads.rs`; a free that looked before the
+    /// count went up and queued after the snapshot was read was called lost).
     pub(crate) fn watch(&self) -> Watch<'_> {
         if self.addresses.load(Ordering::Acquire).is_null()
             && let Some(array) = pool::lease(CAPACITY * core::mem::size_of::<AtomicUsize>())
@@ -69,15 +81,21 @@ impl FreedMeanwhile {
                 Ordering::Acquire,
             );
         }
-        if self.watching.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.next.store(0, Ordering::Release);
+        let mut state = self.state.load(Ordering::Acquire);
+        loop {
+            let started = if state < WATCHER { WATCHER } else { state + WATCHER };
+            match self.state.compare_exchange_weak(state, started, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => state = now,
+            }
         }
+        threads::heavy_fence();
         Watch { log: self }
     }
 
     /// The child side of `fork`: a check of the parent's other threads does not go on here.
     pub(crate) fn after_fork_child(&self) {
-        self.watching.store(0, Ordering::Relaxed);
+        self.state.store(0, Ordering::Relaxed);
     }
 }
 
@@ -93,7 +111,7 @@ impl Watch<'_> {
     /// loop of frees went past the capacity (a lost block whose address came back was then
     /// reported: CI, 2026-12-05). Reads a word: allocates nothing, for a stopped world.
     pub(crate) fn noted(&self) -> usize {
-        self.log.next.load(Ordering::Acquire)
+        (self.log.state.load(Ordering::Acquire) & NOTED_MASK) as usize
     }
 
     /// Stops watching: the first `noted` addresses freed since [`FreedMeanwhile::watch`]
@@ -119,7 +137,7 @@ impl Watch<'_> {
 
 impl Drop for Watch<'_> {
     fn drop(&mut self) {
-        self.log.watching.fetch_sub(1, Ordering::AcqRel);
+        self.log.state.fetch_sub(WATCHER, Ordering::AcqRel);
     }
 }
 
@@ -139,7 +157,11 @@ mod tests {
         assert_eq!(watch.end(noted), Some(vec![0x2000, 0x3000]), "those noted before the threads went on");
         log.note(0x4000);
         let watch = log.watch();
-        assert_eq!(watch.end(0), Some(vec![]), "a new check starts with nothing noted");
+        assert_eq!(watch.noted(), 0, "a new check starts with nothing noted");
+        let other = log.watch();
+        log.note(0x6000);
+        drop(other);
+        assert_eq!(watch.end(1), Some(vec![0x6000]), "a check that starts while one runs resets nothing");
     }
 
     #[test]

@@ -392,14 +392,17 @@ impl MallocSpy for LeakTracker {
     }
 
     fn before_release(&self, entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
-        self.freed_meanwhile.note(ptr as usize);
+        // Noted after the record's removal is queued or done: a leak check whose snapshot
+        // missed the removal sees the note (see `freed_meanwhile.rs`).
         if entry == Entry::Free {
             if let Some(t) = self.mine() {
                 self.free_later(ptr as usize, t);
             }
+            self.freed_meanwhile.note(ptr as usize);
             return;
         }
         let removed = self.live.remove(ptr as usize);
+        self.freed_meanwhile.note(ptr as usize);
         // realloc: the outcome decides whether the block was freed.
         CallScratch::set(S_HAD_RECORD, removed.is_some() as u64);
         if let Some(r) = removed {
