@@ -673,7 +673,8 @@ impl TickSpy {
             stats.live_blocks = at_least_zero(blocks[k]) >> 10;
         }
         [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes] = self.allocator_view();
-        s.own_bytes = pool::usage().0 as u64;
+        // The pool, and the trace's queue, shared with the writer (review helper 67).
+        s.own_bytes = (pool::usage().0 + os::shared_bytes()) as u64;
         s
     }
 
@@ -900,8 +901,9 @@ fn in_callback(call: impl FnOnce()) {
 }
 
 /// A block freed (or moved by `realloc`) inside the allocator, where no spy sees it: if a tick
-/// or statistics callback freed it, and it was sampled, its sample ends here, or it stayed
-/// live in the estimates for good.
+/// or statistics callback freed it, the free counts (the exact totals missed 999 of a
+/// callback's 1000, review helper 67), and if it was sampled, its sample ends here, or it
+/// stayed live in the estimates for good.
 ///
 /// Only from a callback, which runs outside the sampled set's operations: a signal handler's
 /// free may have interrupted one that holds the very lock the sample's end takes (a program
@@ -911,10 +913,11 @@ fn in_callback(call: impl FnOnce()) {
 #[inline]
 pub(crate) fn released_unseen(ptr: usize) {
     let ts = tls::state();
-    if ts.in_tick_callback.get() == 0 {
+    if ts.in_tick_callback.get() == 0 || ptr == 0 {
         return;
     }
     if let Some(spy) = spy() {
+        spy.frees_elsewhere.fetch_add(1, Ordering::Relaxed);
         ts.in_tick_callback.set(0);
         spy.released(ptr, None);
         ts.in_tick_callback.set(1);

@@ -241,7 +241,8 @@ pub struct HeapStats {
     /// before the spy started or by a tick or statistics callback, which no `allocs` counts;
     /// so `allocs - frees` is no count of live blocks (`live_blocks` estimates that).
     pub frees: u64,
-    /// Largest estimated live bytes seen at a stats event so far.
+    /// Largest estimated live bytes so far: each sample raises it, so a peak between two
+    /// events is in the next.
     pub peak_live_bytes: u64,
     /// The real allocator's view (`mallinfo2`, as last taken: see the README): bytes of its
     /// arenas (`arena`).
@@ -252,7 +253,8 @@ pub struct HeapStats {
     pub free_bytes: u64,
     /// Bytes in use from its arenas (`uordblks`).
     pub in_use_bytes: u64,
-    /// mallocspy's own memory (its pool, its own heap included; never the watched heap).
+    /// mallocspy's own memory (its pool, its own heap included, and the trace's queue; never
+    /// the watched heap).
     pub own_bytes: u64,
 }
 
