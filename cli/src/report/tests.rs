@@ -265,7 +265,8 @@ fn the_timeline_charts_the_live_heap_and_marks_its_peak() {
     // (then 2000 at 1.5 s).
     assert!(svg.contains(">peak 2.93 KiB at 20 ns</text>"), "{svg}");
     assert!(svg.contains(">time (s)</text>") && svg.contains(">2 KiB</text>"), "{svg}");
-    assert_eq!(svg.matches("<path ").count(), 3, "one area per kind");
+    assert_eq!(svg.matches("<path ").count(), 2, "one area per kind with live bytes: small and large");
+    assert!(svg.contains(">small (estimated)</text>") && !svg.contains(">aligned (estimated)</text>"), "{svg}");
     assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
     assert!(svg.trim_end().ends_with("</svg>"));
 }

@@ -231,6 +231,11 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let x = |seconds: f64| LEFT + time.fraction(seconds) * (RIGHT - LEFT);
     let y = |bytes: u64| BOTTOM - space.fraction(bytes as f64) * (BOTTOM - TOP);
     let peak_seconds = peak_ns as f64 / 1e9;
+    // A kind with no live bytes ever has no area, and no entry in the legend: its outline,
+    // drawn at zero height along the top of the kinds below it, painted a malloc-only
+    // program's heap in the colour of `aligned` (review helper 68).
+    let present: Vec<bool> = (0..KIND_COLORS.len()).map(|k| points.iter().any(|p| p.kinds[k] > 0)).collect();
+    let present = |k: usize| present[k] || !present.contains(&true);
     let points = thin(points, |p| x(p.seconds).floor() as i64);
 
     let mut svg = String::new();
@@ -295,7 +300,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     );
 
     // The kinds, stacked: each area between the running sums below and with it.
-    for (k, color) in KIND_COLORS.iter().enumerate() {
+    for (k, color) in KIND_COLORS.iter().enumerate().filter(|&(k, _)| present(k)) {
         let below = |p: &Point| saturating_sum(&p.kinds[..k]);
         let with = |p: &Point| saturating_sum(&p.kinds[..=k]);
         let mut d = String::new();
@@ -344,7 +349,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     // character at this size).
     let mut lx = LEFT;
     let ly = TOP - 18.0;
-    for (kind, color) in Kind::ALL.iter().zip(KIND_COLORS) {
+    for (kind, color) in Kind::ALL.iter().zip(KIND_COLORS).filter(|&(&kind, _)| present(kind as usize)) {
         let text = format!("{} (estimated)", kind.name());
         let _ = writeln!(
             svg,
