@@ -34,7 +34,7 @@ impl Figures {
     pub fn add(&mut self, other: Figures) {
         self.bytes = self.bytes.saturating_add(other.bytes);
         self.objects += other.objects;
-        self.samples += other.samples;
+        self.samples = self.samples.saturating_add(other.samples);
     }
 
     fn sub(&mut self, other: Figures) {

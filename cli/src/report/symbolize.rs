@@ -24,7 +24,7 @@ use super::text::printable;
 const DEBUG_ROOT: &str = "/usr/lib/debug";
 
 /// One function of a resolved address: the address's own, or one inlined into it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct SymFrame {
     /// The demangled function name; `module+0xOFFSET` (or the bare address) when unknown.
     pub function: String,
