@@ -19,7 +19,8 @@ pub const EXAMPLES: &str = "Examples:
   mallocspy report --format flamegraph --output app.svg app.trace
 
 Each process (children too) writes its own trace; %p in --output is its pid.
-Without %p the first process writes TRACE and the others TRACE.PID.";
+Without %p the first process writes TRACE and the others TRACE.PID.
+An image replaced by exec keeps its trace as TRACE.before-exec.";
 
 #[derive(Clone, Copy, ValueEnum)]
 enum SamplingArg {
@@ -115,6 +116,65 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
     candidates.iter().filter_map(|c| Some((started(c)?, c))).max().map(|(_, c)| c.clone())
 }
 
+/// The other traces of the run that wrote `named` from `template`, started at `started_ns`
+/// (Unix time) or later: its descendants' (`TRACE.PID`, or the template with their pid) and
+/// its images' before an `exec` (`.before-exec`), largest first, each with its program's name
+/// and its size.
+/// A run of a shell script left dozens, and `record` named only the first process's (review
+/// helper 68). Only those in `named`'s directory are looked for (a `%p` in a directory name
+/// is not followed).
+fn other_traces(template: &str, named: &str, started_ns: u64) -> Vec<(String, String, u64)> {
+    const SENTINEL: u32 = 4_000_000_123;
+    let pattern = expand_path(template, SENTINEL);
+    let (dir, file) = match Path::new(&pattern).parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => (dir.to_path_buf(), &pattern[dir.as_os_str().len() + 1..]),
+        _ => (PathBuf::from("."), pattern.as_str()),
+    };
+    if dir.to_string_lossy().contains(&SENTINEL.to_string()) || file.matches(&SENTINEL.to_string()).count() > 1 {
+        return Vec::new();
+    }
+    let (before, after) = file.split_once(&SENTINEL.to_string()).unwrap_or((file, ""));
+    // The file name, less the pid where the template has `%p`, up to what a process adds.
+    let ours = |name: &str| -> bool {
+        let Some(rest) = name.strip_prefix(before) else { return false };
+        let rest = if names_pid(template) {
+            let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            if digits == 0 {
+                return false;
+            }
+            &rest[digits..]
+        } else {
+            rest
+        };
+        let Some(rest) = rest.strip_prefix(after) else { return false };
+        rest.is_empty() || rest.starts_with('.')
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else { return Vec::new() };
+    let mut found: Vec<(std::cmp::Reverse<u64>, String, String)> = entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            if !ours(&name) || !e.file_type().ok()?.is_file() {
+                return None;
+            }
+            let path = if file == pattern { name } else { dir.join(name).to_string_lossy().into_owned() };
+            if path == named {
+                return None;
+            }
+            let file = std::fs::File::open(&path).ok()?;
+            let size = file.metadata().ok()?.len();
+            let header = mallocspy::trace::header_of(file)?;
+            let program = header.command.first().map(|c| c.rsplit('/').next().unwrap_or(c).to_string());
+            (header.start_unix_ns >= started_ns).then(|| (std::cmp::Reverse(size), path, program.unwrap_or_default()))
+        })
+        .collect();
+    found.sort();
+    found.into_iter().map(|(size, path, program)| (path, program, size.0)).collect()
+}
+
+/// Traces [`other_traces`] names in its line at most.
+const OTHERS_LISTED: usize = 5;
+
 /// `path` as a shell reads it back: as is when it has no character a shell treats specially,
 /// else in single quotes (the hint after a trace's name is to be pasted).
 fn shell_quoted(path: &str) -> String {
@@ -150,6 +210,8 @@ pub fn record(args: RecordArgs) -> ExitCode {
         .chain(args.stats_interval_ms.map(|ms| format!("stats_interval_ms={ms}")))
         .chain(args.stack_depth.map(|n| format!("stack_depth={n}")))
         .collect();
+    let started_ns =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let (pid, status) = match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
         Ok(done) => done,
         Err(code) => return code,
@@ -174,6 +236,21 @@ pub fn record(args: RecordArgs) -> ExitCode {
         }
         Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
     }
+    let others = other_traces(&output, &trace, started_ns);
+    if !others.is_empty() {
+        let listed: Vec<String> = others
+            .iter()
+            .take(OTHERS_LISTED)
+            .map(|(path, program, size)| format!("{} ({program}, {size} bytes)", shell_quoted(path)))
+            .collect();
+        let more = others.len().saturating_sub(OTHERS_LISTED);
+        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+        say!(
+            "mallocspy: {} other trace(s) of this run (child processes, images before an exec), largest first: {}{more}",
+            others.len(),
+            listed.join(", ")
+        );
+    }
     launch::forward(status)
 }
 
@@ -187,6 +264,35 @@ mod tests {
         assert_eq!(shell_quoted("/tmp/a.trace"), "/tmp/a.trace");
         assert_eq!(shell_quoted("/tmp/my dir/a.trace"), "'/tmp/my dir/a.trace'");
         assert_eq!(shell_quoted("/tmp/it's.trace"), r"'/tmp/it'\''s.trace'");
+    }
+
+    #[test]
+    fn the_other_traces_of_a_run_are_those_its_template_names_since_it_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, bytes: usize, start_unix_ns: u64| {
+            let mut file = Vec::new();
+            let command = vec![format!("/bin/{name}-program")];
+            write_header(&mut file, &Header { pid: 1, start_unix_ns, command, ..Header::default() });
+            file.resize(file.len() + bytes, 0);
+            std::fs::write(dir.path().join(name), file).unwrap();
+        };
+        for (name, bytes) in [("m.5.trace", 0), ("m.6.trace", 10), ("m.5.trace.before-exec", 20), ("m.x.trace", 0)] {
+            write(name, bytes, 1_000);
+        }
+        write("m.7.trace", 0, 999);
+        write("other", 0, 1_000);
+        let at = |name: &str| dir.path().join(name).display().to_string();
+        let found = other_traces(&at("m.%p.trace"), &at("m.5.trace"), 1_000);
+        let names: Vec<(&str, &str)> =
+            found.iter().map(|(path, program, _)| (path.rsplit('/').next().unwrap(), program.as_str())).collect();
+        assert_eq!(
+            names,
+            [("m.5.trace.before-exec", "m.5.trace.before-exec-program"), ("m.6.trace", "m.6.trace-program")]
+        );
+        // Without %p: TRACE.anything.
+        let found = other_traces(&at("m.5.trace"), &at("m.5.trace"), 1_000);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert!(found[0].0.ends_with("m.5.trace.before-exec"));
     }
 
     #[test]

@@ -158,10 +158,14 @@ fn unix_now_ns() -> u64 {
 /// `MALLOCSPY_OPTIONS` its descendants inherit: a child that `exec`d after its parent had
 /// ended found the path unlocked and truncated the parent's trace). So does a process that
 /// finds it locked by another's writer (a run started while another writes the same path).
-/// A trace locked by the writer of this very process's image before an `exec` (its header
-/// has our pid) is replaced as with `%p`: the program a wrapper `exec`s (pyenv's shim of
-/// `python3` is a bash script) is the one asked for, and it wrote `PATH.PID` while `PATH`
-/// kept the wrapper's few milliseconds.
+/// A trace of this very process's image before an `exec` (its header has our pid) is
+/// replaced as with `%p`, whether its writer still holds it or not: the program a wrapper
+/// `exec`s (pyenv's shim of `python3` is a bash script) is the one asked for, and it wrote
+/// `PATH.PID` while `PATH` kept the wrapper's few milliseconds.
+///
+/// Replaced, an earlier image's trace is kept beside as `PATH.before-exec` (`.2`, `.3` ...
+/// for more): a child that worked for minutes and then `exec`d lost its trace to the new
+/// program's (review helper 68), and an exec'd image's writer may still be flushing into it.
 fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
@@ -172,10 +176,14 @@ fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
         return replace(format!("{path}.{pid}"));
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
+    let before_exec = header_pid(&path) == Some(pid);
     if locked_by_another(fd) {
-        let before_exec = header_pid(&path) == Some(pid);
         close(fd);
         return replace(if before_exec { path } else { format!("{path}.{pid}") });
+    }
+    if before_exec {
+        close(fd);
+        return replace(path);
     }
     // SAFETY: truncating a file we opened for writing.
     unsafe { libc::ftruncate(fd, 0) };
@@ -238,8 +246,12 @@ fn header_pid(path: &str) -> Option<u32> {
     super::header_of(std::fs::File::open(path).ok()?).map(|h| h.pid)
 }
 
-/// A new, empty, locked file at `path`, replacing a regular file there (see [`open`]).
+/// A new, empty, locked file at `path`, replacing a regular file there: the trace of an
+/// earlier image of this process is kept beside (see [`open`]), anything else unlinked.
 fn replace(path: String) -> Result<(i32, String), String> {
+    if header_pid(&path) == Some(os::getpid()) {
+        keep_beside(&path);
+    }
     if let Ok(c) = std::ffi::CString::new(path.as_str()) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
@@ -254,6 +266,35 @@ fn replace(path: String) -> Result<(i32, String), String> {
     // A new file: the lock is ours, for the next process to find.
     locked_by_another(fd);
     Ok((fd, path))
+}
+
+/// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...
+/// Without the rename (another file system's refusal, a hundred taken), it stays, to be
+/// replaced.
+fn keep_beside(path: &str) {
+    let Ok(from) = std::ffi::CString::new(path) else { return };
+    for n in 1..=100 {
+        let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
+        let Ok(to) = std::ffi::CString::new(name) else { return };
+        // SAFETY: two NUL-terminated paths; RENAME_NOREPLACE fails rather than replace `to`.
+        let renamed = unsafe {
+            libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE)
+        } == 0;
+        match (renamed, os::errno()) {
+            (true, _) => return,
+            (false, libc::EEXIST) => continue,
+            // A file system without RENAME_NOREPLACE: look first.
+            (false, libc::EINVAL | libc::ENOSYS) => {
+                // SAFETY: as above; `access` only looks.
+                if unsafe { libc::access(to.as_ptr(), libc::F_OK) } != 0 {
+                    // SAFETY: as above.
+                    unsafe { libc::rename(from.as_ptr(), to.as_ptr()) };
+                    return;
+                }
+            }
+            (false, _) => return,
+        }
+    }
 }
 
 /// Takes `fd`'s file lock without waiting; `true` when another open file (another process's
@@ -889,6 +930,41 @@ mod tests {
         assert_eq!(trace.len() as u64, written);
         assert_eq!(super::super::Reader::new(&trace).unwrap().header().command, ["echo"]);
         assert!(!std::path::Path::new(&format!("{template}.{}", os::getpid())).exists());
+        let kept = std::fs::read(format!("{template}.before-exec")).unwrap();
+        assert_eq!(super::super::Reader::new(&kept).unwrap().header().command, ["sh"], "the earlier image's, kept");
+    }
+
+    /// The trace of an image that worked and then `exec`d is kept beside the new one's, with
+    /// what its writer adds after the `exec`, whether or not that writer still held it, with
+    /// `%p` or without (review helper 68: a child's 744 MiB of work gone without a word).
+    #[test]
+    fn the_trace_of_an_image_before_an_exec_is_kept_beside() {
+        let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let header =
+            |command: &str| Header { pid: os::getpid(), command: vec![command.to_string()], ..Header::default() };
+        let command = |path: &str| {
+            let bytes = std::fs::read(path).unwrap();
+            super::super::Reader::new(&bytes).unwrap().header().command.clone()
+        };
+        for name in ["t.%p.trace", "shared.trace"] {
+            let template = dir.path().join(name);
+            let template = template.to_str().unwrap();
+            let path = options::expand_path(template, os::getpid());
+            // The first image's writer still writes; the second's is done when the third starts.
+            let (first, _, _) = create(template, false, &header("worker")).unwrap();
+            let (second, second_path, _) = create(template, false, &header("sh")).unwrap();
+            assert!(os::write_all(first, b"+"), "the first image's writer flushes its last events");
+            close(first);
+            close(second);
+            let (third, third_path, _) = create(template, false, &header("ls")).unwrap();
+            close(third);
+            assert_eq!((second_path.as_str(), third_path.as_str()), (path.as_str(), path.as_str()));
+            assert_eq!(command(&path), ["ls"]);
+            assert_eq!(command(&format!("{path}.before-exec")), ["worker"]);
+            assert!(std::fs::read(format!("{path}.before-exec")).unwrap().ends_with(b"+"));
+            assert_eq!(command(&format!("{path}.before-exec.2")), ["sh"]);
+        }
     }
 
     /// The program writes nothing into a FIFO: a write there after the reader closed raised

@@ -187,7 +187,7 @@ fn run(args: &ReportArgs) -> Result<(), String> {
         say!("mallocspy report: warning: {shown} is cut at offset {offset}; reporting the events before it");
     } else if profile.end_ns.is_none() {
         say!(
-            "mallocspy report: warning: {shown} has no end record: the program did not exit normally; reporting the events it has"
+            "mallocspy report: warning: {shown} has no end record: the program did not exit normally (killed, or replaced by exec); reporting the events it has"
         );
     }
     let report = Report::new(path, &profile, &symbols, args.top as usize);

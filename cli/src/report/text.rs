@@ -104,7 +104,8 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     if p.end_ns.is_none() {
         let why = match p.truncated_at {
             Some(offset) => format!("the trace is cut at offset {offset}"),
-            None => "no end record: the program did not exit normally, or still runs".to_string(),
+            None => "no end record: the program did not exit normally (killed, or replaced by exec), or still runs"
+                .to_string(),
         };
         writeln!(out, "  incomplete   {why}; the figures go up to its last whole event")?;
     }
