@@ -1056,6 +1056,30 @@ fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_go
     assert_eq!(ip.revoke(), Ok(()));
 }
 
+/// A block freed and allocated again at its address, by the same call with the same size on
+/// the same thread, gets a record of its own: the leak check takes a block whose record is
+/// unchanged for the one it scanned, and such a block, freed while the exit's check ran, was
+/// called lost (CI, twice).
+#[test]
+fn an_address_allocated_again_from_the_same_call_gets_a_record_of_its_own() {
+    let _serial = serial();
+    let ip = fresh();
+    let tracker: &'static LeakTracker = Box::leak(Box::new(LeakTracker::new(8).unwrap()));
+    ip.register_static(tracker).unwrap();
+    let mut seen: Vec<(usize, crate::spies::leaks::Record)> = Vec::new();
+    for _ in 0..20 {
+        let p = ip.malloc(4096);
+        tracker.apply_all_pending();
+        seen.push((p as usize, tracker.live.get(p as usize).expect("recorded")));
+        // SAFETY: p is a live block.
+        unsafe { ip.free(p) };
+    }
+    let (first, again) = (seen[0], seen.iter().skip(1).find(|(p, _)| *p == seen[0].0).expect("the address came back"));
+    assert!(first.1.stack == again.1.stack && first.1.size() == again.1.size(), "the same call, the same size");
+    assert!(first.1 != again.1, "another record");
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 /// An observer counting the allocations it is shown.
 struct Seen(AtomicUsize);
 

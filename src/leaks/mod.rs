@@ -2,7 +2,6 @@
 //! allocated. `scan` classifies, `roots` finds where the program's pointers live while `stop`
 //! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
-pub(crate) mod freed_meanwhile;
 pub(crate) mod report;
 mod restart;
 pub(crate) mod roots;
@@ -208,7 +207,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     // The check's own calls into the C library are not a signal handler's.
     let scope_sp = ts.scope_sp.replace(0);
 
-    let watch = tracker.freed_meanwhile.watch();
     let mut blocks = tracker.snapshot();
     blocks.sort_unstable_by_key(|b| b.0);
     // A record whose block overlaps the previous one is stale (its free went unseen).
@@ -324,7 +322,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     cut_out(&mut regions, &mut region_kinds, &own_blocks);
     let memory = ProcessMemory::new(&maps, buffers);
     scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
-    let freed_before_resuming = watch.noted();
     drop(stopped);
     memory.others_run();
     // Suppressions, as LeakSanitizer has them: a suppressed leak takes with it what it reaches.
@@ -372,19 +369,15 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind, suppressed_by }
         })
         .collect();
-    // The other threads ran on between the snapshot and their stop: a block one of them freed
-    // meanwhile has no pointer left and would be called lost. A lost block is the program's
-    // only while its record is still the one taken (a free is applied before the next record)
-    // and no free of its address was noted (the record of a new block there may be the same).
+    // The other threads ran on between the snapshot and their stop, and again once resumed: a
+    // block one of them freed meanwhile has no pointer left and would be called lost. A lost
+    // block is the program's only while its record is still the one taken (a free is applied
+    // before the next record, and a new block at the address has another serial).
     tracker.apply_all_pending();
-    let freed = watch.end(freed_before_resuming).unwrap_or_default();
     let freed_meanwhile: Vec<bool> = blocks
         .iter()
         .zip(&classified)
-        .map(|((addr, r), c)| {
-            c.kind != LeakKind::StillReachable
-                && (tracker.live.get(*addr as usize) != Some(*r) || freed.binary_search(addr).is_ok())
-        })
+        .map(|((addr, r), c)| c.kind != LeakKind::StillReachable && tracker.live.get(*addr as usize) != Some(*r))
         .collect();
     let stats = tracker.stats();
     let retained = if reachable_stacks {
