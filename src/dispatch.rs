@@ -346,8 +346,9 @@ impl<H: Heap> Interposer<H> {
 
     #[inline]
     pub(crate) fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
-        // As `posix_memalign`: glibc 2.38 refuses what it refuses.
-        if self.registry.is_empty() || (alignment_accepted(align) && self.gate.pass_alloc(size, gate::ALIGNED)) {
+        // As `posix_memalign`: glibc 2.38 refuses an alignment that is no power of two (and
+        // takes a small one for 8 or 16).
+        if self.registry.is_empty() || (align.is_power_of_two() && self.gate.pass_alloc(size, gate::ALIGNED)) {
             return self.heap.aligned_alloc(align, size);
         }
         self.alloc(AllocRequest { entry: Entry::AlignedAlloc, kind: Kind::AlignedAlloc, size, asked: size, align }).ptr

@@ -126,9 +126,10 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
 fn other_traces(template: &str, named: &str, started_ns: u64) -> Vec<(String, String, u64)> {
     const SENTINEL: u32 = 4_000_000_123;
     let pattern = expand_path(template, SENTINEL);
-    let (dir, file) = match Path::new(&pattern).parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => (dir.to_path_buf(), &pattern[dir.as_os_str().len() + 1..]),
-        _ => (PathBuf::from("."), pattern.as_str()),
+    let Some(file) = Path::new(&pattern).file_name().and_then(|f| f.to_str()) else { return Vec::new() };
+    let dir = match Path::new(&pattern).parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+        _ => PathBuf::from("."),
     };
     if dir.to_string_lossy().contains(&SENTINEL.to_string()) || file.matches(&SENTINEL.to_string()).count() > 1 {
         return Vec::new();
@@ -158,7 +159,8 @@ fn other_traces(template: &str, named: &str, started_ns: u64) -> Vec<(String, St
                 return None;
             }
             let path = if file == pattern { name } else { dir.join(name).to_string_lossy().into_owned() };
-            if path == named {
+            // `named` as the template spells it (`dir//t.trace`), `path` as joined.
+            if Path::new(&path) == Path::new(named) {
                 return None;
             }
             let file = std::fs::File::open(&path).ok()?;
@@ -293,6 +295,9 @@ mod tests {
         let found = other_traces(&at("m.5.trace"), &at("m.5.trace"), 1_000);
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].0.ends_with("m.5.trace.before-exec"));
+        // A doubled slash (review helper 69).
+        let doubled = format!("{}//m.5.trace", dir.path().display());
+        assert_eq!(other_traces(&doubled, &doubled, 1_000).len(), 1);
     }
 
     #[test]
