@@ -1500,20 +1500,28 @@ fn the_traced_totals_are_what_the_count_spy_counts() {
     }
 }
 
+/// The exit statistics of `program` run with `n` under `spy=ticks`, which prints
+/// `failed: F` with F its failed calls, `per_n` times `n`.
+fn exit_stats_of_failing_calls(program: &Path, n: u32, per_n: u32) -> mallocspy::trace::HeapStats {
+    let dir = tempfile::tempdir().unwrap();
+    let options = format!("spy=ticks:trace={}", dir.path().join("t.trace").display());
+    let out = Command::new(program)
+        .arg(n.to_string())
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), format!("failed: {}\n", per_n * n), "{}", text(&out.stderr));
+    exit_stats_of(&traces(dir.path())[0])
+}
+
 /// A realloc that fails frees nothing: it was counted as a free before the real call, and
 /// the exact totals said 4 frees of a program that made one (review helper 40).
 #[test]
 fn a_failed_realloc_is_not_counted_as_a_free() {
     let program = c_program("failed_realloc.c");
-    let frees = |n: &str| {
-        let dir = tempfile::tempdir().unwrap();
-        let options = format!("spy=ticks:trace={}", dir.path().join("t.trace").display());
-        let out =
-            Command::new(&program).arg(n).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output().unwrap();
-        assert_eq!(text(&out.stdout), format!("failed: {}\n", 2 * n.parse::<u32>().unwrap()), "{}", text(&out.stderr));
-        exit_stats_of(&traces(dir.path())[0]).frees
-    };
-    assert_eq!(frees("3"), frees("0"));
+    let frees = |n| exit_stats_of_failing_calls(&program, n, 2).frees;
+    assert_eq!(frees(3), frees(0));
 }
 
 /// A `posix_memalign` of an alignment glibc refuses allocates nothing: the sampling gate
@@ -1522,16 +1530,8 @@ fn a_failed_realloc_is_not_counted_as_a_free() {
 #[test]
 fn a_refused_alignment_is_not_counted() {
     let program = c_program("invalid_alignment.c");
-    let aligned = |n: &str| {
-        let dir = tempfile::tempdir().unwrap();
-        let options = format!("spy=ticks:trace={}", dir.path().join("t.trace").display());
-        let out =
-            Command::new(&program).arg(n).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options).output().unwrap();
-        assert_eq!(text(&out.stdout), format!("failed: {}\n", 3 * n.parse::<u32>().unwrap()), "{}", text(&out.stderr));
-        let kind = exit_stats_of(&traces(dir.path())[0]).kinds[mallocspy::trace::Kind::Aligned as usize];
-        (kind.allocs, kind.bytes)
-    };
-    assert_eq!(aligned("1000"), (10, 160));
+    let kind = exit_stats_of_failing_calls(&program, 1000, 3).kinds[mallocspy::trace::Kind::Aligned as usize];
+    assert_eq!((kind.allocs, kind.bytes), (10, 160));
 }
 
 /// The writer drains every `stats_interval_ms`, but a burst of messages that would fill the
