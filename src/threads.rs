@@ -105,7 +105,7 @@ fn register_membarrier() {
 /// stores before its loads against a [`heavy_fence`] on another thread. A compiler fence
 /// where the process is registered for the expedited membarrier, a full fence elsewhere.
 #[inline(always)]
-pub(crate) fn light_fence() {
+fn light_fence() {
     if SLOTS.membarrier.load(Ordering::Relaxed) {
         compiler_fence(Ordering::SeqCst);
     } else {
@@ -116,7 +116,7 @@ pub(crate) fn light_fence() {
 /// The waiter's side of the asymmetric fence: whatever the caller stored before it, every
 /// thread's loads after its own [`light_fence`] see; whatever a thread stored before a
 /// `light_fence` whose loads missed the caller's stores, the caller's loads after it see.
-pub(crate) fn heavy_fence() {
+fn heavy_fence() {
     fence(Ordering::SeqCst);
     if SLOTS.membarrier.load(Ordering::Acquire) {
         membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED);
