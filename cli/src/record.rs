@@ -119,22 +119,22 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
 /// The other traces of the run that wrote `named` from `template`, started at `started_ns`
 /// (Unix time) or later: its descendants' (`TRACE.PID`, or the template with their pid) and
 /// its images' before an `exec` (`.before-exec`), largest first, each with its program's name
-/// and its size.
-/// A run of a shell script left dozens, and `record` named only the first process's (review
+/// and its size. A run of a shell script left dozens, and `record` named only the first process's (review
 /// helper 68). Only those in `named`'s directory are looked for (a `%p` in a directory name
 /// is not followed).
 fn other_traces(template: &str, named: &str, started_ns: u64) -> Vec<(String, String, u64)> {
     const SENTINEL: u32 = 4_000_000_123;
     let pattern = expand_path(template, SENTINEL);
+    let sentinel = SENTINEL.to_string();
     let Some(file) = Path::new(&pattern).file_name().and_then(|f| f.to_str()) else { return Vec::new() };
     let dir = match Path::new(&pattern).parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    if dir.to_string_lossy().contains(&SENTINEL.to_string()) || file.matches(&SENTINEL.to_string()).count() > 1 {
+    if dir.to_string_lossy().contains(&sentinel) || file.matches(&sentinel).count() > 1 {
         return Vec::new();
     }
-    let (before, after) = file.split_once(&SENTINEL.to_string()).unwrap_or((file, ""));
+    let (before, after) = file.split_once(&sentinel).unwrap_or((file, ""));
     // The file name, less the pid where the template has `%p`, up to what a process adds.
     let ours = |name: &str| -> bool {
         let Some(rest) = name.strip_prefix(before) else { return false };
