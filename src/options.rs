@@ -105,10 +105,6 @@ pub struct Options {
     /// The process that took a `trace` path without `%p`, set by mallocspy in that process's
     /// environment for its descendants (see [`crate::trace`]'s writer); 0: none.
     pub trace_owner: u32,
-    /// The process whose image wrote a trace last, set by mallocspy in each traced process's
-    /// environment: after an `exec` it is this process's own pid (see [`crate::trace`]'s
-    /// writer); 0: none.
-    pub trace_image: u32,
     /// Period of the heap statistics events.
     pub stats_interval_ms: u64,
     /// How a leak check stops the other threads.
@@ -133,7 +129,6 @@ impl Default for Options {
             sample_seed: None,
             trace: None,
             trace_owner: 0,
-            trace_image: 0,
             stats_interval_ms: 100,
             stop_threads: StopThreads::Auto,
         }
@@ -321,7 +316,6 @@ impl Options {
                 "trace" if !value.is_empty() => o.trace = Some(value.to_string()),
                 "trace" => return Err(bad("trace", "a file path")),
                 "trace_owner" => o.trace_owner = value.parse().map_err(|_| bad("trace_owner", "a process id"))?,
-                "trace_image" => o.trace_image = value.parse().map_err(|_| bad("trace_image", "a process id"))?,
                 "stats_interval_ms" => {
                     o.stats_interval_ms = value
                         .parse()
@@ -399,7 +393,6 @@ mod tests {
         assert_eq!((o.sample_interval, o.sample_seed, o.stats_interval_ms), (512 << 10, Some(7), 20));
         assert_eq!(o.trace.as_deref(), Some("t.%p"));
         assert_eq!((o.trace_owner, Options::parse("trace_owner=4242").unwrap().trace_owner), (0, 4242));
-        assert_eq!((o.trace_image, Options::parse("trace_image=77").unwrap().trace_image), (0, 77));
         assert_eq!(Options::default().sample_interval, 102_400);
         assert_eq!(Options::default().stop_threads, StopThreads::Auto);
         assert_eq!(Options::parse("stop_threads=signal").unwrap().stop_threads, StopThreads::Signal);

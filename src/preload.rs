@@ -199,7 +199,7 @@ fn register_spies() {
                 say("log_path and trace name the same file; reports go to stderr");
             }
             let o = &builtins.options;
-            if let Err(e) = writer::start(spy, trace, (o.trace_owner, o.trace_image), &text, o.stats_interval_ms) {
+            if let Err(e) = writer::start(spy, trace, o.trace_owner, &text, o.stats_interval_ms) {
                 say(&format!("{e}; sampling without a trace"));
             }
         }

@@ -112,9 +112,6 @@ pub(crate) struct Writer {
     /// `trace_owner`: the process that took `template` (without `%p`) first, as this process's
     /// environment names it (this one after an `exec`, an ancestor, or 0 for none; see [`open`]).
     owner: u32,
-    /// `trace_image`: the process whose image wrote a trace last, as this process's
-    /// environment names it: this one after an `exec` (see [`open`]).
-    image: u32,
     /// The header, but for the pid and the start time of each process.
     header: Header,
     interval_ms: u64,
@@ -169,29 +166,24 @@ fn unix_now_ns() -> u64 {
 /// Replaced, an earlier image's trace is kept beside as `PATH.before-exec` (`.2`, `.3` ...
 /// for more): a child that worked for minutes and then `exec`d lost its trace to the new
 /// program's (review helper 68), and an exec'd image's writer may still be flushing into it.
-///
-/// An earlier image of this process is known by the environment it left (`after_exec`: its
-/// `trace_image` is our pid) and by its trace's header (our pid): a header alone also
-/// matched a trace left by an earlier run with the same pid (a container's pid 1), which
-/// each run then kept as `.before-exec` (review helper 69).
-fn open(template: &str, descendant: bool, after_exec: bool) -> Result<(i32, String), String> {
+fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
     if options::names_pid(template) {
-        return replace(path, after_exec);
+        return replace(path);
     }
     if descendant {
-        return replace(format!("{path}.{pid}"), after_exec);
+        return replace(format!("{path}.{pid}"));
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
-    let before_exec = after_exec && earlier_image(&path);
+    let before_exec = header_pid(&path) == Some(pid);
     if locked_by_another(fd) {
         close(fd);
-        return replace(if before_exec { path } else { format!("{path}.{pid}") }, after_exec);
+        return replace(if before_exec { path } else { format!("{path}.{pid}") });
     }
     if before_exec {
         close(fd);
-        return replace(path, true);
+        return replace(path);
     }
     // SAFETY: truncating a file we opened for writing.
     unsafe { libc::ftruncate(fd, 0) };
@@ -204,13 +196,8 @@ fn open(template: &str, descendant: bool, after_exec: bool) -> Result<(i32, Stri
 /// header was not always there yet (a shell's chain of `exec`s left an image's trace at
 /// `PATH.PID`, 3 runs in 20). Anything else (a FIFO, a device) is left to the writer, which
 /// blocks every signal: the program's own write to a FIFO its reader closed raised `SIGPIPE`.
-fn create(
-    template: &str,
-    descendant: bool,
-    after_exec: bool,
-    header: &Header,
-) -> Result<(i32, String, HeaderWrite), String> {
-    let (fd, path) = open(template, descendant, after_exec)?;
+fn create(template: &str, descendant: bool, header: &Header) -> Result<(i32, String, HeaderWrite), String> {
+    let (fd, path) = open(template, descendant)?;
     if !is_regular(fd) {
         return Ok((fd, path, HeaderWrite::ByWriter));
     }
@@ -250,33 +237,27 @@ fn remove_trace(path: &str) {
     }
 }
 
-/// Whether the file at `path` holds a trace of this process's pid: a regular file (a FIFO's
-/// read would take the reader's bytes, and wait for ever on our own open end) whose header
-/// says so.
-fn earlier_image(path: &str) -> bool {
-    let header = || {
-        if !std::fs::metadata(path).ok()?.is_file() {
-            return None;
-        }
-        super::header_of(std::fs::File::open(path).ok()?)
-    };
-    header().is_some_and(|h| h.pid == os::getpid())
+/// The pid in the header of the trace at `path`, if it is one: a regular file (a FIFO's read
+/// would take the reader's bytes, and wait for ever on our own open end).
+fn header_pid(path: &str) -> Option<u32> {
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    super::header_of(std::fs::File::open(path).ok()?).map(|h| h.pid)
 }
 
 /// A new, empty, locked file at `path`, replacing a regular file there: the trace of an
-/// earlier image of this process (`after_exec`, and its header says so) is kept beside (see
-/// [`open`]), anything else unlinked.
-fn replace(path: String, after_exec: bool) -> Result<(i32, String), String> {
+/// earlier image of this process is kept beside (see [`open`]), anything else unlinked.
+fn replace(path: String) -> Result<(i32, String), String> {
+    if header_pid(&path) == Some(os::getpid()) {
+        keep_beside(&path);
+    }
     if let Ok(c) = std::ffi::CString::new(path.as_str()) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
-        // directory) leaves the truncating open below to do what it can. A symbolic link
-        // stays, to be written through.
-        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0
-            && st.st_mode & libc::S_IFMT == libc::S_IFREG
-            && !(after_exec && earlier_image(&path) && keep_beside(&path))
-        {
+        // directory) leaves the truncating open below to do what it can.
+        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
             // SAFETY: as above.
             unsafe { libc::unlink(c.as_ptr()) };
         }
@@ -287,32 +268,33 @@ fn replace(path: String, after_exec: bool) -> Result<(i32, String), String> {
     Ok((fd, path))
 }
 
-/// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...;
-/// whether it did (another file system's refusal, a hundred taken: it is replaced).
-fn keep_beside(path: &str) -> bool {
-    let Ok(from) = std::ffi::CString::new(path) else { return false };
+/// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...
+/// Without the rename (another file system's refusal, a hundred taken), it stays, to be
+/// replaced.
+fn keep_beside(path: &str) {
+    let Ok(from) = std::ffi::CString::new(path) else { return };
     for n in 1..=100 {
         let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
-        let Ok(to) = std::ffi::CString::new(name) else { return false };
+        let Ok(to) = std::ffi::CString::new(name) else { return };
         // SAFETY: two NUL-terminated paths; RENAME_NOREPLACE fails rather than replace `to`.
         let renamed = unsafe {
             libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE)
         } == 0;
         match (renamed, os::errno()) {
-            (true, _) => return true,
+            (true, _) => return,
             (false, libc::EEXIST) => continue,
             // A file system without RENAME_NOREPLACE: look first.
             (false, libc::EINVAL | libc::ENOSYS) => {
                 // SAFETY: as above; `access` only looks.
                 if unsafe { libc::access(to.as_ptr(), libc::F_OK) } != 0 {
                     // SAFETY: as above.
-                    return unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } == 0;
+                    unsafe { libc::rename(from.as_ptr(), to.as_ptr()) };
+                    return;
                 }
             }
-            (false, _) => return false,
+            (false, _) => return,
         }
     }
-    false
 }
 
 /// Takes `fd`'s file lock without waiting; `true` when another open file (another process's
@@ -325,19 +307,13 @@ fn locked_by_another(fd: i32) -> bool {
     failed && os::errno() == libc::EWOULDBLOCK
 }
 
-/// Sets `key=value` in this process's `MALLOCSPY_OPTIONS` (in place of any earlier `key=`),
-/// which its descendants, and its next image after an `exec`, inherit: `trace_owner` makes
-/// descendants write `PATH.PID`, `trace_image` tells an image after an `exec` that the trace
-/// of its pid is its earlier image's (see [`open`]). Called at start-up, before the program's
-/// code runs; the entry replaces the variable's in `environ` (no other variable is added, and
-/// the program sees keys of ours in a variable that is ours).
-fn set_option_for_successors(key: &str, value: u32) {
+/// Adds `trace_owner=PID` to this process's `MALLOCSPY_OPTIONS`, which its descendants
+/// inherit: they then write `PATH.PID` (see [`open`]). Called at start-up, before the
+/// program's code runs; the entry replaces the variable's in `environ` (no other variable is
+/// added, and the program sees one more key in a variable that is ours).
+fn name_owner_for_descendants(pid: u32) {
     let Ok(options) = std::env::var("MALLOCSPY_OPTIONS") else { return };
-    let prefix = format!("{key}=");
-    let kept: Vec<&str> = options.split(':').filter(|pair| !pair.trim().starts_with(&prefix)).collect();
-    let Ok(entry) = std::ffi::CString::new(format!("MALLOCSPY_OPTIONS={}:{key}={value}", kept.join(":"))) else {
-        return;
-    };
+    let Ok(entry) = std::ffi::CString::new(format!("MALLOCSPY_OPTIONS={options}:trace_owner={pid}")) else { return };
     // SAFETY: a NUL-terminated `name=value` string that is never freed (putenv keeps it);
     // replacing an existing variable, glibc's putenv allocates nothing.
     unsafe { libc::putenv(entry.into_raw()) };
@@ -604,15 +580,11 @@ impl Writer {
     fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
         let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
         let descendant = forked || (self.owner != 0 && self.owner != header.pid);
-        let after_exec = !forked && self.image == header.pid;
-        let (trace_fd, path, header_write) = create(&self.template, descendant, after_exec, &header)?;
+        let (trace_fd, path, header_write) = create(&self.template, descendant, &header)?;
         let took_the_path =
             !options::names_pid(&self.template) && path == options::expand_path(&self.template, header.pid);
         if took_the_path && self.owner != header.pid {
-            set_option_for_successors("trace_owner", header.pid);
-        }
-        if self.image != header.pid {
-            set_option_for_successors("trace_image", header.pid);
+            name_owner_for_descendants(header.pid);
         }
         // A writer that cannot start leaves no empty trace behind.
         let give_up = |fds: &[i32], why: String| {
@@ -883,7 +855,7 @@ fn keep_only(keep: &[i32]) {
 pub(crate) fn start(
     spy: &'static TickSpy,
     template: &str,
-    (owner, image): (u32, u32),
+    owner: u32,
     options: &str,
     stats_interval_ms: u64,
 ) -> Result<&'static Writer, String> {
@@ -900,7 +872,6 @@ pub(crate) fn start(
         spy,
         template: template.to_string(),
         owner,
-        image,
         header,
         interval_ms: stats_interval_ms.max(1),
         ring: AtomicPtr::new(core::ptr::null_mut()),
@@ -925,10 +896,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("t.%p.trace");
         let template = template.to_str().unwrap();
-        let before_exec = open(template, false, false).unwrap().0;
+        let before_exec = open(template, false).unwrap().0;
         assert!(os::write_all(before_exec, b"old image's header and events"));
         // The image after exec opens the same path (same pid) and writes its trace ...
-        let after_exec = open(template, false, true).unwrap().0;
+        let after_exec = open(template, false).unwrap().0;
         assert!(os::write_all(after_exec, b"new"));
         // ... while the old image's writer flushes its last events.
         assert!(os::write_all(before_exec, b" and the last ones"));
@@ -946,15 +917,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("exec.trace");
         let template = template.to_str().unwrap();
-        let header = |command: &str| Header {
-            pid: os::getpid(),
-            command: vec![command.to_string()],
-            start_unix_ns: unix_now_ns(),
-            ..Header::default()
-        };
-        let (before_exec, path, _) = create(template, false, false, &header("sh")).unwrap();
+        let header =
+            |command: &str| Header { pid: os::getpid(), command: vec![command.to_string()], ..Header::default() };
+        let (before_exec, path, _) = create(template, false, &header("sh")).unwrap();
         assert_eq!(path, template);
-        let (after_exec, path, written) = create(template, false, true, &header("echo")).unwrap();
+        let (after_exec, path, written) = create(template, false, &header("echo")).unwrap();
         assert_eq!(path, template);
         let HeaderWrite::Written(written) = written else { panic!("a regular file's header is the program's") };
         close(before_exec);
@@ -974,12 +941,8 @@ mod tests {
     fn the_trace_of_an_image_before_an_exec_is_kept_beside() {
         let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
-        let header = |command: &str| Header {
-            pid: os::getpid(),
-            command: vec![command.to_string()],
-            start_unix_ns: unix_now_ns(),
-            ..Header::default()
-        };
+        let header =
+            |command: &str| Header { pid: os::getpid(), command: vec![command.to_string()], ..Header::default() };
         let command = |path: &str| {
             let bytes = std::fs::read(path).unwrap();
             super::super::Reader::new(&bytes).unwrap().header().command.clone()
@@ -989,12 +952,12 @@ mod tests {
             let template = template.to_str().unwrap();
             let path = options::expand_path(template, os::getpid());
             // The first image's writer still writes; the second's is done when the third starts.
-            let (first, _, _) = create(template, false, false, &header("worker")).unwrap();
-            let (second, second_path, _) = create(template, false, true, &header("sh")).unwrap();
+            let (first, _, _) = create(template, false, &header("worker")).unwrap();
+            let (second, second_path, _) = create(template, false, &header("sh")).unwrap();
             assert!(os::write_all(first, b"+"), "the first image's writer flushes its last events");
             close(first);
             close(second);
-            let (third, third_path, _) = create(template, false, true, &header("ls")).unwrap();
+            let (third, third_path, _) = create(template, false, &header("ls")).unwrap();
             close(third);
             assert_eq!((second_path.as_str(), third_path.as_str()), (path.as_str(), path.as_str()));
             assert_eq!(command(&path), ["ls"]);
@@ -1002,14 +965,6 @@ mod tests {
             assert!(std::fs::read(format!("{path}.before-exec")).unwrap().ends_with(b"+"));
             assert_eq!(command(&format!("{path}.before-exec.2")), ["sh"]);
         }
-        // A trace with this pid found by a process whose environment names no earlier image of
-        // it is an earlier run's (pid 1 of a container each time): replaced.
-        let template = dir.path().join("stale.trace");
-        let template = template.to_str().unwrap();
-        close(create(template, false, false, &header("earlier-run")).unwrap().0);
-        close(create(template, false, false, &header("this-run")).unwrap().0);
-        assert_eq!(command(template), ["this-run"]);
-        assert!(!std::path::Path::new(&format!("{template}.before-exec")).exists(), "nothing kept");
     }
 
     /// The program writes nothing into a FIFO: a write there after the reader closed raised
@@ -1028,7 +983,7 @@ mod tests {
         };
         assert!(reader >= 0);
         let header = Header { pid: os::getpid(), ..Header::default() };
-        let (fd, _, write) = create(fifo.to_str().unwrap(), false, false, &header).unwrap();
+        let (fd, _, write) = create(fifo.to_str().unwrap(), false, &header).unwrap();
         assert!(matches!(write, HeaderWrite::ByWriter));
         let mut byte = 0u8;
         // SAFETY: one byte into a local.
@@ -1044,10 +999,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("shared.trace");
         let template = template.to_str().unwrap();
-        let first = open(template, false, false).unwrap().0;
+        let first = open(template, false).unwrap().0;
         assert!(os::write_all(first, b"first"));
         // A second process (an exec'd child) finds the path locked: it takes PATH.PID.
-        let (second, second_path) = open(template, false, false).unwrap();
+        let (second, second_path) = open(template, false).unwrap();
         assert!(os::write_all(second, b"second"));
         let own = format!("{template}.{}", os::getpid());
         assert_eq!(second_path, own);
@@ -1056,12 +1011,12 @@ mod tests {
         // Once the first writer is done, the path is free for the next run, and truncated.
         close(first);
         close(second);
-        let third = open(template, false, false).unwrap().0;
+        let third = open(template, false).unwrap().0;
         assert!(os::write_all(third, b"3"));
         close(third);
         assert_eq!(std::fs::read(template).unwrap(), b"3");
         // A forked child takes PATH.PID even when PATH is free: its parent's trace is there.
-        let child = open(template, true, false).unwrap().0;
+        let child = open(template, true).unwrap().0;
         assert!(os::write_all(child, b"child"));
         close(child);
         assert_eq!(std::fs::read(template).unwrap(), b"3");
