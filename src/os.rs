@@ -246,6 +246,19 @@ pub(crate) fn monotonic_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC)
 }
 
+/// When the calling process was created (its `fork`; an `exec` keeps it), as Unix time in ns,
+/// to the kernel's clock tick (rounded down); `None` if `/proc` does not say.
+pub(crate) fn process_start_unix_ns() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Field 22, `starttime`, counts from the 3rd, the first after the command's `)`.
+    let ticks: u64 = stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant.
+    let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|&t| t > 0)?;
+    let since_boot = ticks.checked_mul(1_000_000_000)? / per_second;
+    let ago = clock_ns(libc::CLOCK_BOOTTIME).checked_sub(since_boot)?;
+    clock_ns(libc::CLOCK_REALTIME).checked_sub(ago)
+}
+
 /// The CPU time the calling thread has used, in ns (a system call: for rare measurements).
 pub(crate) fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
@@ -559,6 +572,15 @@ pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_process_started_before_now_and_after_boot() {
+        let start = process_start_unix_ns().expect("/proc/self/stat");
+        let now = clock_ns(libc::CLOCK_REALTIME);
+        assert!(start <= now && now - start < 3_600 * 1_000_000_000, "{start} {now}");
+        let booted = now - clock_ns(libc::CLOCK_BOOTTIME);
+        assert!(start + 1_000_000_000 >= booted, "{start} {booted}");
+    }
 
     /// The trace's queue is mallocspy's memory too (review helper 67: the heap statistics'
     /// `own_bytes` left its 2 MiB out).

@@ -176,7 +176,7 @@ fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
         return replace(format!("{path}.{pid}"));
     }
     let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
-    let before_exec = header_pid(&path) == Some(pid);
+    let before_exec = earlier_image(&path);
     if locked_by_another(fd) {
         close(fd);
         return replace(if before_exec { path } else { format!("{path}.{pid}") });
@@ -237,27 +237,50 @@ fn remove_trace(path: &str) {
     }
 }
 
-/// The pid in the header of the trace at `path`, if it is one: a regular file (a FIFO's read
-/// would take the reader's bytes, and wait for ever on our own open end).
-fn header_pid(path: &str) -> Option<u32> {
-    if !std::fs::metadata(path).ok()?.is_file() {
-        return None;
-    }
-    super::header_of(std::fs::File::open(path).ok()?).map(|h| h.pid)
+/// Whether the file at `path` is the trace of an earlier image of this process (before an
+/// `exec`): a regular file (a FIFO's read would take the reader's bytes, and wait for ever on
+/// our own open end) whose header has our pid and a start no earlier than this process's. A
+/// trace left by an earlier run with the same pid (a container's pid 1 each time) was taken
+/// for one, and kept as `.before-exec` at every run (review helper 69). The process's start is
+/// known to the kernel's clock tick (10 ms): a trace of a run that started less than that
+/// before this process is told by its end record, which an image replaced by `exec` never
+/// writes (looked for in a trace of at most [`ENDED_LOOKUP`] bytes: a run of 10 ms writes
+/// less). (Marking each image in the environment it leaves, instead, deadlocked a forked
+/// child in `putenv` and missed execs with an environment copied before a fork, or through
+/// bash's own `putenv`: review helper 70.)
+fn earlier_image(path: &str) -> bool {
+    let header = || {
+        if !std::fs::metadata(path).ok()?.is_file() {
+            return None;
+        }
+        super::header_of(std::fs::File::open(path).ok()?)
+    };
+    let ended = || {
+        let bytes = std::fs::read(path).unwrap_or_default();
+        bytes.len() <= ENDED_LOOKUP
+            && super::Reader::new(&bytes).is_ok_and(|mut events| events.any(|e| matches!(e, Ok(Event::End { .. }))))
+    };
+    header().is_some_and(|h| {
+        h.pid == os::getpid() && os::process_start_unix_ns().is_none_or(|start| h.start_unix_ns >= start) && !ended()
+    })
 }
+
+/// The largest trace [`earlier_image`] reads whole for an end record.
+const ENDED_LOOKUP: usize = 4 << 20;
 
 /// A new, empty, locked file at `path`, replacing a regular file there: the trace of an
 /// earlier image of this process is kept beside (see [`open`]), anything else unlinked.
 fn replace(path: String) -> Result<(i32, String), String> {
-    if header_pid(&path) == Some(os::getpid()) {
-        keep_beside(&path);
-    }
     if let Ok(c) = std::ffi::CString::new(path.as_str()) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
-        // directory) leaves the truncating open below to do what it can.
-        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
+        // directory) leaves the truncating open below to do what it can. A symbolic link
+        // stays, to be written through.
+        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0
+            && st.st_mode & libc::S_IFMT == libc::S_IFREG
+            && !(earlier_image(&path) && keep_beside(&path))
+        {
             // SAFETY: as above.
             unsafe { libc::unlink(c.as_ptr()) };
         }
@@ -268,33 +291,32 @@ fn replace(path: String) -> Result<(i32, String), String> {
     Ok((fd, path))
 }
 
-/// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...
-/// Without the rename (another file system's refusal, a hundred taken), it stays, to be
-/// replaced.
-fn keep_beside(path: &str) {
-    let Ok(from) = std::ffi::CString::new(path) else { return };
+/// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...;
+/// whether it did (another file system's refusal, a hundred taken: it is replaced).
+fn keep_beside(path: &str) -> bool {
+    let Ok(from) = std::ffi::CString::new(path) else { return false };
     for n in 1..=100 {
         let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
-        let Ok(to) = std::ffi::CString::new(name) else { return };
+        let Ok(to) = std::ffi::CString::new(name) else { return false };
         // SAFETY: two NUL-terminated paths; RENAME_NOREPLACE fails rather than replace `to`.
         let renamed = unsafe {
             libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE)
         } == 0;
         match (renamed, os::errno()) {
-            (true, _) => return,
+            (true, _) => return true,
             (false, libc::EEXIST) => continue,
             // A file system without RENAME_NOREPLACE: look first.
             (false, libc::EINVAL | libc::ENOSYS) => {
                 // SAFETY: as above; `access` only looks.
                 if unsafe { libc::access(to.as_ptr(), libc::F_OK) } != 0 {
                     // SAFETY: as above.
-                    unsafe { libc::rename(from.as_ptr(), to.as_ptr()) };
-                    return;
+                    return unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } == 0;
                 }
             }
-            (false, _) => return,
+            (false, _) => return false,
         }
     }
+    false
 }
 
 /// Takes `fd`'s file lock without waiting; `true` when another open file (another process's
@@ -917,8 +939,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("exec.trace");
         let template = template.to_str().unwrap();
-        let header =
-            |command: &str| Header { pid: os::getpid(), command: vec![command.to_string()], ..Header::default() };
+        let header = |command: &str| Header {
+            pid: os::getpid(),
+            command: vec![command.to_string()],
+            start_unix_ns: unix_now_ns(),
+            ..Header::default()
+        };
         let (before_exec, path, _) = create(template, false, &header("sh")).unwrap();
         assert_eq!(path, template);
         let (after_exec, path, written) = create(template, false, &header("echo")).unwrap();
@@ -941,8 +967,12 @@ mod tests {
     fn the_trace_of_an_image_before_an_exec_is_kept_beside() {
         let _alone = crate::trace::FORKING_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
-        let header =
-            |command: &str| Header { pid: os::getpid(), command: vec![command.to_string()], ..Header::default() };
+        let header = |command: &str| Header {
+            pid: os::getpid(),
+            command: vec![command.to_string()],
+            start_unix_ns: unix_now_ns(),
+            ..Header::default()
+        };
         let command = |path: &str| {
             let bytes = std::fs::read(path).unwrap();
             super::super::Reader::new(&bytes).unwrap().header().command.clone()
@@ -965,6 +995,25 @@ mod tests {
             assert!(std::fs::read(format!("{path}.before-exec")).unwrap().ends_with(b"+"));
             assert_eq!(command(&format!("{path}.before-exec.2")), ["sh"]);
         }
+        // A trace with this pid that started before this process is an earlier run's (pid 1
+        // of a container each time): replaced.
+        let template = dir.path().join("stale.trace");
+        let template = template.to_str().unwrap();
+        let stale = Header { start_unix_ns: unix_now_ns() - 3_600_000_000_000, ..header("earlier-run") };
+        close(create(template, false, &stale).unwrap().0);
+        close(create(template, false, &header("this-run")).unwrap().0);
+        assert_eq!(command(template), ["this-run"]);
+        assert!(!std::path::Path::new(&format!("{template}.before-exec")).exists(), "nothing kept");
+        // So is one that started at once before this process, which its end record tells.
+        std::fs::remove_file(template).unwrap();
+        let (fd, _, _) = create(template, false, &header("ended-run")).unwrap();
+        let mut end = Vec::new();
+        write_event(&mut end, &Event::End { time_ns: 5 });
+        assert!(os::write_all(fd, &end));
+        close(fd);
+        close(create(template, false, &header("next-run")).unwrap().0);
+        assert_eq!(command(template), ["next-run"]);
+        assert!(!std::path::Path::new(&format!("{template}.before-exec")).exists(), "nothing kept");
     }
 
     /// The program writes nothing into a FIFO: a write there after the reader closed raised
