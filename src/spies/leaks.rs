@@ -49,11 +49,15 @@ pub(crate) struct Record {
     serial: u32,
 }
 
-/// The serial of the `count`th allocation of thread `tid`: two threads' series meet only
-/// some 2^31 allocations apart. A thread loop that freed a page and got it back, from the
-/// same call with the same size, made records equal to the bit; freed while the exit's check
-/// ran, such a block was called lost (CI, 2026-12-05, twice; the log of addresses freed during
-/// a check this replaces overflowed, or missed a free in flight: review helper 69).
+/// The serial of the `count`th allocation of thread `tid`. One thread's never repeat within
+/// 2^32 allocations; two threads' meet where their counts differ by the difference of their
+/// starts, which the hash spreads (a few pairs of thread ids among millions lie a few hundred
+/// apart), and a block taken for another then also had the same address, call and size.
+///
+/// Without it, a thread loop that freed a page and got it back, from the same call with the
+/// same size, made records equal to the bit; freed while the exit's check ran, such a block
+/// was called lost (CI, 2026-12-05, twice; the log of addresses freed during a check this
+/// replaces overflowed, or missed a free in flight: review helper 69).
 fn serial(tid: u32, count: u32) -> u32 {
     tid.wrapping_mul(0x9E37_79B9).wrapping_add(count)
 }
