@@ -256,9 +256,10 @@ fn earlier_image(path: &str) -> bool {
         super::header_of(std::fs::File::open(path).ok()?)
     };
     let ended = || {
-        let bytes = std::fs::read(path).unwrap_or_default();
-        bytes.len() <= ENDED_LOOKUP
-            && super::Reader::new(&bytes).is_ok_and(|mut events| events.any(|e| matches!(e, Ok(Event::End { .. }))))
+        // Only a short trace is read: an earlier image's may be gigabytes.
+        let short = std::fs::metadata(path).is_ok_and(|m| m.len() <= ENDED_LOOKUP);
+        let bytes = if short { std::fs::read(path).unwrap_or_default() } else { Vec::new() };
+        short && super::Reader::new(&bytes).is_ok_and(|mut events| events.any(|e| matches!(e, Ok(Event::End { .. }))))
     };
     header().is_some_and(|h| {
         h.pid == os::getpid() && os::process_start_unix_ns().is_none_or(|start| h.start_unix_ns >= start) && !ended()
@@ -266,7 +267,7 @@ fn earlier_image(path: &str) -> bool {
 }
 
 /// The largest trace [`earlier_image`] reads whole for an end record.
-const ENDED_LOOKUP: usize = 4 << 20;
+const ENDED_LOOKUP: u64 = 4 << 20;
 
 /// A new, empty, locked file at `path`, replacing a regular file there: the trace of an
 /// earlier image of this process is kept beside (see [`open`]), anything else unlinked.
