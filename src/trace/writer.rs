@@ -179,11 +179,11 @@ fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
     let before_exec = earlier_image(&path);
     if locked_by_another(fd) {
         close(fd);
-        return replace(if before_exec { path } else { format!("{path}.{pid}") });
+        return if before_exec { replace_earlier(path, true) } else { replace(format!("{path}.{pid}")) };
     }
     if before_exec {
         close(fd);
-        return replace(path);
+        return replace_earlier(path, true);
     }
     // SAFETY: truncating a file we opened for writing.
     unsafe { libc::ftruncate(fd, 0) };
@@ -272,6 +272,12 @@ const ENDED_LOOKUP: u64 = 4 << 20;
 /// A new, empty, locked file at `path`, replacing a regular file there: the trace of an
 /// earlier image of this process is kept beside (see [`open`]), anything else unlinked.
 fn replace(path: String) -> Result<(i32, String), String> {
+    let earlier = earlier_image(&path);
+    replace_earlier(path, earlier)
+}
+
+/// [`replace`], told whether `path` holds an earlier image's trace (`open` read it already).
+fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String> {
     if let Ok(c) = std::ffi::CString::new(path.as_str()) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
@@ -280,7 +286,7 @@ fn replace(path: String) -> Result<(i32, String), String> {
         // stays, to be written through.
         if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0
             && st.st_mode & libc::S_IFMT == libc::S_IFREG
-            && !(earlier_image(&path) && keep_beside(&path))
+            && !(earlier && keep_beside(&path))
         {
             // SAFETY: as above.
             unsafe { libc::unlink(c.as_ptr()) };
