@@ -378,9 +378,9 @@ impl<H: Heap> Interposer<H> {
         }
         let align = os::page_size();
         match size.checked_next_multiple_of(align) {
-            // glibc: pvalloc(0) gives a page.
+            // pvalloc(0) stays 0: glibc's own rounding makes it a minimal block, not a page (an
+            // observer's real call asked for a page: review helper 72).
             Some(rounded) => {
-                let rounded = rounded.max(align);
                 self.alloc(AllocRequest {
                     entry: Entry::Pvalloc,
                     kind: Kind::Pvalloc,

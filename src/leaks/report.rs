@@ -361,7 +361,11 @@ impl LeakReport {
             let _ = writeln!(out, "{p}    {name:>15}: {} bytes in {} blocks", grouped(t.bytes), grouped(t.blocks));
         }
         if hidden.blocks > 0 {
-            let _ = writeln!(out, "{p}    ({} still-reachable records not shown: show_reachable=1)", hidden.blocks);
+            let _ = writeln!(
+                out,
+                "{p}    ({} still-reachable records not shown: show_reachable=1, or run --show-reachable)",
+                hidden.blocks
+            );
         }
         if !self.suppressions_used.is_empty() {
             let _ = writeln!(out, "{p} suppressions used:\n{p}    {:>10} {:>12}  pattern", "blocks", "bytes");
