@@ -421,7 +421,7 @@ fn report_all(caller: Caller) {
     }
     WRITING_REPORTS.store(pid, Ordering::Release);
     let mut caller = Some(caller);
-    crate::report_stack::with_room(&mut || caller.take().into_iter().for_each(write_reports));
+    crate::spare_stack::with_room(&mut || caller.take().into_iter().for_each(write_reports));
     WRITING_REPORTS.store(0, Ordering::Release);
 }
 

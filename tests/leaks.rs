@@ -485,6 +485,29 @@ fn a_walk_cut_short_for_want_of_stack_does_not_shorten_the_next() {
     }
 }
 
+/// A thread on a 16 KiB stack computes the unwind rules of its frames on the spare stack: its
+/// stacks ended at the first frame whose rule was not cached yet, for want of room to compute
+/// it there.
+#[test]
+fn a_thread_on_a_small_stack_gets_whole_stacks() {
+    let program = c_program("small_stack_leak.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!(text(&out.stdout), "done\n");
+    let report = json_report(&out);
+    let record = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["bytes"] == 4321)
+        .unwrap_or_else(|| panic!("no record of the leak: {report}"));
+    let functions: Vec<&str> =
+        record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+    assert!(
+        functions.starts_with(&["leak_on_little_stack", "middle", "outer", "thread_main", "start_thread"]),
+        "{functions:?}"
+    );
+}
+
 /// A frame of a stripped program is its file and offset, as `addr2line -e` takes them: it was
 /// `?? (git)`, the loader's name for the program (its `argv[0]`), with no offset (review helper
 /// 42; valgrind prints `(in /usr/local/bin/git)`).

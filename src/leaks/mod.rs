@@ -235,7 +235,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let mut region_kinds: Vec<Root> = Vec::with_capacity(regions.capacity());
     let mut stack_pointers: Vec<u64> = Vec::with_capacity(4098);
     // The stack the check runs on, when it is not the caller's (a mapping of
-    // `report_stack.rs`, an alternate signal stack): its frames hold the blocks' addresses.
+    // `spare_stack.rs`, an alternate signal stack): its frames hold the blocks' addresses.
     stack_pointers.push(crate::unwind::current_sp());
     let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + caller.regs.len() + blocks.len());
     let own_tp = os::thread_pointer();

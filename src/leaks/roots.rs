@@ -128,7 +128,8 @@ impl Maps {
 /// Data mappings to scan as roots, as memcheck scans the memory a program maps for itself
 /// (GCC's garbage-collected pages and Python's arenas hold pointers to heap blocks, and so
 /// may a file or shared memory mapped writable; see [`data`]). Left out: mappings holding a
-/// live block (an allocator's heap: its free chunks are not roots), mallocspy's own memory, the mappings of live threads' stacks (scanned from
+/// live block (an allocator's heap: its free chunks are not roots), mallocspy's own memory (its
+/// spare stack included), the mappings of live threads' stacks (scanned from
 /// their stack pointers only: what lies below is dead frames), the stacks glibc keeps of
 /// exited threads (`exited`: a stack pointer of each, sorted, outside the program's own mappings;
 /// what is left there is stale, and memcheck calls a block held only there lost), and the
@@ -164,6 +165,7 @@ pub(crate) fn anonymous_roots(
             && !exited_stack
             && !module_data
             && !crate::pool::owns(start, end)
+            && !crate::spare_stack::owns(start, end)
             && !os::owns_shared(start as usize, end as usize)
     };
     for m in maps.list.iter().filter(|m| m.writable_data) {

@@ -34,8 +34,9 @@ pub(crate) enum Rule {
     /// No unwind table covers the address: only the frame pointer may lead further, if the
     /// code keeps one (CFA = RBP + 16, the caller's RBP at CFA - 16).
     NoTable,
-    /// Not known yet, and too little of the thread's stack left to compute it: the walk is
-    /// cut short here this time. Never cached.
+    /// Not known yet, with too little of the thread's stack left to compute it and the
+    /// spare stack taken by another thread: the walk is cut short here this time. Never
+    /// cached.
     Later,
 }
 
@@ -64,7 +65,7 @@ impl Rule {
     }
 }
 
-/// Computes the rule for `pc` from the unwind tables of its module. Out of line: [`miss`]
+/// Computes the rule for `pc` from the unwind tables of its module. Out of line: [`computed`]
 /// calls it twice, and one frame of it at a time is what [`COMPUTE_ROOM`] allows for.
 #[inline(never)]
 fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
@@ -189,7 +190,7 @@ impl Rules {
     #[inline(always)]
     fn shared(&self, key: u64, pc: u64) -> Rule {
         let Some(table) = self.table else {
-            return if room_to_compute() { compute(self.modules, pc).unwrap_or(Rule::NoTable) } else { Rule::Later };
+            return computed(self.modules, pc).map_or(Rule::Later, |(rule, _)| rule);
         };
         let e = &table[slot(key)];
         let seq = e.seq.load(Ordering::Acquire);
@@ -215,26 +216,35 @@ fn lookup(pc: u64) -> Rule {
 /// `dlopen`), and a thread on a 16 KiB stack died of it.
 const COMPUTE_ROOM: u64 = 32 << 10;
 
-/// Whether the calling thread has the stack to compute a rule.
-fn room_to_compute() -> bool {
-    super::stack_room() >= COMPUTE_ROOM
+/// The rule for `pc` and whether to cache it, computed on this thread's stack if it has
+/// [`COMPUTE_ROOM`] left, else on the spare one ([`crate::spare_stack::for_a_rule`]); `None`
+/// when neither can be had.
+fn computed(modules: &'static Modules, pc: u64) -> Option<(Rule, bool)> {
+    let mut found = None;
+    let mut find = || {
+        found = Some(match compute(modules, pc) {
+            Some(rule) => (rule, true),
+            // Code outside every known module: maybe a library opened since; look once more,
+            // if the loader has loaded or unloaded anything since the list was read (a rule
+            // found there is cached under the new generation next time).
+            None if modules.stale() => compute(modules::refresh(), pc).map_or((Rule::NoTable, true), |r| (r, false)),
+            None => (Rule::NoTable, true),
+        })
+    };
+    if super::stack_room() >= COMPUTE_ROOM {
+        find();
+    } else {
+        crate::spare_stack::for_a_rule(&mut find);
+    }
+    found
 }
 
 #[cold]
 fn miss(modules: &'static Modules, pc: u64, key: u64, e: &Entry) -> Rule {
-    if !room_to_compute() {
-        return Rule::Later;
+    let Some((rule, cache)) = computed(modules, pc) else { return Rule::Later };
+    if !cache {
+        return rule;
     }
-    let rule = match compute(modules, pc) {
-        Some(rule) => rule,
-        // Code outside every known module: maybe a library opened since; look once more, if
-        // the loader has loaded or unloaded anything since the list was read.
-        None if modules.stale() => match compute(modules::refresh(), pc) {
-            Some(rule) => return rule, // cached under the new generation next time
-            None => Rule::NoTable,
-        },
-        None => Rule::NoTable,
-    };
     // Publish; a writer that finds the entry busy just skips caching.
     let seq = e.seq.load(Ordering::Relaxed);
     if seq & 1 == 0 && e.seq.compare_exchange(seq, seq + 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
