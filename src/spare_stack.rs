@@ -102,11 +102,18 @@ unsafe fn run_on(low: u64, len: u64, f: &mut dyn FnMut()) {
     let top = low + len;
     let ts = tls::state();
     let bounds = (ts.stack_low.get(), ts.stack_top.get());
+    let from = ts.spare_from_sp.get();
     ts.stack_low.set(low);
     ts.stack_top.set(top);
+    // Where its own stack's frames start, for a leak check made meanwhile (the first switch
+    // of nested ones: the frames of the spare stack in between hold no block of the program).
+    if from == 0 {
+        ts.spare_from_sp.set(unwind::current_sp());
+    }
     let mut f = f;
     // SAFETY: the caller's guarantee; `run` is given a pointer to `f`, which outlives the call.
     unsafe { call_on_stack((&raw mut f).cast(), run, top) };
+    ts.spare_from_sp.set(from);
     ts.stack_low.set(bounds.0);
     ts.stack_top.set(bounds.1);
 }

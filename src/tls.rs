@@ -72,7 +72,15 @@ pub(crate) struct ThreadState {
     /// 1 while a callback of the ticks spy runs on this thread (see
     /// `spies::ticks::released_unseen`).
     pub in_tick_callback: Cell<u32>,
+    /// While this thread runs on a spare stack (`spare_stack.rs`), the stack pointer it left
+    /// its own at; 0 otherwise. A leak check scans the thread's own stack from there too: a
+    /// thread stopped on the spare stack had its own skipped, and a block only its frames
+    /// held was reported lost (review helper 73).
+    pub spare_from_sp: Cell<u64>,
 }
+
+/// Offset of `ThreadState::spare_from_sp` in the block (read in a stopped thread's block).
+pub(crate) const SPARE_FROM_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, spare_from_sp);
 
 /// Offset of `ThreadState::entry_sp` in the block (for the trampolines' assembly).
 pub const ENTRY_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_sp);

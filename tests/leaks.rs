@@ -508,6 +508,31 @@ fn a_thread_on_a_small_stack_gets_whole_stacks() {
     );
 }
 
+/// A leak check that stops the main thread while it computes a rule on the spare stack scans
+/// the main thread's own stack too: the block only its frame holds was reported definitely
+/// lost (review helper 73). Up to five runs, for one where the signal lands there.
+#[test]
+fn a_thread_stopped_on_the_spare_stack_keeps_its_own_stack_as_a_root() {
+    let program = c_program("stopped_on_the_spare_stack.c");
+    let mut stopped_there = 0;
+    for _ in 0..5 {
+        // Little stack for the main thread: its rules are computed on the spare one.
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "ulimit -s 40 && exec \"$0\""]).arg(&program);
+        let out = run(JSON_REPORT, &mut cmd);
+        if !text(&out.stderr).contains("stopped on another stack") {
+            continue;
+        }
+        stopped_there += 1;
+        let report = json_report(&out);
+        assert_eq!(report["summary"]["definitely_lost"]["bytes"], 0, "{report}");
+        if stopped_there == 2 {
+            break;
+        }
+    }
+    assert!(stopped_there > 0, "no run was stopped on the spare stack");
+}
+
 /// A frame of a stripped program is its file and offset, as `addr2line -e` takes them: it was
 /// `?? (git)`, the loader's name for the program (its `argv[0]`), with no offset (review helper
 /// 42; valgrind prints `(in /usr/local/bin/git)`).

@@ -157,6 +157,18 @@ const RED_ZONE: u64 = 128;
 /// The thread control block above a thread pointer (glibc's `struct pthread`), rounded up.
 const TCB: u64 = 4096;
 
+/// Where the thread whose thread pointer is `tp` left its own stack for a spare one
+/// ([`tls::ThreadState::spare_from_sp`]); 0 when it is on its own, or unknown.
+fn spare_from_sp(tp: u64) -> u64 {
+    if tp == 0 {
+        return 0;
+    }
+    let at = tls::block_of(tp).0 + tls::SPARE_FROM_SP_OFFSET as u64;
+    // SAFETY: a word of the TLS block of a live thread, stopped: mapped while it lives, and
+    // written only by that thread, before it stopped.
+    unsafe { (at as *const u64).read_volatile() }
+}
+
 /// Where the reporting thread's live frames start: at the first frame out from the report that
 /// is the program's (its locals, and those of every frame further out, are live), which is
 /// `_start`'s once `main` has returned, or at the C library's start of the thread when no
@@ -259,38 +271,39 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         let (start, size) = spans[at];
         (addr < start + size).then_some((start, start + size))
     };
-    // `red_zone`: the words below the stack pointer a leaf function may still use.
-    let add_thread = |sp: u64, red_zone: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
-        let thread = kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
-        if let Some(end) = maps.end_of(sp) {
-            let end = block_holding(sp).map_or(end, |(_, block_end)| block_end.min(end));
-            regions.push((sp.saturating_sub(red_zone), end));
-            kinds.push(Root::Stack(thread));
-        }
-        if tp != 0 {
-            let (start, end) = (tp.saturating_sub(tls_size), tp + TCB);
-            let (start, end) = block_holding(tp).map_or((start, end), |(s, e)| (start.max(s), end.min(e)));
-            // `TCB` rounds the control block up, past the end of the mapping glibc put it at
-            // the top of: when mallocspy's memory came next, the check's own arrays of block
-            // addresses were read as the thread's, and every block was still reachable.
-            let end = maps.end_of(tp).map_or(end, |e| end.min(e));
-            let end = crate::pool::first_owned_above(start, end).unwrap_or(end);
-            // The static TLS size counts the control block above the thread pointer too, so
-            // the range starts that much below the TLS, in the top of the thread's stack,
-            // which glibc carves out right under it: below the stack pointer, dead frames.
-            let start = if start < sp && sp < tp { start.max(sp.saturating_sub(red_zone)) } else { start };
-            regions.push((start, end));
-            kinds.push(Root::Tls(thread));
-        }
-    };
-    add_thread(live_frames_start(&caller).unwrap_or(caller.sp), RED_ZONE, own_tp, &mut regions, &mut region_kinds);
+    // The `thread`-th thread's stack from `sp` and its TLS (`tp` 0: none); `red_zone`: the
+    // words below the stack pointer a leaf function may still use.
+    let add_thread =
+        |thread: u32, sp: u64, red_zone: u64, tp: u64, regions: &mut Vec<(u64, u64)>, kinds: &mut Vec<Root>| {
+            if let Some(end) = maps.end_of(sp) {
+                let end = block_holding(sp).map_or(end, |(_, block_end)| block_end.min(end));
+                regions.push((sp.saturating_sub(red_zone), end));
+                kinds.push(Root::Stack(thread));
+            }
+            if tp != 0 {
+                let (start, end) = (tp.saturating_sub(tls_size), tp + TCB);
+                let (start, end) = block_holding(tp).map_or((start, end), |(s, e)| (start.max(s), end.min(e)));
+                // `TCB` rounds the control block up, past the end of the mapping glibc put it at
+                // the top of: when mallocspy's memory came next, the check's own arrays of block
+                // addresses were read as the thread's, and every block was still reachable.
+                let end = maps.end_of(tp).map_or(end, |e| end.min(e));
+                let end = crate::pool::first_owned_above(start, end).unwrap_or(end);
+                // The static TLS size counts the control block above the thread pointer too, so
+                // the range starts that much below the TLS, in the top of the thread's stack,
+                // which glibc carves out right under it: below the stack pointer, dead frames.
+                let start = if start < sp && sp < tp { start.max(sp.saturating_sub(red_zone)) } else { start };
+                regions.push((start, end));
+                kinds.push(Root::Tls(thread));
+            }
+        };
+    add_thread(1, live_frames_start(&caller).unwrap_or(caller.sp), RED_ZONE, own_tp, &mut regions, &mut region_kinds);
     own_blocks.push(tls::block_of(own_tp));
     stack_pointers.push(caller.sp);
     words.extend_from_slice(&caller.regs);
     words.extend_from_slice(&by_loader);
     let mut unstopped = 0;
     if let Some(stopped) = &stopped {
-        for p in stopped.parked() {
+        for (thread, p) in (2..).zip(stopped.parked()) {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
                 // A thread stopped in a system call uses no red zone: what lies below its
                 // stack pointer is what the calls before it left, the allocator's frames
@@ -298,7 +311,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
                 // reachable from there, where memcheck, whose allocator leaves other words,
                 // calls it lost).
                 let red_zone = if restart::stopped_in_a_call(p.pc) { 0 } else { RED_ZONE };
-                add_thread(p.sp, red_zone, p.tp, &mut regions, &mut region_kinds);
+                add_thread(thread, p.sp, red_zone, p.tp, &mut regions, &mut region_kinds);
                 if p.tp != 0 && own_blocks.len() < own_blocks.capacity() {
                     own_blocks.push(tls::block_of(p.tp));
                 }
@@ -306,11 +319,20 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
                 if stack_pointers.len() < stack_pointers.capacity() {
                     stack_pointers.push(p.sp);
                 }
+                // Stopped on a spare stack (`spare_stack.rs`): its own stack's frames start
+                // where it left them, not at its stack pointer.
+                let from = spare_from_sp(p.tp);
+                if from != 0 && regions.len() < regions.capacity() {
+                    add_thread(thread, from, RED_ZONE, 0, &mut regions, &mut region_kinds);
+                    if stack_pointers.len() < stack_pointers.capacity() {
+                        stack_pointers.push(from);
+                    }
+                }
             }
         }
         unstopped = stopped.unstopped();
         if let Some(stack) = maps.main_stack.filter(|_| stopped.main_unstopped()) {
-            let thread = region_kinds.iter().filter(|k| matches!(k, Root::Stack(_))).count() as u32 + 1;
+            let thread = stopped.parked().len() as u32 + 2;
             regions.push(stack);
             region_kinds.push(Root::Stack(thread));
         }
