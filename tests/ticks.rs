@@ -1191,24 +1191,6 @@ fn the_traced_program_keeps_one_thread_and_no_extra_child() {
     assert_eq!(traces(dir.path()).len(), 2, "python and its child `true` each wrote a trace");
 }
 
-/// The writer runs as a batch task (`SCHED_BATCH`), which does not preempt the program when
-/// it wakes: found by the trace it holds open, its policy is the 41st field of its stat.
-#[test]
-fn the_writer_does_not_preempt_the_program() {
-    let dir = tempfile::tempdir().unwrap();
-    let script = "import os, sys\n\
-                  for pid in filter(str.isdigit, os.listdir('/proc')):\n\
-                  \x20   try:\n\
-                  \x20       fds = [os.readlink(f'/proc/{pid}/fd/{fd}') for fd in os.listdir(f'/proc/{pid}/fd')]\n\
-                  \x20       stat = open(f'/proc/{pid}/stat').read()\n\
-                  \x20   except OSError:\n\
-                  \x20       continue\n\
-                  \x20   if '(mallocspy-trace)' in stat and any(f.startswith(sys.argv[1]) for f in fds):\n\
-                  \x20       print('writer policy', stat.rsplit(')', 1)[1].split()[38])\n";
-    let out = record(dir.path(), &[], &[python().to_str().unwrap(), "-c", script, dir.path().to_str().unwrap()]);
-    assert_eq!(text(&out.stdout), "writer policy 3\n", "{}", text(&out.stderr));
-}
-
 /// A program killed mid-run leaves a readable trace: the writer drains the shared queue after
 /// the program's end closes. It has no end record, and everything queued before the kill.
 #[test]

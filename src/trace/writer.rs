@@ -509,14 +509,6 @@ impl Writer {
             libc::sigfillset(&mut all);
             libc::sigprocmask(libc::SIG_BLOCK, &all, core::ptr::null_mut());
             libc::prctl(libc::PR_SET_NAME, c"mallocspy-trace".as_ptr());
-            // A batch task: woken (by its timer, or a full queue's nudge) it does not preempt
-            // the program on its CPU, but waits for the end of the program's slice or runs on
-            // an idle CPU, with the same share of the machine as before, so it keeps up. Woken
-            // as a normal task, it cut into a one-thread program's run: churn with one thread
-            // went from 1.061x to 1.049x native (paired medians of 15 rounds). A refusal (a
-            // seccomp filter) leaves it a normal task.
-            let param = libc::sched_param { sched_priority: 0 };
-            libc::sched_setscheduler(0, libc::SCHED_BATCH, &param);
         }
         keep_only(&[trace_fd, socket]);
         let (fd, written) = match header_write {
