@@ -116,6 +116,23 @@ pub(crate) fn fork_prepare() {
     core::mem::forget(HEAP.lock.lock());
 }
 
+/// Whether the heap is free, or comes free within `ms` milliseconds. A thread stopped for good
+/// while it holds the heap (a signal handler that never returns, a thread stopped by a
+/// debugger or a garbage collector, interrupted it inside mallocspy) would hang whoever needs
+/// it next: the exit reports ask first.
+pub(crate) fn free_within(ms: u64) -> bool {
+    let deadline = os::monotonic_ns() + ms * 1_000_000;
+    while !HEAP.lock.is_free() {
+        if os::monotonic_ns() >= deadline {
+            return false;
+        }
+        let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
+        // SAFETY: nanosleep with a valid request.
+        unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+    }
+    true
+}
+
 /// After `fork`, in the parent and in the child (where the holder is the forking thread).
 pub(crate) fn fork_release() {
     HEAP.lock.force_unlock();
@@ -124,6 +141,17 @@ pub(crate) fn fork_release() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_heap_held_for_good_is_waited_for_only_so_long() {
+        assert!(free_within(0));
+        fork_prepare();
+        let start = os::monotonic_ns();
+        assert!(!free_within(20));
+        assert!(os::monotonic_ns() - start >= 20_000_000);
+        fork_release();
+        assert!(free_within(20));
+    }
 
     #[test]
     fn blocks_are_aligned_zeroed_when_asked_and_keep_their_contents_through_realloc() {

@@ -34,6 +34,9 @@ struct Builtins {
     suppressions: Suppressions,
 }
 
+/// How long the exit reports wait for mallocspy's own heap, which another thread holds.
+const HEAP_PATIENCE_MS: u64 = 2_000;
+
 static BUILTINS: OnceLock<Builtins> = OnceLock::new();
 /// The process the reports belong to (a `vfork` child shares our memory but is not us).
 static OWNER: AtomicU32 = AtomicU32::new(0);
@@ -441,6 +444,13 @@ fn write_reports(caller: Caller) {
         } else {
             no_report("the process exited from a signal handler that interrupted mallocspy; no report");
         }
+        return;
+    }
+    if !crate::own_heap::free_within(HEAP_PATIENCE_MS) {
+        // Every report allocates from that heap: waiting for it would hang the exit.
+        no_report(
+            "a thread stopped inside mallocspy holds its memory (interrupted by a signal handler that never returned?); no report",
+        );
         return;
     }
     let leaked = GLOBAL.leaked_frees();

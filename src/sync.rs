@@ -75,6 +75,11 @@ impl SpinLock {
     pub(crate) fn force_unlock(&self) {
         self.owner.store(0, Ordering::Release);
     }
+
+    /// Whether no thread holds the lock now.
+    pub(crate) fn is_free(&self) -> bool {
+        self.owner.load(Ordering::Acquire) == 0
+    }
 }
 
 /// Proof that the lock is held; releases it when dropped.

@@ -33,6 +33,17 @@ fn still_reachable_bytes(report: &serde_json::Value) -> Vec<u64> {
     records.filter(|r| r["kind"] == "still_reachable").map(|r| r["bytes"].as_u64().unwrap()).collect()
 }
 
+/// The JSON report's record of `bytes` bytes.
+fn record_of(report: &serde_json::Value, bytes: u64) -> &serde_json::Value {
+    let mut records = report["leaks"].as_array().unwrap().iter();
+    records.find(|r| r["bytes"] == bytes).unwrap_or_else(|| panic!("no record of {bytes} bytes: {report}"))
+}
+
+/// The named functions of a record's stack, innermost first.
+fn functions_of(record: &serde_json::Value) -> Vec<&str> {
+    record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect()
+}
+
 /// The first frame of a record that lies in the program (leaky.c).
 fn program_frame(record: &serde_json::Value) -> (String, String) {
     let frame = record["stack"]
@@ -129,8 +140,7 @@ fn allocations_entered_at_the_same_place_from_different_callers_keep_their_own_s
     // (allocating function, its caller, block size) -> blocks, over every kind.
     let mut blocks: HashMap<(String, String, u64), u64> = HashMap::new();
     for record in report["leaks"].as_array().unwrap() {
-        let functions: Vec<&str> =
-            record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+        let functions = functions_of(record);
         let Some(at) = functions.iter().position(|f| ["make", "two", "inner", "direct"].contains(f)) else {
             continue;
         };
@@ -219,10 +229,8 @@ fn code_without_unwind_tables_is_walked_by_its_frame_pointers() {
     let out = run(JSON_REPORT, &mut Command::new(&program));
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "lost\n"), "{}", text(&out.stderr));
     let report = json_report(&out);
-    let record = report["leaks"].as_array().unwrap().iter().find(|r| r["bytes"] == 321);
-    let record = record.unwrap_or_else(|| panic!("no record of 321 bytes: {report}"));
-    let functions: Vec<&str> =
-        record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+    let record = record_of(&report, 321);
+    let functions = functions_of(record);
     assert_eq!(functions, ["c_leaks", "b_calls", "a_calls", "main"], "{record}");
 }
 
@@ -472,14 +480,7 @@ fn a_walk_cut_short_for_want_of_stack_does_not_shorten_the_next() {
     let out = run(JSON_REPORT, Command::new(&program).arg("15"));
     let report = json_report(&out);
     for size in [3003, 4004] {
-        let record = report["leaks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["bytes"] == size)
-            .unwrap_or_else(|| panic!("no record of {size} bytes alone: {report}"));
-        let functions: Vec<&str> =
-            record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+        let functions = functions_of(record_of(&report, size));
         assert!(functions.starts_with(&["leak_here", "descend", "enter", "thread_main"]), "{size}: {functions:?}");
         assert!(functions.contains(&"start_thread"), "{size}: {functions:?}");
     }
@@ -494,14 +495,7 @@ fn a_thread_on_a_small_stack_gets_whole_stacks() {
     let out = run(JSON_REPORT, &mut Command::new(&program));
     assert_eq!(text(&out.stdout), "done\n");
     let report = json_report(&out);
-    let record = report["leaks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["bytes"] == 4321)
-        .unwrap_or_else(|| panic!("no record of the leak: {report}"));
-    let functions: Vec<&str> =
-        record["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+    let functions = functions_of(record_of(&report, 4321));
     assert!(
         functions.starts_with(&["leak_on_little_stack", "middle", "outer", "thread_main", "start_thread"]),
         "{functions:?}"
@@ -510,17 +504,20 @@ fn a_thread_on_a_small_stack_gets_whole_stacks() {
 
 /// A leak check that stops the main thread while it computes a rule on the spare stack scans
 /// the main thread's own stack too: the block only its frame holds was reported definitely
-/// lost (review helper 73). Up to five runs, for one where the signal lands there.
+/// lost (review helper 73). Up to 30 runs (a quarter land there), for two that do.
 #[test]
 fn a_thread_stopped_on_the_spare_stack_keeps_its_own_stack_as_a_root() {
     let program = c_program("stopped_on_the_spare_stack.c");
     let mut stopped_there = 0;
-    for _ in 0..5 {
+    for _ in 0..30 {
         // Little stack for the main thread: its rules are computed on the spare one.
         let mut cmd = Command::new("sh");
         cmd.args(["-c", "ulimit -s 40 && exec \"$0\""]).arg(&program);
         let out = run(JSON_REPORT, &mut cmd);
-        if !text(&out.stderr).contains("stopped on another stack") {
+        // Stopped while it held mallocspy's heap, the exit gives up the report rather than
+        // wait for ever: no run to look at.
+        let held = text(&out.stderr).contains("holds its memory");
+        if !text(&out.stderr).contains("stopped on another stack") || held {
             continue;
         }
         stopped_there += 1;
@@ -826,7 +823,7 @@ fn a_c_library_frame_is_named_by_its_public_symbol() {
     let out = run(JSON_REPORT, &mut Command::new(c_program("strdup_leak.c")));
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     let report = json_report(&out);
-    let lost = report["leaks"].as_array().unwrap().iter().find(|r| r["bytes"] == 20).unwrap();
+    let lost = record_of(&report, 20);
     assert_eq!(lost["kind"], "definitely_lost", "{lost}");
     let (libc, caller) = (&lost["stack"][0], &lost["stack"][1]);
     assert_eq!((&libc["function"], &libc["file"]), (&serde_json::json!("strdup"), &serde_json::Value::Null), "{lost}");
@@ -1355,12 +1352,7 @@ fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "7\n");
     let report = json_report(&out);
-    let record = report["leaks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["bytes"] == 111)
-        .unwrap_or_else(|| panic!("no record of the plugin's block in {report}"));
+    let record = record_of(&report, 111);
     assert_eq!(record["kind"], "definitely_lost", "{record}");
     let first = &record["stack"][0];
     assert_eq!(first["function"], "plugin_leak", "{record}");
@@ -1404,8 +1396,7 @@ fn libraries_unloaded_along_with_another_are_named_from_their_files() {
     assert_eq!(text(&out.stdout), "unloaded\n");
     let report = json_report(&out);
     let stack_of = |bytes: u64| {
-        let record = report["leaks"].as_array().unwrap().iter().find(|r| r["bytes"] == bytes);
-        let record = record.unwrap_or_else(|| panic!("no record of {bytes} bytes in {report}"));
+        let record = record_of(&report, bytes);
         assert_eq!(record["kind"], "definitely_lost", "{record}");
         record["stack"]
             .as_array()
