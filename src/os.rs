@@ -397,6 +397,14 @@ pub(crate) fn yield_now() {
     unsafe { libc::sched_yield() };
 }
 
+/// Sleeps for about `us` microseconds (a bounded wait's pause between two looks).
+pub(crate) fn pause_us(us: u32) {
+    let pause =
+        libc::timespec { tv_sec: (us / 1_000_000) as libc::time_t, tv_nsec: (us % 1_000_000) as libc::c_long * 1000 };
+    // SAFETY: nanosleep with a valid request; no remainder wanted.
+    unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+}
+
 /// A loaded module (executable or shared object) as `dl_iterate_phdr` lists it.
 pub(crate) struct LoadedModule<'a> {
     /// The load bias: a segment's `p_vaddr` plus this is its address.

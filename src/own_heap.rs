@@ -126,9 +126,7 @@ pub(crate) fn free_within(ms: u64) -> bool {
         if os::monotonic_ns() >= deadline {
             return false;
         }
-        let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
-        // SAFETY: nanosleep with a valid request.
-        unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+        os::pause_us(1000);
     }
     true
 }

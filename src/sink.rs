@@ -218,9 +218,7 @@ fn lock_file_of(fd: i32) -> Option<i32> {
         if os::errno() != libc::EWOULDBLOCK || os::monotonic_ns() > deadline {
             break;
         }
-        let millisecond = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
-        // SAFETY: a valid timespec; no remainder wanted.
-        unsafe { libc::nanosleep(&millisecond, core::ptr::null_mut()) };
+        os::pause_us(1000);
     }
     Some(lock)
 }

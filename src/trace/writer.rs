@@ -710,9 +710,7 @@ impl Writer {
                 if is_our_socket(fd) {
                     os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
                 }
-                let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
-                // SAFETY: nanosleep with a valid request.
-                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+                os::pause_us(1000);
             }
         };
         wait_for_room(slots_for(stats.len()));
@@ -725,13 +723,11 @@ impl Writer {
             let claimed = ring.claimed();
             ring.nudge();
             let limit = (2 * self.interval_ms).clamp(1000, FINISH_WAIT_MS as u64);
-            let pause = libc::timespec { tv_sec: 0, tv_nsec: 1_000_000 };
             for _ in 0..limit {
                 if ring.done(claimed) {
                     break;
                 }
-                // SAFETY: nanosleep with a valid request.
-                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+                os::pause_us(1000);
             }
             return;
         }
@@ -788,9 +784,7 @@ impl Writer {
             if waited < 100_000 {
                 os::yield_now();
             } else {
-                let pause = libc::timespec { tv_sec: 0, tv_nsec: 100_000 };
-                // SAFETY: nanosleep with a valid request.
-                unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+                os::pause_us(100);
             }
         }
     }
