@@ -1,7 +1,7 @@
 //! mallocspy's own heap: the `#[global_allocator]` of the interposer's Rust code.
 //!
 //! Every allocation mallocspy makes for itself (the options, the spies' start-up state, the
-//! unwinder's scratch, the trace writer's buffers, the reports) comes from dlmalloc running
+//! unwinder's module list, the trace writer's buffers, the reports) comes from dlmalloc running
 //! on regions of mallocspy's pool ([`crate::pool`]: counted, and known to the leak scan as
 //! not the program's): never from the exported (hooked) functions, and never from the heap
 //! it watches either. glibc's heap layout, and with it when glibc trims and
@@ -11,7 +11,8 @@
 //! blocks only.
 //!
 //! One lock guards the heap. It is never taken on the hot path of a hook (only where a spy
-//! builds something new: a report, a new module's unwind rules) and never re-entered: a
+//! builds something new: a report, the module list after a `dlopen`; an unwind rule is
+//! computed in place) and never re-entered: a
 //! signal handler that allocates while its thread is inside mallocspy finds the hook depth
 //! raised and goes straight to the real allocator. `fork` takes it in the prepare handler so
 //! that the child's copy is consistent.

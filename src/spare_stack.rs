@@ -8,10 +8,9 @@
 //! mapping of its own, as `sigaltstack` gives a handler one; the scan of its own stack still
 //! starts where the reports' caller left it (see `leaks::Caller`).
 //!
-//! Computing an unwind rule from `.eh_frame` takes up to 20 KiB too (see
-//! `unwind::rules::COMPUTE_ROOM`). A thread with less left used to end its stacks at the first
-//! frame whose rule was not cached yet: every stack of a thread on a 16 KiB stack was cut
-//! short. It computes the rule on the process's spare stack instead, one thread at a time (a
+//! Computing an unwind rule from `.eh_frame` takes 7 KiB (see `unwind::rules::COMPUTE_ROOM`).
+//! A thread with less left used to end its stacks at the first frame whose rule was not cached
+//! yet: every stack of a thread on a 16 KiB stack was cut short. It computes the rule on the process's spare stack instead, one thread at a time (a
 //! thread that finds it taken ends its walk there, as before): a mapping made at the first
 //! need and kept, since a hook may not wait for a lock.
 
@@ -43,9 +42,9 @@ pub(crate) fn with_room(f: &mut dyn FnMut()) {
     unsafe { os::unmap(stack, MAPPED) };
 }
 
-/// Usable bytes of the spare stack for rules: a tenth of it is what a rule was measured to
-/// take; the rest is for a signal handler that interrupts the computation, which runs on it
-/// too (untouched, it costs no memory).
+/// Usable bytes of the spare stack for rules: a rule takes 7 KiB of it; the rest is for a
+/// signal handler that interrupts the computation, which runs on it too (untouched, it costs
+/// no memory).
 const RULE_ROOM: usize = 256 << 10;
 /// The spare stack for rules (the low end of its usable part), 0 until first needed.
 static RULE_STACK: AtomicUsize = AtomicUsize::new(0);

@@ -291,7 +291,7 @@ fn small_stacks_survive_the_stack_walks() {
 /// The main thread's room below a frame was counted from where its stack started, not from the
 /// top of its mapping, which lies above the arguments and the environment: under `ulimit -s 64`
 /// with a 12 KB environment, a walk that thought it had room to compute a rule died of it; so
-/// did one after a `dlopen`, which takes 20 KiB (review helper 44).
+/// did one after a `dlopen`, which took 20 KiB then (review helper 44).
 #[test]
 fn a_walk_knows_the_main_threads_room_under_a_small_stack_limit() {
     let program = c_program("little_room.c");

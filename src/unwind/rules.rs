@@ -16,7 +16,8 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use gimli::{
-    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, Register, RegisterRule, UnwindSection,
+    BaseAddresses, CfaRule, EhFrame, EhFrameHdr, EndianSlice, LittleEndian, Register, RegisterRule, UnwindContext,
+    UnwindContextStorage, UnwindSection, UnwindTableRow,
 };
 
 use super::modules::{self, Modules};
@@ -65,6 +66,24 @@ impl Rule {
     }
 }
 
+/// Registers an FDE row may give rules for. x86_64's unwinders know 17 (RAX to R15 and the
+/// return address: libgcc's `DWARF_FRAME_REGISTERS`, libunwind's); gimli's default of 192
+/// makes a row 6 KiB, boxed on the heap and copied by value while the CFA program runs.
+const REGISTER_RULES: usize = 32;
+/// `DW_CFA_remember_state` depth, gimli's default.
+const REMEMBERED_STATES: usize = 4;
+
+/// gimli's unwinder state held in place, on the stack of the computation: a rule computed on a
+/// hook's path takes no lock and allocates nothing (a thread stopped for good inside a
+/// computation used to hold mallocspy's heap: `own_heap::free_within`). A CFA program that
+/// needs more registers or states than these stops the stack, as an unknown rule does.
+struct InPlace;
+
+impl<T: gimli::ReaderOffset> UnwindContextStorage<T> for InPlace {
+    type Rules = [(Register, RegisterRule<T>); REGISTER_RULES];
+    type Stack = [UnwindTableRow<T, Self>; REMEMBERED_STATES];
+}
+
 /// Computes the rule for `pc` from the unwind tables of its module. Out of line: [`computed`]
 /// calls it twice, and one frame of it at a time is what [`COMPUTE_ROOM`] allows for.
 #[inline(never)]
@@ -82,8 +101,12 @@ fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
         BaseAddresses::default().set_eh_frame_hdr(m.eh_frame_hdr.0).set_eh_frame(m.eh_frame.0).set_text(m.text.0);
     let hdr = EhFrameHdr::from(slice(m.eh_frame_hdr)).parse(&bases, 8).ok()?;
     let eh_frame = EhFrame::from(slice(m.eh_frame));
-    let mut ctx = gimli::UnwindContext::new();
-    let row = hdr.table()?.unwind_info_for_address(&eh_frame, &bases, &mut ctx, pc, EhFrame::cie_from_offset).ok()?;
+    let mut ctx = UnwindContext::<_, InPlace>::new_in();
+    let row = match hdr.table()?.unwind_info_for_address(&eh_frame, &bases, &mut ctx, pc, EhFrame::cie_from_offset) {
+        Ok(row) => row,
+        Err(gimli::Error::TooManyRegisterRules | gimli::Error::StackFull) => return Some(Rule::Stop),
+        Err(_) => return None,
+    };
     let ra_at_cfa_minus_8 = matches!(row.register(DWARF_RA), Some(RegisterRule::Offset(-8)));
     let rbp = match row.register(DWARF_RBP) {
         None | Some(RegisterRule::Undefined | RegisterRule::SameValue) => Some(0),
@@ -211,10 +234,11 @@ fn lookup(pc: u64) -> Rule {
     rules.shared(pc | (rules.generation() as u64) << 48, pc)
 }
 
-/// Stack a rule's computation may take below the frame that asks for it: gimli's unwind table
-/// copies its rows by value (14 KiB measured, 20 KiB with the module list read again after a
-/// `dlopen`), and a thread on a 16 KiB stack died of it.
-const COMPUTE_ROOM: u64 = 32 << 10;
+/// Stack a rule's computation may take below the frame that asks for it: gimli's state, held
+/// in place ([`InPlace`]), and the rows its table copies by value take 7 KiB (measured by
+/// `tests::a_rule_is_computed_well_within_its_room`; 13 KiB with gimli's boxed rows of 192
+/// registers, and a thread on a 16 KiB stack died of them).
+const COMPUTE_ROOM: u64 = 16 << 10;
 
 /// The rule for `pc` and whether to cache it, computed on this thread's stack if it has
 /// [`COMPUTE_ROOM`] left, else on the spare one ([`crate::spare_stack::for_a_rule`]); `None`
@@ -278,6 +302,55 @@ mod tests {
         // SAFETY: reads the instruction pointer.
         unsafe { core::arch::asm!("lea {}, [rip]", out(reg) pc) };
         pc
+    }
+
+    /// Bytes of stack `f` takes below this frame: the stack below is painted first, and the
+    /// lowest word `f` wrote is where it reached.
+    #[inline(never)]
+    fn stack_taken(f: &mut dyn FnMut()) -> u64 {
+        const PAINT: u64 = 0x5A5A_5A5A_5A5A_5A5A;
+        const PAINTED: u64 = 128 << 10;
+        let sp = crate::unwind::current_sp();
+        let low = (sp - PAINTED) & !7;
+        let mut at = low;
+        while at < sp - 256 {
+            // SAFETY: the unused part of this thread's stack, which the test made large enough.
+            unsafe { core::ptr::write_volatile(at as *mut u64, PAINT) };
+            at += 8;
+        }
+        core::hint::black_box(&mut *f)();
+        let mut at = low;
+        // SAFETY: as above; `f` has returned.
+        while at < sp && unsafe { core::ptr::read_volatile(at as *const u64) } == PAINT {
+            at += 8;
+        }
+        sp - at
+    }
+
+    #[test]
+    fn a_rule_is_computed_well_within_its_room() {
+        let libc_pc = libc::qsort as *const () as u64 + 16;
+        let taken = std::thread::Builder::new()
+            .stack_size(1 << 20)
+            .spawn(move || {
+                let modules = modules::current();
+                let mut taken = [here(), libc_pc].map(|pc| {
+                    let mut rule = None;
+                    let taken = stack_taken(&mut || rule = compute(modules, pc));
+                    assert!(matches!(rule, Some(Rule::Rsp { .. } | Rule::Rbp { .. })), "{pc:#x}: {rule:?}");
+                    taken
+                });
+                taken[0] = taken[0].max(stack_taken(&mut || {
+                    modules::refresh();
+                }));
+                taken
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        // 13 KiB with gimli's boxed storage, 7 KiB in place (2026-12-05); what `computed`
+        // adds between its check of the room and `compute` is a few small frames.
+        assert!(taken.iter().all(|&t| t < COMPUTE_ROOM - (4 << 10)), "{taken:?} bytes");
     }
 
     #[test]
