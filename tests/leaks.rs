@@ -252,6 +252,56 @@ fn allocations_on_other_stacks_keep_their_frames() {
     assert_eq!(functions(55)[..1], ["leak_in_coroutine"]);
 }
 
+/// A block allocated in a signal handler on the thread's own stack has the stack of the code
+/// the signal interrupted, through the signal's frame (named as gdb names it): its stacks
+/// ended at the trampoline (`__restore_rt`, named `??`), where valgrind and heaptrack go on. The code interrupted is
+/// named whether the signal struck in a call (raise) or in the middle of the program's own
+/// code (a timer's signal in a loop, looked up at the instruction itself).
+#[test]
+fn allocations_in_signal_handlers_have_the_interrupted_codes_stack() {
+    let program = c_program("signal_stack_leak.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    for (bytes, interrupted) in
+        [(24, ["raise_here", "raising_caller", "main"]), (48, ["spin_here", "spinning_caller", "main"])]
+    {
+        let functions = functions_of(record_of(&report, bytes));
+        assert_eq!(
+            functions[..3],
+            ["leak_in_handler", "on_signal", "<signal handler called>"],
+            "{bytes}: {functions:?}"
+        );
+        let from = functions.iter().position(|&f| f == interrupted[0]);
+        let from = from.unwrap_or_else(|| panic!("{bytes}: {} not in {functions:?}", interrupted[0]));
+        assert_eq!(functions[from..from + 3], interrupted, "{bytes}: {functions:?}");
+    }
+}
+
+/// Sixty allocations of one handler, each interrupting one of three functions: each stack
+/// names the function that was interrupted, none another's (a walk takes the tail of the
+/// walk before when it reaches a frame of it again: never across a signal's frame, whose
+/// words are not the ones the tail was checked by).
+#[test]
+fn a_handlers_stacks_follow_what_each_signal_interrupted() {
+    let program = c_program("signal_stacks_vary.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let mut blocks = [0; 3];
+    for record in report["leaks"].as_array().unwrap().iter().filter(|r| r["kind"] == "definitely_lost") {
+        let functions = functions_of(record);
+        let k = record["bytes"].as_u64().unwrap() / record["blocks"].as_u64().unwrap() - 100;
+        assert!((1..=3).contains(&k), "{record}");
+        let spun: Vec<_> = functions.iter().filter(|f| f.starts_with("spin_")).collect();
+        assert_eq!(spun, [&format!("spin_{k}")], "{functions:?}");
+        assert_eq!(functions[..3], ["leak_in_handler", "on_prof", "<signal handler called>"], "{functions:?}");
+        assert_eq!(functions.last(), Some(&"main"), "{functions:?}");
+        blocks[k as usize - 1] += record["blocks"].as_u64().unwrap();
+    }
+    assert_eq!(blocks, [20, 20, 20]);
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

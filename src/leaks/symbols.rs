@@ -444,6 +444,12 @@ impl Symbolizer {
 
     fn resolve(&mut self, addr: u64) -> Vec<Frame> {
         let module = module_of(addr);
+        // glibc's `__restore_rt` has no symbol of its own: `??` said nothing.
+        if crate::unwind::is_signal_return(addr) {
+            let function = Some(crate::unwind::SIGNAL_FRAME.to_owned());
+            let address = format!("{addr:#x}");
+            return vec![Frame { address, function, file: None, line: None, module, offset: None, unloaded: false }];
+        }
         if let Some(frame) = c_library_frame(addr, &module) {
             return vec![frame];
         }

@@ -93,6 +93,9 @@ struct Frame {
     bp_slot: u64,
     /// Whether the frame's CFA was computed from RBP (as it was before the frame).
     rbp_rule: bool,
+    /// Whether the frame is one a signal interrupted, its registers read from the `ucontext`
+    /// below it ([`signal_frame`]) rather than at its CFA.
+    signal: bool,
 }
 
 /// The calling thread's stack pointer.
@@ -241,8 +244,8 @@ pub(crate) enum WalkOut {
     /// `visit` answered this.
     Answer(u64),
     /// The frame at `pc`, whose stack pointer is `sp`, has no rule to go further: the
-    /// outermost frame (a thread's start, `_start`), or one this unwinder cannot follow (a
-    /// signal trampoline, code without unwind tables).
+    /// outermost frame (a thread's start, `_start`), or one this unwinder cannot follow (code
+    /// without unwind tables), or a signal trampoline (not followed here).
     Ends { pc: u64, sp: u64 },
     /// The stack could not be read further.
     Lost,
@@ -261,8 +264,10 @@ pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -
     let mut first = true;
     for _ in 0..MAX_WALK {
         let frame = match step(&rules, &mut recent, if first { pc } else { pc - 1 }, sp, bp, &read, false) {
-            Step::Caller(frame) => frame,
-            Step::NoRule => return WalkOut::Ends { pc, sp },
+            // Everything the signal interrupted is live, from the registers the kernel saved
+            // (the only copy of a pointer held in a register) outward: the walk ends there.
+            Step::Caller(frame) if !frame.signal => frame,
+            Step::Caller(_) | Step::NoRule => return WalkOut::Ends { pc, sp },
             Step::Broken | Step::Later => return WalkOut::Lost,
         };
         (pc, sp, bp, first) = (frame.ra, frame.cfa, frame.bp, false);
@@ -322,6 +327,7 @@ fn step(
         rules::Rule::NoTable if frame_pointers => (bp.wrapping_add(16), 16, true),
         rules::Rule::NoTable => return Step::NoRule,
         rules::Rule::Later => return Step::Later,
+        rules::Rule::Signal => return signal_frame(sp, read),
     };
     if cfa <= sp {
         return Step::Broken;
@@ -333,7 +339,45 @@ fn step(
         let Some(saved) = read(bp_slot) else { return Step::Broken };
         bp = saved;
     }
-    Step::Caller(Frame { cfa, ra, bp, bp_slot, rbp_rule })
+    Step::Caller(Frame { cfa, ra, bp, bp_slot, rbp_rule, signal: false })
+}
+
+/// Where the interrupted code's RBP, RSP and RIP lie above a signal trampoline's stack
+/// pointer: the kernel's `struct rt_sigframe` starts with the return address into the
+/// trampoline (popped by the handler's return), then the `ucontext`, whose `uc_mcontext`
+/// (after `uc_flags`, `uc_link` and `uc_stack`: 40 bytes) starts with R8-R15, RDI, RSI, RBP,
+/// RBX, RDX, RAX, RCX, RSP and RIP.
+const UC_RBP: u64 = 40 + 10 * 8;
+const UC_RSP: u64 = 40 + 15 * 8;
+const UC_RIP: u64 = 40 + 16 * 8;
+
+/// Whether `ra`, a return address of a captured stack, is a signal trampoline's: the frame a
+/// handler returns to, which the reports name as gdb does ([`SIGNAL_FRAME`]). Computes the
+/// rule if it is not known: not for the hook path.
+pub(crate) fn is_signal_return(ra: u64) -> bool {
+    ra != 0 && rules::lookup(ra - 1) == rules::Rule::Signal
+}
+
+/// The name of a signal trampoline's frame in the reports.
+pub(crate) const SIGNAL_FRAME: &str = "<signal handler called>";
+
+/// The frame a signal interrupted, from the `ucontext` at `ctx`, the stack pointer of the
+/// signal trampoline that the handler returns to. Its pc is where the signal struck, not a
+/// return address: it is given one byte on, so that the walk's look-up of "the call, a byte
+/// before the return address" and the symbolizer's land on the instruction itself (as
+/// libunwind does for a signal frame). Stacks ended at the trampoline, named `??` (as valgrind
+/// and heaptrack go on to the code that was interrupted, and to its callers).
+#[cold]
+fn signal_frame(ctx: u64, read: &impl Fn(u64) -> Option<u64>) -> Step {
+    let (Some(bp), Some(sp), Some(pc)) = (read(ctx + UC_RBP), read(ctx + UC_RSP), read(ctx + UC_RIP)) else {
+        return Step::Broken;
+    };
+    // The handler's frames lie below the interrupted code's, on the same stack; on another
+    // (an alternate signal stack), the interrupted code's lies outside what may be read.
+    if sp <= ctx || pc == 0 {
+        return Step::Broken;
+    }
+    Step::Caller(Frame { cfa: sp, ra: pc + 1, bp, bp_slot: ctx + UC_RBP, rbp_rule: false, signal: true })
 }
 
 impl WalkCache {
@@ -417,6 +461,11 @@ impl WalkCache {
         // Where RBP was last restored from, and whether that word is recorded already.
         let (mut slot, mut slot_recorded) = (0u64, true);
         for f in frames {
+            // A frame a signal interrupted depends on words of its `ucontext` that are not
+            // recorded: no record (allocations in signal handlers are few).
+            if f.signal {
+                return;
+            }
             // A CFA taken from RBP depends on the word RBP was last restored from (or on RBP
             // at the start, which is part of the start); the other saved values of RBP are
             // read, but the walk does not depend on them.
@@ -460,7 +509,8 @@ impl WalkCache {
 fn follow(tail: &[Frame], mut bp: u64, mut old_bp: u64, new: &mut [Frame]) -> bool {
     for (f, copy) in tail.iter().zip(new) {
         // SAFETY: see above: both addresses are 8-aligned words of the live stack.
-        if (f.rbp_rule && bp != old_bp) || unsafe { *((f.cfa - 8) as *const u64) } != f.ra {
+        // A frame a signal interrupted was read elsewhere ([`signal_frame`]): walked again.
+        if f.signal || (f.rbp_rule && bp != old_bp) || unsafe { *((f.cfa - 8) as *const u64) } != f.ra {
             return false;
         }
         if f.bp_slot != 0 {
@@ -561,7 +611,7 @@ impl PrevWalk {
             cut: false,
             generation: u32::MAX,
             side: 0,
-            frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0, rbp_rule: false }; MAX_WALK]; 2],
+            frames: [[Frame { cfa: 0, ra: 0, bp: 0, bp_slot: 0, rbp_rule: false, signal: false }; MAX_WALK]; 2],
         }
     }
 }

@@ -5,7 +5,9 @@
 //! alone or saved at CFA - m. Such a rule packs into 64 bits; applying it is a couple of
 //! loads. The DWARF work (finding the FDE through `.eh_frame_hdr`'s binary-search table and
 //! running its CFA program, with gimli) happens once per distinct address, on a miss.
-//! Anything else (a CFA expression, a signal trampoline) is cached as `Stop`; code that no
+//! A signal trampoline (an FDE whose CIE says `S`: glibc's `__restore_rt`) is cached as
+//! `Signal`, which a walk follows through the `ucontext` the kernel saved; anything else (a
+//! CFA expression) as `Stop`; code that no
 //! unwind table covers (built with `-fno-asynchronous-unwind-tables`, or no module's) as
 //! `NoTable`, which a walk may follow by the frame pointer.
 //!
@@ -32,6 +34,9 @@ pub(crate) enum Rule {
     Rbp { cfa: u32, rbp: u16 },
     /// No rule this unwinder follows: the stack ends here.
     Stop,
+    /// A signal trampoline: the interrupted frame's registers are in the `ucontext` the
+    /// kernel pushed, which starts at the trampoline's stack pointer.
+    Signal,
     /// No unwind table covers the address: only the frame pointer may lead further, if the
     /// code keeps one (CFA = RBP + 16, the caller's RBP at CFA - 16).
     NoTable,
@@ -52,6 +57,7 @@ impl Rule {
             Rule::Rbp { cfa, rbp } => 2 | (rbp as u64) << 8 | (cfa as u64) << 32,
             Rule::Stop | Rule::Later => 3,
             Rule::NoTable => 7,
+            Rule::Signal => 11,
         }
     }
 
@@ -61,6 +67,7 @@ impl Rule {
             1 => Rule::Rsp { cfa, rbp },
             2 => Rule::Rbp { cfa, rbp },
             _ if v == 7 => Rule::NoTable,
+            _ if v == 11 => Rule::Signal,
             _ => Rule::Stop,
         }
     }
@@ -101,8 +108,12 @@ fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
         BaseAddresses::default().set_eh_frame_hdr(m.eh_frame_hdr.0).set_eh_frame(m.eh_frame.0).set_text(m.text.0);
     let hdr = EhFrameHdr::from(slice(m.eh_frame_hdr)).parse(&bases, 8).ok()?;
     let eh_frame = EhFrame::from(slice(m.eh_frame));
+    let fde = hdr.table()?.fde_for_address(&eh_frame, &bases, pc, EhFrame::cie_from_offset).ok()?;
+    if fde.is_signal_trampoline() {
+        return Some(Rule::Signal);
+    }
     let mut ctx = UnwindContext::<_, InPlace>::new_in();
-    let row = match hdr.table()?.unwind_info_for_address(&eh_frame, &bases, &mut ctx, pc, EhFrame::cie_from_offset) {
+    let row = match fde.unwind_info_for_address(&eh_frame, &bases, &mut ctx, pc) {
         Ok(row) => row,
         Err(gimli::Error::TooManyRegisterRules | gimli::Error::StackFull) => return Some(Rule::Stop),
         Err(_) => return None,
@@ -228,8 +239,7 @@ impl Rules {
 }
 
 /// The rule for the frame whose (lookup) address is `pc`, from the shared table.
-#[cfg(test)]
-fn lookup(pc: u64) -> Rule {
+pub(crate) fn lookup(pc: u64) -> Rule {
     let rules = Rules::new();
     rules.shared(pc | (rules.generation() as u64) << 48, pc)
 }
@@ -291,6 +301,7 @@ mod tests {
             Rule::Rsp { cfa: 70_000, rbp: 48 },
             Rule::Stop,
             Rule::NoTable,
+            Rule::Signal,
         ] {
             assert_eq!(Rule::unpack(r.pack()), r);
         }
