@@ -1453,6 +1453,26 @@ fn the_sites_of_a_cxx_program_are_its_functions_not_its_containers() {
     );
 }
 
+/// A trace's report names a signal handler's frame as the exit reports do, and goes on to
+/// the code each signal interrupted: the frame was `libc.so.6+0x3c050`, and every sample of a
+/// handler ended there.
+#[test]
+fn a_traces_stacks_go_through_signal_handlers() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = record(dir.path(), &["--interval", "1"], &[c_program("signal_stacks_vary.c").to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let trace = traces(dir.path()).pop().expect("a trace");
+    let folded = Command::new(mallocspy()).args(["report", "--format", "folded"]).arg(&trace).output().unwrap();
+    let folded = text(&folded.stdout);
+    for k in 1..=3 {
+        let bytes: u64 = (folded.lines())
+            .filter(|l| l.contains(&format!(";main;spin_{k};<signal handler called>;on_prof;leak_in_handler ")))
+            .map(|l| l.rsplit_once(' ').unwrap().1.parse::<u64>().unwrap())
+            .sum();
+        assert_eq!(bytes, 20 * (100 + k), "spin_{k}: {folded}");
+    }
+}
+
 /// The exact totals of a traced run (its last heap statistics) are the calls, frees and bytes
 /// `spy=count` counts in the same program: every call is counted once, whether the sampling
 /// gate lets it through (`malloc` and `free` in assembly, the rest in Rust) or not.

@@ -18,6 +18,16 @@ pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
 pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, symbol_name};
 
+/// How the reports name the frame of a signal trampoline (glibc's `__restore_rt`), which the
+/// stacks go through to the code a signal interrupted: as gdb names it.
+pub const SIGNAL_FRAME: &str = crate::unwind::SIGNAL_FRAME;
+
+/// Whether file address `address` of an ELF file lies in a signal trampoline, by the file's
+/// `.eh_frame_hdr` and `.eh_frame` sections, each given with its file address.
+pub fn is_signal_trampoline_in(eh_frame_hdr: (&[u8], u64), eh_frame: (&[u8], u64), address: u64) -> bool {
+    crate::unwind::is_signal_trampoline_in(eh_frame_hdr, eh_frame, address)
+}
+
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};
 use std::collections::HashMap;

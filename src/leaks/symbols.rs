@@ -446,7 +446,7 @@ impl Symbolizer {
         let module = module_of(addr);
         // glibc's `__restore_rt` has no symbol of its own: `??` said nothing.
         if crate::unwind::is_signal_return(addr) {
-            let function = Some(crate::unwind::SIGNAL_FRAME.to_owned());
+            let function = Some(super::SIGNAL_FRAME.to_owned());
             let address = format!("{addr:#x}");
             return vec![Frame { address, function, file: None, line: None, module, offset: None, unloaded: false }];
         }

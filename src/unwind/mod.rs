@@ -361,6 +361,8 @@ pub(crate) fn is_signal_return(ra: u64) -> bool {
 /// The name of a signal trampoline's frame in the reports.
 pub(crate) const SIGNAL_FRAME: &str = "<signal handler called>";
 
+pub(crate) use rules::is_signal_trampoline_in;
+
 /// The frame a signal interrupted, from the `ucontext` at `ctx`, the stack pointer of the
 /// signal trampoline that the handler returns to. Its pc is where the signal struck, not a
 /// return address: it is given one byte on, so that the walk's look-up of "the call, a byte

@@ -139,6 +139,17 @@ fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
     Some(rule)
 }
 
+/// Whether file address `address` of an ELF file lies in a signal trampoline by the file's
+/// own unwind tables, its `.eh_frame_hdr` and `.eh_frame` given with their file addresses: for
+/// the reports of a trace, which name the trampoline's frame as the exit reports do.
+pub(crate) fn is_signal_trampoline_in(eh_frame_hdr: (&[u8], u64), eh_frame: (&[u8], u64), address: u64) -> bool {
+    let bases = BaseAddresses::default().set_eh_frame_hdr(eh_frame_hdr.1).set_eh_frame(eh_frame.1);
+    let Ok(hdr) = EhFrameHdr::new(eh_frame_hdr.0, LittleEndian).parse(&bases, 8) else { return false };
+    let Some(table) = hdr.table() else { return false };
+    let eh_frame = EhFrame::new(eh_frame.0, LittleEndian);
+    table.fde_for_address(&eh_frame, &bases, address, EhFrame::cie_from_offset).is_ok_and(|f| f.is_signal_trampoline())
+}
+
 const ENTRIES: usize = 1 << 16;
 
 #[repr(C, align(32))]

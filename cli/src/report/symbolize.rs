@@ -13,6 +13,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use addr2line::Loader;
+use mallocspy::leaks::{SIGNAL_FRAME, is_signal_trampoline_in};
 use mallocspy::trace::Module;
 use object::{Object, ObjectSection, ObjectSegment};
 
@@ -87,8 +88,12 @@ impl Symbols {
             }
             let debug = &open.as_ref().expect("opened above").1;
             let fallback = format!("{}+{:#x}", module_names[m], frame.address.wrapping_sub(module.base));
-            let found = probe_of(frame.address, module.base).map(|probe| debug.frames(probe)).unwrap_or_default();
-            let location = if found.is_empty() {
+            let probe = probe_of(frame.address, module.base);
+            let found = probe.map(|probe| debug.frames(probe)).unwrap_or_default();
+            let location = if found.is_empty() && probe.is_some_and(|probe| debug.is_signal_trampoline(probe)) {
+                let frames = vec![SymFrame { function: SIGNAL_FRAME.to_owned(), file: None, line: None }];
+                Location { address: frame.address, module: Some(m), symbolized: true, frames }
+            } else if found.is_empty() {
                 Location::unknown(frame, fallback)
             } else {
                 let frames = found
@@ -179,6 +184,28 @@ struct DebugInfo {
     dwarf: Option<Loader>,
     /// The module file's symbol table, when the DWARF came from a separate file.
     symbols: Option<Loader>,
+    /// The module's file, if it is the one that ran.
+    file: Option<PathBuf>,
+    /// Its unwind tables, read at the first frame nothing names.
+    unwind_tables: std::cell::OnceCell<Option<UnwindTables>>,
+}
+
+/// A file's `.eh_frame_hdr` and `.eh_frame`, each with its file address.
+struct UnwindTables {
+    eh_frame_hdr: (Vec<u8>, u64),
+    eh_frame: (Vec<u8>, u64),
+}
+
+impl UnwindTables {
+    fn read(path: &Path) -> Option<UnwindTables> {
+        let cache = object::ReadCache::new(File::open(path).ok()?);
+        let file = object::File::parse(&cache).ok()?;
+        let section = |name: &str| {
+            let section = file.section_by_name(name)?;
+            Some((section.data().ok()?.to_vec(), section.address()))
+        };
+        Some(UnwindTables { eh_frame_hdr: section(".eh_frame_hdr")?, eh_frame: section(".eh_frame")? })
+    }
 }
 
 /// What the ELF file says about where its debug information is.
@@ -259,11 +286,13 @@ impl DebugInfo {
         let facts = ElfFacts::read(path);
         // The file on disk is the one that ran, unless its build id says otherwise.
         let current = facts.as_ref().is_some_and(|f| f.is_the_file_of(module));
+        let file = current.then(|| path.to_path_buf());
+        let unwind_tables = std::cell::OnceCell::new();
         if current
             && facts.as_ref().is_some_and(|f| f.has_dwarf)
             && let Ok(loader) = Loader::new(path)
         {
-            return DebugInfo { dwarf: Some(loader), symbols: None };
+            return DebugInfo { dwarf: Some(loader), symbols: None, file, unwind_tables };
         }
         let build_id = match &facts {
             _ if !module.build_id.is_empty() => Some(module.build_id.clone()),
@@ -273,7 +302,17 @@ impl DebugInfo {
         let debuglink = facts.and_then(|f| f.debuglink).filter(|_| current);
         let dwarf = find_debug_file(path, build_id.as_deref(), debuglink.as_deref()).and_then(|d| open_debug_file(&d));
         let symbols = if current { Loader::new(path).ok() } else { None };
-        DebugInfo { dwarf, symbols }
+        DebugInfo { dwarf, symbols, file, unwind_tables }
+    }
+
+    /// Whether file address `probe` lies in a signal trampoline (glibc's `__restore_rt`, which
+    /// no symbol names), by the unwind tables of the file that ran.
+    fn is_signal_trampoline(&self, probe: u64) -> bool {
+        let tables = self.unwind_tables.get_or_init(|| self.file.as_deref().and_then(UnwindTables::read));
+        tables.as_ref().is_some_and(|t| {
+            let (hdr, eh_frame) = (&t.eh_frame_hdr, &t.eh_frame);
+            is_signal_trampoline_in((&hdr.0, hdr.1), (&eh_frame.0, eh_frame.1), probe)
+        })
     }
 
     /// `(function, file, line)` of the functions at file address `probe`, innermost inlined
