@@ -235,8 +235,10 @@ fn code_without_unwind_tables_is_walked_by_its_frame_pointers() {
 }
 
 /// Blocks allocated on a stack other than the thread's had no frame at all (review helper
-/// 66): a signal handler's alternate stack is walked within its extent (to the signal's
-/// frame), and of a coroutine's, whose extent is unknown, the allocating function is named.
+/// 66): a signal handler's alternate stack is walked within its extent to the signal's frame,
+/// and on from there on the thread's own stack, where the signal struck (the stack ended at
+/// the signal's frame); of a coroutine's, whose extent is unknown, the allocating function is
+/// named.
 #[test]
 fn allocations_on_other_stacks_keep_their_frames() {
     let program = c_program("other_stacks.c");
@@ -248,7 +250,9 @@ fn allocations_on_other_stacks_keep_their_frames() {
         let record = record.unwrap_or_else(|| panic!("no record of {bytes} bytes: {report}"));
         record["stack"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("??").to_string()).collect()
     };
-    assert_eq!(functions(34)[..2], ["leak_in_handler", "on_usr1"]);
+    let from_handler = functions(34);
+    assert_eq!(from_handler[..3], ["leak_in_handler", "on_usr1", "<signal handler called>"], "{from_handler:?}");
+    assert_eq!(from_handler.last().map(String::as_str), Some("main"), "{from_handler:?}");
     assert_eq!(functions(55)[..1], ["leak_in_coroutine"]);
 }
 

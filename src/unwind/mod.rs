@@ -152,8 +152,9 @@ fn alternate_stack() -> Option<(u64, u64)> {
 }
 
 /// A walk that starts on a stack other than the thread's: a signal handler's alternate stack
-/// is walked within its extent (to the signal's frame, where its rules stop); of any other
-/// (a coroutine's), whose extent is unknown, only the caller's return address is taken.
+/// is walked within its extent to the signal's frame, and from there on the thread's own stack
+/// (where the signal struck); of any other (a coroutine's), whose extent is unknown, only the
+/// caller's return address is taken.
 /// Without the walk cache, as [`capture_uncached`]. Such stacks had no frame at all (review
 /// helper 66).
 #[cold]
@@ -224,13 +225,23 @@ pub(crate) fn capture_uncached(out: &mut [u64], start: (u64, u64, u64)) -> usize
     let (mut pc, mut sp, mut bp) = start;
     *first = pc;
     let Some((_, high)) = current_stack() else { return 1 };
-    let read = stack_reader(current_sp(), high);
+    let bounds = core::cell::Cell::new((current_sp(), high));
+    let read = |addr: u64| {
+        let (low, high) = bounds.get();
+        stack_reader(low, high)(addr)
+    };
     let rules = rules::Rules::new();
     let mut recent = rules::Recent::new();
     let mut n = 1;
     while n < out.len() {
         // Every pc here is a return address: its call is a byte before it.
         let Step::Caller(frame) = step(&rules, &mut recent, pc - 1, sp, bp, &read, false) else { break };
+        // From a handler on an alternate signal stack to the code the signal interrupted, on
+        // the thread's own stack: the walk reads that stack from there on.
+        let (own_low, own_high) = stack_bounds();
+        if frame.signal && read(frame.cfa).is_none() && (own_low..own_high).contains(&frame.cfa) {
+            bounds.set((frame.cfa, own_high));
+        }
         (pc, sp, bp) = (frame.ra, frame.cfa, frame.bp);
         out[n] = pc;
         n += 1;
@@ -374,9 +385,10 @@ fn signal_frame(ctx: u64, read: &impl Fn(u64) -> Option<u64>) -> Step {
     let (Some(bp), Some(sp), Some(pc)) = (read(ctx + UC_RBP), read(ctx + UC_RSP), read(ctx + UC_RIP)) else {
         return Step::Broken;
     };
-    // The handler's frames lie below the interrupted code's, on the same stack; on another
-    // (an alternate signal stack), the interrupted code's lies outside what may be read.
-    if sp <= ctx || pc == 0 {
+    // The handler's frames lie below the interrupted code's on the same stack. From an
+    // alternate signal stack the interrupted code's lie on the thread's own, anywhere, and
+    // outside what `read` reads: only a walk that can read there goes on from it.
+    if pc == 0 || (sp <= ctx && read(sp).is_some()) {
         return Step::Broken;
     }
     Step::Caller(Frame { cfa: sp, ra: pc + 1, bp, bp_slot: ctx + UC_RBP, rbp_rule: false, signal: true })
