@@ -444,12 +444,6 @@ impl Symbolizer {
 
     fn resolve(&mut self, addr: u64) -> Vec<Frame> {
         let module = module_of(addr);
-        // glibc's `__restore_rt` has no symbol of its own: `??` said nothing.
-        if crate::unwind::is_signal_return(addr) {
-            let function = Some(super::SIGNAL_FRAME.to_owned());
-            let address = format!("{addr:#x}");
-            return vec![Frame { address, function, file: None, line: None, module, offset: None, unloaded: false }];
-        }
         if let Some(frame) = c_library_frame(addr, &module) {
             return vec![frame];
         }
@@ -482,7 +476,11 @@ impl Symbolizer {
             };
             frames = frames_in_file(exe, offset - 1, frame);
         }
-        if frames.is_empty() {
+        if frames.is_empty() && crate::unwind::is_signal_return(addr) {
+            // glibc's `__restore_rt` has no symbol of its own: `??` said nothing.
+            let (address, function) = (format!("{addr:#x}"), Some(super::SIGNAL_FRAME.to_owned()));
+            frames.push(Frame { address, function, file: None, line: None, module, offset: None, unloaded: false });
+        } else if frames.is_empty() {
             // Nothing names it (a stripped module): where it is in its file, as `addr2line
             // -e` takes it.
             let address = format!("{addr:#x}");
