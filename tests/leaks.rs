@@ -306,6 +306,27 @@ fn a_handlers_stacks_follow_what_each_signal_interrupted() {
     assert_eq!(blocks, [20, 20, 20]);
 }
 
+/// A report made on an alternate signal stack (a handler there calls `exit`, or raises an
+/// ending signal) scans the thread's own stack too, from where the signal struck: it scanned
+/// the alternate stack alone, and a block only `main`'s frame held was "definitely lost"
+/// (review helper 74).
+#[test]
+fn a_report_made_on_an_alternate_signal_stack_scans_the_threads_own_stack() {
+    let program = c_program("report_on_alternate_stack.c");
+    for (mode, status, signal) in [("exit", Some(0), None), ("term", None, Some(libc::SIGTERM))] {
+        let out = run(JSON_REPORT, Command::new(&program).arg(mode));
+        assert_eq!(
+            (out.status.code(), std::os::unix::process::ExitStatusExt::signal(&out.status)),
+            (status, signal),
+            "{mode}: {}",
+            text(&out.stderr)
+        );
+        let report = json_report(&out);
+        assert_eq!(report["summary"]["definitely_lost"]["bytes"], 0, "{mode}: {report}");
+        assert_eq!(record_of(&report, 4343)["kind"], "still_reachable", "{mode}: {report}");
+    }
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

@@ -309,6 +309,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     add_thread(1, live_frames_start(&caller).unwrap_or(caller.sp), RED_ZONE, own_tp, &mut regions, &mut region_kinds);
     own_blocks.push(tls::block_of(own_tp));
     stack_pointers.push(caller.sp);
+    // Made on an alternate signal stack: the thread's own stack is live from where the signal
+    // struck.
+    if let Some(from) = crate::unwind::own_stack_resumes_at((caller.pc, caller.sp, caller.bp)) {
+        add_thread(1, from, RED_ZONE, 0, &mut regions, &mut region_kinds);
+        stack_pointers.push(from);
+    }
     words.extend_from_slice(&caller.regs);
     words.extend_from_slice(&by_loader);
     let mut unstopped = 0;

@@ -54,7 +54,8 @@ struct PrevWalk {
     len: usize,
     /// The walk ran out of `out` (not to the end of the stack).
     truncated: bool,
-    /// It was cut short for want of stack to compute a rule ([`Step::Later`]).
+    /// It was cut short for want of stack to compute a rule, or at a signal's frame it could
+    /// not read ([`Step::Later`]).
     cut: bool,
     generation: u32,
     /// Which of `frames` holds the previous walk.
@@ -140,6 +141,46 @@ pub(crate) fn hook_start() -> Option<(u64, u64, u64)> {
 
 /// How far above a hook's frame its entry may lie on a stack other than the thread's.
 const OTHER_STACK_ENTRY: u64 = 1 << 20;
+
+/// Where the calling thread's own stack resumes above `start` (pc, sp, bp of a frame in
+/// progress) when that frame runs on its alternate signal stack: the stack pointer the signal
+/// interrupted, found by walking out through the handler's frames to the signal's. The leak
+/// check's roots start there too: a report made on an alternate stack (an `exit` in such a
+/// handler, an ending signal that struck one) scanned that stack alone, and a block only
+/// `main`'s frame held was "definitely lost" (review helper 74). `None` when `start` is not on
+/// the alternate stack, or no signal's frame leads off it.
+pub(crate) fn own_stack_resumes_at(start: (u64, u64, u64)) -> Option<u64> {
+    let (mut pc, mut sp, mut bp) = start;
+    // Not `stack_bounds`: a report runs on a spare stack (`spare_stack.rs`), which they are
+    // then.
+    let (alt_low, alt_high) = configured_alternate_stack()?;
+    if !(alt_low..alt_high).contains(&sp) {
+        return None;
+    }
+    let read = stack_reader(sp, alt_high);
+    let rules = rules::Rules::new();
+    let mut recent = rules::Recent::new();
+    for walked in 0..MAX_WALK {
+        // The start is a frame in progress; every later pc a return address.
+        let lookup = if walked == 0 { pc } else { pc - 1 };
+        let Step::Caller(frame) = step(&rules, &mut recent, lookup, sp, bp, &read, false) else { return None };
+        // A signal that struck a handler on the same stack leads on within it.
+        if frame.signal && !(alt_low..alt_high).contains(&frame.cfa) {
+            return Some(frame.cfa);
+        }
+        (pc, sp, bp) = (frame.ra, frame.cfa, frame.bp);
+    }
+    None
+}
+
+/// The extent of the calling thread's alternate signal stack, whether or not it runs on it.
+fn configured_alternate_stack() -> Option<(u64, u64)> {
+    // SAFETY: zero is a valid stack_t; a query (no new stack) writes only `now`.
+    let mut now: libc::stack_t = unsafe { core::mem::zeroed() };
+    // SAFETY: as above.
+    let set = unsafe { libc::sigaltstack(core::ptr::null(), &mut now) } == 0 && now.ss_flags & libc::SS_DISABLE == 0;
+    set.then(|| (now.ss_sp as u64, now.ss_sp as u64 + now.ss_size as u64))
+}
 
 /// The extent of the alternate signal stack (`sigaltstack`) the calling thread runs on, if
 /// it runs on one.
@@ -310,7 +351,9 @@ enum Step {
     /// The rule leads nowhere readable: a CFA that does not grow, a word outside the stack,
     /// a null return address.
     Broken,
-    /// The rule is not known yet, and the thread has too little stack left to compute it.
+    /// The rule is not known yet, and the thread has too little stack left to compute it; or
+    /// a signal's frame could not be read: the walk is cut short this time, not ended (its
+    /// stack is not taken for its start's whole one).
     Later,
 }
 
@@ -382,14 +425,17 @@ pub(crate) use rules::is_signal_trampoline_in;
 /// and heaptrack go on to the code that was interrupted, and to its callers).
 #[cold]
 fn signal_frame(ctx: u64, read: &impl Fn(u64) -> Option<u64>) -> Step {
+    // Cut short rather than ended: the words that ended it are the `ucontext`'s, which no
+    // record of the walk's words holds, so a later walk from the same start might go further
+    // (a handler's first stack, ended here, was taken for its later ones: review helper 74).
     let (Some(bp), Some(sp), Some(pc)) = (read(ctx + UC_RBP), read(ctx + UC_RSP), read(ctx + UC_RIP)) else {
-        return Step::Broken;
+        return Step::Later;
     };
-    // The handler's frames lie below the interrupted code's on the same stack. From an
-    // alternate signal stack the interrupted code's lie on the thread's own, anywhere, and
-    // outside what `read` reads: only a walk that can read there goes on from it.
-    if pc == 0 || (sp <= ctx && read(sp).is_some()) {
-        return Step::Broken;
+    // No check that the interrupted code's frames lie above the handler's, as a caller's do
+    // above its callee's: on an alternate signal stack the handler's may lie anywhere (a
+    // buffer in `main`'s frame puts them above), and a walk is bounded in frames anyway.
+    if pc == 0 || pc == u64::MAX {
+        return Step::Later;
     }
     Step::Caller(Frame { cfa: sp, ra: pc + 1, bp, bp_slot: ctx + UC_RBP, rbp_rule: false, signal: true })
 }
