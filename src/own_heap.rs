@@ -12,10 +12,9 @@
 //!
 //! One lock guards the heap. It is never taken on the hot path of a hook (only where a spy
 //! builds something new: a report, the module list after a `dlopen`; an unwind rule is
-//! computed in place) and never re-entered: a
-//! signal handler that allocates while its thread is inside mallocspy finds the hook depth
-//! raised and goes straight to the real allocator. `fork` takes it in the prepare handler so
-//! that the child's copy is consistent.
+//! computed in place) and never re-entered: a signal handler that allocates while its thread
+//! is inside mallocspy finds the hook depth raised and goes straight to the real allocator.
+//! `fork` takes it in the prepare handler so that the child's copy is consistent.
 
 use core::alloc::{GlobalAlloc, Layout};
 use core::cell::UnsafeCell;

@@ -10,9 +10,10 @@
 //!
 //! Computing an unwind rule from `.eh_frame` takes 7 KiB (see `unwind::rules::COMPUTE_ROOM`).
 //! A thread with less left used to end its stacks at the first frame whose rule was not cached
-//! yet: every stack of a thread on a 16 KiB stack was cut short. It computes the rule on the process's spare stack instead, one thread at a time (a
-//! thread that finds it taken ends its walk there, as before): a mapping made at the first
-//! need and kept, since a hook may not wait for a lock.
+//! yet: every stack of a thread on a 16 KiB stack was cut short. It computes the rule on the
+//! process's spare stack instead, one thread at a time (a thread that finds it taken ends its
+//! walk there, as before): a mapping made at the first need and kept, since a hook may not
+//! wait for a lock.
 
 use core::ffi::c_void;
 use core::ptr::NonNull;

@@ -18,6 +18,15 @@ pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
 pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, symbol_name};
 
+use crate::spies::leaks::LeakTracker;
+use crate::{os, tls};
+use std::collections::HashMap;
+
+use report::Classified;
+use roots::{Maps, ProcessMemory};
+use scan::{Heap, Hop, Scratch};
+use symbols::Symbolizer;
+
 /// How the reports name the frame of a signal trampoline (glibc's `__restore_rt`), which the
 /// stacks go through to the code a signal interrupted: as gdb names it.
 pub const SIGNAL_FRAME: &str = crate::unwind::SIGNAL_FRAME;
@@ -27,15 +36,6 @@ pub const SIGNAL_FRAME: &str = crate::unwind::SIGNAL_FRAME;
 pub fn is_signal_trampoline_in(eh_frame_hdr: (&[u8], u64), eh_frame: (&[u8], u64), address: u64) -> bool {
     crate::unwind::is_signal_trampoline_in(eh_frame_hdr, eh_frame, address)
 }
-
-use crate::spies::leaks::LeakTracker;
-use crate::{os, tls};
-use std::collections::HashMap;
-
-use report::Classified;
-use roots::{Maps, ProcessMemory};
-use scan::{Heap, Hop, Scratch};
-use symbols::Symbolizer;
 
 /// What a root region is, for retention paths.
 #[derive(Clone, Copy)]

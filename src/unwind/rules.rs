@@ -7,9 +7,9 @@
 //! running its CFA program, with gimli) happens once per distinct address, on a miss.
 //! A signal trampoline (an FDE whose CIE says `S`: glibc's `__restore_rt`) is cached as
 //! `Signal`, which a walk follows through the `ucontext` the kernel saved; anything else (a
-//! CFA expression) as `Stop`; code that no
-//! unwind table covers (built with `-fno-asynchronous-unwind-tables`, or no module's) as
-//! `NoTable`, which a walk may follow by the frame pointer.
+//! CFA expression) as `Stop`; code that no unwind table covers (built with
+//! `-fno-asynchronous-unwind-tables`, or no module's) as `NoTable`, which a walk may follow by
+//! the frame pointer.
 //!
 //! The cache is a fixed, direct-mapped table in an anonymous mapping; each entry is
 //! published under a sequence number, so readers never lock and never see half an entry.
