@@ -412,8 +412,14 @@ def main():
     ap.add_argument("--iters", type=int, default=1500000, help="churn iterations per thread")
     ap.add_argument("--only", help="run only workloads whose name contains this")
     ap.add_argument("release_dir", help="where cargo put libmallocspy_preload.so and mallocspy")
-    ap.add_argument("bench_dir", help="the built workloads of ../shared/bench, and million")
+    ap.add_argument("bench_dir", help="the built workloads of ../shared/bench, million and sample_cost")
     a = ap.parse_args()
+    # A bare run on a fresh checkout stopped with a traceback after minutes of workloads.
+    built = ("churn", "insert.sql", "million", "sample_cost", "libmallocspy_preload.so", "mallocspy")
+    dirs = {"libmallocspy_preload.so": a.release_dir, "mallocspy": a.release_dir}
+    missing = [name for name in built if not os.path.exists(os.path.join(dirs.get(name, a.bench_dir), name))]
+    if missing:
+        sys.exit(f"bench.py: not built: {', '.join(missing)} (scripts/bench.sh builds everything, then runs this)")
     become_subreaper()
 
     base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOCSPY_OPTIONS", "PYTHONMALLOC")}
