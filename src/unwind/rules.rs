@@ -91,6 +91,48 @@ impl<T: gimli::ReaderOffset> UnwindContextStorage<T> for InPlace {
     type Stack = [UnwindTableRow<T, Self>; REMEMBERED_STATES];
 }
 
+impl<R: gimli::Reader> gimli::EvaluationStorage<R> for InPlace {
+    type Stack = [gimli::Value; 8];
+    type ExpressionStack = [(R, R); 2];
+    type Result = [gimli::Piece<R>; 1];
+}
+
+/// The CFA that `expression` computes at `pc`, as an offset from RSP, if it is RSP plus what
+/// the pc alone decides: the PLT's (RSP + 8, or + 16 once an entry has pushed its index), where
+/// a signal may strike a program in a loop of library calls, and whose frame ended its stack.
+/// `None` for any other expression (one that reads memory: a frame realigned by DRAP).
+fn rsp_offset_at<R: gimli::Reader>(
+    expression: gimli::Expression<R>,
+    encoding: gimli::Encoding,
+    pc: u64,
+) -> Option<u32> {
+    let cfa_with = |rsp: u64| -> Option<u64> {
+        let mut evaluation = gimli::Evaluation::<R, InPlace>::new_in(expression.0.clone(), encoding);
+        let mut state = evaluation.evaluate().ok()?;
+        while let gimli::EvaluationResult::RequiresRegister { register, .. } = state {
+            let value = match register {
+                DWARF_RSP => rsp,
+                DWARF_RA => pc,
+                _ => return None,
+            };
+            state = evaluation.resume_with_register(gimli::Value::Generic(value)).ok()?;
+        }
+        match (state, evaluation.as_result()) {
+            (
+                gimli::EvaluationResult::Complete,
+                [gimli::Piece { location: gimli::Location::Address { address }, .. }],
+            ) => Some(*address),
+            _ => None,
+        }
+    };
+    // Evaluated at two values of RSP, so that an expression that is not RSP plus a constant
+    // (RSP times anything, or masked) is told apart.
+    const ONE: u64 = 1 << 32;
+    let (low, high) = (cfa_with(ONE)?, cfa_with(2 * ONE)?);
+    let offset = low.checked_sub(ONE)?;
+    (high.wrapping_sub(low) == ONE).then(|| u32::try_from(offset).ok()).flatten()
+}
+
 /// Computes the rule for `pc` from the unwind tables of its module. Out of line: [`computed`]
 /// calls it twice, and one frame of it at a time is what [`COMPUTE_ROOM`] allows for.
 #[inline(never)]
@@ -134,6 +176,11 @@ fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
                 _ => Rule::Stop,
             }
         }
+        (CfaRule::Expression(expression), Some(rbp)) => expression
+            .get(&eh_frame)
+            .ok()
+            .and_then(|expression| rsp_offset_at(expression, fde.cie().encoding(), pc))
+            .map_or(Rule::Stop, |cfa| Rule::Rsp { cfa, rbp }),
         _ => Rule::Stop,
     };
     Some(rule)
@@ -373,6 +420,49 @@ mod tests {
         // 13 KiB with gimli's boxed storage, 7 KiB in place (2026-12-05); what `computed`
         // adds between its check of the room and `compute` is a few small frames.
         assert!(taken.iter().all(|&t| t < COMPUTE_ROOM - (4 << 10)), "{taken:?} bytes");
+    }
+
+    /// The C library's PLT, whose FDE computes the CFA by an expression of RSP and the pc: a
+    /// signal that struck there ended its stack (review helper 74). Every address of an FDE
+    /// whose CFA is an expression that reads no memory has an RSP rule, of 8 or 16 there.
+    #[test]
+    fn the_plts_expression_is_an_rsp_rule() {
+        let modules = modules::current();
+        let m = modules.find(libc::qsort as *const () as u64).unwrap();
+        let slice = |(start, end): (u64, u64)| {
+            // SAFETY: the module's mapped unwind tables, as `compute` reads them.
+            EndianSlice::new(
+                unsafe { core::slice::from_raw_parts(start as *const u8, (end - start) as usize) },
+                LittleEndian,
+            )
+        };
+        let bases =
+            BaseAddresses::default().set_eh_frame_hdr(m.eh_frame_hdr.0).set_eh_frame(m.eh_frame.0).set_text(m.text.0);
+        let hdr = EhFrameHdr::from(slice(m.eh_frame_hdr)).parse(&bases, 8).unwrap();
+        let eh_frame = EhFrame::from(slice(m.eh_frame));
+        let table = hdr.table().unwrap();
+        let (mut entries, mut by_expression) = (table.iter(&bases), 0);
+        while let Some((start, _)) = entries.next().unwrap() {
+            let Ok(fde) = table.fde_for_address(&eh_frame, &bases, start.pointer(), EhFrame::cie_from_offset) else {
+                continue;
+            };
+            let mut context = UnwindContext::<_, InPlace>::new_in();
+            let mut rows = fde.rows(&eh_frame, &bases, &mut context).unwrap();
+            while let Some(row) = rows.next_row().unwrap() {
+                let CfaRule::Expression(expression) = row.cfa() else { continue };
+                let reads_memory =
+                    expression.get(&eh_frame).unwrap().0.slice().contains(&gimli::constants::DW_OP_deref.0);
+                if fde.is_signal_trampoline() || reads_memory {
+                    continue;
+                }
+                for pc in row.start_address()..row.end_address() {
+                    let rule = compute(modules, pc);
+                    assert!(matches!(rule, Some(Rule::Rsp { cfa: 8 | 16, rbp: 0 })), "{pc:#x}: {rule:?}");
+                    by_expression += 1;
+                }
+            }
+        }
+        assert!(by_expression > 0, "no CFA expression in the C library's unwind tables");
     }
 
     #[test]
