@@ -258,9 +258,9 @@ fn allocations_on_other_stacks_keep_their_frames() {
 
 /// A block allocated in a signal handler on the thread's own stack has the stack of the code
 /// the signal interrupted, through the signal's frame (named as gdb names it): its stacks
-/// ended at the trampoline (`__restore_rt`, named `??`), where valgrind and heaptrack go on. The code interrupted is
-/// named whether the signal struck in a call (raise) or in the middle of the program's own
-/// code (a timer's signal in a loop, looked up at the instruction itself).
+/// ended at the trampoline (`__restore_rt`, named `??`), where valgrind and heaptrack go on.
+/// The code interrupted is named whether the signal struck in a call (raise) or in the middle
+/// of the program's own code (a timer's signal in a loop, looked up at the instruction itself).
 #[test]
 fn allocations_in_signal_handlers_have_the_interrupted_codes_stack() {
     let program = c_program("signal_stack_leak.c");
