@@ -6,8 +6,9 @@
 //! loads. The DWARF work (finding the FDE through `.eh_frame_hdr`'s binary-search table and
 //! running its CFA program, with gimli) happens once per distinct address, on a miss.
 //! A signal trampoline (an FDE whose CIE says `S`: glibc's `__restore_rt`) is cached as
-//! `Signal`, which a walk follows through the `ucontext` the kernel saved; anything else (a
-//! CFA expression) as `Stop`; code that no unwind table covers (built with
+//! `Signal`, which a walk follows through the `ucontext` the kernel saved; a CFA expression of
+//! RSP and the pc alone (the PLT's) as the `Rsp` rule it comes to at that pc; anything else (an
+//! expression that reads memory) as `Stop`; code that no unwind table covers (built with
 //! `-fno-asynchronous-unwind-tables`, or no module's) as `NoTable`, which a walk may follow by
 //! the frame pointer.
 //!
