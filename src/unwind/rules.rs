@@ -134,14 +134,15 @@ fn rsp_offset_at<R: gimli::Reader>(
     (high.wrapping_sub(low) == ONE).then(|| u32::try_from(offset).ok()).flatten()
 }
 
-/// Computes the rule for `pc` from the unwind tables of its module. Out of line: [`computed`]
-/// calls it twice, and one frame of it at a time is what [`COMPUTE_ROOM`] allows for.
-#[inline(never)]
-fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
-    let m = modules.find(pc)?;
+/// A module's mapped `.eh_frame`, as gimli reads it.
+type Section = EndianSlice<'static, LittleEndian>;
+
+/// A module's unwind tables as gimli reads them: their base addresses, `.eh_frame_hdr`
+/// parsed, and `.eh_frame`. `None` if the header does not parse.
+fn tables_of(m: &modules::Module) -> Option<(BaseAddresses, gimli::ParsedEhFrameHdr<Section>, EhFrame<Section>)> {
     let slice = |(start, end): (u64, u64)| {
         // SAFETY: the ranges come from the module's mapped program headers, which stay mapped
-        // while the module is loaded.
+        // while the module is loaded (longer than a computation that reads them).
         EndianSlice::new(
             unsafe { core::slice::from_raw_parts(start as *const u8, (end - start) as usize) },
             LittleEndian,
@@ -150,7 +151,14 @@ fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
     let bases =
         BaseAddresses::default().set_eh_frame_hdr(m.eh_frame_hdr.0).set_eh_frame(m.eh_frame.0).set_text(m.text.0);
     let hdr = EhFrameHdr::from(slice(m.eh_frame_hdr)).parse(&bases, 8).ok()?;
-    let eh_frame = EhFrame::from(slice(m.eh_frame));
+    Some((bases, hdr, EhFrame::from(slice(m.eh_frame))))
+}
+
+/// Computes the rule for `pc` from the unwind tables of its module. Out of line: [`computed`]
+/// calls it twice, and one frame of it at a time is what [`COMPUTE_ROOM`] allows for.
+#[inline(never)]
+fn compute(modules: &Modules, pc: u64) -> Option<Rule> {
+    let (bases, hdr, eh_frame) = tables_of(modules.find(pc)?)?;
     let fde = hdr.table()?.fde_for_address(&eh_frame, &bases, pc, EhFrame::cie_from_offset).ok()?;
     if fde.is_signal_trampoline() {
         return Some(Rule::Signal);
@@ -429,18 +437,7 @@ mod tests {
     #[test]
     fn the_plts_expression_is_an_rsp_rule() {
         let modules = modules::current();
-        let m = modules.find(libc::qsort as *const () as u64).unwrap();
-        let slice = |(start, end): (u64, u64)| {
-            // SAFETY: the module's mapped unwind tables, as `compute` reads them.
-            EndianSlice::new(
-                unsafe { core::slice::from_raw_parts(start as *const u8, (end - start) as usize) },
-                LittleEndian,
-            )
-        };
-        let bases =
-            BaseAddresses::default().set_eh_frame_hdr(m.eh_frame_hdr.0).set_eh_frame(m.eh_frame.0).set_text(m.text.0);
-        let hdr = EhFrameHdr::from(slice(m.eh_frame_hdr)).parse(&bases, 8).unwrap();
-        let eh_frame = EhFrame::from(slice(m.eh_frame));
+        let (bases, hdr, eh_frame) = tables_of(modules.find(libc::qsort as *const () as u64).unwrap()).unwrap();
         let table = hdr.table().unwrap();
         let (mut entries, mut by_expression) = (table.iter(&bases), 0);
         while let Some((start, _)) = entries.next().unwrap() {
