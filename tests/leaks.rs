@@ -327,6 +327,30 @@ fn a_report_made_on_an_alternate_signal_stack_scans_the_threads_own_stack() {
     }
 }
 
+/// A thread the leak check stops while its handler waits on an alternate signal stack still
+/// has its own stack scanned, from where the signal struck: main's block was "definitely
+/// lost" (its stack, `[stack]`, is no anonymous mapping to scan whole, as another thread's is).
+#[test]
+fn a_thread_stopped_on_its_alternate_signal_stack_keeps_its_own_stack_as_a_root() {
+    let ptrace_disabled = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").is_ok_and(|s| s.trim() == "3");
+    let program = c_program("parked_on_alternate_stack.c");
+    for (stop, options) in
+        [("ptrace", "report_format=json:stop_threads=ptrace"), ("signal", "report_format=json:stop_threads=signal")]
+    {
+        if stop == "ptrace" && ptrace_disabled {
+            eprintln!("ptrace skipped: it is disabled here (Yama ptrace_scope 3)");
+            continue;
+        }
+        for (who, size) in [("main", 4347), ("thread", 4349)] {
+            let out = run(Mode::Shim(options), Command::new(&program).arg(who));
+            assert_eq!(out.status.code(), Some(0), "{stop}, {who}: {}", text(&out.stderr));
+            let report = json_report(&out);
+            assert_eq!(report["summary"]["definitely_lost"]["bytes"], 0, "{stop}, {who}: {report}");
+            assert_eq!(record_of(&report, size)["kind"], "still_reachable", "{stop}, {who}: {report}");
+        }
+    }
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

@@ -167,6 +167,20 @@ const RED_ZONE: u64 = 128;
 /// The thread control block above a thread pointer (glibc's `struct pthread`), rounded up.
 const TCB: u64 = 4096;
 
+/// Where the own stack of `parked` resumes when it was stopped on another stack (a handler on
+/// its alternate signal stack): see [`crate::unwind::resumes_off`]. Its own stack is `[stack]`
+/// for the main thread (`pid`), and the mapping of its thread pointer for any other, which
+/// glibc puts at the top of the thread's stack. Main's is no anonymous mapping, scanned whole
+/// when no stack pointer lies in it, as another thread's is: a block only main's frames held
+/// was "definitely lost" while its handler waited on an alternate stack.
+fn resumes_off_own_stack(maps: &Maps, parked: &stop::Parked, pid: u32) -> Option<u64> {
+    let own = if parked.tid == pid { maps.main_stack } else { maps.extent_of(parked.tp) };
+    if own.is_some_and(|(start, end)| (start..end).contains(&parked.sp)) {
+        return None;
+    }
+    crate::unwind::resumes_off((parked.pc, parked.sp, parked.bp), maps.extent_of(parked.sp)?)
+}
+
 /// Where the thread whose thread pointer is `tp` left its own stack for a spare one
 /// ([`tls::ThreadState::spare_from_sp`]); 0 when it is on its own, or unknown.
 fn spare_from_sp(tp: u64) -> u64 {
@@ -319,6 +333,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     words.extend_from_slice(&by_loader);
     let mut unstopped = 0;
     if let Some(stopped) = &stopped {
+        let pid = os::getpid();
         for (thread, p) in (2..).zip(stopped.parked()) {
             if regions.len() + 2 <= regions.capacity() && words.len() + p.regs.len() <= words.capacity() {
                 // A thread stopped in a system call uses no red zone: what lies below its
@@ -336,8 +351,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
                     stack_pointers.push(p.sp);
                 }
                 // Stopped on a spare stack (`spare_stack.rs`): its own stack's frames start
-                // where it left them, not at its stack pointer.
-                let from = spare_from_sp(p.tp);
+                // where it left them, not at its stack pointer. Stopped in a handler on an
+                // alternate signal stack: where the signal struck.
+                let from = match spare_from_sp(p.tp) {
+                    0 => resumes_off_own_stack(&maps, p, pid).unwrap_or(0),
+                    from => from,
+                };
                 if from != 0 && regions.len() < regions.capacity() {
                     add_thread(thread, from, RED_ZONE, 0, &mut regions, &mut region_kinds);
                     if stack_pointers.len() < stack_pointers.capacity() {

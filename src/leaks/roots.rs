@@ -120,8 +120,13 @@ impl Maps {
     /// The end of the readable mapping holding `addr`. (Thread stacks are one mapping each,
     /// stack and thread control block; neighbouring mappings are someone else's.)
     pub(crate) fn end_of(&self, addr: u64) -> Option<u64> {
+        self.extent_of(addr).map(|(_, end)| end)
+    }
+
+    /// The start and end of the readable mapping holding `addr`.
+    pub(crate) fn extent_of(&self, addr: u64) -> Option<(u64, u64)> {
         let m = self.list.get(self.list.partition_point(|m| m.end <= addr))?;
-        (m.start <= addr && m.readable).then_some(m.end)
+        (m.start <= addr && m.readable).then_some((m.start, m.end))
     }
 }
 

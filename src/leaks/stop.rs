@@ -24,6 +24,7 @@ use crate::os;
 pub(crate) struct Parked {
     pub regs: [u64; 23],
     pub sp: u64,
+    pub bp: u64,
     /// Where the thread was stopped: the instruction it goes on with.
     pub pc: u64,
     pub tp: u64,
@@ -40,7 +41,7 @@ struct Slots(core::cell::UnsafeCell<[Parked; MAX_PARKED]>);
 unsafe impl Sync for Slots {}
 
 static PARKED: Slots =
-    Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, pc: 0, tp: 0, tid: 0 }; MAX_PARKED]));
+    Slots(core::cell::UnsafeCell::new([Parked { regs: [0; 23], sp: 0, bp: 0, pc: 0, tp: 0, tid: 0 }; MAX_PARKED]));
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 static ARRIVED: AtomicUsize = AtomicUsize::new(0);
 static LEFT: AtomicUsize = AtomicUsize::new(0);
@@ -58,6 +59,7 @@ extern "C" fn park(sig: c_int, _info: *mut libc::siginfo_t, uc: *mut c_void) {
             let slot = &mut (*PARKED.0.get())[i];
             slot.regs = gregs.map(|r| r as u64);
             slot.sp = gregs[libc::REG_RSP as usize] as u64;
+            slot.bp = gregs[libc::REG_RBP as usize] as u64;
             slot.pc = gregs[libc::REG_RIP as usize] as u64;
             slot.tp = os::thread_pointer();
             slot.tid = os::gettid();

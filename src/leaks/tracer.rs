@@ -219,6 +219,7 @@ extern "C" fn trace(slots: *mut c_void) -> c_int {
                 ];
                 slot.regs[..words.len()].copy_from_slice(&words);
                 slot.sp = r.rsp;
+                slot.bp = r.rbp;
                 slot.pc = r.rip;
                 slot.tp = r.fs_base;
                 slot.tid = tid;

@@ -143,21 +143,29 @@ pub(crate) fn hook_start() -> Option<(u64, u64, u64)> {
 const OTHER_STACK_ENTRY: u64 = 1 << 20;
 
 /// Where the calling thread's own stack resumes above `start` (pc, sp, bp of a frame in
-/// progress) when that frame runs on its alternate signal stack: the stack pointer the signal
-/// interrupted, found by walking out through the handler's frames to the signal's. The leak
-/// check's roots start there too: a report made on an alternate stack (an `exit` in such a
-/// handler, an ending signal that struck one) scanned that stack alone, and a block only
+/// progress) when that frame runs on its alternate signal stack: see [`resumes_off`]. The
+/// leak check's roots start there too: a report made on an alternate stack (an `exit` in such
+/// a handler, an ending signal that struck one) scanned that stack alone, and a block only
 /// `main`'s frame held was "definitely lost" (review helper 74). `None` when `start` is not on
 /// the alternate stack, or no signal's frame leads off it.
 pub(crate) fn own_stack_resumes_at(start: (u64, u64, u64)) -> Option<u64> {
-    let (mut pc, mut sp, mut bp) = start;
     // Not `stack_bounds`: a report runs on a spare stack (`spare_stack.rs`), which they are
     // then.
-    let (alt_low, alt_high) = configured_alternate_stack()?;
-    if !(alt_low..alt_high).contains(&sp) {
+    resumes_off(start, configured_alternate_stack()?)
+}
+
+/// Where a thread's own stack resumes above `start` (pc, sp, bp of a frame in progress, of
+/// the calling thread or of one stopped for a leak check) when that frame runs on `stack`, a
+/// stack not its own such as an alternate signal stack: the stack pointer the signal
+/// interrupted, found by walking out through the handler's frames to the signal's. `None`
+/// when `start` is not on `stack`, or no signal's frame leads off it.
+pub(crate) fn resumes_off(start: (u64, u64, u64), stack: (u64, u64)) -> Option<u64> {
+    let (mut pc, mut sp, mut bp) = start;
+    let (low, high) = stack;
+    if !(low..high).contains(&sp) {
         return None;
     }
-    let read = stack_reader(sp, alt_high);
+    let read = stack_reader(sp, high);
     let rules = rules::Rules::new();
     let mut recent = rules::Recent::new();
     for walked in 0..MAX_WALK {
@@ -165,7 +173,7 @@ pub(crate) fn own_stack_resumes_at(start: (u64, u64, u64)) -> Option<u64> {
         let lookup = if walked == 0 { pc } else { pc - 1 };
         let Step::Caller(frame) = step(&rules, &mut recent, lookup, sp, bp, &read, false) else { return None };
         // A signal that struck a handler on the same stack leads on within it.
-        if frame.signal && !(alt_low..alt_high).contains(&frame.cfa) {
+        if frame.signal && !(low..high).contains(&frame.cfa) {
             return Some(frame.cfa);
         }
         (pc, sp, bp) = (frame.ra, frame.cfa, frame.bp);
@@ -330,12 +338,13 @@ pub(crate) fn walk_out(start: (u64, u64, u64), mut visit: impl FnMut(u64, u64) -
     WalkOut::Lost
 }
 
-/// Reads a word of the calling thread's stack between `low` (at or below its stack pointer)
-/// and `high` (its end): `None` outside, or unaligned.
+/// Reads a word of a stack (the calling thread's, or a stopped thread's) between `low` (at or
+/// below its stack pointer) and `high` (its end): `None` outside, or unaligned.
 #[inline(always)]
 fn stack_reader(low: u64, high: u64) -> impl Fn(u64) -> Option<u64> {
     move |addr: u64| {
-        // SAFETY: inside [low, high) of the calling thread's stack, which is mapped.
+        // SAFETY: inside [low, high) of a stack that the calling thread runs on, or that a
+        // thread stopped for a leak check left, mapped until it runs again.
         (addr >= low && addr.wrapping_add(8) <= high && addr.is_multiple_of(8))
             .then(|| unsafe { *(addr as *const u64) })
     }
