@@ -70,13 +70,13 @@ enum Finding {
     InvalidFree,
 }
 
-/// What each [`Finding`] is, as its lines say.
-const FINDING_NAMES: [&str; 4] = [
-    "heap-buffer-overflow: trailer canary damaged",
-    "heap-buffer-underflow: header canary damaged, block leaked",
-    "double-free",
-    "invalid-free: not a live block",
-];
+/// What each [`Finding`] is, as its lines and the summary of its sites name it.
+const FINDING_NAMES: [&str; 4] = ["heap-buffer-overflow", "heap-buffer-underflow", "double-free", "invalid-free"];
+
+/// What each [`Finding`]'s line says after the block's address and size. ("header canary
+/// damaged, block leaked at 0x..." read as if the address were where a leak was.)
+const FINDING_DETAILS: [&str; 4] =
+    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block"];
 
 /// A recently freed block: its size, and its position in the eviction ring.
 #[derive(Clone, Copy)]
@@ -247,7 +247,7 @@ impl GuardSpy {
         if let Some(size) = size.filter(|&s| s != UNKNOWN_SIZE) {
             let _ = write!(line, ", size {size}");
         }
-        let _ = write!(line, " (in {place}");
+        let _ = write!(line, "{} (in {place}", FINDING_DETAILS[finding as usize]);
         if depth > 0 {
             let _ = write!(line, ", called from ");
             write_code_place(&mut line, frames[0]);
