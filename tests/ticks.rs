@@ -222,6 +222,42 @@ fn reports_of_a_recorded_sqlite3_run_name_its_allocating_functions() {
     assert!(timeline.contains("<svg") && timeline.contains("peak "), "the timeline marks its peak");
 }
 
+/// A program rebuilt without a build id after its run: its frames are named by offset, with a
+/// warning, and not after whatever function of the new build lies at their offsets (every
+/// sampled byte went to a function the run never had; review helper 75).
+#[test]
+fn a_program_rebuilt_without_a_build_id_since_its_run_is_named_by_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let (source, program) = (dir.path().join("p.c"), dir.path().join("rebuilt"));
+    let build = |before: &str| {
+        let code = format!(
+            "#include <stdlib.h>\n{before}\n__attribute__((noinline)) void *grow(size_t n) {{ return malloc(n); }}\n\
+             int main(void) {{ for (int i = 0; i < 2000; i++) free(grow(100000)); return 0; }}\n"
+        );
+        std::fs::write(&source, code).unwrap();
+        let gcc =
+            Command::new("gcc").args(["-O1", "-g", "-Wl,--build-id=none", "-o"]).arg(&program).arg(&source).status();
+        assert!(gcc.unwrap().success());
+    };
+    build("");
+    assert!(record(dir.path(), &[], &[program.to_str().unwrap()]).status.success());
+    let trace = &traces(dir.path())[0];
+    let report = || Command::new(mallocspy()).arg("report").arg(trace).output().unwrap();
+    let before = report();
+    assert!(text(&before.stdout).contains("  grow ("), "{}", text(&before.stdout));
+    assert!(!text(&before.stderr).contains("warning"), "{}", text(&before.stderr));
+    build("__attribute__((noinline)) void *unrelated(size_t n) { void *p = calloc(n, 3); return p ? p : malloc(n); }");
+    let after = report();
+    let (stdout, stderr) = (text(&after.stdout), text(&after.stderr));
+    assert!(after.status.success(), "{stderr}");
+    assert!(!stdout.contains("unrelated") && !stdout.contains("grow"), "{stdout}");
+    assert!(stdout.contains("rebuilt+0x"), "{stdout}");
+    assert!(
+        stderr.contains("rebuilt is modified since the run began, and no build id tells whether it is the same"),
+        "{stderr}"
+    );
+}
+
 /// The pprof export's mapping of a program's code is where the code was, with its offset in
 /// the file (what profiling servers such as Parca symbolize by), for a position-independent
 /// executable and a fixed-address one (whose code's addresses are not its file offsets).

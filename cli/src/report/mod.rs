@@ -190,6 +190,9 @@ fn run(args: &ReportArgs) -> Result<(), String> {
             "mallocspy report: warning: {shown} has no end record: the program did not exit normally (killed, or replaced by exec); reporting the events it has"
         );
     }
+    for (file, why) in symbols.changed_files() {
+        say!("mallocspy report: warning: {} is {why}: its frames are named by offset", path_shown(Path::new(file)));
+    }
     let report = Report::new(path, &profile, &symbols, args.top as usize);
     let out = report.render(args.format).map_err(|e| failed(&e))?;
     match output {

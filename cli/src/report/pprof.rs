@@ -294,7 +294,7 @@ pub fn profile(report: &Report<'_>) -> Profile {
                 id: i as u64 + 1,
                 memory_start: start,
                 memory_limit: limit,
-                file_offset: symbolize::file_offset(m, start),
+                file_offset: symbolize::file_offset(m, start, p.header.start_unix_ns),
                 filename: strings.get(&m.path),
                 build_id: strings.get(&build_id),
                 has_functions: r[0],

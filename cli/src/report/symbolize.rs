@@ -5,8 +5,9 @@
 //! files are still there. A module's DWARF comes from the file itself or from its separate debug
 //! file (found by build id or `.gnu_debuglink` under `/usr/lib/debug`, as gdb looks, with the
 //! `.gnu_debugaltlink` file that `dwz` makes); its symbol table names what DWARF does not cover.
-//! A module whose file is missing or was rebuilt since (another build id) names its frames
-//! `module+0xOFFSET`, never a wrong function.
+//! A module whose file is missing or was rebuilt since (another build id; without build ids, a
+//! file modified after the run began) names its frames `module+0xOFFSET`, never a wrong
+//! function, and the report says which files it could not trust.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -54,6 +55,9 @@ pub struct Symbols {
     locations: HashMap<RawFrame, Location>,
     /// Each module's file name, for `module+0xOFFSET`.
     module_names: Vec<String>,
+    /// The files that are not the ones that ran, each with why: their frames are named by
+    /// offset.
+    changed_files: Vec<(String, &'static str)>,
 }
 
 impl Symbols {
@@ -72,7 +76,9 @@ impl Symbols {
         frames.sort_unstable_by_key(|f| (f.module.map(|m| file_of[m]), f.address, f.module));
         progress.stage("symbolizing", frames.len() as u64);
         let mut locations = HashMap::with_capacity(frames.len());
+        let started = profile.header.start_unix_ns;
         let mut open: Option<(usize, DebugInfo)> = None;
+        let mut changed_files = Vec::new();
         for (done, frame) in frames.into_iter().enumerate() {
             if done % 256 == 0 {
                 progress.set(done as u64);
@@ -84,7 +90,11 @@ impl Symbols {
             };
             let module = &profile.modules[m];
             if open.as_ref().is_none_or(|(file, _)| *file != file_of[m]) {
-                open = Some((file_of[m], DebugInfo::open(module)));
+                let debug = DebugInfo::open(module, started);
+                if let Some(why) = debug.changed {
+                    changed_files.push((module.path.clone(), why));
+                }
+                open = Some((file_of[m], debug));
             }
             let debug = &open.as_ref().expect("opened above").1;
             let fallback = format!("{}+{:#x}", module_names[m], frame.address.wrapping_sub(module.base));
@@ -108,7 +118,12 @@ impl Symbols {
             };
             locations.insert(frame, location);
         }
-        Symbols { locations, module_names }
+        Symbols { locations, module_names, changed_files }
+    }
+
+    /// The files that are not the ones that ran (rebuilt, or changed since), each with why.
+    pub fn changed_files(&self) -> &[(String, &'static str)] {
+        &self.changed_files
     }
 
     /// The resolution of a frame of one of the profile's stacks.
@@ -188,6 +203,8 @@ struct DebugInfo {
     file: Option<PathBuf>,
     /// Its unwind tables, read at the first frame nothing names.
     unwind_tables: std::cell::OnceCell<Option<UnwindTables>>,
+    /// Why the module's file on disk is not the one that ran, when it is there but is not.
+    changed: Option<&'static str>,
 }
 
 /// A file's `.eh_frame_hdr` and `.eh_frame`, each with its file address.
@@ -216,6 +233,8 @@ struct ElfFacts {
     has_dwarf: bool,
     /// The loaded segments: file address, size in memory, offset in the file.
     segments: Vec<(u64, u64, u64)>,
+    /// When the file was last modified, in ns since the epoch.
+    modified_unix_ns: Option<u64>,
 }
 
 impl ElfFacts {
@@ -225,7 +244,14 @@ impl ElfFacts {
         if !path.is_file() {
             return None;
         }
-        let cache = object::ReadCache::new(File::open(path).ok()?);
+        let opened = File::open(path).ok()?;
+        let modified_unix_ns = opened
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_nanos() as u64);
+        let cache = object::ReadCache::new(opened);
         let file = object::File::parse(&cache).ok()?;
         // A separate debug file keeps the sections' headers with no contents (NOBITS): DWARF
         // is there only when the section has bytes in the file.
@@ -236,13 +262,21 @@ impl ElfFacts {
             altlink: file.gnu_debugaltlink().ok().flatten().map(|(name, id)| (name.to_vec(), id.to_vec())),
             has_dwarf,
             segments: file.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect(),
+            modified_unix_ns,
         })
     }
 
-    /// Whether this file is the one that ran as `module`: the same build id, unless the trace
-    /// has none to compare.
-    fn is_the_file_of(&self, module: &Module) -> bool {
-        module.build_id.is_empty() || self.build_id.as_deref() == Some(module.build_id.as_slice())
+    /// Why this file is not the one that ran as `module` in a run that began at
+    /// `started_unix_ns` (0: unknown), or `None` when it is: the same build id; without one
+    /// in the trace, not modified since the run began (a program rebuilt without build ids
+    /// had every frame named after whatever function of the new build lay at its offset).
+    fn differs_from(&self, module: &Module, started_unix_ns: u64) -> Option<&'static str> {
+        if !module.build_id.is_empty() {
+            return (self.build_id.as_deref() != Some(module.build_id.as_slice()))
+                .then_some("rebuilt since the run: another build id");
+        }
+        (started_unix_ns != 0 && self.modified_unix_ns.is_some_and(|m| m > started_unix_ns))
+            .then_some("modified since the run began, and no build id tells whether it is the same")
     }
 }
 
@@ -251,10 +285,10 @@ impl ElfFacts {
 /// file's segments. Without the file that ran, the file address itself: the two are equal in
 /// the executable segment of a shared library or position-independent executable as the GNU
 /// linker lays them out, not in a fixed-address executable (0x401000 against 0x1000).
-pub(crate) fn file_offset(module: &Module, address: u64) -> u64 {
+pub(crate) fn file_offset(module: &Module, address: u64, started_unix_ns: u64) -> u64 {
     let file_address = address.wrapping_sub(module.base);
     ElfFacts::read(Path::new(&module.path))
-        .filter(|f| f.is_the_file_of(module))
+        .filter(|f| f.differs_from(module, started_unix_ns).is_none())
         .and_then(|f| {
             let (start, _, offset) = f
                 .segments
@@ -281,18 +315,19 @@ fn os_path(bytes: &[u8]) -> PathBuf {
 }
 
 impl DebugInfo {
-    fn open(module: &Module) -> DebugInfo {
+    fn open(module: &Module, started_unix_ns: u64) -> DebugInfo {
         let path = Path::new(&module.path);
         let facts = ElfFacts::read(path);
-        // The file on disk is the one that ran, unless its build id says otherwise.
-        let current = facts.as_ref().is_some_and(|f| f.is_the_file_of(module));
+        // The file on disk is the one that ran, unless its build id or its age says otherwise.
+        let changed = facts.as_ref().and_then(|f| f.differs_from(module, started_unix_ns));
+        let current = facts.is_some() && changed.is_none();
         let file = current.then(|| path.to_path_buf());
         let unwind_tables = std::cell::OnceCell::new();
         if current
             && facts.as_ref().is_some_and(|f| f.has_dwarf)
             && let Ok(loader) = Loader::new(path)
         {
-            return DebugInfo { dwarf: Some(loader), symbols: None, file, unwind_tables };
+            return DebugInfo { dwarf: Some(loader), symbols: None, file, unwind_tables, changed };
         }
         let build_id = match &facts {
             _ if !module.build_id.is_empty() => Some(module.build_id.clone()),
@@ -302,7 +337,7 @@ impl DebugInfo {
         let debuglink = facts.and_then(|f| f.debuglink).filter(|_| current);
         let dwarf = find_debug_file(path, build_id.as_deref(), debuglink.as_deref()).and_then(|d| open_debug_file(&d));
         let symbols = if current { Loader::new(path).ok() } else { None };
-        DebugInfo { dwarf, symbols, file, unwind_tables }
+        DebugInfo { dwarf, symbols, file, unwind_tables, changed }
     }
 
     /// Whether file address `probe` lies in a signal trampoline (glibc's `__restore_rt`, which
