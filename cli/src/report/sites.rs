@@ -56,6 +56,18 @@ const ALLOCATOR_PREFIXES: [&str; 14] = [
     "std::sys::alloc::",
 ];
 
+/// The allocating methods of a Rust program's own global allocator (`#[global_allocator]`, a
+/// wrapper such as mallocspy's own `ExitWhenOut`), `<T as core::alloc::global::GlobalAlloc>::`
+/// these: every allocation of such a program went through one, which took all its bytes.
+const GLOBAL_ALLOC_METHODS: [&str; 3] = ["alloc", "alloc_zeroed", "realloc"];
+
+fn is_global_alloc_method(bare: &str) -> bool {
+    bare.starts_with('<')
+        && bare
+            .rsplit_once(" as core::alloc::global::GlobalAlloc>::")
+            .is_some_and(|(_, m)| GLOBAL_ALLOC_METHODS.contains(&m))
+}
+
 fn is_runtime_module(name: &str) -> bool {
     RUNTIME_MODULES.iter().any(|m| name.starts_with(m))
 }
@@ -152,7 +164,9 @@ fn ends_with_word(text: &[u8], word: &[u8]) -> bool {
 fn is_allocator_function(name: &str) -> bool {
     let name = without_return_type(name);
     let bare = name.split('(').next().unwrap_or(name).trim();
-    ALLOCATOR_FUNCTIONS.contains(&bare) || ALLOCATOR_PREFIXES.iter().any(|p| bare.starts_with(p))
+    ALLOCATOR_FUNCTIONS.contains(&bare)
+        || ALLOCATOR_PREFIXES.iter().any(|p| bare.starts_with(p))
+        || is_global_alloc_method(bare)
 }
 
 /// Where a stack allocated: its location and the (possibly inlined) frame within it.
@@ -293,10 +307,19 @@ mod tests {
             "alloc::alloc::alloc",
             "alloc::raw_vec::finish_grow",
             "__rustc::__rust_alloc",
+            "<mallocspy::out_of_memory::ExitWhenOut as core::alloc::global::GlobalAlloc>::realloc",
+            "<tikv_jemallocator::Jemalloc as core::alloc::global::GlobalAlloc>::alloc_zeroed",
         ] {
             assert!(is_allocator_function(f), "{f}");
         }
-        for f in ["parse_row", "mallocator", "std::vector<int>::push_back", "report::tests::allocate"] {
+        for f in [
+            "parse_row",
+            "mallocator",
+            "std::vector<int>::push_back",
+            "report::tests::allocate",
+            "<app::Pool as core::alloc::global::GlobalAlloc>::layout_of",
+            "<app::Arena as app::Allocator>::alloc",
+        ] {
             assert!(!is_allocator_function(f), "{f}");
         }
         for m in ["libc.so.6", "libc-2.31.so", "ld-linux-x86-64.so.2", "libstdc++.so.6", "libmallocspy_preload.so"] {
