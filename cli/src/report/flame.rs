@@ -26,7 +26,9 @@ fn folded(report: &Report<'_>) -> BTreeMap<String, u64> {
             names.extend(report.symbols.location(raw).frames.iter().rev().map(|f| frame_name(&f.function)));
         }
         if names.is_empty() {
-            names.push("[stack not recorded]".into());
+            names.push(super::profile::NOT_RECORDED.into());
+        } else if report.profile.is_cut(stack) {
+            names.insert(0, super::profile::CUT.into());
         }
         let bytes: &mut u64 = folded.entry(names.join(";")).or_default();
         *bytes = bytes.saturating_add(stack.allocated.bytes);

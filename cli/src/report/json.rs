@@ -134,6 +134,8 @@ struct JsonStack<'a> {
     aligned_bytes: u64,
     /// Innermost first; inlined calls are frames of their own.
     frames: Vec<JsonFrame<'a>>,
+    /// Cut at the recorded depth (`stack_depth`): its outermost frames are missing.
+    truncated: bool,
 }
 
 #[derive(Serialize, PartialEq, Eq, Hash)]
@@ -180,6 +182,7 @@ fn stack<'r>(report: &'r Report<'_>, m: &Merged<'r>) -> JsonStack<'r> {
         large_bytes: m.kind_bytes[1],
         aligned_bytes: m.kind_bytes[2],
         frames,
+        truncated: report.profile.is_cut(m.first),
     }
 }
 

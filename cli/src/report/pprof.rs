@@ -196,6 +196,26 @@ fn signed(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// The location, made once per name, of no code but a name the reports give: the blocks a
+/// forked child inherited, the root of a stack cut at the recorded depth, a stack whose frames
+/// were never recorded (without it, its samples counted in the total under no function).
+fn named_location(
+    name: &str,
+    named: &mut HashMap<String, u64>,
+    strings: &mut Strings,
+    functions: &mut Vec<Function>,
+    locations: &mut Vec<Location>,
+) -> u64 {
+    *named.entry(name.to_owned()).or_insert_with(|| {
+        let name = strings.get(name);
+        let function_id = functions.len() as u64 + 1;
+        functions.push(Function { id: function_id, name, system_name: name, filename: 0 });
+        let id = locations.len() as u64 + 1;
+        locations.push(Location { id, mapping_id: 0, address: 0, line: vec![Line { function_id, line: 0 }] });
+        id
+    })
+}
+
 /// The profile message of a report.
 pub fn profile(report: &Report<'_>) -> Profile {
     let p = report.profile;
@@ -213,13 +233,12 @@ pub fn profile(report: &Report<'_>) -> Profile {
     // A forked child's inherited blocks: live, allocated in the parent (whose trace has their
     // stacks), under one location named as the text report's site.
     let inherited = p.inherited.filter(|i| i.at_fork.samples > 0);
+    // Locations of no code, each made once (see `named_location`).
+    let mut named: HashMap<String, u64> = HashMap::new();
     for (index, stack) in p.stacks.iter().enumerate() {
         if let Some(i) = inherited.filter(|i| i.stack == index) {
-            let name = strings.get(&super::sites::inherited_label(i.parent));
-            let function_id = functions.len() as u64 + 1;
-            functions.push(Function { id: function_id, name, system_name: name, filename: 0 });
-            let id = locations.len() as u64 + 1;
-            locations.push(Location { id, mapping_id: 0, address: 0, line: vec![Line { function_id, line: 0 }] });
+            let label = super::sites::inherited_label(i.parent);
+            let id = named_location(&label, &mut named, &mut strings, &mut functions, &mut locations);
             samples.push(Sample {
                 location_id: vec![id],
                 value: vec![0, 0, signed(units::rounded(stack.live_at_end.objects)), signed(stack.live_at_end.bytes)],
@@ -269,6 +288,13 @@ pub fn profile(report: &Report<'_>) -> Profile {
                 address: raw.address.saturating_sub(1),
                 line,
             });
+        }
+        if location_id.is_empty() {
+            let name = super::profile::NOT_RECORDED;
+            location_id.push(named_location(name, &mut named, &mut strings, &mut functions, &mut locations));
+        } else if p.is_cut(stack) {
+            let name = super::profile::CUT;
+            location_id.push(named_location(name, &mut named, &mut strings, &mut functions, &mut locations));
         }
         samples.push(Sample {
             location_id,

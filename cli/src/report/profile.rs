@@ -120,6 +120,8 @@ pub struct Profile {
     /// The trace of a forked child: its parent's pid and the pseudo-stack (an index into
     /// [`Profile::stacks`], without frames) of the sampled blocks it inherited, live here too.
     pub inherited: Option<Inherited>,
+    /// The most frames the program kept of a stack: its `stack_depth` option.
+    pub stack_depth: usize,
 }
 
 /// The sampled blocks a forked child inherited from its parent.
@@ -134,7 +136,19 @@ pub struct Inherited {
     pub at_fork: Figures,
 }
 
+/// The name the tree-shaped reports give the missing root of a stack cut at the recorded depth.
+pub const CUT: &str = "[deeper frames not recorded]";
+/// The name the reports give a stack whose frames the trace does not have.
+pub const NOT_RECORDED: &str = "[stack not recorded]";
+
 impl Profile {
+    /// Whether `stack` was cut at the recorded depth, its outermost frames missing: the root
+    /// the flame graph and pprof show it under is then not the program's (a program's stacks
+    /// took a dozen roots). A stack exactly that deep is taken for one cut too.
+    pub fn is_cut(&self, stack: &StackStats) -> bool {
+        self.stack_depth > 0 && !stack.frames.is_empty() && stack.frames.len() >= self.stack_depth
+    }
+
     /// How long the program ran: until its `End` record, or its last event when it has none.
     pub fn duration_ns(&self) -> u64 {
         self.end_ns.unwrap_or(self.last_time_ns).max(self.last_time_ns)
@@ -268,7 +282,13 @@ impl Aggregator {
     /// An empty aggregate of the trace with this header.
     pub fn new(header: Header) -> Self {
         Aggregator {
-            profile: Profile { header, ..Profile::default() },
+            profile: Profile {
+                // A damaged header's options: the default's depth (no stack is taken for cut
+                // unless it is that deep).
+                stack_depth: mallocspy::options::Options::parse(&header.options).unwrap_or_default().stack_depth,
+                header,
+                ..Profile::default()
+            },
             stack_index: IdMap::default(),
             loaded: IdMap::default(),
             ranges: BTreeMap::new(),

@@ -210,7 +210,7 @@ pub fn site_of<'a>(stack: &StackStats, symbols: &'a Symbols) -> Option<SiteFrame
 /// How a site reads in a table: `function (file:line)`, `function (module)` without line
 /// information, `module+0xOFFSET` without a symbol.
 pub fn label(site: Option<SiteFrame<'_>>, symbols: &Symbols) -> String {
-    let Some(SiteFrame { location, frame, named_caller }) = site else { return "[stack not recorded]".into() };
+    let Some(SiteFrame { location, frame, named_caller }) = site else { return super::profile::NOT_RECORDED.into() };
     if let Some(caller) = named_caller {
         return format!("{} (called from {})", frame.function, caller.function);
     }

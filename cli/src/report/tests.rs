@@ -246,6 +246,56 @@ fn pprof_counts_the_inherited_blocks_in_use() {
     assert_eq!(in_use, 2000 + 5000);
 }
 
+/// A stack cut at the recorded depth (`stack_depth=2` here) is shown under a root that says
+/// so, and a tick whose stack the trace lacks under a name: in the folded stacks and pprof, a
+/// cut stack's outermost recorded frame was a root of its own, and in pprof the tick counted
+/// in the total under no function (review helper 75). JSON marks the cut stacks.
+#[test]
+fn cut_and_unrecorded_stacks_are_named_in_every_tree() {
+    let header = mallocspy::trace::Header { options: "spy=ticks:stack_depth=2".into(), ..testing::header() };
+    let events = [
+        Event::ModuleLoad { time_ns: 0, module: testing::this_executable() },
+        Event::Stack { id: 1, frames: vec![return_address_in(site_one), return_address_in(outer_caller)] },
+        Event::Stack { id: 2, frames: vec![return_address_in(site_two)] },
+        testing::tick(1, 0xa0, 10, 500, 1),
+        testing::tick(2, 0xb0, 10, 400, 2),
+        testing::tick(3, 0xc0, 10, 300, 9),
+    ];
+    let file = trace_with(&header, &events);
+    let folded = text(&file, Format::Folded);
+    let lines: Vec<&str> = folded.lines().collect();
+    let cut = format!("{};", profile::CUT);
+    assert_eq!(lines.iter().filter(|l| l.starts_with(&cut)).count(), 1, "{folded}");
+    assert!(lines.iter().any(|l| l.starts_with(&cut) && l.ends_with(" 500")), "{folded}");
+    assert!(lines.iter().any(|l| l.starts_with(type_name_of_val(&site_two)) && l.ends_with(" 400")), "{folded}");
+    assert!(lines.contains(&"[stack not recorded] 300"), "{folded}");
+
+    let json: serde_json::Value = serde_json::from_str(&text(&file, Format::Json)).unwrap();
+    let truncated: Vec<(u64, bool)> = json["top_by_bytes_allocated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|site| site["stacks"].as_array().unwrap().iter())
+        .map(|stack| (stack["id"].as_u64().unwrap(), stack["truncated"].as_bool().unwrap()))
+        .collect();
+    assert!(truncated.contains(&(1, true)) && truncated.contains(&(2, false)), "{truncated:?}");
+
+    let gz = render(&file, Format::Pprof);
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut raw).unwrap();
+    let p = pprof::Profile::decode(&raw[..]).unwrap();
+    let name_of = |location_id: u64| {
+        let location = p.location.iter().find(|l| l.id == location_id).unwrap();
+        let function = p.function.iter().find(|f| f.id == location.line[0].function_id).unwrap();
+        p.string_table[function.name as usize].as_str()
+    };
+    let roots: Vec<(&str, i64)> =
+        p.sample.iter().map(|x| (name_of(*x.location_id.last().unwrap()), x.value[1])).collect();
+    assert!(roots.contains(&(profile::CUT, 500)), "{roots:?}");
+    assert!(roots.contains(&(type_name_of_val(&site_two), 400)), "{roots:?}");
+    assert!(roots.contains(&(profile::NOT_RECORDED, 300)), "{roots:?}");
+}
+
 #[test]
 fn the_flame_graph_is_an_svg_of_bytes_allocated() {
     let svg = text(&testing::trace(), Format::Flamegraph);
