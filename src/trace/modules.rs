@@ -64,6 +64,27 @@ fn elf_facts(path: &[u8]) -> Option<ElfFacts> {
     Some((vaddr, offset, build))
 }
 
+/// What the map adds to the path of a file deleted or replaced since it was mapped.
+const GONE: &[u8] = b" (deleted)";
+
+/// The [`ElfFacts`] of the file of mapping `m` of process `pid` when the map says it is gone
+/// (deleted, or replaced: a program rebuilt while it runs), read through the mapping itself
+/// (`/proc/PID/map_files`, where the kernel lets us) or, for the program's own file, through
+/// `/proc/PID/exe`, which still opens it. Such a module was left out of the trace, and every
+/// frame of the program was a bare address (review helper 75).
+fn elf_facts_of_gone(pid: u32, m: &Mapping) -> Option<ElfFacts> {
+    use std::os::unix::fs::MetadataExt;
+    if !m.path.ends_with(GONE) {
+        return None;
+    }
+    let mapped = format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end);
+    elf_facts(mapped.as_bytes()).or_else(|| {
+        let exe = format!("/proc/{pid}/exe");
+        let same_file = std::fs::metadata(&exe).is_ok_and(|f| f.ino() == m.file.1);
+        same_file.then(|| elf_facts(exe.as_bytes())).flatten()
+    })
+}
+
 /// One line of `/proc/PID/maps`.
 struct Mapping<'a> {
     start: u64,
@@ -131,7 +152,7 @@ pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
         }
         seen.push(path);
         let key = (m.file.0.to_vec(), m.file.1);
-        let facts = cache.0.entry(key).or_insert_with(|| elf_facts(path));
+        let facts = cache.0.entry(key).or_insert_with(|| elf_facts(path).or_else(|| elf_facts_of_gone(pid, m)));
         let Some((vaddr, offset, build_id)) = facts.clone() else { continue };
         let mine = || lines.iter().filter(move |m| m.path == path);
         let Some(first) = mine().find(|m| m.offset == offset) else { continue };
@@ -140,8 +161,10 @@ pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
             continue;
         }
         // A path that is not UTF-8 is listed as near as text can say it: the report cannot
-        // open that spelling, and names the module's frames by offset.
-        let path = String::from_utf8_lossy(path).into_owned();
+        // open that spelling, and names the module's frames by offset. A file gone since it
+        // was mapped is listed under its path: put back, or found by its build id, it names
+        // the frames again (and a different file there is told apart by the report).
+        let path = String::from_utf8_lossy(path.strip_suffix(GONE).unwrap_or(path)).into_owned();
         list.push(Module { id: 0, path, base: first.start.wrapping_sub(vaddr), ranges, build_id });
     }
     list
@@ -186,6 +209,31 @@ mod tests {
         assert!(of_process(u32::MAX, &mut cache).is_empty(), "no such process: nothing");
         assert_eq!(of_process(std::process::id(), &mut cache), list, "the same again, from the cache");
         assert_eq!(this_executable().as_ref(), Some(exe));
+    }
+
+    /// A program whose file was deleted while it runs is listed under the file's path, with
+    /// its build id: it was left out, and the report named its frames by bare addresses.
+    #[test]
+    fn a_program_whose_file_was_deleted_is_listed_with_its_build_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let copy = dir.path().join("sleeper");
+        std::fs::copy("/bin/sleep", &copy).unwrap();
+        let mut child = std::process::Command::new(&copy).arg("30").spawn().unwrap();
+        let exe = format!("/proc/{}/exe", child.id());
+        let started = std::time::Instant::now();
+        while std::fs::read_link(&exe).ok().as_deref() != Some(copy.as_path()) {
+            assert!(started.elapsed().as_secs() < 10, "the copy did not start");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        std::fs::remove_file(&copy).unwrap();
+        let list = of_process(child.id(), &mut ElfCache::default());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let listed = list.iter().find(|m| std::path::Path::new(&m.path) == copy).expect("the deleted program");
+        let (_, _, build_id) = elf_facts(b"/bin/sleep").unwrap();
+        assert!(!build_id.is_empty(), "Debian's sleep has a build id");
+        assert_eq!(listed.build_id, build_id);
+        assert!(!listed.ranges.is_empty());
     }
 
     #[test]
