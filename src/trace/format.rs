@@ -727,7 +727,11 @@ impl<'a> Reader<'a> {
     /// A file that is not a mallocspy trace, of another version, or whose header is damaged.
     pub fn new(bytes: &'a [u8]) -> Result<Self, TraceError> {
         let err = |offset: usize, what: &str| TraceError { offset: offset as u64, what: what.into() };
-        if !bytes.is_empty() && bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) {
+        if bytes.is_empty() {
+            // Not "no signature": a trace whose writer never wrote is empty, and says so.
+            return Err(err(0, "the file is empty, no signature"));
+        }
+        if bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) {
             return Err(err(0, "the file ends inside its signature"));
         }
         if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
@@ -1089,6 +1093,8 @@ mod tests {
     fn random_bytes_are_one_line_errors_never_panics() {
         let e = Reader::new(b"PK\x03\x04 a zip file, not a trace").err().unwrap();
         assert_eq!(e.to_string(), "not a readable mallocspy trace: no mallocspy-trace signature at offset 0");
+        let e = Reader::new(b"").err().unwrap();
+        assert_eq!(e.to_string(), "not a readable mallocspy trace: the file is empty, no signature at offset 0");
         let e = Reader::new(b"mallocspy-").err().unwrap();
         assert_eq!(e.to_string(), "not a readable mallocspy trace: the file ends inside its signature at offset 0");
         // Two traces in one file: the second's signature is no record of this one's.

@@ -482,6 +482,7 @@ fn formats_without_their_data_fail_with_one_line() {
     assert!(report.render(Format::Flamegraph).unwrap_err().contains("no sampled allocations"));
     let text = String::from_utf8(report.render(Format::Text).unwrap()).unwrap();
     assert!(text.contains("Top allocation sites by estimated bytes allocated\n  (none)\n"), "{text}");
+    assert!(text.contains("  counted      unknown: the trace has no heap statistics"), "{text}");
 }
 
 #[test]

@@ -141,6 +141,13 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
                  another module's (an allocator preloaded before mallocspy, or its own)"
             )?;
         }
+    } else {
+        // The line left out said nothing of why (review helper 75).
+        writeln!(
+            out,
+            "  counted      unknown: the trace has no heap statistics (the program ended or was replaced by \
+             exec before taking any, or they were lost)"
+        )?;
     }
     if p.allocated.samples > 0 || p.inherited.is_some() {
         writeln!(
