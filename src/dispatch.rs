@@ -1099,7 +1099,17 @@ impl<H: Heap> Interposer<H> {
                 return failed(err);
             }
             self.disable(cell, scope);
-            // Best effort: the real block, unspied.
+            // The real block goes to the caller, unspied. Its layout is the spy's, unknown but
+            // for where `pre_realloc` said the caller's bytes began in the old block: at the
+            // same offset in this one. Moved to its start, they are the caller's again (handed
+            // over as it was, the block began with the spy's header, and every byte the
+            // caller read was shifted).
+            let offset = (ptr as usize).wrapping_sub(real as usize);
+            if offset != 0 && offset < real_size {
+                let kept = size.min(real_size - offset).min(old_size.unwrap_or(usize::MAX));
+                // SAFETY: `moved` holds `real_size` bytes, of which `kept` from `offset` on.
+                unsafe { core::ptr::copy(moved.cast::<u8>().add(offset), moved.cast::<u8>(), kept) };
+            }
             return moved;
         };
         if new.is_null() {
@@ -1108,16 +1118,19 @@ impl<H: Heap> Interposer<H> {
             }
             return failed(if moved.is_null() { err } else { libc::ENOMEM });
         }
-        if !keeps_alignment(new, moved, 0) {
-            cell.report_misaligned();
-        }
+        let aligned_ok = keeps_alignment(new, moved, 0);
         let mut new = new;
-        if !self.spied.insert(new as usize, size) {
-            self.say_table_full();
-            // No room to record the block: the caller gets an unspied copy, and the spy's
-            // block goes back through the spy. Kept in the spy's layout and unknown here, its
-            // free reached the real allocator at the spy's offset, and glibc aborted
-            // (review helper 38).
+        // A misaligned block is not given out, as an allocation's is not: it was, though the
+        // message said it was served unspied. No room to record the block either: kept in the
+        // spy's layout and unknown here, its free reached the real allocator at the spy's
+        // offset, and glibc aborted (review helper 38). Either way the caller gets an unspied
+        // copy, and the spy's block goes back through the spy.
+        if !aligned_ok || !self.spied.insert(new as usize, size) {
+            if aligned_ok {
+                self.say_table_full();
+            } else {
+                cell.report_misaligned();
+            }
             let copy = self.heap.malloc(size);
             if !copy.is_null() {
                 // SAFETY: the spy laid out `new` with `size` bytes for the caller, and `copy`
@@ -1128,6 +1141,10 @@ impl<H: Heap> Interposer<H> {
                     self.disable(cell, scope);
                 }
                 new = copy;
+            } else if !aligned_ok {
+                // No copy to give: the spy's block after all, recorded so that its free goes
+                // back through the spy.
+                self.spied.insert(new as usize, size);
             }
         }
         self.observe(cell, scope, Call { entry, size, align: 0, ptr, result: new, failed: false });
