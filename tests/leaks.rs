@@ -1475,6 +1475,27 @@ fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     assert_eq!(suppressed["summary"]["suppressed"]["bytes"], 111, "{suppressed}");
 }
 
+/// A plugin loaded by a relative path (`./plugin.so`) is named at exit from its file even
+/// when the program has changed directory since, as a daemon does: the loader's relative name
+/// no longer opened, and its frames read `?? (./plugin.so+0x...)`, unsuppressed (review
+/// helper 77). Loaded still, or unloaded before.
+#[test]
+fn a_plugin_loaded_by_a_relative_path_is_named_after_a_chdir() {
+    let leaky = c_library("unload_leaky.c");
+    let program = c_program_with("relative_plugin.c", &["-ldl"]);
+    let (dir, name) = (leaky.parent().unwrap(), leaky.file_name().unwrap());
+    for mode in ["keep", "unload"] {
+        let out = run(JSON_REPORT, Command::new(&program).arg(mode).arg(dir).arg(name));
+        assert_eq!(out.status.code(), Some(0), "{mode}: {}", text(&out.stderr));
+        let report = json_report(&out);
+        let first = &record_of(&report, 111)["stack"][0];
+        assert_eq!(first["function"], "plugin_leak", "{mode}: {report}");
+        assert!(first["file"].as_str().is_some_and(|f| f.ends_with("unload_leaky.c")), "{mode}: {report}");
+        assert_eq!(first["module"], leaky.display().to_string(), "{mode}: {report}");
+        assert_eq!(first["unloaded"].as_bool().unwrap_or(false), mode == "unload", "{mode}: {report}");
+    }
+}
+
 /// Libraries that a `dlclose` of another unloads: one that only it needed, and one that its
 /// destructor closed (that `dlclose` dropped a reference; the outer one unloaded it). Only the
 /// library of the handle was remembered, and their blocks read as `??` or as the functions of

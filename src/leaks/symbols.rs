@@ -123,7 +123,8 @@ pub(crate) struct Symbolizer {
     cache: HashMap<u64, Vec<Frame>>,
     /// Frames in libraries unloaded since, by path and file address.
     unloaded_cache: HashMap<(String, u64), Vec<Frame>>,
-    /// The debug information of each unloaded library read so far (`None`: unreadable).
+    /// The debug information of each unloaded library, or library loaded by a relative path,
+    /// read so far (`None`: unreadable).
     unloaded_files: HashMap<String, Option<addr2line::Loader>>,
     /// Data symbols of each module (`(start, end, name)` sorted, link-time addresses).
     data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
@@ -177,8 +178,36 @@ fn module_of(addr: u64) -> Option<String> {
     // `/proc/self/exe`, which is the loader for a program it was asked to run).
     match program() {
         Some((base, file)) if name.is_empty() || info.dli_fbase as u64 == *base => Some(file.clone()),
+        _ if !name.is_empty() && !name.starts_with('/') => {
+            Some(absolute_path_of(info.dli_fbase as u64, addr).unwrap_or(name))
+        }
         _ => Some(name).filter(|n| !n.is_empty()),
     }
+}
+
+/// The path of the file mapped at `addr`, in the module loaded at `base` that the loader
+/// names by a relative path (`dlopen("./plugin.so")`), as the kernel's map names it: the
+/// relative one opens nothing once the program has changed directory (a daemon's `chdir("/")`),
+/// and its frames were `??` (review helper 77). Once per module.
+fn absolute_path_of(base: u64, addr: u64) -> Option<String> {
+    static PATHS: std::sync::Mutex<Vec<(u64, Option<String>)>> = std::sync::Mutex::new(Vec::new());
+    let mut paths = PATHS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, path)) = paths.iter().find(|(b, _)| *b == base) {
+        return path.clone();
+    }
+    let path = mapped_file(addr);
+    paths.push((base, path.clone()));
+    path
+}
+
+/// Whether the loader names the module holding `addr` by a relative path, which the
+/// symbolizer of `backtrace` opens as given.
+fn loaded_by_relative_path(addr: u64) -> bool {
+    dl_info(addr).filter(|i| !i.dli_fname.is_null()).is_some_and(|info| {
+        // SAFETY: dladdr returns a NUL-terminated path owned by the loader.
+        let name = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
+        !name.is_empty() && !name.starts_with(b"/")
+    })
 }
 
 /// Where the program is loaded (its lowest mapped address, as `dladdr`'s `dli_fbase` says) and
@@ -198,7 +227,7 @@ fn program() -> &'static Option<(u64, String)> {
 }
 
 /// The file mapped at `addr`, as `/proc/self/maps` names it (" (deleted)" included).
-fn mapped_file(addr: u64) -> Option<String> {
+pub(super) fn mapped_file(addr: u64) -> Option<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
     maps.lines().find_map(|line| {
         let mut fields = line.split_ascii_whitespace();
@@ -462,6 +491,26 @@ impl Symbolizer {
             });
         });
         let offset = load_bias(addr).map(|bias| addr - bias);
+        if frames.is_empty()
+            && let (Some(offset), Some(path)) = (offset, module.as_deref())
+            && path.starts_with('/')
+            && loaded_by_relative_path(addr)
+        {
+            let frame = |function, file, line| Frame {
+                address: format!("{addr:#x}"),
+                offset: None,
+                function,
+                file,
+                line,
+                module: module.clone(),
+                unloaded: false,
+            };
+            let loader =
+                self.unloaded_files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok());
+            if let Some(loader) = loader {
+                frames = frames_in_file(loader, offset - 1, frame);
+            }
+        }
         if frames.is_empty()
             && let (Some(offset), Some(exe)) = (offset, self.deleted_program(&module))
         {

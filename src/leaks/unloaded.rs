@@ -137,6 +137,10 @@ pub(crate) struct Closing {
     /// The library of the handle (by its place in `loaded`).
     library: usize,
     loaded: Vec<ModuleCode>,
+    /// The path, as the kernel's map names it, of each of `loaded` that the loader names by a
+    /// relative one (`dlopen("./plugin.so")`): that one opens nothing at exit once the program
+    /// has changed directory (review helper 77).
+    absolute: Vec<Option<String>>,
     /// Whether no call on another thread was under way when this one began.
     began_alone: bool,
 }
@@ -175,7 +179,14 @@ pub(crate) fn before_dlclose(
         unloads.in_flight.push(InFlight { begun: unloads.begun, start, end, thread, overlapped: false });
         (unloads.begun, alone)
     });
-    Some(Closing { begun, stacks_before: next_stack_id, library, loaded, began_alone })
+    let absolute = loaded
+        .iter()
+        .map(|m| {
+            let relative = !m.name.is_empty() && !m.name.as_bytes().starts_with(b"/");
+            relative.then(|| super::symbols::mapped_file(m.start)).flatten()
+        })
+        .collect();
+    Some(Closing { begun, stacks_before: next_stack_id, library, loaded, absolute, began_alone })
 }
 
 /// After `dlclose`: remembers the libraries it unloaded, if it unloaded any (`unloaded`: a
@@ -193,7 +204,7 @@ pub(crate) fn after_dlclose(closing: Closing, unloaded: bool, loaded: Option<&[M
         Some(loaded) => !loaded.iter().any(|l| l.bias == m.bias && l.name == m.name),
         None => !os::is_loaded(m.bias, &m.name),
     };
-    let Closing { begun, stacks_before, library, loaded: before, began_alone } = closing;
+    let Closing { begun, stacks_before, library, loaded: before, absolute, began_alone } = closing;
     // Before the list's lock: `is_loaded` takes the loader's, which a `dlclose` from a
     // destructor holds while it waits for the list's. The program (no name) is never unloaded.
     let gone: Vec<(usize, &ModuleCode)> = match unloaded {
@@ -206,7 +217,7 @@ pub(crate) fn after_dlclose(closing: Closing, unloaded: bool, loaded: Option<&[M
             None => true,
         };
         let alone = began_alone && !overlapped;
-        for &(_, m) in gone.iter().filter(|&&(i, _)| i == library || alone) {
+        for &(i, m) in gone.iter().filter(|&&(i, _)| i == library || alone) {
             let there = |start: u64, end: u64| start < m.end && m.start < end;
             let at = list.iter().rposition(|u| u.begun < begun).map_or(0, |i| i + 1);
             // The same library unloaded from where it was before, with nothing else unloaded
@@ -218,7 +229,7 @@ pub(crate) fn after_dlclose(closing: Closing, unloaded: bool, loaded: Option<&[M
             // was there, is in flight: it will be listed before this one.
             let merge = FORGOTTEN.load(Ordering::Relaxed) == 0
                 && !in_flight.iter().any(|c| c.begun < begun && there(c.start, c.end));
-            let path = m.name.to_string_lossy();
+            let path = absolute[i].as_deref().map_or_else(|| m.name.to_string_lossy(), std::borrow::Cow::Borrowed);
             let last_there = list[..at].iter_mut().rev().find(|u| there(u.start, u.end));
             if let Some(last) = last_there.filter(|_| merge)
                 && (&*last.path, last.bias, last.start, last.end) == (&*path, m.bias, m.start, m.end)
