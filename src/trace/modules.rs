@@ -219,17 +219,22 @@ mod tests {
         let copy = dir.path().join("sleeper");
         std::fs::copy("/bin/sleep", &copy).unwrap();
         let mut child = std::process::Command::new(&copy).arg("30").spawn().unwrap();
-        let exe = format!("/proc/{}/exe", child.id());
+        // Its code mapped: `/proc/PID/exe` names the new program before the kernel maps it.
+        let path = copy.display().to_string();
+        let mapped =
+            |maps: &[u8]| String::from_utf8_lossy(maps).lines().any(|l| l.ends_with(&path) && l.contains(" r-xp "));
         let started = std::time::Instant::now();
-        while std::fs::read_link(&exe).ok().as_deref() != Some(copy.as_path()) {
+        while !mapped(&maps_of(child.id())) {
             assert!(started.elapsed().as_secs() < 10, "the copy did not start");
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         std::fs::remove_file(&copy).unwrap();
         let list = of_process(child.id(), &mut ElfCache::default());
+        let maps = String::from_utf8_lossy(&maps_of(child.id())).into_owned();
         child.kill().unwrap();
         child.wait().unwrap();
-        let listed = list.iter().find(|m| std::path::Path::new(&m.path) == copy).expect("the deleted program");
+        let listed = list.iter().find(|m| std::path::Path::new(&m.path) == copy);
+        let listed = listed.unwrap_or_else(|| panic!("the deleted program, in {list:?}\n{maps}"));
         let (_, _, build_id) = elf_facts(b"/bin/sleep").unwrap();
         assert!(!build_id.is_empty(), "Debian's sleep has a build id");
         assert_eq!(listed.build_id, build_id);
