@@ -389,7 +389,11 @@ impl Writer {
     fn begin(&self, st: &mut State) {
         // The modules the process starts with were there from its start (a forked child's
         // too: stamped when the writer got to them, they came after a short child's end).
-        self.rescan_modules(st, 0, Some(0));
+        // Read from this process's own map, the program's as it was at the fork: by the time
+        // the writer gets here, a program may have `exec`d another, whose map the program's
+        // pid now shows (or ended, and shows none: its trace began without modules, one
+        // stressed run in 40 of a shell's pipeline).
+        self.rescan_modules(st, std::process::id(), 0, Some(0));
         self.flush(st);
     }
 
@@ -408,10 +412,11 @@ impl Writer {
         st.buf.clear();
     }
 
-    /// Reads the program's modules again: an unload record (at `unloaded_ns`) for each
-    /// module gone, and a load record (at `loaded_ns`, or now) for each new one.
-    fn rescan_modules(&self, st: &mut State, unloaded_ns: u64, loaded_ns: Option<u64>) {
-        let now = modules::of_process(st.pid, &mut st.elf);
+    /// Reads the program's modules again, from the map of process `pid` (the program's, or this
+    /// one's): an unload record (at `unloaded_ns`) for each module gone, and a load record (at
+    /// `loaded_ns`, or now) for each new one.
+    fn rescan_modules(&self, st: &mut State, pid: u32, unloaded_ns: u64, loaded_ns: Option<u64>) {
+        let now = modules::of_process(pid, &mut st.elf);
         if now.is_empty() {
             // The program has ended (a live process has its executable mapped at least):
             // its modules were not unloaded.
@@ -450,7 +455,7 @@ impl Writer {
             // by its addresses alone, under the unloaded one's name.
             self.note_unloads(st);
             if frames.iter().any(|&pc| !self.known(st, pc)) {
-                self.rescan_modules(st, self.spy.elapsed_ns(), None);
+                self.rescan_modules(st, st.pid, self.spy.elapsed_ns(), None);
             }
             write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
         }
@@ -465,7 +470,7 @@ impl Writer {
     /// even when no later stack makes the writer read the modules again.
     fn note_unloads(&self, st: &mut State) {
         if let Some(unloaded_ns) = st.ring.take_unloaded() {
-            self.rescan_modules(st, unloaded_ns, None);
+            self.rescan_modules(st, st.pid, unloaded_ns, None);
         }
     }
 
