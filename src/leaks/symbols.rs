@@ -492,9 +492,7 @@ impl Symbolizer {
         });
         let offset = load_bias(addr).map(|bias| addr - bias);
         if frames.is_empty()
-            && let (Some(offset), Some(path)) = (offset, module.as_deref())
-            && path.starts_with('/')
-            && loaded_by_relative_path(addr)
+            && let (Some(offset), Some(file)) = (offset, self.file_behind(&module, addr))
         {
             let frame = |function, file, line| Frame {
                 address: format!("{addr:#x}"),
@@ -505,25 +503,7 @@ impl Symbolizer {
                 module: module.clone(),
                 unloaded: false,
             };
-            let loader =
-                self.unloaded_files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok());
-            if let Some(loader) = loader {
-                frames = frames_in_file(loader, offset - 1, frame);
-            }
-        }
-        if frames.is_empty()
-            && let (Some(offset), Some(exe)) = (offset, self.deleted_program(&module))
-        {
-            let frame = |function, file, line| Frame {
-                address: format!("{addr:#x}"),
-                offset: None,
-                function,
-                file,
-                line,
-                module: module.clone(),
-                unloaded: false,
-            };
-            frames = frames_in_file(exe, offset - 1, frame);
+            frames = frames_in_file(file, offset - 1, frame);
         }
         if frames.is_empty() && crate::unwind::is_signal_return(addr) {
             // glibc's `__restore_rt` has no symbol of its own: `??` said nothing.
@@ -536,6 +516,19 @@ impl Symbolizer {
             frames.push(Frame { address, function: None, file: None, line: None, module, offset, unloaded: false });
         }
         frames
+    }
+
+    /// The file to read the frames of `addr` in `module` from where `backtrace` found none: a
+    /// library's that the loader names by a relative path, by the path of the kernel's map
+    /// (`module`'s: the relative one opens nothing after a `chdir`), or the program's own when its
+    /// file was deleted ([`Symbolizer::deleted_program`]).
+    fn file_behind(&mut self, module: &Option<String>, addr: u64) -> Option<&addr2line::Loader> {
+        match module.as_deref() {
+            Some(path) if path.starts_with('/') && loaded_by_relative_path(addr) => {
+                self.unloaded_files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok()).as_ref()
+            }
+            _ => self.deleted_program(module),
+        }
     }
 
     /// The program's file, read through `/proc/self/exe`, when `module` is the program and
