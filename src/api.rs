@@ -47,7 +47,8 @@ pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError
 /// Revokes the registered spy (`CoRevokeMallocSpy`).
 ///
 /// # Errors
-/// [`SpyError::NotRegistered`] when none is registered. [`SpyError::AccessDenied`] while
+/// [`SpyError::NotRegistered`] when none is registered, a spy that panicked included (it was
+/// revoked then, and its blocks still reach it; see [`MallocSpy`]). [`SpyError::AccessDenied`] while
 /// blocks allocated under the spy are live: the revoke is then pending, the spy keeps
 /// receiving the frees and reallocs of those blocks and is dropped right after the last one
 /// is freed. [`SpyError::NotInterposed`] as for [`register_malloc_spy`].
@@ -63,7 +64,8 @@ pub fn revoke_malloc_spy() -> Result<(), SpyError> {
 /// [`DidAlloc::Yes`] for a block allocated while an interposing spy ([`crate::Role::Interpose`])
 /// was registered and not yet freed; [`DidAlloc::No`] for NULL and for pointers no block can
 /// start at; [`DidAlloc::Unknown`] otherwise (mallocspy keeps no record of blocks allocated
-/// while no spy, or an observing one, was registered).
+/// while no spy, or an observing one, was registered), a pointer already freed included (COM's
+/// `DidAlloc` answers 0 for it: mallocspy cannot tell it from a block it never saw).
 pub fn did_alloc(ptr: *const c_void) -> DidAlloc {
     let ptr = ptr as *mut c_void;
     match target() {
