@@ -8,7 +8,9 @@
 //! `log_path` file is opened again; a duplicate of stderr cannot be, and the report then goes
 //! to descriptor 2 if that is still the stderr the process started with. Never to whatever
 //! else has the number: a program started with stderr closed gives descriptor 2 to the first
-//! file it opens, and a report there would be written into the program's own file.
+//! file it opens, and a report there would be written into the program's own file. Beside a
+//! log file a duplicate of stderr is kept as well, for warnings and for a report the log file
+//! refuses (a full disk), which a program that closed its stderr by then would otherwise lose.
 //!
 //! The child of a `fork` gives up the duplicate of stderr when its descriptor 2 is still that
 //! stderr, and writes there: a daemon that points 0-2 at `/dev/null` after forking would
@@ -34,6 +36,11 @@ static INO: AtomicU64 = AtomicU64::new(0);
 static STDERR: AtomicU8 = AtomicU8::new(STDERR_UNSEEN);
 static STDERR_DEV: AtomicU64 = AtomicU64::new(0);
 static STDERR_INO: AtomicU64 = AtomicU64::new(0);
+/// A duplicate of that stderr (-1: none), made with a log file as well: where the reports and
+/// warnings that belong on stderr go once the program has closed its descriptor 2 (coreutils
+/// close it at exit, before the report is written). Without a log file it is the report
+/// descriptor.
+static STDERR_COPY: AtomicI32 = AtomicI32::new(-1);
 const STDERR_UNSEEN: u8 = 0;
 const STDERR_CLOSED: u8 = 1;
 const STDERR_OPEN: u8 = 2;
@@ -146,32 +153,54 @@ fn reopen_log_file() -> bool {
     true
 }
 
-/// Notes what descriptor 2 is now, at start-up: the stderr that reports may fall back to.
+/// Notes what descriptor 2 is now, at start-up, and keeps a duplicate of it: the stderr that
+/// reports may fall back to.
 fn note_stderr() {
+    let old = STDERR_COPY.swap(-1, Ordering::AcqRel);
     match identity(2) {
         Some((dev, ino)) => {
             STDERR_DEV.store(dev, Ordering::Relaxed);
             STDERR_INO.store(ino, Ordering::Relaxed);
             STDERR.store(STDERR_OPEN, Ordering::Release);
+            // SAFETY: fcntl on fd 2, which is open.
+            let copy = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 0) };
+            if copy >= 0 {
+                STDERR_COPY.store(move_high(copy), Ordering::Release);
+            }
         }
         None => STDERR.store(STDERR_CLOSED, Ordering::Release),
     }
+    if old >= 0 && old != FD.load(Ordering::Acquire) {
+        os::close(old);
+    }
+}
+
+/// Whether `fd` is the stderr noted at start-up.
+fn is_noted_stderr(fd: i32) -> bool {
+    STDERR.load(Ordering::Acquire) == STDERR_OPEN
+        && identity(fd) == Some((STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed)))
 }
 
 /// Whether descriptor 2 is the stderr the process started with (or was never noted).
 fn stderr_is_original() -> bool {
     match STDERR.load(Ordering::Acquire) {
         STDERR_UNSEEN => true,
-        STDERR_OPEN => identity(2) == Some((STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed))),
+        STDERR_OPEN => is_noted_stderr(2),
         _ => false,
     }
 }
 
-/// Writes `bytes` to descriptor 2 if it is still the process's stderr. For lines that are
-/// not reports (warnings), which go to stderr even with a `log_path`.
+/// Writes `bytes` to the process's stderr: descriptor 2 if it is still that, or else the
+/// duplicate kept of it. For warnings, which go to stderr even with a `log_path`, and for
+/// reports that the log file refused.
 pub(crate) fn to_stderr(bytes: &[u8]) {
     if stderr_is_original() {
         write_whole(2, bytes);
+        return;
+    }
+    let copy = STDERR_COPY.load(Ordering::Acquire);
+    if copy >= 0 && is_noted_stderr(copy) {
+        write_whole(copy, bytes);
     }
 }
 
@@ -223,13 +252,12 @@ fn lock_file_of(fd: i32) -> Option<i32> {
     Some(lock)
 }
 
-/// Duplicates stderr for the reports.
+/// Sends the reports to a duplicate of stderr.
 pub(crate) fn use_stderr() {
     note_stderr();
-    // SAFETY: fcntl on fd 2; a closed stderr makes it fail harmlessly.
-    let fd = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 0) };
-    if fd >= 0 {
-        install(move_high(fd));
+    let copy = STDERR_COPY.load(Ordering::Acquire);
+    if copy >= 0 {
+        install(copy);
     }
 }
 
@@ -282,22 +310,20 @@ pub(crate) fn use_path(template: &str) -> Result<(), String> {
 }
 
 /// Child side of `fork`: a `%p` path names a file of its own; the duplicate of stderr is
-/// given up (see the module's docs).
+/// given up while descriptor 2 is still that stderr (see the module's docs).
 pub(crate) fn after_fork_child() {
     let template = TEMPLATE.try_lock().ok().and_then(|t| t.clone());
-    match template {
-        Some(template) if names_pid(&template) => {
-            // On failure the child writes to the parent's file.
-            let _ = use_log_file(expand_path(&template, os::getpid()));
+    if let Some(template) = template.filter(|t| names_pid(t)) {
+        // On failure the child writes to the parent's file.
+        let _ = use_log_file(expand_path(&template, os::getpid()));
+    }
+    if STDERR.load(Ordering::Acquire) == STDERR_OPEN && stderr_is_original() {
+        let copy = STDERR_COPY.swap(-1, Ordering::AcqRel);
+        // Without a log file the copy is the report descriptor: the reports go to descriptor 2.
+        let _ = FD.compare_exchange(copy, -1, Ordering::AcqRel, Ordering::Relaxed);
+        if copy >= 0 && is_noted_stderr(copy) {
+            os::close(copy);
         }
-        Some(_) => {}
-        None if STDERR.load(Ordering::Acquire) == STDERR_OPEN && stderr_is_original() => {
-            let fd = FD.swap(-1, Ordering::AcqRel);
-            if still_ours(fd) {
-                os::close(fd);
-            }
-        }
-        None => {}
     }
 }
 

@@ -97,23 +97,26 @@ fn an_unwritable_log_path_is_one_line_and_the_report_goes_to_stderr() {
 }
 
 /// A log that opens but takes no writes (a full disk; `/dev/full` here): the report goes to
-/// stderr, and that is said once. It went there without a word. (Not `ls`: coreutils close
-/// their stderr at exit.)
+/// stderr, and that is said once. It went there without a word; and from a program that closes
+/// its stderr at exit (coreutils' `ls` and `sort` do) it went nowhere, since no copy of stderr
+/// was kept beside a log file.
 #[test]
 fn a_log_that_refuses_the_report_is_said_and_the_report_goes_to_stderr() {
-    let out = Command::new(bench_dir().join("leaky"))
-        .env("LD_PRELOAD", shim())
-        .env("MALLOCSPY_OPTIONS", "spy=count:log_path=/dev/full")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let stderr = text(&out.stderr);
-    assert_eq!(
-        stderr.lines().next(),
-        Some("mallocspy: writing to the log failed; the report goes to stderr"),
-        "{stderr}"
-    );
-    assert!(count_report(&out.stderr).is_some(), "{stderr}");
+    for mut program in [Command::new(bench_dir().join("leaky")), ls()] {
+        let out = program
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", "spy=count:log_path=/dev/full")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{program:?}");
+        let stderr = text(&out.stderr);
+        assert_eq!(
+            stderr.lines().next(),
+            Some("mallocspy: writing to the log failed; the report goes to stderr"),
+            "{program:?}: {stderr}"
+        );
+        assert!(count_report(&out.stderr).is_some(), "{program:?}: {stderr}");
+    }
 }
 
 /// `trace=PATH` is written by the ticks spy only: asked for under another spy, the trace was
@@ -223,12 +226,16 @@ fn a_program_started_without_stderr_gets_no_report_in_its_own_files() {
 /// A program that leaves a daemon behind (a child in a session of its own, descriptors 0-2 on
 /// /dev/null): its caller, reading the program's stdout and stderr to end of file, gets the
 /// end when the program exits, not when the daemon does. The daemon must not hold a copy of
-/// the caller's stderr.
+/// the caller's stderr, with a log file (of its own or its parent's) or without.
 #[test]
 fn a_daemon_left_behind_does_not_hold_its_callers_stderr_open() {
     let program = c_program("daemon_child.c");
     let dir = tempfile::tempdir().unwrap();
-    for (i, mode) in Mode::ALL.into_iter().enumerate() {
+    let logs = ["report.%p", "report"].map(|name| {
+        let options = format!("spy=count:log_path={}", dir.path().join(name).display());
+        Mode::Shim(options.leak())
+    });
+    for (i, mode) in Mode::ALL.into_iter().chain(logs).enumerate() {
         let (log, release) = (dir.path().join(format!("daemon{i}")), dir.path().join(format!("release{i}")));
         // Reads both pipes to their end, then waits for the program.
         let out = run(mode, Command::new(&program).arg(&log).arg(&release));
