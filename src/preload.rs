@@ -276,7 +276,7 @@ fn malloc_served_elsewhere() -> Option<String> {
     // SAFETY: getauxval only reads the auxiliary vector the kernel gave the process.
     let entry = os::module_of(unsafe { libc::getauxval(libc::AT_ENTRY) } as *const core::ffi::c_void);
     if entry != 0 && os::module_of(malloc) == entry {
-        let exe = std::fs::read_link("/proc/self/exe").map_or_else(|_| "?".into(), |p| p.display().to_string());
+        let exe = std::fs::read_link("/proc/thread-self/exe").map_or_else(|_| "?".into(), |p| p.display().to_string());
         return Some(format!(
             "the program's own ({exe}), which no preloaded library comes before: mallocspy cannot see its allocations"
         ));

@@ -351,6 +351,28 @@ fn a_thread_stopped_on_its_alternate_signal_stack_keeps_its_own_stack_as_a_root(
     }
 }
 
+/// A program whose main thread ended by `pthread_exit` is reported when its last thread ends,
+/// with `/proc/self/maps` and `/proc/self/exe` reading empty: its frames were `??` (review
+/// helper 80).
+#[test]
+fn the_frames_of_a_program_whose_main_thread_left_first_are_named() {
+    let program = c_program("main_leaves_first.c");
+    // Started by a relative name, which the loader gives the program: its file is found in
+    // the kernel's map.
+    let mut command = Command::new("./main_leaves_first");
+    let out = run(JSON_REPORT, command.current_dir(program.parent().unwrap()));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    for (bytes, caller) in [(123, "leaked_by_main"), (321, "leaked_by_thread")] {
+        let record = record_of(&report, bytes);
+        assert_eq!(record["kind"], "definitely_lost", "{report}");
+        let functions = functions_of(record);
+        assert_eq!(functions.get(..2), Some(&["leak_bytes", caller][..]), "{record}");
+        let frame = &record["stack"][0];
+        assert!(frame["file"].as_str().is_some_and(|f| f.ends_with("main_leaves_first.c")), "{record}");
+    }
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

@@ -252,7 +252,7 @@ impl<'a> ProcessMemory<'a> {
     /// Reads through `buffers` where `maps` allows.
     pub(crate) fn new(maps: &'a Maps, buffers: ScanBuffers) -> Self {
         // SAFETY: a NUL-terminated path; the descriptor is closed on drop.
-        let pagemap = unsafe { libc::open(c"/proc/self/pagemap".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        let pagemap = unsafe { libc::open(c"/proc/thread-self/pagemap".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
         Self {
             maps,
             buffer: core::cell::RefCell::new(buffers.words),

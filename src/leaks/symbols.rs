@@ -128,8 +128,8 @@ pub(crate) struct Symbolizer {
     unloaded_files: HashMap<String, Option<addr2line::Loader>>,
     /// Data symbols of each module (`(start, end, name)` sorted, link-time addresses).
     data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
-    /// The program's file through `/proc/self/exe`, once asked for (see `deleted_program`).
-    deleted_program: Option<Option<addr2line::Loader>>,
+    /// The program's file, once asked for (see `program_file`).
+    program_file: Option<Option<addr2line::Loader>>,
 }
 
 /// The data symbols (objects with a size) of the ELF file at `path`, from its full symbol
@@ -226,9 +226,10 @@ fn program() -> &'static Option<(u64, String)> {
     })
 }
 
-/// The file mapped at `addr`, as `/proc/self/maps` names it (" (deleted)" included).
+/// The file mapped at `addr`, as the kernel's map names it (" (deleted)" included). The map of
+/// this thread: `/proc/self/maps` reads empty once the main thread has called `pthread_exit`.
 pub(super) fn mapped_file(addr: u64) -> Option<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let maps = std::fs::read_to_string("/proc/thread-self/maps").ok()?;
     maps.lines().find_map(|line| {
         let mut fields = line.split_ascii_whitespace();
         let (start, end) = fields.next()?.split_once('-')?;
@@ -520,29 +521,33 @@ impl Symbolizer {
 
     /// The file to read the frames of `addr` in `module` from where `backtrace` found none: a
     /// library's that the loader names by a relative path, by the path of the kernel's map
-    /// (`module`'s: the relative one opens nothing after a `chdir`), or the program's own when its
-    /// file was deleted ([`Symbolizer::deleted_program`]).
+    /// (`module`'s: the relative one opens nothing after a `chdir`), or the program's own
+    /// ([`Symbolizer::program_file`]).
     fn file_behind(&mut self, module: &Option<String>, addr: u64) -> Option<&addr2line::Loader> {
         match module.as_deref() {
             Some(path) if path.starts_with('/') && loaded_by_relative_path(addr) => {
                 self.unloaded_files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok()).as_ref()
             }
-            _ => self.deleted_program(module),
+            _ => self.program_file(module),
         }
     }
 
-    /// The program's file, read through `/proc/self/exe`, when `module` is the program and
-    /// its file was deleted or replaced since it started (the map names it "PATH (deleted)",
-    /// which no one can open, so nothing named its frames): the link still reads the file
-    /// that runs. Not when `/proc/self/exe` is another file (the loader, for a program it was
-    /// asked to run).
-    fn deleted_program(&mut self, module: &Option<String>) -> Option<&addr2line::Loader> {
-        let module = module.as_deref().filter(|m| m.ends_with(" (deleted)"))?;
+    /// The program's file, when `module` is the program and `backtrace` named none of its
+    /// frames: it reads the program through `/proc/self/exe`, which reads nothing once the
+    /// main thread has called `pthread_exit` (review helper 80). A file deleted or replaced
+    /// since the program started (the map names it "PATH (deleted)", which no one can open) is
+    /// read through `/proc/thread-self/exe`, which still reads the file that runs; not when
+    /// that link is another file (the loader, for a program it was asked to run).
+    fn program_file(&mut self, module: &Option<String>) -> Option<&addr2line::Loader> {
+        let module = module.as_deref()?;
         program().as_ref().filter(|(_, file)| file == module)?;
-        self.deleted_program
+        self.program_file
             .get_or_insert_with(|| {
-                let exe = std::fs::read_link("/proc/self/exe").ok()?;
-                (exe.as_os_str() == module).then(|| addr2line::Loader::new("/proc/self/exe").ok()).flatten()
+                if !module.ends_with(" (deleted)") {
+                    return addr2line::Loader::new(module).ok();
+                }
+                let exe = std::fs::read_link("/proc/thread-self/exe").ok()?;
+                (exe.as_os_str() == module).then(|| addr2line::Loader::new("/proc/thread-self/exe").ok()).flatten()
             })
             .as_ref()
     }

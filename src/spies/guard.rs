@@ -591,7 +591,7 @@ fn write_code_place(line: &mut Line<256>, pc: u64) {
         // The loader names the program "": its file, as the kernel knows it.
         let mut path = [0u8; 256];
         // SAFETY: readlink writes at most `path.len()` bytes into `path`.
-        let n = unsafe { libc::readlink(c"/proc/self/exe".as_ptr(), path.as_mut_ptr().cast(), path.len()) };
+        let n = unsafe { libc::readlink(c"/proc/thread-self/exe".as_ptr(), path.as_mut_ptr().cast(), path.len()) };
         let path = &path[..usize::try_from(n).unwrap_or(0)];
         let base = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
         len = base.len().min(name.len());
