@@ -328,7 +328,11 @@ impl<H: Heap> Interposer<H> {
         // succeeds; the gate counts before the call (review helper 67).
         if self.registry.is_empty() || (alignment_accepted(align) && self.gate.pass_alloc(size, gate::ALIGNED)) {
             // SAFETY: the caller's guarantee.
-            return unsafe { self.heap.posix_memalign(out, align, size) };
+            let err = unsafe { self.heap.posix_memalign(out, align, size) };
+            if err != 0 {
+                self.gate.failed_after_pass(size);
+            }
+            return err;
         }
         let r = self.alloc(AllocRequest {
             entry: Entry::PosixMemalign,
@@ -344,12 +348,22 @@ impl<H: Heap> Interposer<H> {
         r.err
     }
 
+    /// `ptr`, the real allocator's answer to an aligned request the gate let through: a
+    /// failure is not counted.
+    #[inline(always)]
+    fn unless_failed(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
+        if ptr.is_null() {
+            self.gate.failed_after_pass(size);
+        }
+        ptr
+    }
+
     #[inline]
     pub(crate) fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
         // As `posix_memalign`: glibc 2.38 refuses an alignment that is no power of two (and
         // takes a small one for 8 or 16).
         if self.registry.is_empty() || (align.is_power_of_two() && self.gate.pass_alloc(size, gate::ALIGNED)) {
-            return self.heap.aligned_alloc(align, size);
+            return self.unless_failed(self.heap.aligned_alloc(align, size), size);
         }
         self.alloc(AllocRequest { entry: Entry::AlignedAlloc, kind: Kind::AlignedAlloc, size, asked: size, align }).ptr
     }
@@ -357,7 +371,7 @@ impl<H: Heap> Interposer<H> {
     #[inline]
     pub(crate) fn memalign(&self, align: usize, size: usize) -> *mut c_void {
         if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
-            return self.heap.memalign(align, size);
+            return self.unless_failed(self.heap.memalign(align, size), size);
         }
         self.alloc(AllocRequest { entry: Entry::Memalign, kind: Kind::Memalign, size, asked: size, align }).ptr
     }
@@ -365,7 +379,7 @@ impl<H: Heap> Interposer<H> {
     #[inline]
     pub(crate) fn valloc(&self, size: usize) -> *mut c_void {
         if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
-            return self.heap.valloc(size);
+            return self.unless_failed(self.heap.valloc(size), size);
         }
         let align = os::page_size();
         self.alloc(AllocRequest { entry: Entry::Valloc, kind: Kind::Valloc, size, asked: size, align }).ptr
@@ -374,7 +388,7 @@ impl<H: Heap> Interposer<H> {
     #[inline]
     pub(crate) fn pvalloc(&self, size: usize) -> *mut c_void {
         if self.registry.is_empty() || self.gate.pass_alloc(size, gate::ALIGNED) {
-            return self.heap.pvalloc(size);
+            return self.unless_failed(self.heap.pvalloc(size), size);
         }
         let align = os::page_size();
         match size.checked_next_multiple_of(align) {

@@ -214,6 +214,19 @@ impl Gate {
         self.count_down(ts, c, size, kind)
     }
 
+    /// Takes back what [`Gate::pass_alloc`] counted of an aligned allocation that the real
+    /// allocator then refused (an alignment of a terabyte, an impossible size): the exact
+    /// totals counted each such failure as an allocation (review helper 81).
+    #[cold]
+    pub(crate) fn failed_after_pass(&self, size: usize) {
+        let Some((ts, c)) = self.counters() else { return };
+        let until = &ts.tick_until[if self.per_kind.load(Ordering::Relaxed) { ALIGNED } else { 0 }];
+        // `take` passed only sizes below 2^63 that left the countdown above 0.
+        until.set(until.get() + size as i64);
+        bump(&c.allocs[ALIGNED], 1u64.wrapping_neg());
+        bump(&c.bytes[ALIGNED], (size as u64).wrapping_neg());
+    }
+
     /// [`take`] from the countdown of `kind` (tick sampling) or the only one (poisson).
     #[inline(always)]
     fn count_down(&self, ts: &tls::ThreadState, c: &TickCounters, size: usize, kind: usize) -> bool {
