@@ -21,7 +21,8 @@
  *     pre_free/pre_realloc/pre_get_size map it back. `spied` says whether the block was
  *     allocated while this spy was registered (i.e. has its layout).
  *   - Aligned allocations call the _aligned pair (NULL members fall back to pre_alloc and
- *     post_alloc); a spy that moves pointers must keep them aligned.
+ *     post_alloc) with the caller's alignment rounded up to a power of two, as glibc's
+ *     memalign rounds it; a spy that moves pointers must keep them aligned.
  *   - State between a Pre and a Post method goes in api->call_scratch() (8 words per thread).
  *   - Allocations made by the spy itself go straight to the real allocator.
  *   - Functions are called from any thread, concurrently; they must not block.

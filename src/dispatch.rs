@@ -820,8 +820,11 @@ impl<H: Heap> Interposer<H> {
         let call =
             |result, failed| Call { entry: req.entry, size: req.asked, align: req.align, ptr: null(), result, failed };
 
+        // The alignment the block gets: glibc's memalign rounds the caller's up to a power of
+        // two (and posix_memalign and aligned_alloc refuse one that is not).
+        let align = align_pow2(req.align);
         let pre =
-            cell.call(|spy| if aligned { spy.pre_alloc_aligned(req.size, req.align) } else { spy.pre_alloc(req.size) });
+            cell.call(|spy| if aligned { spy.pre_alloc_aligned(req.size, align) } else { spy.pre_alloc(req.size) });
         let Ok(size) = pre else {
             self.disable(cell, scope);
             return self.alloc_unspied(req, saved);
@@ -835,8 +838,8 @@ impl<H: Heap> Interposer<H> {
 
         os::set_errno(saved);
         let real = self.real_alloc(req, size);
-        let post = cell
-            .call(|spy| if aligned { spy.post_alloc_aligned(real.ptr, req.align) } else { spy.post_alloc(real.ptr) });
+        let post =
+            cell.call(|spy| if aligned { spy.post_alloc_aligned(real.ptr, align) } else { spy.post_alloc(real.ptr) });
         let Ok(ptr) = post else {
             // The spy's layout is unknown: the real block goes to the caller, unspied.
             self.disable(cell, scope);

@@ -304,9 +304,10 @@ pub trait MallocSpy: Send + Sync {
         actual
     }
 
-    /// Before an aligned allocation of `size` bytes at `align` (as the caller passed it,
-    /// possibly invalid: the real allocator judges it). Defaults to
-    /// [`pre_alloc`](Self::pre_alloc).
+    /// Before an aligned allocation of `size` bytes at `align`: the caller's alignment rounded
+    /// up to a power of two, as glibc's `memalign` rounds it (an alignment `posix_memalign` or
+    /// `aligned_alloc` refuses still fails the call: the real allocator judges the caller's).
+    /// Defaults to [`pre_alloc`](Self::pre_alloc).
     fn pre_alloc_aligned(&self, size: usize, align: usize) -> usize {
         self.pre_alloc(size)
     }
