@@ -585,6 +585,13 @@ impl<H: Heap> Interposer<H> {
         self.spied.len()
     }
 
+    /// Calls `f` with the caller pointer of every block allocated under the spy and still
+    /// live, each while its part of the table is locked, so that no thread frees it meanwhile.
+    /// `f` must neither allocate nor free.
+    pub(crate) fn each_spied_block(&self, f: &mut dyn FnMut(usize)) {
+        self.spied.for_each(|p, _| f(p));
+    }
+
     /// Blocks leaked because their free could not be deferred (the parking ring was full).
     pub(crate) fn leaked_frees(&self) -> usize {
         self.deferred.leaked()

@@ -465,6 +465,10 @@ fn write_reports(caller: Caller) {
     if let Some(count) = b.count {
         sink::write(count.report().as_bytes());
     }
+    // Not once the program revoked the guard: the blocks listed may then be another spy's.
+    if let Some(guard) = b.guard.filter(|_| !GLOBAL.builtin_revoked()) {
+        guard.check_live_blocks(|f| GLOBAL.each_spied_block(f));
+    }
     if let Some(mut summary) = b.guard.and_then(|g| g.report_summary()) {
         sink::write(summary.as_bytes());
         // Naming the stacks needs the loader (see `write_leak_report`).

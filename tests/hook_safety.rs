@@ -198,6 +198,38 @@ fn guard_reports_frees_of_the_threads_stack_from_an_alternate_signal_stack() {
     assert_eq!(stderr.matches("mallocspy: guard: invalid-free at ").count(), 2, "{stderr}");
 }
 
+/// A block overrun (or underrun) and never freed is reported at exit: the canaries were checked
+/// only by a free or a realloc, and such a program ran without a word (review helper 81).
+#[test]
+fn guard_checks_the_blocks_still_live_at_exit() {
+    let program = c_program("guard_live_damage.c");
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!(out.status.code(), Some(0));
+    let stdout = text(&out.stdout);
+    let blocks: Vec<&str> = stdout.strip_prefix("blocks at ").expect(&stdout).split_whitespace().collect();
+    let stderr = text(&out.stderr);
+    let mut lines: Vec<&str> = stderr.lines().collect();
+    // The blocks are listed in the live table's order.
+    let listed = lines.len().min(2);
+    lines[..listed].sort_unstable();
+    assert_eq!(
+        lines,
+        [
+            format!(
+                "mallocspy: guard: heap-buffer-overflow at {}, size 10: trailer canary damaged (in a block still live \
+                 at exit)",
+                blocks[0]
+            ),
+            format!(
+                "mallocspy: guard: heap-buffer-underflow at {}: header canary damaged (in a block still live at exit)",
+                blocks[1]
+            ),
+            "mallocspy: guard: 2 finding(s): 1 overflow, 1 underflow, 0 double-free, 0 invalid-free".to_owned(),
+        ],
+        "{stderr}"
+    );
+}
+
 /// Each finding is one line, naming the module and offset of the call; at exit each distinct
 /// call stack of a finding is listed, named (before, a finding said only the entry point).
 #[test]
