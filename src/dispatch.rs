@@ -707,9 +707,11 @@ impl<H: Heap> Interposer<H> {
     /// The error of a request that a spy refused: ENOMEM, unless the caller chose an alignment
     /// (`align` 0 included) that the real allocator rejects. It is asked for one byte at that
     /// alignment, not the refused size: refusing a gigabyte allocated one, and a huge `calloc`
-    /// was zeroed, only to learn the error.
+    /// was zeroed, only to learn the error. Not for a power of two from 8 up, which every
+    /// allocator takes: one byte at a terabyte's alignment maps two (review helper 81).
     fn refusal_error(&self, req: &AllocRequest) -> c_int {
-        if !matches!(req.kind, Kind::Memalign | Kind::AlignedAlloc | Kind::PosixMemalign) {
+        let accepted_everywhere = alignment_accepted(req.align);
+        if accepted_everywhere || !matches!(req.kind, Kind::Memalign | Kind::AlignedAlloc | Kind::PosixMemalign) {
             return libc::ENOMEM;
         }
         let probe = self.real_alloc(req, 1);
@@ -725,10 +727,11 @@ impl<H: Heap> Interposer<H> {
         self.real_alloc(req, req.size)
     }
 
-    /// Reports a failed allocating call: errno, or the return value of posix_memalign (which
-    /// leaves errno to the real allocator).
+    /// Reports a failed allocating call: errno, or the return value of posix_memalign, which
+    /// sets errno too when memory runs out (glibc's does, by way of its allocator) and leaves it
+    /// for a bad alignment.
     fn fail(&self, req: &AllocRequest, err: c_int) -> Outcome {
-        if !matches!(req.kind, Kind::PosixMemalign) {
+        if !matches!(req.kind, Kind::PosixMemalign) || err == libc::ENOMEM {
             os::set_errno(err);
         }
         Outcome::failed(err)

@@ -273,15 +273,17 @@ fn forced_failure_skips_post_and_sets_enomem() {
     assert_eq!(ip.revoke(), Ok(()));
 }
 
-/// glibc, noting the largest request it was asked for.
+/// glibc, noting the largest request it was asked for, and how many.
 #[derive(Default)]
 struct Asked {
     largest: AtomicUsize,
+    requests: AtomicUsize,
 }
 
 impl Asked {
     fn note(&self, size: usize) {
         self.largest.fetch_max(size, Ordering::SeqCst);
+        self.requests.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -350,8 +352,14 @@ fn a_refused_request_is_not_allocated_to_find_its_error() {
     assert!(ip.calloc(1 << 15, 1 << 15).is_null());
     assert_eq!(os::errno(), libc::ENOMEM);
     let mut q = core::ptr::null_mut();
+    // An alignment every allocator takes is not even probed (one byte at a terabyte's
+    // alignment maps two), and errno is set as glibc's posix_memalign sets it.
+    os::set_errno(0);
     // SAFETY: q is a local.
     assert_eq!(unsafe { ip.posix_memalign(&mut q, 64, GIB) }, libc::ENOMEM);
+    assert_eq!(os::errno(), libc::ENOMEM);
+    assert!(ip.memalign(1 << 40, GIB).is_null());
+    assert_eq!(ip.heap.requests.load(Ordering::SeqCst), 0, "the real allocator was asked");
     // The real allocator's verdict on a bad alignment is still the caller's error.
     // SAFETY: as above.
     assert_eq!(unsafe { ip.posix_memalign(&mut q, 24, GIB) }, libc::EINVAL);
