@@ -989,6 +989,13 @@ fn record_reports_bad_arguments_and_missing_programs() {
         Command::new(mallocspy()).arg("record").arg("--shim").arg(dir.path()).args(["--", "true"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(text(&out.stderr), format!("mallocspy: no shim at '{}'\n", dir.path().display()));
+    // Nor is a file that is not the shim (review helper 79): another library, or no library.
+    for other in ["/etc/passwd", "/bin/true"] {
+        let out = Command::new(mallocspy()).args(["run", "--shim", other, "--", "true"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let expected = format!("mallocspy: '{other}' is not mallocspy's shim (no mallocspy_api_v1 in it)\n");
+        assert_eq!(text(&out.stderr), expected);
+    }
     let out = record(dir.path(), &[], &["/no/such/program"]);
     assert_eq!(out.status.code(), Some(127));
     assert_eq!(text(&out.stderr).lines().count(), 1, "{}", text(&out.stderr));

@@ -81,6 +81,11 @@ fn preloaded(shim: Option<&Path>, options: &[String], program: &[OsString]) -> R
         // A directory or a missing file: the loader would say so in every process, and run it unspied.
         return Err(fail(&format!("no shim at '{}'", shim.display()), 2));
     }
+    if !is_the_shim(&shim) {
+        // Another file: the loader's "invalid ELF header" in every process, or another library
+        // preloaded, and the program run unspied.
+        return Err(fail(&format!("'{}' is not mallocspy's shim (no mallocspy_api_v1 in it)", shim.display()), 2));
+    }
     let shim = shim.canonicalize().unwrap_or(shim);
     if shim.to_string_lossy().contains([' ', ':']) {
         // LD_PRELOAD splits at both: the loader would look for pieces of the path.
@@ -255,6 +260,14 @@ fn out_of_reach(program: &Path) -> Option<&'static str> {
     std::fs::File::open(&path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
     (elf_interpreter(&head) == Some(false))
         .then_some("is statically linked, so no LD_PRELOAD library reaches its malloc")
+}
+
+/// Whether the file at `path` is mallocspy's shim: a library exporting its API's table.
+fn is_the_shim(path: &Path) -> bool {
+    use object::{Object, ObjectSymbol};
+    let Ok(bytes) = std::fs::read(path) else { return false };
+    let Ok(file) = object::File::parse(&*bytes) else { return false };
+    file.dynamic_symbols().any(|s| s.is_definition() && s.name() == Ok("mallocspy_api_v1"))
 }
 
 /// Whether a 64-bit ELF file (its first bytes, `head`) names a program interpreter
