@@ -172,16 +172,31 @@ impl fmt::Display for OptionsError {
 impl std::error::Error for OptionsError {}
 
 /// A piece of the options as an error line shows it: its first 60 characters and how many
-/// more there are (a `MALLOCSPY_OPTIONS` of a megabyte made an error line as long).
+/// more there are (a `MALLOCSPY_OPTIONS` of a megabyte made an error line as long), [`Escaped`].
 struct Shown<'a>(&'a str);
 
 impl fmt::Display for Shown<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         const SHOWN: usize = 60;
         match self.0.char_indices().nth(SHOWN) {
-            Some((cut, _)) => write!(f, "{}... ({} more characters)", &self.0[..cut], self.0[cut..].chars().count()),
-            None => f.write_str(self.0),
+            Some((cut, _)) => {
+                write!(f, "{}... ({} more characters)", Escaped(&self.0[..cut]), self.0[cut..].chars().count())
+            }
+            None => write!(f, "{}", Escaped(self.0)),
         }
+    }
+}
+
+/// Text from the user (an option, a path) in a line of mallocspy's, its control characters
+/// escaped: a newline in it made the line two, an escape sequence reached the terminal.
+pub(crate) struct Escaped<'a>(pub &'a str);
+
+impl fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for c in self.0.chars() {
+            if c.is_control() { write!(f, "{}", c.escape_default())? } else { write!(f, "{c}")? }
+        }
+        Ok(())
     }
 }
 
@@ -418,6 +433,10 @@ mod tests {
         let e = Options::parse(&long).unwrap_err().to_string();
         assert!(e.starts_with(&format!("bad value '{}... (99940 more characters)' for spy", "é".repeat(60))), "{e}");
         assert!(e.len() < 300, "{e}");
+        // Control characters are escaped: a newline made the line two, an escape sequence
+        // reached the terminal (review helper 79).
+        let e = Options::parse("spy=\x1b[31mred\nlead").unwrap_err().to_string();
+        assert!(e.starts_with("bad value '\\u{1b}[31mred\\nlead' for spy"), "{e}");
         assert_eq!(
             Options::parse("exitcode=300").unwrap_err().to_string(),
             "bad value '300' for exitcode (expected a number from 0 to 255)"

@@ -22,7 +22,7 @@
 use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::ffi::CString;
 
-use crate::options::{expand_path, names_pid};
+use crate::options::{Escaped, expand_path, names_pid};
 use crate::os;
 
 /// The report descriptor, or -1.
@@ -304,7 +304,7 @@ pub(crate) fn use_path(template: &str) -> Result<(), String> {
         }
         Err(e) => {
             use_stderr();
-            Err(format!("cannot open log_path '{path}': {e}"))
+            Err(format!("cannot open log_path '{}': {e}", Escaped(&path)))
         }
     }
 }

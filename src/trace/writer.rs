@@ -175,7 +175,8 @@ fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
     if descendant {
         return replace(format!("{path}.{pid}"));
     }
-    let fd = sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
+    let fd =
+        sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
     let before_exec = earlier_image(&path);
     if locked_by_another(fd) {
         close(fd);
@@ -292,7 +293,8 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
             unsafe { libc::unlink(c.as_ptr()) };
         }
     }
-    let fd = sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{path}': {e}"))?;
+    let fd =
+        sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
     // A new file: the lock is ours, for the next process to find.
     locked_by_another(fd);
     Ok((fd, path))
