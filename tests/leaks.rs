@@ -373,6 +373,19 @@ fn the_frames_of_a_program_whose_main_thread_left_first_are_named() {
     }
 }
 
+/// A heap of glibc's arena for threads whose blocks were all freed is no root: the stale
+/// pointer in its free memory kept a leaked block "still reachable" (review helper 83;
+/// memcheck and LeakSanitizer call it lost).
+#[test]
+fn stale_pointers_in_a_thread_arenas_free_memory_keep_nothing_reachable() {
+    let program = c_program("thread_arena_freed.c");
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "dropped\n"), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    assert_eq!(record_of(&report, 55)["kind"], "definitely_lost", "{report}");
+    assert_eq!(report["summary"]["definitely_lost"]["bytes"], 55, "{report}");
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

@@ -166,6 +166,7 @@ pub(crate) fn anonymous_roots(
         let module_data =
             modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
         !holds_block
+            && !glibc_thread_heap(start, end)
             && !holds_stack
             && !exited_stack
             && !module_data
@@ -188,6 +189,37 @@ pub(crate) fn anonymous_roots(
             }
         }
     }
+}
+
+/// The reach of a heap of one of glibc's arenas for threads (`HEAP_MAX_SIZE` on 64-bit),
+/// which is mapped at a multiple of it.
+const GLIBC_HEAP_MAX: u64 = 64 << 20;
+
+/// Whether the writable mapping `[start, end)` is a heap of one of glibc's arenas for threads,
+/// which glibc maps for itself: one whose blocks were all freed holds no live block to leave
+/// it out by, and as a root its free chunks' stale pointers kept blocks leaked since
+/// "reachable" (review helper 83). Such a heap starts with glibc's `heap_info`: its arena
+/// (in this heap or another, just after that one's `heap_info`), the previous heap (0 or
+/// another such heap), its size, and the size made writable, which the mapping is.
+fn glibc_thread_heap(start: u64, end: u64) -> bool {
+    if !start.is_multiple_of(GLIBC_HEAP_MAX) || end - start > GLIBC_HEAP_MAX {
+        return false;
+    }
+    let mut header = [0u64; 4];
+    let read = match ProcessMemory::read_chunk(&mut header, start, start + 32) {
+        Some(n) => n == header.len(),
+        None => {
+            // SAFETY: a readable anonymous mapping of at least a page: its first 32 bytes.
+            header = unsafe { core::ptr::read_volatile(start as *const [u64; 4]) };
+            true
+        }
+    };
+    let [arena, previous, size, writable] = header;
+    read && arena != 0
+        && arena % GLIBC_HEAP_MAX < 0x100
+        && previous.is_multiple_of(GLIBC_HEAP_MAX)
+        && size <= writable
+        && writable == end - start
 }
 
 /// Process memory, read only where the map says it is readable. Root regions are read
