@@ -20,6 +20,7 @@ pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, sy
 
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};
+use core::sync::atomic::{AtomicU64, Ordering};
 use std::collections::HashMap;
 
 use report::Classified;
@@ -234,6 +235,53 @@ pub(crate) fn room_for_check(blocks: usize) -> bool {
     crate::pool::has_room((16 << 20) + blocks.saturating_mul(128))
 }
 
+/// While a check takes its snapshot and stops the world: the time (monotonic, ns) until which
+/// the other threads' allocations and frees wait at the leak tracker's door (0: none waits).
+/// Made in that window, a block was in no snapshot, and the blocks only it pointed to were
+/// called lost; freed there, it took its children's only pointer with it (threads still
+/// allocating at `exit`: review helper 83). Bounded, so that a thread the check would wait
+/// for cannot hang it.
+static HOLD_UNTIL: AtomicU64 = AtomicU64::new(0);
+
+/// How long the other threads are held at most.
+const HOLD_NS: u64 = 1_000_000_000;
+
+/// The hold of [`HOLD_UNTIL`], released when dropped.
+struct Hold;
+
+impl Hold {
+    fn start() -> Self {
+        HOLD_UNTIL.store(os::monotonic_ns() + HOLD_NS, Ordering::Release);
+        Hold
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        HOLD_UNTIL.store(0, Ordering::Release);
+    }
+}
+
+/// Waits, in the leak tracker's hooks, while a check starts (see [`HOLD_UNTIL`]). Without a
+/// cancellation point: a thread cancelled in a hook would leave its locks held.
+#[inline]
+pub(crate) fn wait_while_a_check_starts() {
+    if HOLD_UNTIL.load(Ordering::Relaxed) != 0 {
+        wait_for_the_check();
+    }
+}
+
+#[cold]
+fn wait_for_the_check() {
+    loop {
+        let until = HOLD_UNTIL.load(Ordering::Acquire);
+        if until == 0 || os::monotonic_ns() >= until {
+            return;
+        }
+        os::yield_now();
+    }
+}
+
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
 /// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
 pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stacks: bool, caller: Caller) -> LeakReport {
@@ -243,6 +291,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     // The check's own calls into the C library are not a signal handler's.
     let scope_sp = ts.scope_sp.replace(0);
 
+    // What takes the loader's lock comes before the hold: a thread held in `dlopen`'s malloc
+    // keeps it.
+    let modules = roots::module_data(check as *const core::ffi::c_void, crate::global::GLOBAL.heap.real_malloc());
+    let tls_size = roots::static_tls_size();
+    let loader = roots::loader_text().unwrap_or((0, 0));
+    let hold = Hold::start();
     let mut blocks = tracker.snapshot();
     blocks.sort_unstable_by_key(|b| b.0);
     // A record whose block overlaps the previous one is stale (its free went unseen).
@@ -258,8 +312,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let starts: Vec<u64> = spans.iter().map(|s| s.0).collect();
     let heap = Heap::new(&spans);
     let mut scratch = Scratch::for_blocks(spans.len());
-    let modules = roots::module_data(check as *const core::ffi::c_void, crate::global::GLOBAL.heap.real_malloc());
-    let tls_size = roots::static_tls_size();
     let mut maps = Maps::reserve();
     let program_mappings = crate::program_mappings::snapshot();
     let mut regions: Vec<(u64, u64)> =
@@ -275,7 +327,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     stack_pointers.push(crate::unwind::current_sp());
     let mut words: Vec<u64> = Vec::with_capacity(24 * 4096 + caller.regs.len() + blocks.len());
     let own_tp = os::thread_pointer();
-    let loader = roots::loader_text().unwrap_or((0, 0));
     let by_loader: Vec<u64> = blocks
         .iter()
         .filter(|(_, r)| tracker.stacks.frames(r.stack).first().is_some_and(|&f| loader.0 <= f && f < loader.1))
@@ -284,6 +335,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
 
     let buffers = ProcessMemory::buffers();
     let stopped = stop::stop_the_world();
+    // The threads held are stopped with the others (or, when none could be, go on).
+    drop(hold);
     maps.read();
     regions.extend_from_slice(&modules.roots);
     region_kinds.extend(modules.roots.iter().map(|_| Root::Global));

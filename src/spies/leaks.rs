@@ -411,6 +411,7 @@ impl MallocSpy for LeakTracker {
     }
 
     fn before_release(&self, entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
+        crate::leaks::wait_while_a_check_starts();
         if entry == Entry::Free {
             if let Some(t) = self.mine() {
                 self.free_later(ptr as usize, t);
@@ -430,6 +431,7 @@ impl MallocSpy for LeakTracker {
         if !is_allocation(call.entry) {
             return;
         }
+        crate::leaks::wait_while_a_check_starts();
         let Some(t) = self.mine() else {
             // The thread got no record (max_memory was reached): said in the report's note.
             if !call.failed && !call.result.is_null() {
