@@ -36,7 +36,7 @@ static FREE: [Class; CLASSES] = [const { Class { lock: SpinLock::new(), free: At
 /// Size of an arena (a region larger than this gets an arena of its own).
 const ARENA: usize = 1 << 30;
 /// Size of an arena once the address space is limited (see [`carve`]).
-const SMALL_ARENA: usize = 2 << 20;
+pub(crate) const SMALL_ARENA: usize = 2 << 20;
 /// Set once the kernel refused an arena of [`ARENA`] bytes.
 static SMALL_ARENAS: AtomicBool = AtomicBool::new(false);
 const MAX_ARENAS: usize = 1024;

@@ -113,6 +113,11 @@ fn register_spies() {
     if let Some(realloc) = served_elsewhere(c"realloc") {
         crate::interpose::note_realloc_ahead(realloc);
     }
+    // mallocspy's own heap, which reading the options starts, must be able to grow: a failed
+    // allocation of its aborts the program (under `ulimit -v` of about 9 MB: review helper 82).
+    if !pool::has_room(pool::SMALL_ARENA) {
+        return say("cannot map memory for mallocspy (an address-space limit?); running unspied");
+    }
     let options = match std::env::var("MALLOCSPY_OPTIONS") {
         Ok(text) => match Options::parse(&text) {
             Ok(o) => o,

@@ -1078,21 +1078,21 @@ fn blocks_freed_during_the_check_are_not_lost_when_their_address_comes_back() {
 /// Under an address-space limit (`ulimit -v`) that lets the program run, mallocspy never makes
 /// it fail: a limit too low for the spies or for the exit's check is one line, the program's
 /// status its own. Under 10 MB, the check's first table did not fit and the program aborted
-/// at its exit.
+/// at its exit; at 8.5 to 9 MB with `MALLOCSPY_OPTIONS` set, reading them did (review helper 82).
 #[test]
 fn under_any_address_space_limit_the_program_runs_as_natively() {
     use std::os::unix::process::CommandExt;
     let program = c_program("lose_one.c");
-    let limited = |mib: u64, preload: bool| {
+    let limited = |kib: u64, preload: Option<&str>| {
         let mut cmd = Command::new(&program);
         cmd.arg("100");
-        if preload {
-            cmd.env("LD_PRELOAD", shim());
+        if let Some(options) = preload {
+            cmd.env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", options);
         }
         // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
         unsafe {
             cmd.pre_exec(move || {
-                let lim = libc::rlimit { rlim_cur: mib << 20, rlim_max: mib << 20 };
+                let lim = libc::rlimit { rlim_cur: kib << 10, rlim_max: kib << 10 };
                 libc::setrlimit(libc::RLIMIT_AS, &lim);
                 Ok(())
             })
@@ -1100,31 +1100,32 @@ fn under_any_address_space_limit_the_program_runs_as_natively() {
         cmd.output().unwrap()
     };
     let mut reports = 0;
-    for mib in (4..=48).step_by(2) {
-        if limited(mib, false).status.code() != Some(0) {
+    for kib in (4 << 10..=48 << 10).step_by(512) {
+        if limited(kib, None).status.code() != Some(0) {
             continue;
         }
-        let out = limited(mib, true);
-        let stderr = text(&out.stderr);
-        if stderr.contains("error while loading shared libraries") {
-            // The loader did not fit the C library in beside the shim, before any code of
-            // mallocspy's ran: the price of its size, at a few megabytes of limit.
-            continue;
-        }
-        // Or not even the shim: it says so and runs the program without it.
-        assert_eq!(out.status.code(), Some(0), "ulimit -v {}: {stderr}", mib << 10);
-        if stderr.contains("LEAK SUMMARY") {
-            reports += 1;
-        } else {
-            let lines: Vec<&str> = stderr.lines().collect();
-            assert_eq!(lines.len(), 1, "ulimit -v {}: {stderr}", mib << 10);
-            assert!(
-                lines[0].ends_with("no leak report")
-                    || lines[0].ends_with("running unspied")
-                    || lines[0].contains("cannot be preloaded"),
-                "ulimit -v {}: {stderr}",
-                mib << 10
-            );
+        for options in ["", "spy=leaks"] {
+            let out = limited(kib, Some(options));
+            let stderr = text(&out.stderr);
+            if stderr.contains("error while loading shared libraries") {
+                // The loader did not fit the C library in beside the shim, before any code of
+                // mallocspy's ran: the price of its size, at a few megabytes of limit.
+                continue;
+            }
+            // Or not even the shim: it says so and runs the program without it.
+            assert_eq!(out.status.code(), Some(0), "ulimit -v {kib}, options '{options}': {stderr}");
+            if stderr.contains("LEAK SUMMARY") {
+                reports += 1;
+            } else {
+                let lines: Vec<&str> = stderr.lines().collect();
+                assert_eq!(lines.len(), 1, "ulimit -v {kib}, options '{options}': {stderr}");
+                assert!(
+                    lines[0].ends_with("no leak report")
+                        || lines[0].ends_with("running unspied")
+                        || lines[0].contains("cannot be preloaded"),
+                    "ulimit -v {kib}, options '{options}': {stderr}"
+                );
+            }
         }
     }
     assert!(reports > 0, "with 48 MiB, the report");
