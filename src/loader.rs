@@ -17,7 +17,7 @@
 //! exit ends it. A process that was not forked, or whose loader answered once, is not asked.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, Ordering};
 
 use crate::os;
 
@@ -37,14 +37,28 @@ const STUCK: u8 = 3;
 
 static STATE: AtomicU8 = AtomicU8::new(NOT_FORKED);
 
+/// Whether a leak check holds the other threads stopped: one may be stopped inside `dlopen`
+/// or `dlclose`, holding the loader's locks until the check resumes it, and a module list
+/// read then waited for it forever (review helper 84).
+static WORLD_STOPPED: AtomicBool = AtomicBool::new(false);
+
+/// Says that a leak check stopped the other threads (`true`) or resumed them.
+pub(crate) fn world_stopped(stopped: bool) {
+    WORLD_STOPPED.store(stopped, Ordering::Release);
+}
+
 /// In the child of a `fork`: the loader's locks may be held by a thread left behind.
 pub(crate) fn after_fork_child() {
     STATE.store(UNKNOWN, Ordering::Relaxed);
 }
 
-/// Whether the loader may be called without waiting forever: always, unless this process is
-/// the child of a `fork` and the loader did not answer within [`PATIENCE_MS`] when asked.
+/// Whether the loader may be called without waiting forever: always, unless a leak check
+/// holds the other threads stopped, or this process is the child of a `fork` and the loader
+/// did not answer within [`PATIENCE_MS`] when asked.
 pub(crate) fn usable() -> bool {
+    if WORLD_STOPPED.load(Ordering::Acquire) {
+        return false;
+    }
     match STATE.load(Ordering::Relaxed) {
         NOT_FORKED | ANSWERS => true,
         STUCK => false,

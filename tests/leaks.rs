@@ -742,6 +742,28 @@ fn leak_checks_while_other_threads_fork_neither_hang_nor_fail() {
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(5), "50 checks\n"), "{}", text(&out.stderr));
 }
 
+/// Leak checks, and the exit's, while other threads load and unload a library: a thread
+/// stopped inside `dlopen` holds the loader's locks until the check resumes it, and a check
+/// that read the module list meanwhile (to walk out of an alternate stack) hung for good
+/// (review helper 84, every run). Both ways of stopping the world.
+#[test]
+fn leak_checks_while_other_threads_load_libraries_do_not_hang() {
+    let program = c_program("checks_while_loading.c");
+    let library = c_library("late_lib.c");
+    for options in ["log_path=/dev/null", "log_path=/dev/null:stop_threads=signal"] {
+        let mut cmd = Command::new(&program);
+        cmd.arg("20").arg(&library).env("MALLOCSPY_OPTIONS", options).env("LD_PRELOAD", shim());
+        let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let out = output_within(child, std::time::Duration::from_secs(60));
+        assert_eq!(
+            (out.status.code(), text(&out.stdout).as_str()),
+            (Some(0), "20 checks\n"),
+            "{options}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
 /// `quick_exit` ends with glibc's internal `_exit`, which the shim's `_exit` never sees: the
 /// program left without a report. It now comes after the program's `at_quick_exit` handlers
 /// (`exit_paths.c`'s frees the 200 reachable bytes), as the exit report comes after `atexit`'s.

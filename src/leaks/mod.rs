@@ -275,11 +275,18 @@ pub(crate) fn wait_while_a_check_starts() {
 fn wait_for_the_check() {
     loop {
         let until = HOLD_UNTIL.load(Ordering::Acquire);
-        if until == 0 || os::monotonic_ns() >= until {
+        // A thread forking waits for the threads inside hooks (this one), and the check for
+        // the fork: the hold gives way (review helper 84 saw every check take the full second).
+        if until == 0 || os::monotonic_ns() >= until || stop::forking() {
             return;
         }
         os::yield_now();
     }
+}
+
+/// Child side of `fork`: no check runs in the child, whose threads must not wait for one.
+pub(crate) fn after_fork_child() {
+    HOLD_UNTIL.store(0, Ordering::Relaxed);
 }
 
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
@@ -296,6 +303,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let modules = roots::module_data(check as *const core::ffi::c_void, crate::global::GLOBAL.heap.real_malloc());
     let tls_size = roots::static_tls_size();
     let loader = roots::loader_text().unwrap_or((0, 0));
+    // This thread's own frames, walked while the loader may still be asked about them.
+    let caller_start = live_frames_start(&caller).unwrap_or(caller.sp);
+    let caller_resumes = crate::unwind::own_stack_resumes_at((caller.pc, caller.sp, caller.bp));
     let hold = Hold::start();
     let mut blocks = tracker.snapshot();
     blocks.sort_unstable_by_key(|b| b.0);
@@ -337,6 +347,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let stopped = stop::stop_the_world();
     // The threads held are stopped with the others (or, when none could be, go on).
     drop(hold);
+    // Until they resume, a stopped thread may hold the loader's locks: the unwinder's walks
+    // out of alternate stacks below use the module list as it is.
+    crate::loader::world_stopped(stopped.is_some());
     maps.read();
     regions.extend_from_slice(&modules.roots);
     region_kinds.extend(modules.roots.iter().map(|_| Root::Global));
@@ -373,12 +386,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
                 kinds.push(Root::Tls(thread));
             }
         };
-    add_thread(1, live_frames_start(&caller).unwrap_or(caller.sp), RED_ZONE, own_tp, &mut regions, &mut region_kinds);
+    add_thread(1, caller_start, RED_ZONE, own_tp, &mut regions, &mut region_kinds);
     own_blocks.push(tls::block_of(own_tp));
     stack_pointers.push(caller.sp);
     // Made on an alternate signal stack: the thread's own stack is live from where the signal
     // struck.
-    if let Some(from) = crate::unwind::own_stack_resumes_at((caller.pc, caller.sp, caller.bp)) {
+    if let Some(from) = caller_resumes {
         add_thread(1, from, RED_ZONE, 0, &mut regions, &mut region_kinds);
         stack_pointers.push(from);
     }
@@ -433,6 +446,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let memory = ProcessMemory::new(&maps, buffers);
     scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
     drop(stopped);
+    crate::loader::world_stopped(false);
     memory.others_run();
     // Suppressions, as LeakSanitizer has them: a suppressed leak takes with it what it reaches.
     let frames_of = |id| tracker.stacks.frames(id).to_vec();

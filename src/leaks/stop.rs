@@ -141,6 +141,11 @@ pub(crate) fn fork_prepare() {
     }
 }
 
+/// Whether a thread is between the prepare and parent handlers of a `fork`.
+pub(crate) fn forking() -> bool {
+    FORKING.load(Ordering::Relaxed) != 0
+}
+
 /// `fork`'s parent handler, once every lock is released.
 pub(crate) fn fork_parent() {
     FORKING.fetch_sub(1, Ordering::SeqCst);

@@ -399,6 +399,7 @@ impl LeakTracker {
     /// Child side of `fork`: the child's thread keeps its slot; other slots' walks are stale
     /// but harmless (each is checked before reuse). Locks held by vanished threads go.
     pub(crate) fn after_fork_child(&self) {
+        crate::leaks::after_fork_child();
         self.live.force_unlock();
         self.stacks.force_unlock();
         tls::state().tid.set(0);
