@@ -310,14 +310,19 @@ pub(crate) fn use_path(template: &str) -> Result<(), String> {
 }
 
 /// Child side of `fork`: a `%p` path names a file of its own; the duplicate of stderr is
-/// given up while descriptor 2 is still that stderr (see the module's docs).
+/// given up beside a log file, and without one while descriptor 2 is still that stderr (see
+/// the module's docs).
 pub(crate) fn after_fork_child() {
     let template = TEMPLATE.try_lock().ok().and_then(|t| t.clone());
+    let log_file = template.is_some();
     if let Some(template) = template.filter(|t| names_pid(t)) {
         // On failure the child writes to the parent's file.
         let _ = use_log_file(expand_path(&template, os::getpid()));
     }
-    if STDERR.load(Ordering::Acquire) == STDERR_OPEN && stderr_is_original() {
+    // Beside a log file the copy is only a fallback: given up whatever descriptor 2 is now (a
+    // parent that pointed it at /dev/null before forking a daemon left the daemon holding
+    // its caller's pipe: review helper 84).
+    if log_file || (STDERR.load(Ordering::Acquire) == STDERR_OPEN && stderr_is_original()) {
         let copy = STDERR_COPY.swap(-1, Ordering::AcqRel);
         // Without a log file the copy is the report descriptor: the reports go to descriptor 2.
         let _ = FD.compare_exchange(copy, -1, Ordering::AcqRel, Ordering::Relaxed);
