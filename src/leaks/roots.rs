@@ -166,7 +166,7 @@ pub(crate) fn anonymous_roots(
         let module_data =
             modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
         !holds_block
-            && !glibc_thread_heap(start, end)
+            && !glibc_thread_heap(maps, start, end)
             && !holds_stack
             && !exited_stack
             && !module_data
@@ -198,11 +198,18 @@ const GLIBC_HEAP_MAX: u64 = 64 << 20;
 /// Whether the writable mapping `[start, end)` is a heap of one of glibc's arenas for threads,
 /// which glibc maps for itself: one whose blocks were all freed holds no live block to leave
 /// it out by, and as a root its free chunks' stale pointers kept blocks leaked since
-/// "reachable" (review helper 83). Such a heap starts with glibc's `heap_info`: its arena
-/// (in this heap or another, just after that one's `heap_info`), the previous heap (0 or
-/// another such heap), its size, and the size made writable, which the mapping is.
-fn glibc_thread_heap(start: u64, end: u64) -> bool {
-    if !start.is_multiple_of(GLIBC_HEAP_MAX) || end - start > GLIBC_HEAP_MAX {
+/// "reachable" (review helper 83). glibc reserves such a heap whole, inaccessible, and makes
+/// its start writable as it grows: the rest of the reservation follows the mapping. It starts
+/// with glibc's `heap_info`: its arena (in this heap or another, just after that one's
+/// `heap_info`), the previous heap (0 or another such heap), its size, and the size made
+/// writable, which the mapping is.
+fn glibc_thread_heap(maps: &Maps, start: u64, end: u64) -> bool {
+    let reserved = start + GLIBC_HEAP_MAX;
+    if !start.is_multiple_of(GLIBC_HEAP_MAX) || end > reserved {
+        return false;
+    }
+    let rest = maps.list.get(maps.list.partition_point(|m| m.start < end));
+    if end < reserved && !rest.is_some_and(|m| m.start == end && m.end <= reserved && !m.readable) {
         return false;
     }
     let mut header = [0u64; 4];
