@@ -267,24 +267,11 @@ fn out_of_reach(program: &Path) -> Option<&'static str> {
 /// dynamic symbols are looked at, and reading it whole cost every run milliseconds.
 fn is_the_shim(path: &Path) -> bool {
     use object::{Object, ObjectSymbol};
-    use std::os::fd::AsRawFd;
     let Ok(file) = std::fs::File::open(path) else { return false };
-    let Ok(len) = file.metadata().map(|m| m.len() as usize) else { return false };
-    if len == 0 {
-        return false;
-    }
-    // SAFETY: a private read-only mapping of an open file, unmapped below; nothing writes it.
-    let at = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0) };
-    if at == libc::MAP_FAILED {
-        return false;
-    }
-    // SAFETY: the mapping is `len` readable bytes until the munmap below.
-    let bytes = unsafe { std::slice::from_raw_parts(at.cast::<u8>(), len) };
-    let shim = object::File::parse(bytes)
-        .is_ok_and(|f| f.dynamic_symbols().any(|s| s.is_definition() && s.name() == Ok("mallocspy_api_v1")));
-    // SAFETY: the mapping made above, no longer borrowed.
-    unsafe { libc::munmap(at, len) };
-    shim
+    // SAFETY: a private read-only mapping of the shim, which nothing truncates while we look.
+    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return false };
+    object::File::parse(&*map)
+        .is_ok_and(|f| f.dynamic_symbols().any(|s| s.is_definition() && s.name() == Ok("mallocspy_api_v1")))
 }
 
 /// Whether a 64-bit ELF file (its first bytes, `head`) names a program interpreter
