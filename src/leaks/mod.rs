@@ -20,7 +20,7 @@ pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, sy
 
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};
-use core::sync::atomic::{AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::collections::HashMap;
 
 use report::Classified;
@@ -235,58 +235,63 @@ pub(crate) fn room_for_check(blocks: usize) -> bool {
     crate::pool::has_room((16 << 20) + blocks.saturating_mul(128))
 }
 
-/// While a check takes its snapshot and stops the world: the time (monotonic, ns) until which
-/// the other threads' allocations and frees wait at the leak tracker's door (0: none waits).
-/// Made in that window, a block was in no snapshot, and the blocks only it pointed to were
-/// called lost; freed there, it took its children's only pointer with it (threads still
-/// allocating at `exit`: review helper 83). Bounded, so that a thread the check would wait
-/// for cannot hang it.
+/// While a check takes its snapshot and stops the world: how many checks are in that window.
+/// The other threads' allocations and frees wait at the leak tracker's door while it is not
+/// zero. Made in that window, a block was in no snapshot, and the blocks only it pointed to
+/// were called lost; freed there, it took its children's only pointer with it (threads still
+/// allocating at `exit`: review helper 83). Counted, not flagged: two threads may check at
+/// once (`mallocspy_leak_check`), and the first to finish must not release the other's hold.
+static HOLDERS: AtomicU32 = AtomicU32::new(0);
+
+/// The time (monotonic, ns) after which the waiting threads go on even though a hold remains:
+/// a thread the check would wait for cannot hang it. Meaningful only while [`HOLDERS`] is not
+/// zero; each hold pushes it later, none takes it back.
 static HOLD_UNTIL: AtomicU64 = AtomicU64::new(0);
 
 /// How long the other threads are held at most.
 const HOLD_NS: u64 = 1_000_000_000;
 
-/// The hold of [`HOLD_UNTIL`], released when dropped.
+/// One check's share of the hold, given up when dropped.
 struct Hold;
 
 impl Hold {
     fn start() -> Self {
-        HOLD_UNTIL.store(os::monotonic_ns() + HOLD_NS, Ordering::Release);
+        HOLD_UNTIL.fetch_max(os::monotonic_ns() + HOLD_NS, Ordering::AcqRel);
+        HOLDERS.fetch_add(1, Ordering::AcqRel);
         Hold
     }
 }
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        HOLD_UNTIL.store(0, Ordering::Release);
+        HOLDERS.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// Waits, in the leak tracker's hooks, while a check starts (see [`HOLD_UNTIL`]). Without a
+/// Waits, in the leak tracker's hooks, while a check starts (see [`HOLDERS`]). Without a
 /// cancellation point: a thread cancelled in a hook would leave its locks held.
 #[inline]
 pub(crate) fn wait_while_a_check_starts() {
-    if HOLD_UNTIL.load(Ordering::Relaxed) != 0 {
+    if HOLDERS.load(Ordering::Relaxed) != 0 {
         wait_for_the_check();
     }
 }
 
 #[cold]
 fn wait_for_the_check() {
-    loop {
-        let until = HOLD_UNTIL.load(Ordering::Acquire);
-        // A thread forking waits for the threads inside hooks (this one), and the check for
-        // the fork: the hold gives way (review helper 84 saw every check take the full second).
-        if until == 0 || os::monotonic_ns() >= until || stop::forking() {
-            return;
-        }
+    // A thread forking waits for the threads inside hooks (this one), and the check for
+    // the fork: the hold gives way (review helper 84 saw every check take the full second).
+    while HOLDERS.load(Ordering::Acquire) != 0
+        && os::monotonic_ns() < HOLD_UNTIL.load(Ordering::Acquire)
+        && !stop::forking()
+    {
         os::yield_now();
     }
 }
 
 /// Child side of `fork`: no check runs in the child, whose threads must not wait for one.
 pub(crate) fn after_fork_child() {
-    HOLD_UNTIL.store(0, Ordering::Relaxed);
+    HOLDERS.store(0, Ordering::Relaxed);
 }
 
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
@@ -445,8 +450,10 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     cut_out(&mut regions, &mut region_kinds, &own_blocks);
     let memory = ProcessMemory::new(&maps, buffers);
     scan::classify(&heap, &regions, &modules.allocator, &words, &memory, &mut scratch);
-    drop(stopped);
+    // Said before the threads go: one that resumes and checks at once must find the loader
+    // usable (it read "this process was forked while another thread held the loader's lock").
     crate::loader::world_stopped(false);
+    drop(stopped);
     memory.others_run();
     // Suppressions, as LeakSanitizer has them: a suppressed leak takes with it what it reaches.
     let frames_of = |id| tracker.stacks.frames(id).to_vec();

@@ -100,6 +100,10 @@ pub(crate) struct Stopped {
     unreachable: usize,
     /// Whether the main thread is alive, not the caller, and so should be stopped.
     main_alive: bool,
+    /// The threads stopped: freed once they are let go, as freeing takes mallocspy's heap,
+    /// whose lock a stopped thread may hold (another thread's check was allocating: the two
+    /// checks hung, one on the heap and the other stopped inside it).
+    _threads: Vec<u32>,
     /// Dropped last, once the threads are let go.
     _turn: Turn,
 }
@@ -302,30 +306,35 @@ fn stop_the_world_by(tracer: bool, ending: bool) -> Option<Stopped> {
         .collect();
     let signal = free_signal()?;
     let pid = os::getpid();
-    let (mut targets, mut unreachable, mut main_alive) = (Vec::with_capacity(tids.len()), Vec::new(), false);
+    // Reached by the signal first, then unreachable: allocated before anyone is stopped.
+    let mut threads = Vec::with_capacity(tids.len());
+    let (mut unreached, mut main_alive) = (Vec::new(), false);
     for tid in tids {
         let reach = reach_thread(tid, signal);
         main_alive |= tid == pid && reach != Reach::Gone;
         match reach {
-            Reach::Signal => targets.push(tid),
-            Reach::Unreachable => unreachable.push(tid),
+            Reach::Signal => threads.push(tid),
+            Reach::Unreachable => unreached.push(tid),
             Reach::Gone => {}
         }
     }
+    let (targets, unreachable) = (threads.len(), unreached.len());
+    threads.append(&mut unreached);
+    drop(unreached);
     // A tracer stops a thread whatever signals it blocks (one stopped by a job-control signal
     // or traced already makes it give up). None is made for a process of one thread, nor under
     // a sandbox's seccomp filter: one that kills on `clone` killed programs at exit.
-    let all: Vec<u32> = targets.iter().chain(&unreachable).copied().collect();
-    let traced = if all.is_empty() || !tracer {
+    let traced = if threads.is_empty() || !tracer {
         None
     } else {
         // SAFETY: the slots are read only through `Stopped::parked` until the tracer is
         // dropped, and no signal parks a thread meanwhile.
-        unsafe { tracer::stop(&all, PARKED.0.get().cast(), ending) }
+        unsafe { tracer::stop(&threads, PARKED.0.get().cast(), ending) }
     };
     if let Some(tracer) = traced {
-        let missing = tracer.missing() + all.len().saturating_sub(MAX_PARKED);
-        return Some(Stopped { how: How::Traced(tracer), missing, unreachable: 0, main_alive, _turn: turn });
+        let missing = tracer.missing() + threads.len().saturating_sub(MAX_PARKED);
+        let how = How::Traced(tracer);
+        return Some(Stopped { how, missing, unreachable: 0, main_alive, _threads: threads, _turn: turn });
     }
     NEXT.store(0, Ordering::Relaxed);
     ARRIVED.store(0, Ordering::Relaxed);
@@ -346,7 +355,7 @@ fn stop_the_world_by(tracer: bool, ending: bool) -> Option<Stopped> {
     };
     restart::clear();
     let mut sent = 0;
-    for tid in targets {
+    for &tid in &threads[..targets] {
         if ending {
             restart::note_waiting(tid);
         }
@@ -363,8 +372,9 @@ fn stop_the_world_by(tracer: bool, ending: bool) -> Option<Stopped> {
     Some(Stopped {
         how: How::Signalled { signal, old },
         missing: sent - arrived.min(sent),
-        unreachable: unreachable.len(),
+        unreachable,
         main_alive,
+        _threads: threads,
         _turn: turn,
     })
 }
