@@ -65,19 +65,14 @@ pub(crate) fn owns_shared(start: usize, end: usize) -> bool {
 fn map_anonymous(len: usize, flags: c_int) -> Option<NonNull<u8>> {
     // The system call, not libc's `mmap`, which this module exports too: mallocspy's memory
     // is not the program's (see `program_mappings`).
+    // Every argument a full register: `libc::syscall` is variadic, and an `int` passed as its
+    // sixth (the offset, on the stack) left half of it unwritten (memcheck saw it).
+    let args =
+        [0, len, (libc::PROT_READ | libc::PROT_WRITE) as usize, (flags | libc::MAP_ANONYMOUS) as usize, usize::MAX, 0];
     // SAFETY: an anonymous mapping at an address of the kernel's choosing aliases nothing.
-    let p = unsafe {
-        libc::syscall(
-            libc::SYS_mmap,
-            core::ptr::null_mut::<c_void>(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            flags | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        ) as *mut c_void
-    };
-    if p == libc::MAP_FAILED { None } else { NonNull::new(p.cast()) }
+    let p = unsafe { raw_syscall(libc::SYS_mmap, args) };
+    // A failure is -errno, in [-4095, -1].
+    if (-4095..0).contains(&p) { None } else { NonNull::new(p as *mut u8) }
 }
 
 /// Unmaps `len` bytes at `start`, a mapping of [`map`]'s.

@@ -354,11 +354,13 @@ fn name_owner_for_descendants(pid: u32) {
 /// process is not a copy of the program for the program's purposes. Nor a child it hears of:
 /// with no exit signal, the program gets no SIGCHLD when it ends (a handler counted one, a
 /// `sigwaitinfo` for its own child's got it), and a plain `wait` never sees it
-/// (`waitpid` with `__WALL` does).
+/// (`waitpid` with `__WALL` does). The child's pid, 0 in the child, or -errno.
 fn raw_fork() -> i32 {
-    // SAFETY: clone with no flag and exit signal 0 is fork without SIGCHLD; the child
-    // continues with a copy of the calling thread only, which is all the writer uses.
-    unsafe { libc::syscall(libc::SYS_clone, 0 as libc::c_long, 0, 0, 0, 0) as i32 }
+    // SAFETY: clone with no flag, the same stack and exit signal 0 is fork without SIGCHLD;
+    // the child continues with a copy of the calling thread only, which is all the writer
+    // uses. Raw, with full registers: `libc::syscall` is variadic, and an `int` 0 for the
+    // stack pointer may reach the kernel with its upper half unset.
+    unsafe { crate::os::raw_syscall(libc::SYS_clone, [0; 6]) as i32 }
 }
 
 /// Reaps our child `pid`, whatever its exit signal.
@@ -659,7 +661,7 @@ impl Writer {
             leave(&[]);
         }
         if child < 0 {
-            let error = std::io::Error::last_os_error();
+            let error = std::io::Error::from_raw_os_error(-child);
             return give_up(&[trace_fd, ours, its], format!("cannot start the trace writer: {error}"));
         }
         close(its);
