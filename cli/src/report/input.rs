@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use super::text::path_shown;
-use mallocspy::trace::MAGIC;
+use mallocspy::trace::{MAGIC, read_on};
 
 /// A trace's bytes, mapped (up to where its data ends) or read.
 pub enum TraceBytes {
@@ -66,16 +66,25 @@ pub fn load(path: &Path) -> io::Result<Loaded> {
     Ok(Loaded { bytes: TraceBytes::Read(bytes), being_written })
 }
 
-/// Reads a stream (standard input, a FIFO) whole, but past its first bytes only if they are
-/// a trace's signature: one that is none (`report - < /dev/zero`) was read whole before it
-/// was refused, without end.
+/// Reads a stream (standard input, a FIFO) as far as it can be read as a trace: past its
+/// first bytes only if they are a trace's signature (`report - < /dev/zero` was read whole
+/// before it was refused, without end), and then in doubling steps while what was read could
+/// go on ([`read_on`]): a trace followed by zeros or random bytes was read without end too
+/// (review helper 85).
 fn read_stream(mut stream: impl Read) -> io::Result<Vec<u8>> {
     let mut bytes = Vec::new();
     (&mut stream).take(MAGIC.len() as u64).read_to_end(&mut bytes)?;
-    if bytes.as_slice() == MAGIC {
-        stream.read_to_end(&mut bytes)?;
+    if bytes.as_slice() != MAGIC {
+        return Ok(bytes);
     }
-    Ok(bytes)
+    let mut step_end: u64 = 1 << 20;
+    loop {
+        let missing = step_end - bytes.len() as u64;
+        if ((&mut stream).take(missing).read_to_end(&mut bytes)? as u64) < missing || !read_on(&bytes) {
+            return Ok(bytes);
+        }
+        step_end *= 2;
+    }
 }
 
 /// Where a regular file's data ends: where a hole starts that runs to its end (the unwritten
@@ -139,5 +148,49 @@ fn on_shrink(path: &Path) {
         action.sa_sigaction = shrank as extern "C" fn(c_int) as usize;
         libc::sigemptyset(&mut action.sa_mask);
         libc::sigaction(libc::SIGBUS, &action, std::ptr::null_mut());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_stream;
+    use mallocspy::trace::{Event, Header, write_event, write_header};
+    use std::io::{Cursor, Read};
+
+    /// A trace of `frees` events, ended.
+    fn trace(frees: u64) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        write_header(&mut bytes, &Header { pid: 7, interval: 102400, ..Header::default() });
+        for address in 1..=frees {
+            write_event(&mut bytes, &Event::Free { time_ns: address, thread: 1, address: address << 4 });
+        }
+        write_event(&mut bytes, &Event::End { time_ns: frees + 1 });
+        bytes
+    }
+
+    #[test]
+    fn a_stream_is_read_whole_while_it_is_a_trace() {
+        let whole = trace(400_000);
+        assert!(whole.len() > 3 << 20, "past a few of the reader's steps");
+        assert_eq!(read_stream(Cursor::new(whole.clone())).unwrap(), whole);
+    }
+
+    #[test]
+    fn what_follows_a_trace_on_a_stream_is_read_only_as_far_as_a_record_could_reach() {
+        let whole = trace(10);
+        // `cat app.trace /dev/zero | mallocspy report -`: read without end before.
+        let zeros = std::io::repeat(0).take(1 << 30);
+        let read = read_stream(Cursor::new(whole.clone()).chain(zeros)).unwrap();
+        assert!(read.starts_with(&whole) && read.len() <= 128 << 20, "{} bytes read", read.len());
+        // Damage after the trace (a record of tag 0 with data after it), without end.
+        struct Damage;
+        impl Read for Damage {
+            fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+                buf.iter_mut().enumerate().for_each(|(i, b)| *b = (i % 4) as u8);
+                Ok(buf.len())
+            }
+        }
+        let read = read_stream(Cursor::new(whole.clone()).chain(Damage)).unwrap();
+        assert_eq!(read.len(), 1 << 20, "stopped at the first step");
     }
 }
