@@ -41,6 +41,15 @@ impl Figures {
         self.bytes = self.bytes.saturating_sub(other.bytes);
         self.objects -= other.objects;
         self.samples = self.samples.saturating_sub(other.samples);
+        self.settle();
+    }
+
+    /// No sample, no object: the sum of fractions added and taken away leaves a residue
+    /// (`"objects": 5.684341886080802e-14` with nothing live; review helper 85).
+    fn settle(&mut self) {
+        if self.samples == 0 {
+            self.objects = 0.0;
+        }
     }
 }
 
@@ -418,6 +427,7 @@ impl Aggregator {
                 at_peak.bytes = at_peak.bytes.wrapping_add(change.bytes);
                 at_peak.objects += change.objects;
                 at_peak.samples = at_peak.samples.wrapping_add(change.samples);
+                at_peak.settle();
             }
         }
     }
@@ -511,6 +521,17 @@ mod tests {
         assert!((p.stacks[1].allocated.objects - 10.0).abs() < 1e-9);
         assert_eq!(p.allocated.bytes, 2540);
         assert_eq!(p.allocated.samples, 3);
+    }
+
+    #[test]
+    fn nothing_live_is_no_objects_whatever_the_fractions_left() {
+        let mut events = vec![Event::Stack { id: 1, frames: vec![0x1000] }];
+        // 100/3 objects each: in floating point, three added and taken away leave -1.4e-14.
+        events.extend((0..3).map(|i| tick(i, 0xa0 + i * 16, 3, 100, 1)));
+        events.extend((0..3).map(|i| free(10 + i, 0xa0 + i * 16)));
+        let s = &aggregate(events).stacks[0];
+        assert_eq!((s.live_at_end.samples, s.live_at_end.objects), (0, 0.0));
+        assert!((s.live_at_peak.objects - 100.0).abs() < 1e-9, "{}", s.live_at_peak.objects);
     }
 
     #[test]
