@@ -434,6 +434,22 @@ fn checks_running_at_once_each_hold_the_other_threads() {
     }
 }
 
+/// A lambda is named by its scope and number, as `c++filt` and valgrind name it: GCC writes
+/// no linkage name for its `operator()`, and every lambda read `operator()` (review helper 86).
+#[test]
+fn lambdas_are_named_apart() {
+    let out = run(JSON_REPORT, &mut Command::new(c_program("lambdas.cpp")));
+    assert_eq!(text(&out.stdout), "done\n");
+    let report = json_report(&out);
+    for (bytes, lambda) in
+        [(1001, "main::{lambda(int)#1}::operator()(int) const"), (1002, "main::{lambda(int)#2}::operator()(int) const")]
+    {
+        let functions = functions_of(record_of(&report, bytes));
+        assert!(functions.first().is_some_and(|f| f.starts_with(lambda)), "{bytes}: {functions:?}");
+        assert!(functions.contains(&"main"), "{bytes}: {functions:?}");
+    }
+}
+
 /// A C++ global is named as its source names it: the retention path printed its mangled
 /// symbol, `_ZN5cacheL5tableE` (review helper 62).
 #[test]

@@ -16,7 +16,7 @@ pub(crate) use report::StackOptions;
 pub use report::{LeakRecord, LeakReport, Summary, Tally, grouped};
 pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
-pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, symbol_name};
+pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, qualified_name, symbol_name};
 
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};

@@ -62,6 +62,22 @@ pub fn function_name(function: &addr2line::FunctionName<impl gimli::Reader>) -> 
     function.raw_name().ok().map(|name| symbol_name(&name))
 }
 
+/// The name of the function code is in, from its symbol, where DWARF gives only its own
+/// name: GCC writes no linkage name for a lambda's `operator()` nor for a function templated
+/// on a lambda (`_M_invoke`, `__invoke_impl<void, main()::<lambda()>&>`), and every lambda
+/// read `operator()` (review helper 86). `dwarf` is the name of an outermost frame DWARF gives
+/// with a source `file`; `symbol`, the symbol table's name at its address, asked for only
+/// for C++ (not for a `.c` file) when `dwarf` is unqualified, and taken when it qualifies
+/// `dwarf`'s name (up to its template arguments) with a scope.
+pub fn qualified_name(dwarf: &str, file: &str, symbol: impl FnOnce() -> Option<String>) -> Option<String> {
+    let own = dwarf.split('<').next().unwrap_or(dwarf);
+    if own.contains("::") || file.ends_with(".c") {
+        return None;
+    }
+    let member = format!("::{own}");
+    symbol().filter(|symbol| symbol.contains(&member))
+}
+
 /// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, then its end or a
 /// `.suffix` (`.llvm.N`). Not cut at the first `.`: a Rust path holds them (`..` for `::`).
 fn is_legacy_rust(name: &str) -> bool {
@@ -123,9 +139,10 @@ pub(crate) struct Symbolizer {
     cache: HashMap<u64, Vec<Frame>>,
     /// Frames in libraries unloaded since, by path and file address.
     unloaded_cache: HashMap<(String, u64), Vec<Frame>>,
-    /// The debug information of each unloaded library, or library loaded by a relative path,
-    /// read so far (`None`: unreadable).
-    unloaded_files: HashMap<String, Option<addr2line::Loader>>,
+    /// The debug information of each file read directly so far (`None`: unreadable): unloaded
+    /// libraries, libraries loaded by a relative path, modules whose symbol table names a
+    /// function better than DWARF ([`qualified_name`]).
+    files: HashMap<String, Option<addr2line::Loader>>,
     /// Data symbols of each module (`(start, end, name)` sorted, link-time addresses).
     data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
     /// The program's file, once asked for (see `program_file`).
@@ -440,10 +457,8 @@ impl Symbolizer {
 
     fn unloaded_frames(&mut self, library: &super::unloaded::Unloaded, addr: u64) -> &[Frame] {
         let probe = addr - library.bias - 1;
-        let loader = self
-            .unloaded_files
-            .entry(library.path.to_string())
-            .or_insert_with(|| addr2line::Loader::new(&*library.path).ok());
+        let loader =
+            self.files.entry(library.path.to_string()).or_insert_with(|| addr2line::Loader::new(&*library.path).ok());
         self.unloaded_cache.entry((library.path.to_string(), probe)).or_insert_with(|| {
             let module = Some(library.path.to_string());
             let frame = |function: Option<String>, file: Option<String>, line: Option<u32>| Frame {
@@ -492,6 +507,13 @@ impl Symbolizer {
             });
         });
         let offset = load_bias(addr).map(|bias| addr - bias);
+        if let Some(outermost) = frames.last_mut()
+            && let (Some(name), Some(file), Some(offset), Some(path)) =
+                (&outermost.function, &outermost.file, offset, module.as_deref())
+            && let Some(full) = qualified_name(name, file, || self.symbol_in(path, offset - 1))
+        {
+            outermost.function = Some(full);
+        }
         if frames.is_empty()
             && let (Some(offset), Some(file)) = (offset, self.file_behind(&module, addr))
         {
@@ -519,6 +541,12 @@ impl Symbolizer {
         frames
     }
 
+    /// The symbol table's name of file address `probe` in the module at `path`.
+    fn symbol_in(&mut self, path: &str, probe: u64) -> Option<String> {
+        let loader = self.files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok());
+        loader.as_ref()?.find_symbol(probe).map(symbol_name)
+    }
+
     /// The file to read the frames of `addr` in `module` from where `backtrace` found none: a
     /// library's that the loader names by a relative path, by the path of the kernel's map
     /// (`module`'s: the relative one opens nothing after a `chdir`), or the program's own
@@ -526,7 +554,7 @@ impl Symbolizer {
     fn file_behind(&mut self, module: &Option<String>, addr: u64) -> Option<&addr2line::Loader> {
         match module.as_deref() {
             Some(path) if path.starts_with('/') && loaded_by_relative_path(addr) => {
-                self.unloaded_files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok()).as_ref()
+                self.files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok()).as_ref()
             }
             _ => self.program_file(module),
         }
@@ -567,6 +595,12 @@ fn frames_in_file(
             let (file, line) = f.location.map_or((None, None), |l| (l.file.map(str::to_owned), l.line));
             frames.push(frame(function, file, line));
         }
+    }
+    if let Some(outermost) = frames.last_mut()
+        && let (Some(name), Some(file)) = (&outermost.function, &outermost.file)
+        && let Some(full) = qualified_name(name, file, || loader.find_symbol(probe).map(symbol_name))
+    {
+        outermost.function = Some(full);
     }
     // The symbol table names the function where DWARF does not cover the address.
     if frames.last().is_none_or(|f| f.function.is_none())

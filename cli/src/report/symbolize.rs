@@ -371,6 +371,11 @@ impl DebugInfo {
         };
         match out.last_mut() {
             Some(last) if last.0.is_none() => last.0 = symbol(),
+            Some((Some(name), Some(file), _)) => {
+                if let Some(full) = mallocspy::leaks::qualified_name(name, file, symbol) {
+                    *name = full;
+                }
+            }
             Some(_) => {}
             None => {
                 if let Some(name) = symbol() {
