@@ -269,6 +269,13 @@ impl NextHeap {
         self.fns().map(|f| f.malloc as *const c_void)
     }
 
+    /// Whether the real allocator is glibc's: its `malloc` lies in the module of the C
+    /// library's `exit`. Asks the loader: not from a hook.
+    pub(crate) fn is_glibc(&self) -> bool {
+        let libc = os::module_of(libc::exit as *const c_void);
+        self.real_malloc().is_some_and(|malloc| libc != 0 && os::module_of(malloc) == libc)
+    }
+
     /// The resolved functions; `None` while another call on this or another thread is still
     /// resolving them (serve it from the bootstrap arena then).
     #[inline(always)]

@@ -163,7 +163,7 @@ fn register_spies() {
     pool::set_limit(options.max_memory);
     let builtins = Builtins {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),
-        guard: options.spies.guard.then(GuardSpy::new).flatten().map(leak),
+        guard: options.spies.guard.then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc())).flatten().map(leak),
         leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
         ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options))).flatten().map(leak),
         suppressions,

@@ -97,6 +97,9 @@ pub(crate) struct GuardSpy {
     findings: [AtomicU64; 4],
     /// Where the findings were made.
     sites: FindingSites,
+    /// The real allocator is glibc's, whose chunk headers a foreign pointer is checked by
+    /// ([`glibc_would_take`]).
+    glibc: bool,
 }
 
 // SAFETY: the ring is atomics; the rest is atomics and a Sync table.
@@ -204,6 +207,52 @@ fn could_be_a_block(p: usize) -> bool {
     p >= HEADER && !(low..high).contains(&(p as u64)) && crate::os::is_mapped(p - HEADER)
 }
 
+/// Whether glibc's `free` would take `p` (16-aligned, the 16 bytes before it mapped) as the
+/// start of one of its blocks: the checks it makes before it aborts ("free(): invalid
+/// pointer", "free(): invalid size", "munmap_chunk(): invalid pointer", "double free or
+/// corruption (!prev)"), and the pages it reads (a thread arena's heap header), made first so
+/// that a pointer into the middle of a block is a finding and the program goes on, as under
+/// valgrind (glibc aborted, or took text for a size). The layout is glibc's `malloc_chunk`:
+/// the previous chunk's size, then this one's with three flag bits, then the block.
+///
+/// # Safety
+/// The 16 bytes before `p` are mapped and readable.
+unsafe fn glibc_would_take(p: usize) -> bool {
+    const PREV_INUSE: u64 = 1;
+    const IS_MMAPPED: u64 = 2;
+    const NON_MAIN_ARENA: u64 = 4;
+    const MIN_CHUNK: u64 = 32;
+    /// A thread arena's heaps are aligned to this, their header at the start.
+    const HEAP_MAX: u64 = 64 << 20;
+    let chunk = (p - HEADER) as u64;
+    // SAFETY: the caller's guarantee.
+    let (prev_size, size_field) = unsafe { (read_word(chunk), read_word(chunk + 8)) };
+    let size = size_field & !7;
+    if size < MIN_CHUNK || !size.is_multiple_of(16) || chunk > size.wrapping_neg() {
+        return false;
+    }
+    let page = os::page_size() as u64 - 1;
+    if size_field & IS_MMAPPED != 0 {
+        let (start, total) = (chunk.wrapping_sub(prev_size), prev_size.wrapping_add(size));
+        // glibc's `powerof2`, which 0 passes too.
+        let in_page = p as u64 & page;
+        return (start | total) & page == 0 && in_page & in_page.wrapping_sub(1) == 0;
+    }
+    if size_field & NON_MAIN_ARENA != 0 && !os::is_mapped((chunk & !(HEAP_MAX - 1)) as usize) {
+        return false;
+    }
+    let next = chunk + size;
+    // SAFETY: read only once seen mapped (16-aligned: both of its words on one page).
+    os::is_mapped(next as usize + 8) && unsafe { read_word(next + 8) } & PREV_INUSE != 0
+}
+
+/// # Safety
+/// `at` is mapped, readable and 8-aligned.
+unsafe fn read_word(at: u64) -> u64 {
+    // SAFETY: the caller's guarantee; volatile, as the word is not Rust's.
+    unsafe { core::ptr::read_volatile(at as *const u64) }
+}
+
 /// The start of a finding's line: what, where, how big.
 fn finding_line(finding: Finding, p: usize, size: Option<usize>) -> Line<256> {
     let mut line = Line::new();
@@ -225,8 +274,9 @@ fn offset_for(align: usize) -> usize {
 }
 
 impl GuardSpy {
-    /// A guard with an empty memory of freed blocks; `None` if it cannot be mapped.
-    pub(crate) fn new() -> Option<Self> {
+    /// A guard with an empty memory of freed blocks; `None` if it cannot be mapped. `glibc`:
+    /// whether the real allocator is glibc's.
+    pub(crate) fn new(glibc: bool) -> Option<Self> {
         let ring = pool::lease(RECENT * core::mem::size_of::<usize>())?.cast::<AtomicUsize>();
         Some(Self {
             recent: LiveTable::leased()?,
@@ -234,6 +284,7 @@ impl GuardSpy {
             ring_next: AtomicUsize::new(0),
             findings: [const { AtomicU64::new(0) }; 4],
             sites: FindingSites::new()?,
+            glibc,
         })
     }
 
@@ -402,6 +453,11 @@ impl GuardSpy {
             return false;
         }
         if !could_be_a_block(p) {
+            self.report(Finding::InvalidFree, p, None, place);
+            return false;
+        }
+        // SAFETY: `could_be_a_block` saw the 16 bytes before `p` mapped.
+        if self.glibc && !crate::bootstrap::contains(p as *const c_void) && !unsafe { glibc_would_take(p) } {
             self.report(Finding::InvalidFree, p, None, place);
             return false;
         }
