@@ -288,11 +288,14 @@ static EXITED_NEXT: AtomicUsize = AtomicUsize::new(0);
 /// 16 KiB), and a thread not yet joined keeps its own.
 pub(crate) const EXITED_KEPT: usize = 4096;
 
-/// A stack pointer of each of the latest threads to exit, in order.
-pub(crate) fn exited_stacks() -> Vec<u64> {
-    let mut sps: Vec<u64> = EXITED_STACKS.iter().map(|sp| sp.load(Ordering::Relaxed)).filter(|&sp| sp != 0).collect();
+/// A stack pointer of each of the latest threads to exit, in order, into `sps`, whose
+/// capacity of [`EXITED_KEPT`] it does not go past: a leak check reads them while the other
+/// threads are stopped, one of them maybe inside mallocspy's heap.
+pub(crate) fn exited_stacks(sps: &mut Vec<u64>) {
+    sps.clear();
+    let room = sps.capacity();
+    sps.extend(EXITED_STACKS.iter().map(|sp| sp.load(Ordering::Relaxed)).filter(|&sp| sp != 0).take(room));
     sps.sort_unstable();
-    sps
 }
 
 /// A function told of each thread's exit (its slot index).

@@ -863,6 +863,24 @@ fn record_keeps_the_environments_options_its_flags_do_not_set() {
     assert_eq!(header("", &[]), ("poisson".into(), 102_400));
 }
 
+/// The environment's spies stay beside the ticks: `spy=leaks:exitcode=23` there, a CI's leak
+/// gate, was dropped by `record`'s own `spy=ticks`, and a leaking program passed (review
+/// helper 89).
+#[test]
+fn record_keeps_the_environments_spies() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(mallocspy())
+        .args(["record", "--output", dir.path().join("t.trace").to_str().unwrap(), "--"])
+        .arg(c_program("strdup_leak.c"))
+        .env("MALLOCSPY_OPTIONS", "spy=leaks:exitcode=23")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(23), "{stderr}");
+    assert!(stderr.contains("definitely lost: 20 bytes in 1 blocks"), "{stderr}");
+    assert!(stderr.contains("mallocspy: trace of "), "{stderr}");
+}
+
 /// A command line of more than a megabyte makes a header as long: `record` read a megabyte
 /// of the trace's start, and said the trace it had just been written was not there.
 #[test]

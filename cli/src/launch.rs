@@ -32,6 +32,26 @@ pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
     Ok(absolute)
 }
 
+/// The `spy=` option of a command whose own spy is `own`, with the spies the environment's
+/// `MALLOCSPY_OPTIONS` names besides: the command's options come after the environment's, and
+/// a later `spy=` replaces an earlier one (`spy=leaks,guard` there lost its guard under `run`,
+/// review helper 77; `spy=leaks:exitcode=23` its leak tracker, and a CI its leak check, under
+/// `record`, review helper 89).
+pub fn spies_with(own: &str, environment: Option<&str>) -> String {
+    let mut spy = format!("spy={own}");
+    let named = environment.filter(|text| text.split(':').any(|kv| kv.trim_start().starts_with("spy=")));
+    if let Some(options) = named.and_then(|text| mallocspy::options::Options::parse(text).ok()) {
+        let s = options.spies;
+        for (on, name) in [(s.leaks, "leaks"), (s.count, "count"), (s.guard, "guard"), (s.ticks, "ticks")] {
+            if on && name != own {
+                spy.push(',');
+                spy.push_str(name);
+            }
+        }
+    }
+    spy
+}
+
 /// Prints `mallocspy: MESSAGE` and gives `code`.
 pub fn fail(message: &str, code: u8) -> ExitCode {
     say!("mallocspy: {message}");
@@ -313,6 +333,19 @@ pub fn forward(status: ExitStatus) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_environments_spies_stay_beside_the_commands_own() {
+        assert_eq!(spies_with("leaks", None), "spy=leaks");
+        assert_eq!(spies_with("leaks", Some("log_path=x")), "spy=leaks");
+        assert_eq!(spies_with("leaks", Some("spy=leaks,guard")), "spy=leaks,guard");
+        assert_eq!(spies_with("leaks", Some("spy=ticks,count:trace=t")), "spy=leaks,count,ticks");
+        assert_eq!(spies_with("leaks", Some("spy=none")), "spy=leaks");
+        // The default spy is the leak tracker, but only named it stays beside the ticks.
+        assert_eq!(spies_with("ticks", Some("exitcode=23")), "spy=ticks");
+        assert_eq!(spies_with("ticks", Some("spy=leaks:exitcode=23")), "spy=ticks,leaks");
+        assert_eq!(spies_with("ticks", Some("spy=ticks,guard")), "spy=ticks,guard");
+    }
 
     #[test]
     fn a_dynamic_program_is_in_reach_and_garbage_is_not_judged() {

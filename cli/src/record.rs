@@ -200,12 +200,14 @@ pub fn record(args: RecordArgs) -> ExitCode {
     if let Err(why) = check_output(&output) {
         return fail(&format!("cannot write --output '{output}': {why}"), 2);
     }
-    // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others.
+    // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others, and its
+    // spies stay beside the ticks.
     let sampling = args.sampling.map(|s| match s {
         SamplingArg::Poisson => "sampling=poisson".to_string(),
         SamplingArg::Tick => "sampling=tick".to_string(),
     });
-    let options: Vec<String> = ["spy=ticks".to_string(), format!("trace={output}")]
+    let spies = launch::spies_with("ticks", std::env::var("MALLOCSPY_OPTIONS").ok().as_deref());
+    let options: Vec<String> = [spies, format!("trace={output}")]
         .into_iter()
         .chain(sampling)
         .chain(args.interval.map(|n| format!("sample_interval={n}")))

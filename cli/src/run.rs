@@ -50,27 +50,11 @@ pub struct RunArgs {
     program: Vec<OsString>,
 }
 
-/// The `spy=` option of a leak check: the leak tracker and the spies `environment` (the
-/// environment's `MALLOCSPY_OPTIONS`) asks for besides.
-fn spies_with_leaks(environment: Option<&str>) -> String {
-    let mut spy = "spy=leaks".to_string();
-    if let Some(o) = environment.and_then(|text| mallocspy::options::Options::parse(text).ok()) {
-        let s = o.spies;
-        for name in
-            [(s.count, "count"), (s.guard, "guard"), (s.ticks, "ticks")].iter().filter(|(on, _)| *on).map(|x| x.1)
-        {
-            spy.push(',');
-            spy.push_str(name);
-        }
-    }
-    spy
-}
-
 pub fn run(args: RunArgs) -> ExitCode {
     // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others. Its spies
     // stay, with the leak tracker added: `spy=leaks,guard` there lost its guard unsaid (review
     // helper 77).
-    let mut options = vec![spies_with_leaks(std::env::var("MALLOCSPY_OPTIONS").ok().as_deref())];
+    let mut options = vec![launch::spies_with("leaks", std::env::var("MALLOCSPY_OPTIONS").ok().as_deref())];
     if let Some(depth) = args.stack_depth {
         options.push(format!("stack_depth={depth}"));
     }
@@ -107,18 +91,4 @@ pub fn run(args: RunArgs) -> ExitCode {
         }
     }
     launch::exec_preloaded(args.shim.as_deref(), &options, &args.program)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_environments_spies_stay_beside_the_leak_tracker() {
-        assert_eq!(spies_with_leaks(None), "spy=leaks");
-        assert_eq!(spies_with_leaks(Some("log_path=x")), "spy=leaks");
-        assert_eq!(spies_with_leaks(Some("spy=leaks,guard")), "spy=leaks,guard");
-        assert_eq!(spies_with_leaks(Some("spy=ticks,count:trace=t")), "spy=leaks,count,ticks");
-        assert_eq!(spies_with_leaks(Some("spy=none")), "spy=leaks");
-    }
 }

@@ -264,7 +264,8 @@ impl Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        HOLDERS.fetch_sub(1, Ordering::AcqRel);
+        // Not below 0: a child forked during the check starts with none (`after_fork_child`).
+        let _ = HOLDERS.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 }
 
@@ -348,7 +349,10 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         .map(|(addr, _)| *addr)
         .collect();
 
+    let mut exited: Vec<u64> = Vec::with_capacity(crate::threads::EXITED_KEPT);
     let buffers = ProcessMemory::buffers();
+    // From here until the threads resume, nothing is allocated or freed (see `_threads` in
+    // `stop::Stopped`).
     let stopped = stop::stop_the_world();
     // The threads held are stopped with the others (or, when none could be, go on).
     drop(hold);
@@ -443,7 +447,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
             region_kinds.push(Root::Stack(thread));
         }
     }
-    let exited = crate::threads::exited_stacks();
+    crate::threads::exited_stacks(&mut exited);
     roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
     region_kinds.resize(regions.len(), Root::Anonymous);
     own_blocks.sort_unstable();

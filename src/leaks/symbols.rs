@@ -67,15 +67,25 @@ pub fn function_name(function: &addr2line::FunctionName<impl gimli::Reader>) -> 
 /// on a lambda (`_M_invoke`, `__invoke_impl<void, main()::<lambda()>&>`), and every lambda
 /// read `operator()` (review helper 86). `dwarf` is the name of an outermost frame DWARF gives
 /// with a source `file`; `symbol`, the symbol table's name at its address, asked for only
-/// for C++ (not for a `.c` file) when `dwarf` is unqualified, and taken when it qualifies
-/// `dwarf`'s name (up to its template arguments) with a scope.
+/// for C++ (not for a `.c` file) when `dwarf` is unqualified and no linkage name, and taken
+/// when it qualifies `dwarf`'s name (up to its template arguments) with a scope.
 pub fn qualified_name(dwarf: &str, file: &str, symbol: impl FnOnce() -> Option<String>) -> Option<String> {
     let own = dwarf.split('<').next().unwrap_or(dwarf);
-    if own.contains("::") || file.ends_with(".c") {
+    // A parameter list: DWARF's linkage name, demangled, and whole. The symbol table's name
+    // may be another function's, folded into the same code (`--icf`: review helper 88).
+    let linkage = own.replace("operator()", "").contains('(');
+    if linkage || own.contains("::") || file.ends_with(".c") {
         return None;
     }
     let member = format!("::{own}");
-    symbol().filter(|symbol| symbol.contains(&member))
+    let symbol = symbol().filter(|symbol| symbol.contains(&member))?;
+    // GCC's copies of a function (`[clone .constprop.0]`, `.isra.0`) are the function: its
+    // name stays the same from one build to the next, for the grouping and the suppressions.
+    let mut name = symbol.as_str();
+    while let Some(cut) = name.strip_suffix(']').and_then(|n| n.rfind(" [clone ")) {
+        name = &name[..cut];
+    }
+    Some(name.to_owned())
 }
 
 /// Whether `name` is a legacy Rust symbol: `_ZN...17h<16 hex digits>E`, then its end or a
@@ -618,6 +628,24 @@ fn frames_in_file(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_function_dwarf_names_unqualified_takes_the_symbols_name() {
+        let lambda = "main::{lambda(int)#1}::operator()(int) const [clone .constprop.0] [clone .isra.0]";
+        let named = |dwarf, file, symbol: &str| qualified_name(dwarf, file, || Some(symbol.to_owned()));
+        assert_eq!(
+            named("operator()", "a.cpp", lambda).as_deref(),
+            Some("main::{lambda(int)#1}::operator()(int) const")
+        );
+        let invoke = "void std::__invoke_impl<void, main::{lambda()#1}&>(std::__invoke_other, main::{lambda()#1}&)";
+        assert_eq!(named("__invoke_impl<void, main()::<lambda()>&>", "invoke.h", invoke).as_deref(), Some(invoke));
+        // A linkage name is whole: an alias folded into the same code is another function.
+        assert_eq!(named("run(int)", "icf.cpp", "A::S::run(int)"), None);
+        // Not a member of that symbol's scope, a C file, a qualified name.
+        assert_eq!(named("through", "a.cpp", "through(std::function<void ()> const&)"), None);
+        assert_eq!(named("operator()", "a.c", lambda), None);
+        assert_eq!(named("A::f", "a.cpp", "A::f()"), None);
+    }
 
     #[test]
     fn only_mangled_names_are_demangled() {
