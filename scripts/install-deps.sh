@@ -6,7 +6,7 @@
 # leak check stops threads with a signal). Skips what is present.
 set -euo pipefail
 
-packages=(gcc g++ libc6-dev make git sqlite3 python3 valgrind heaptrack libjemalloc2 libtcmalloc-minimal4 golang-go libc6-dbg chromium strace)
+packages=(gcc g++ libc6-dev make git sqlite3 python3 valgrind heaptrack libjemalloc2 libtcmalloc-minimal4 golang-go libc6-dbg chromium strace libcap2-bin)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,7 +1,7 @@
-//! Reports for a process that a signal ends: `HUP`, `INT`, `QUIT` and `TERM`, whose default
-//! action ends the process without `exit`, so that no exit report would be written. A server
-//! stopped by its supervisor, a program stopped with `^C`: memcheck reports then too
-//! (LeakSanitizer does not).
+//! Reports for a process that a signal ends: `HUP`, `INT`, `PIPE`, `QUIT` and `TERM`, whose
+//! default action ends the process without `exit`, so that no exit report would be written. A
+//! server stopped by its supervisor, a program stopped with `^C`, the writer of a pipeline
+//! whose reader left (`prog | head`): memcheck reports then too (LeakSanitizer does not).
 //!
 //! At start, each of these signals whose action is the default gets a handler of mallocspy's,
 //! which writes the reports and then ends the process by the same signal, as it would have
@@ -25,7 +25,7 @@ use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
 use crate::os;
 
 /// The signals handled.
-const SIGNALS: [c_int; 4] = [libc::SIGHUP, libc::SIGINT, libc::SIGQUIT, libc::SIGTERM];
+const SIGNALS: [c_int; 5] = [libc::SIGHUP, libc::SIGINT, libc::SIGPIPE, libc::SIGQUIT, libc::SIGTERM];
 
 /// Whether this process reports when one of [`SIGNALS`] ends it (set once, at start).
 static ENABLED: AtomicBool = AtomicBool::new(false);
@@ -200,6 +200,7 @@ pub(crate) fn name(signal: c_int) -> &'static str {
     match signal {
         libc::SIGHUP => "SIGHUP",
         libc::SIGINT => "SIGINT",
+        libc::SIGPIPE => "SIGPIPE",
         libc::SIGQUIT => "SIGQUIT",
         libc::SIGTERM => "SIGTERM",
         _ => "a signal",

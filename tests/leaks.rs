@@ -1480,6 +1480,50 @@ fn the_command_forwards_status_and_follows_children() {
     assert_eq!((reports.len(), leaky_reports), (3, 2), "sh and two leaky: {reports:#?}");
 }
 
+/// A program that gains privileges from its file, run by a user other than root: the loader
+/// ignores `LD_PRELOAD`, and `run` says so. Its file capabilities went unsaid: no report, status
+/// 0 under `--exitcode`, and no word (review helper 89). Needs root, to give the file its bits
+/// and to run `run` as another user.
+#[test]
+fn a_program_gaining_privileges_from_its_file_runs_with_a_warning_that_it_is_unspied() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let leak = |name: &str| {
+        let copy = dir.path().join(name);
+        std::fs::copy(c_program("strdup_leak.c"), &copy).unwrap();
+        copy
+    };
+    let (setuid, capable) = (leak("setuid"), leak("capable"));
+    std::fs::set_permissions(&setuid, std::os::unix::fs::PermissionsExt::from_mode(0o4755)).unwrap();
+    let setcap = Command::new("setcap").arg("cap_net_raw+ep").arg(&capable).status().unwrap();
+    assert!(setcap.success());
+    for (program, why) in [(&setuid, "is set-user-ID or set-group-ID"), (&capable, "has file capabilities (setcap)")] {
+        let out = Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(mallocspy())
+            .args(["run", "--exitcode", "23", "--"])
+            .arg(program)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "no report, so no leak exit code");
+        assert_eq!(
+            text(&out.stderr),
+            format!(
+                "mallocspy: warning: '{}' {why}, so the loader ignores LD_PRELOAD; it runs unspied\n",
+                program.display()
+            )
+        );
+    }
+    // Run by root, each is spied.
+    let out = Command::new(mallocspy()).args(["run", "--exitcode", "23", "--"]).arg(&capable).output().unwrap();
+    assert_eq!(out.status.code(), Some(23), "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_statically_linked_program_runs_with_a_warning_that_it_is_unspied() {
     let program = static_c_program("exit_paths.c");
@@ -1831,13 +1875,13 @@ fn signalled(program: &Path, args: &[&str], mode: Mode, signal: i32, ignored: Op
     out
 }
 
-/// `HUP`, `INT` and `TERM` end a program that left them at their default action: it writes
-/// its report first, with a note of the signal, and still dies of it.
+/// `HUP`, `INT`, `PIPE` and `TERM` end a program that left them at their default action: it
+/// writes its report first, with a note of the signal, and still dies of it.
 #[test]
 fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_of_it() {
     use std::os::unix::process::ExitStatusExt;
     let program = c_program("ending_signal.c");
-    for signal in [libc::SIGHUP, libc::SIGINT, libc::SIGTERM] {
+    for signal in [libc::SIGHUP, libc::SIGINT, libc::SIGPIPE, libc::SIGTERM] {
         let native = signalled(&program, &[], Mode::Native, signal, None);
         assert_eq!(native.status.signal(), Some(signal));
         let out = signalled(&program, &[], JSON_REPORT, signal, None);
@@ -1855,6 +1899,25 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
     let off = signalled(&program, &[], Mode::Shim("report_on_signal=0"), libc::SIGTERM, None);
     assert_eq!(off.status.signal(), Some(libc::SIGTERM));
     assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
+}
+
+/// The writer of a pipeline whose reader left dies of `SIGPIPE` with its report written: `yes |
+/// head -1` said nothing of `yes` (review helper 89).
+#[test]
+fn the_writer_of_a_pipeline_whose_reader_left_writes_its_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new("sh")
+        .args(["-c", "yes | head -1"])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("log_path={}/%p.log", dir.path().display()))
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "y\n"), "{}", text(&out.stderr));
+    let logs: Vec<String> =
+        std::fs::read_dir(dir.path()).unwrap().map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap()).collect();
+    let of_yes: Vec<&String> = logs.iter().filter(|l| l.contains("mallocspy leak report for /usr/bin/yes")).collect();
+    assert_eq!(of_yes.len(), 1, "{logs:#?}");
+    assert!(of_yes[0].contains("note: the process is ending by signal 13 (SIGPIPE)"), "{}", of_yes[0]);
 }
 
 /// A program that has begun to leave (`exit`, `_exit`) still leaves as it would have when an

@@ -259,7 +259,8 @@ fn relay_signals_to(child: u32) {
 
 /// Why the loader will not preload the shim into `program`, if it can tell: the program is
 /// statically linked (no loader at all), or it is set-user-ID or set-group-ID to someone else
-/// (the loader then ignores `LD_PRELOAD` paths). A script, or a file it cannot read, passes.
+/// or has file capabilities (the loader then ignores `LD_PRELOAD` paths). A script, or a file
+/// it cannot read, passes.
 fn out_of_reach(program: &Path) -> Option<&'static str> {
     use std::io::Read;
     use std::os::unix::fs::MetadataExt;
@@ -276,10 +277,23 @@ fn out_of_reach(program: &Path) -> Option<&'static str> {
     {
         return Some("is set-user-ID or set-group-ID, so the loader ignores LD_PRELOAD");
     }
+    // Capabilities the program gains from its file make the kernel ask for a secure exec, as
+    // set-user-ID does, for any user but root (`ping`'s cap_net_raw on most distributions).
+    if euid != 0 && has_file_capabilities(&path) {
+        return Some("has file capabilities (setcap), so the loader ignores LD_PRELOAD");
+    }
     let mut head = Vec::with_capacity(64 << 10);
     std::fs::File::open(&path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
     (elf_interpreter(&head) == Some(false))
         .then_some("is statically linked, so no LD_PRELOAD library reaches its malloc")
+}
+
+/// Whether the file at `path` carries capabilities (`security.capability`).
+fn has_file_capabilities(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return false };
+    // SAFETY: both names are NUL-terminated; a NULL buffer of size 0 asks for the size only.
+    unsafe { libc::getxattr(path.as_ptr(), c"security.capability".as_ptr(), core::ptr::null_mut(), 0) > 0 }
 }
 
 /// Whether the file at `path` is mallocspy's shim: a library exporting its API's table. The

@@ -11,11 +11,13 @@ use crate::launch::{self, fail};
 
 pub const EXAMPLES: &str = "Examples:
   mallocspy run -- ./leaky
-  mallocspy run --exitcode 23 -- make test        # fail a CI step on leaks
+  mallocspy run --exitcode 23 -- make test        # a test that leaks fails, and so make
   mallocspy run --json --log 'leaks.%p.json' -- python3 script.py
   mallocspy run --suppressions lsan.supp -- sqlite3 db.sqlite '.read x.sql'
 
-Each process (children too) writes its own report at exit; %p in --log is its pid.";
+Each process (children too) writes its own report at exit; %p in --log is its pid.
+--exitcode is each process's own status, as LeakSanitizer's: a leaking child fails the run
+only if its parent passes the failure on (make does; a pipeline's status is its last command's).";
 
 /// Options mirror `MALLOCSPY_OPTIONS`.
 #[derive(Args)]
@@ -30,7 +32,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     suppressions: Option<PathBuf>,
     /// Exit with N when definitely or indirectly lost blocks remain (LeakSanitizer uses 23; 0
-    /// leaves the program's status alone).
+    /// leaves the program's status alone); in each process, for its own leaks.
     #[arg(long, value_name = "N")]
     exitcode: Option<u8>,
     /// Frames recorded per allocation [default: 32].
