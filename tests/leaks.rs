@@ -2091,6 +2091,27 @@ fn the_same_signal_twice_still_gets_the_whole_report() {
     }
 }
 
+/// A `--log` that cannot be written is refused in one line before the program runs, as
+/// `record --output` is: each process said so on its stderr, the program ran, and its reports
+/// went to stderr (review helper 89). A device takes a log.
+#[test]
+fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing/x.log");
+    for log in [missing.to_str().unwrap(), dir.path().to_str().unwrap()] {
+        let out = Command::new(mallocspy()).args(["run", "--log", log, "--", "sh", "-c", "echo ran"]).output().unwrap();
+        let stderr = text(&out.stderr);
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(2), ""), "{log}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("mallocspy: cannot write --log '{log}': ")) && stderr.lines().count() == 1,
+            "{stderr}"
+        );
+    }
+    let out =
+        Command::new(mallocspy()).args(["run", "--log", "/dev/null", "--", "sh", "-c", "echo ran"]).output().unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str(), text(&out.stderr).as_str()), (Some(0), "ran\n", ""));
+}
+
 /// `run --log` and `--suppressions` reach the program as absolute paths (each process resolves
 /// them where it starts, and a program may change directory first: the report went there),
 /// and one holding ':' (the options' separator) is refused in one line before the program

@@ -32,6 +32,49 @@ pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
     Ok(absolute)
 }
 
+/// Whether the file `output` (absolute, `%p` unexpanded) can be written, asked before the
+/// program runs: each of its processes could only say so on its stderr (a trace's run would
+/// be lost; a log's warning came once per process). `regular_only`: a FIFO or a device
+/// (`/dev/full`) is no trace, but may take a log.
+pub fn check_writable(output: &str, regular_only: bool) -> Result<(), String> {
+    use mallocspy::options::{expand_path, names_pid};
+    use std::fs::OpenOptions;
+    use std::io::ErrorKind;
+    // As the program will read it (`%%` is `%`); any pid will do for the directory.
+    let expanded = expand_path(output, std::process::id());
+    let path = Path::new(&expanded);
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("{} is not a directory", dir.display())),
+        Err(e) => return Err(format!("{}: {e}", dir.display())),
+    }
+    // With %p the file is each process's own: ask the directory instead.
+    let file = if names_pid(output) {
+        dir.join(format!(".mallocspy-record-{}", std::process::id()))
+    } else {
+        path.to_path_buf()
+    };
+    match std::fs::metadata(&file) {
+        Ok(m) if m.is_dir() => Err("it is a directory".into()),
+        Ok(m) if regular_only && !m.is_file() => Err("it is not a regular file".into()),
+        Ok(_) => OpenOptions::new().append(true).open(&file).map(drop).map_err(|e| e.to_string()),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            // A dangling symbolic link (or a chain of them): the writer will create the last
+            // one's target, so ask there.
+            let (mut file, mut what) = (file, String::new());
+            for _ in 0..40 {
+                let Ok(target) = std::fs::read_link(&file) else { break };
+                file = file.parent().unwrap_or(Path::new("/")).join(target);
+                what = format!("its target '{}': ", file.display());
+            }
+            OpenOptions::new().write(true).create_new(true).open(&file).map_err(|e| format!("{what}{e}"))?;
+            std::fs::remove_file(&file).map_err(|e| e.to_string())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// The `spy=` option of a command whose own spy is `own`, with the spies the environment's
 /// `MALLOCSPY_OPTIONS` names besides: the command's options come after the environment's, and
 /// a later `spy=` replaces an earlier one (`spy=leaks,guard` there lost its guard under `run`,

@@ -1,8 +1,6 @@
 //! `mallocspy record`.
 
 use std::ffi::OsString;
-use std::fs::OpenOptions;
-use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -61,45 +59,6 @@ fn parse_interval(text: &str) -> Result<u64, String> {
         .filter(|&n| (1..=mallocspy::options::MAX_SAMPLE_INTERVAL).contains(&n))
         .map(|n| n as u64)
         .ok_or_else(|| format!("'{text}' is not a size from 1 byte to 4 EiB (e.g. 102400, 100k, 1m)"))
-}
-
-/// Whether the trace `output` (absolute, `%p` unexpanded) can be written, asked before the
-/// program runs: the program's writer could only say so on the program's stderr, and the run
-/// would be lost. Only regular files: a FIFO or a device (`/dev/full`) is not a trace.
-fn check_output(output: &str) -> Result<(), String> {
-    // As the program will read it (`%%` is `%`); any pid will do for the directory.
-    let expanded = expand_path(output, std::process::id());
-    let path = Path::new(&expanded);
-    let dir = path.parent().unwrap_or(Path::new("/"));
-    match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => {}
-        Ok(_) => return Err(format!("{} is not a directory", dir.display())),
-        Err(e) => return Err(format!("{}: {e}", dir.display())),
-    }
-    // With %p the file is each process's own: ask the directory instead.
-    let file = if names_pid(output) {
-        dir.join(format!(".mallocspy-record-{}", std::process::id()))
-    } else {
-        path.to_path_buf()
-    };
-    match std::fs::metadata(&file) {
-        Ok(m) if m.is_dir() => Err("it is a directory".into()),
-        Ok(m) if !m.is_file() => Err("it is not a regular file".into()),
-        Ok(_) => OpenOptions::new().append(true).open(&file).map(drop).map_err(|e| e.to_string()),
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            // A dangling symbolic link (or a chain of them): the writer will create the last
-            // one's target, so ask there.
-            let (mut file, mut what) = (file, String::new());
-            for _ in 0..40 {
-                let Ok(target) = std::fs::read_link(&file) else { break };
-                file = file.parent().unwrap_or(Path::new("/")).join(target);
-                what = format!("its target '{}': ", file.display());
-            }
-            OpenOptions::new().write(true).create_new(true).open(&file).map_err(|e| format!("{what}{e}"))?;
-            std::fs::remove_file(&file).map_err(|e| e.to_string())
-        }
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 /// Of `candidates`, the trace that process `pid` ended with: the one whose header names it
@@ -197,7 +156,7 @@ pub fn record(args: RecordArgs) -> ExitCode {
         Ok(output) => output,
         Err(code) => return code,
     };
-    if let Err(why) = check_output(&output) {
+    if let Err(why) = launch::check_writable(&output, true) {
         return fail(&format!("cannot write --output '{output}': {why}"), 2);
     }
     // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others, and its

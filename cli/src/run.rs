@@ -71,7 +71,10 @@ pub fn run(args: RunArgs) -> ExitCode {
     }
     if let Some(log) = &args.log {
         match launch::option_path("--log", Path::new(log)) {
-            Ok(log) => options.push(format!("log_path={log}")),
+            Ok(log) => match launch::check_writable(&log, false) {
+                Ok(()) => options.push(format!("log_path={log}")),
+                Err(why) => return fail(&format!("cannot write --log '{log}': {why}"), 2),
+            },
             Err(code) => return code,
         }
     }
