@@ -51,7 +51,7 @@ pub fn check_writable(output: &str, regular_only: bool) -> Result<(), String> {
     }
     // With %p the file is each process's own: ask the directory instead.
     let file = if names_pid(output) {
-        dir.join(format!(".mallocspy-record-{}", std::process::id()))
+        dir.join(format!(".mallocspy-check-{}", std::process::id()))
     } else {
         path.to_path_buf()
     };
