@@ -331,6 +331,10 @@ impl Options {
                 "trace" if !value.is_empty() => o.trace = Some(value.to_string()),
                 "trace" => return Err(bad("trace", "a file path")),
                 "trace_owner" => o.trace_owner = value.parse().map_err(|_| bad("trace_owner", "a process id"))?,
+                // Read by `mallocspy record` in the traces' headers, which keep the options.
+                "record_run" => {
+                    value.parse::<u32>().map_err(|_| bad("record_run", "a process id"))?;
+                }
                 "stats_interval_ms" => {
                     o.stats_interval_ms = value
                         .parse()
@@ -454,6 +458,7 @@ mod tests {
         assert!(Options::parse("stats_interval_ms=0").is_err());
         assert!(Options::parse("trace=").is_err());
         assert!(Options::parse("trace_owner=-1").is_err());
+        assert!(Options::parse("record_run=4242").is_ok() && Options::parse("record_run=x").is_err());
         assert_eq!(parse_size("4g"), Some(4 << 30));
         assert_eq!(parse_size("100k"), Some(102400));
     }

@@ -735,6 +735,38 @@ fn record_names_the_other_traces_of_its_run() {
     assert!(second.contains(&format!("{t}.before-exec.2 (sh, ")), "{second}");
 }
 
+/// Two runs at once in one directory, with one template: each names only its own other
+/// traces. The one started first listed the other's as "of this run" (review helper 89).
+#[test]
+fn record_names_only_its_own_runs_other_traces_beside_another_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("t.%p.trace");
+    let record = |script: &str| {
+        Command::new(mallocspy())
+            .args(["record", "--output", output.to_str().unwrap(), "--", "sh", "-c", script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = record("sleep 1; ls >/dev/null");
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let second = record("sleep 0.2; true").wait_with_output().unwrap();
+    let first = first.wait_with_output().unwrap();
+    let line = |out: &Output| {
+        let stderr = text(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        stderr
+            .lines()
+            .find(|l| l.contains("other trace(s) of this run"))
+            .unwrap_or_else(|| panic!("{stderr}"))
+            .to_string()
+    };
+    let (first, second) = (line(&first), line(&second));
+    assert!(first.starts_with("mallocspy: 2 other trace(s) of this run") && first.contains(" (ls, "), "{first}");
+    assert!(second.starts_with("mallocspy: 1 other trace(s) of this run") && second.contains(" (sleep, "), "{second}");
+}
+
 /// Without `%p`, a trace path naming a FIFO that a reader drains: the image an `exec` starts
 /// finds it held by the first image's writer, still writing that image's samples, and writes
 /// `PATH.PID`. It read the FIFO to look for its pid in a header, taking the reader's bytes,

@@ -80,8 +80,10 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
 /// its images' before an `exec` (`.before-exec`), largest first, each with its program's name
 /// and its size. A run of a shell script left dozens, and `record` named only the first process's (review
 /// helper 68). Only those in `named`'s directory are looked for (a `%p` in a directory name
-/// is not followed).
-fn other_traces(template: &str, named: &str, started_ns: u64) -> Vec<(String, String, u64)> {
+/// is not followed). Only those whose options hold `run` (`record_run=PID`, which this run's
+/// processes inherit): a run beside it in the same directory wrote traces as alike (review
+/// helper 89).
+fn other_traces(template: &str, named: &str, started_ns: u64, run: &str) -> Vec<(String, String, u64)> {
     const SENTINEL: u32 = 4_000_000_123;
     let pattern = expand_path(template, SENTINEL);
     let sentinel = SENTINEL.to_string();
@@ -126,7 +128,8 @@ fn other_traces(template: &str, named: &str, started_ns: u64) -> Vec<(String, St
             let size = file.metadata().ok()?.len();
             let header = mallocspy::trace::header_of(file)?;
             let program = header.command.first().map(|c| c.rsplit('/').next().unwrap_or(c).to_string());
-            (header.start_unix_ns >= started_ns).then(|| (std::cmp::Reverse(size), path, program.unwrap_or_default()))
+            let ours = header.start_unix_ns >= started_ns && header.options.split(':').any(|o| o == run);
+            ours.then(|| (std::cmp::Reverse(size), path, program.unwrap_or_default()))
         })
         .collect();
     found.sort();
@@ -166,7 +169,8 @@ pub fn record(args: RecordArgs) -> ExitCode {
         SamplingArg::Tick => "sampling=tick".to_string(),
     });
     let spies = launch::spies_with("ticks", std::env::var("MALLOCSPY_OPTIONS").ok().as_deref());
-    let options: Vec<String> = [spies, format!("trace={output}")]
+    let run = format!("record_run={}", std::process::id());
+    let options: Vec<String> = [spies, format!("trace={output}"), run.clone()]
         .into_iter()
         .chain(sampling)
         .chain(args.interval.map(|n| format!("sample_interval={n}")))
@@ -199,7 +203,7 @@ pub fn record(args: RecordArgs) -> ExitCode {
         }
         Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
     }
-    let others = other_traces(&output, &trace, started_ns);
+    let others = other_traces(&output, &trace, started_ns, &run);
     if !others.is_empty() {
         let listed: Vec<String> = others
             .iter()
@@ -235,17 +239,27 @@ mod tests {
         let write = |name: &str, bytes: usize, start_unix_ns: u64| {
             let mut file = Vec::new();
             let command = vec![format!("/bin/{name}-program")];
-            write_header(&mut file, &Header { pid: 1, start_unix_ns, command, ..Header::default() });
+            let run = if name.contains("beside") { "record_run=8" } else { "record_run=9" };
+            let options = format!("spy=ticks:{run}:stack_depth=8");
+            write_header(&mut file, &Header { pid: 1, start_unix_ns, command, options, ..Header::default() });
             file.resize(file.len() + bytes, 0);
             std::fs::write(dir.path().join(name), file).unwrap();
         };
-        for (name, bytes) in [("m.5.trace", 0), ("m.6.trace", 10), ("m.5.trace.before-exec", 20), ("m.x.trace", 0)] {
+        let names = [
+            ("m.5.trace", 0),
+            ("m.6.trace", 10),
+            ("m.5.trace.before-exec", 20),
+            ("m.x.trace", 0),
+            ("m.7.trace.beside", 0),
+        ];
+        for (name, bytes) in names {
             write(name, bytes, 1_000);
         }
         write("m.7.trace", 0, 999);
         write("other", 0, 1_000);
         let at = |name: &str| dir.path().join(name).display().to_string();
-        let found = other_traces(&at("m.%p.trace"), &at("m.5.trace"), 1_000);
+        // m.7.trace.beside: another run's, the same template in the same directory.
+        let found = other_traces(&at("m.%p.trace"), &at("m.5.trace"), 1_000, "record_run=9");
         let names: Vec<(&str, &str)> =
             found.iter().map(|(path, program, _)| (path.rsplit('/').next().unwrap(), program.as_str())).collect();
         assert_eq!(
@@ -253,12 +267,12 @@ mod tests {
             [("m.5.trace.before-exec", "m.5.trace.before-exec-program"), ("m.6.trace", "m.6.trace-program")]
         );
         // Without %p: TRACE.anything.
-        let found = other_traces(&at("m.5.trace"), &at("m.5.trace"), 1_000);
+        let found = other_traces(&at("m.5.trace"), &at("m.5.trace"), 1_000, "record_run=9");
         assert_eq!(found.len(), 1, "{found:?}");
         assert!(found[0].0.ends_with("m.5.trace.before-exec"));
         // A doubled slash (review helper 69).
         let doubled = format!("{}//m.5.trace", dir.path().display());
-        assert_eq!(other_traces(&doubled, &doubled, 1_000).len(), 1);
+        assert_eq!(other_traces(&doubled, &doubled, 1_000, "record_run=9").len(), 1);
     }
 
     #[test]
