@@ -94,6 +94,23 @@ pub(crate) fn is_mapped(addr: usize) -> bool {
     unsafe { libc::mincore(page as *mut c_void, 1, &mut resident) == 0 }
 }
 
+/// Reads `words.len()` words of this process's memory at `addr` through the kernel
+/// (`process_vm_readv`), which says EFAULT where nothing readable is, rather than fault;
+/// `false` when not all of them could be read.
+pub(crate) fn read_own(addr: usize, words: &mut [u64]) -> bool {
+    let len = core::mem::size_of_val(words);
+    let local = libc::iovec { iov_base: words.as_mut_ptr().cast(), iov_len: len };
+    let remote = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
+    // SAFETY: the kernel writes at most `len` bytes into `words` and only reads at `addr`.
+    let read = unsafe {
+        raw_syscall(
+            libc::SYS_process_vm_readv,
+            [getpid() as usize, &raw const local as usize, 1, &raw const remote as usize, 1, 0],
+        )
+    };
+    read == len as isize
+}
+
 /// The system page size (cached; `getauxval` works before libc is initialised).
 #[inline]
 pub(crate) fn page_size() -> usize {

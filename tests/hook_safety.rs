@@ -201,6 +201,24 @@ fn guard_reports_frees_of_the_threads_stack_from_an_alternate_signal_stack() {
 /// A block overrun (or underrun) and never freed is reported at exit: the canaries were checked
 /// only by a free or a realloc, and such a program ran without a word (review helper 81).
 #[test]
+fn the_guard_refuses_a_free_of_where_its_real_block_starts() {
+    // `free(p - 16)` named the start of the real allocator's block under `p`: glibc took it,
+    // and the next malloc handed `p`'s memory out again while `p` was in use (review helper 90).
+    let program = c_program("guard_real_start.c");
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!(
+        text(&out.stdout),
+        "malloc: kept, not handed out again\nmemalign: kept, not handed out again\n\
+         valloc: kept, not handed out again\n"
+    );
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    let findings: Vec<&str> = stderr.lines().filter(|l| l.contains(": not a live block (in free")).collect();
+    assert_eq!(findings.len(), 3, "{stderr}");
+    assert!(stderr.contains("3 finding(s): 0 overflow, 0 underflow, 0 double-free, 3 invalid-free"), "{stderr}");
+}
+
+#[test]
 fn guard_checks_the_blocks_still_live_at_exit() {
     let program = c_program("guard_live_damage.c");
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));

@@ -4,7 +4,8 @@
 //! last 65,536) and frees of pointers that cannot be blocks (misaligned, on the thread's
 //! stack, or unmapped) are caught before the real allocator sees them; any other pointer the
 //! guard did not lay out may be a block of the real heap allocated before it, and goes to the
-//! real allocator's own checks.
+//! real allocator's own checks, unless it is where the real block under one of the guard's
+//! starts (`free(p - 16)`).
 //!
 //! Layout of a block (caller's pointer `p`, `size` bytes asked for):
 //!
@@ -176,6 +177,11 @@ unsafe fn read_header(p: usize) -> Option<Header> {
     let p8 = p as *const u8;
     // SAFETY: the caller's guarantee.
     let (word, tag_word) = unsafe { ((p8.sub(HEADER) as *const u64).read(), (p8.sub(8) as *const u64).read()) };
+    header_of(p, word, tag_word)
+}
+
+/// The header that the size word `word` and tag `tag_word` before `p` make, if they are one.
+fn header_of(p: usize, word: u64, tag_word: u64) -> Option<Header> {
     let shift = word >> SHIFT_AT;
     let valid = tag_word == tag(p, word)
         && (u64::from(HEADER.trailing_zeros())..=u64::from(MAX_OFFSET.trailing_zeros())).contains(&shift);
@@ -244,6 +250,32 @@ unsafe fn glibc_would_take(p: usize) -> bool {
     let next = chunk + size;
     // SAFETY: read only once seen mapped (16-aligned: both of its words on one page).
     os::is_mapped(next as usize + 8) && unsafe { read_word(next + 8) } & PREV_INUSE != 0
+}
+
+/// Largest header offset [`begins_a_guarded_block`] looks for: a page (`valloc`'s alignment).
+const MAX_CHECKED_OFFSET: usize = 4096;
+
+/// Whether `p` is where the real allocator's block under a live block of the guard's starts:
+/// `free(q - 16)` of a block `q`, or `free(q - 64)` of a `memalign(64, ...)` one. glibc takes
+/// it (it is its block), and the caller's memory went back under the caller, to be handed out
+/// again (review helper 90). Told by the header the guard wrote `offset` bytes on, whose tag
+/// names that place (glibc writes over a block's first 16 bytes when it is freed: a header
+/// left by a freed block is not read as one). Offsets up to a page are looked for; the words
+/// are read by the kernel, as what lies past `p` may not be mapped.
+fn begins_a_guarded_block(p: usize) -> bool {
+    let mut offset = HEADER;
+    while offset <= MAX_CHECKED_OFFSET {
+        let Some(q) = p.checked_add(offset) else { return false };
+        let mut words = [0u64; 2];
+        if !os::read_own(q - HEADER, &mut words) {
+            return false;
+        }
+        if header_of(q, words[0], words[1]).is_some_and(|h| h.offset == offset) {
+            return true;
+        }
+        offset *= 2;
+    }
+    false
 }
 
 /// # Safety
@@ -457,7 +489,9 @@ impl GuardSpy {
             return false;
         }
         // SAFETY: `could_be_a_block` saw the 16 bytes before `p` mapped.
-        if self.glibc && !crate::bootstrap::contains(p as *const c_void) && !unsafe { glibc_would_take(p) } {
+        if self.glibc && !crate::bootstrap::contains(p as *const c_void) && !unsafe { glibc_would_take(p) }
+            || begins_a_guarded_block(p)
+        {
             self.report(Finding::InvalidFree, p, None, place);
             return false;
         }
