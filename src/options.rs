@@ -9,7 +9,7 @@
 //! | `show_below_main` | `0`, `1` | `0` | keep the frames below `main` (the C library's start-up) in reported stacks |
 //! | `report_on_signal` | `0`, `1` | `1` | write the reports when `HUP`, `INT`, `QUIT` or `TERM` ends the process by its default action |
 //! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
-//! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23); 0 leaves the status alone |
+//! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23), or the guard found misuse; 0 leaves the status alone |
 //! | `stack_depth` | 1-128 | 32 | frames recorded per allocation |
 //! | `max_memory` | bytes, `k`/`m`/`g` suffixes | `4g` | cap on mallocspy's own memory |
 //! | `sampling` | `poisson`, `tick` | `poisson` | how `ticks` chooses allocations (see [`crate::trace::Sampling`]) |
@@ -87,8 +87,9 @@ pub struct Options {
     pub report_on_signal: bool,
     /// Suppressions file.
     pub suppressions: Option<String>,
-    /// Exit status when definite or indirect leaks remain (never 0: `exitcode=0` leaves the
-    /// program's status alone, as LeakSanitizer's does, rather than hide its failure).
+    /// Exit status when definite or indirect leaks remain or the guard found misuse (never 0:
+    /// `exitcode=0` leaves the program's status alone, as LeakSanitizer's does, rather than
+    /// hide its failure).
     pub exitcode: Option<u8>,
     /// Frames recorded per allocation.
     pub stack_depth: usize,

@@ -512,18 +512,19 @@ fn write_reports(caller: Caller) {
             .as_bytes(),
         );
     }
-    let Some(tracker) = b.leaks else { return };
-    let summary = write_leak_report(tracker, caller);
+    let lost = b.leaks.map_or(0, |tracker| write_leak_report(tracker, caller).lost_blocks());
+    // As valgrind's `--error-exitcode`, the guard's findings fail the run too.
+    let found = b.guard.map_or(0, |guard| guard.findings());
     // Not at `_exit`, which skips the program's cleanup: a forked child leaving so must not
     // flush its parent's buffered output a second time, nor change the status its parent
     // waits for (LeakSanitizer checks only at `exit`).
     if let Some(code) = b.options.exitcode
-        && summary.lost_blocks() > 0
+        && lost + found > 0
         && ENDING_SIGNAL.load(Ordering::Relaxed) == 0
         && !LEAVING_BY_EXIT_NOW.load(Ordering::Relaxed)
     {
         // SAFETY: flushes stdio (the program's buffered output must not be lost), then
-        // leaves with the leak status, as LSan's exitcode does.
+        // leaves with the failure status, as LSan's exitcode does.
         unsafe {
             libc::fflush(core::ptr::null_mut());
             libc::syscall(libc::SYS_exit_group, code as libc::c_int);

@@ -219,6 +219,19 @@ fn the_guard_refuses_a_free_of_where_its_real_block_starts() {
 }
 
 #[test]
+fn exitcode_fails_a_run_in_which_the_guard_found_misuse() {
+    // As valgrind's --error-exitcode: a test suite run under the guard passed despite its
+    // findings (review helper 90).
+    let program = c_program("guard_real_start.c");
+    let found = run(Mode::Shim("spy=guard:exitcode=23"), &mut Command::new(&program));
+    assert_eq!(found.status.code(), Some(23), "{}", text(&found.stderr));
+    assert!(text(&found.stdout).ends_with("valloc: kept, not handed out again\n"), "{}", text(&found.stdout));
+    let clean = run(Mode::Shim("spy=guard:exitcode=23"), Command::new("sort").arg("/etc/passwd"));
+    assert_eq!(clean.status.code(), Some(0), "{}", text(&clean.stderr));
+    assert!(!text(&clean.stdout).is_empty());
+}
+
+#[test]
 fn guard_checks_the_blocks_still_live_at_exit() {
     let program = c_program("guard_live_damage.c");
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));

@@ -31,8 +31,9 @@ pub struct RunArgs {
     /// Leave out leaks matching LeakSanitizer-style `leak:PATTERN` lines.
     #[arg(long, value_name = "FILE")]
     suppressions: Option<PathBuf>,
-    /// Exit with N when definitely or indirectly lost blocks remain (LeakSanitizer uses 23; 0
-    /// leaves the program's status alone); in each process, for its own leaks.
+    /// Exit with N when definitely or indirectly lost blocks remain, or `spy=guard` found
+    /// misuse (LeakSanitizer uses 23; 0 leaves the program's status alone); in each process,
+    /// for its own.
     #[arg(long, value_name = "N")]
     exitcode: Option<u8>,
     /// Frames recorded per allocation [default: 32].
