@@ -920,6 +920,30 @@ fn a_max_memory_too_small_for_the_tracker_is_noted_in_the_report() {
     assert!(unspied > 0 && untracked > 0, "the sweep meets a thread with no slot and a full table");
 }
 
+/// Blocks reachable only through blocks the tracker had no room for: a list whose nodes
+/// past `max_memory` went untracked read as 1,722 blocks "indirectly lost" (and failed an
+/// `exitcode` run) though every node was reachable (review helper 91). The heap is then
+/// scanned whole; a block nothing points to is still lost.
+#[test]
+fn blocks_reachable_only_through_untracked_ones_are_not_called_lost() {
+    let program = c_program("linked_chain.c");
+    let out = run(Mode::Shim("report_format=json:max_memory=2m:exitcode=23"), Command::new(&program).arg("200000"));
+    assert_eq!(text(&out.stdout), "200000 nodes\n");
+    let report = json_report(&out);
+    let notes: Vec<&str> = report["notes"].as_array().unwrap().iter().flat_map(|n| n.as_str()).collect();
+    assert!(notes.iter().any(|n| n.contains("allocation(s) were not tracked")), "{report}");
+    assert!(notes.iter().any(|n| n.contains("the heap was scanned whole")), "{report}");
+    let lost: Vec<_> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "definitely_lost" || r["kind"] == "indirectly_lost")
+        .map(|r| (r["kind"].as_str().unwrap(), r["bytes"].as_u64().unwrap(), r["stack"][0]["function"].as_str()))
+        .collect();
+    assert_eq!(lost, [("definitely_lost", 77, Some("lose_a_block"))], "{report}");
+    assert_eq!(out.status.code(), Some(23), "the lost block fails the run");
+}
+
 /// `mallocspy run` becomes the program, which then starts as its caller started it: a signal
 /// sent to its process group reaches it once (relayed, it came twice: `timeout` and `kill
 /// -PGID` signal the whole group), an ignored SIGPIPE stays ignored, blocked signals stay

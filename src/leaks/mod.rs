@@ -448,7 +448,19 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         }
     }
     crate::threads::exited_stacks(&mut exited);
-    roots::anonymous_roots(&maps, &starts, &stack_pointers, &modules, &program_mappings, &exited, &mut regions);
+    // Some blocks were not tracked: one of the others may be reachable through them alone.
+    let untracked = tracker.untracked() + crate::threads::unspied_calls();
+    let heaps_too = untracked > 0;
+    roots::anonymous_roots(
+        &maps,
+        heaps_too,
+        &starts,
+        &stack_pointers,
+        &modules,
+        &program_mappings,
+        &exited,
+        &mut regions,
+    );
     region_kinds.resize(regions.len(), Root::Anonymous);
     own_blocks.sort_unstable();
     cut_out(&mut regions, &mut region_kinds, &own_blocks);
@@ -482,18 +494,24 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
              their registers were not read and their stacks were scanned whole"
         ));
     }
-    let untracked = tracker.untracked();
+    let (untracked, unspied) = (tracker.untracked(), crate::threads::unspied_calls());
     if untracked > 0 {
         notes.push(format!(
             "{untracked} allocation(s) were not tracked: mallocspy's memory limit (max_memory) was reached"
         ));
     }
-    let unspied = crate::threads::unspied_calls();
     if unspied > 0 {
         notes.push(format!(
             "{unspied} allocator call(s) went unspied: their threads got no slot (mallocspy's memory limit, \
              max_memory, was reached, or more threads lived at once than it tracks)"
         ));
+    }
+    if heaps_too {
+        notes.push(
+            "the heap was scanned whole for pointers, as the blocks not tracked may hold some: a block \
+             is lost only when nothing points to it (one that only lost blocks point to reads as reachable)"
+                .to_owned(),
+        );
     }
     let mut classified: Vec<Classified> = blocks
         .iter()

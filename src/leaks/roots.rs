@@ -18,6 +18,8 @@ pub(crate) struct Mapping {
     /// mapping of a file (a module's data segment among them), or an allocator's heap; see
     /// [`data`].
     pub writable_data: bool,
+    /// The main arena's heap (`[heap]`, after the program's data: what `brk` grows).
+    pub brk_heap: bool,
     /// What a file mapped read-only holds: constants and vtables (`.rodata`, and
     /// `.data.rel.ro` once relocated), or code.
     pub file: FileKind,
@@ -113,7 +115,8 @@ impl Maps {
                 (true, false) => FileKind::Constants,
                 (false, _) => FileKind::Other,
             };
-            self.list.push(Mapping { start, end, readable, writable_data, file });
+            let brk_heap = readable && writable && path == b"[heap]";
+            self.list.push(Mapping { start, end, readable, writable_data, brk_heap, file });
         }
     }
 
@@ -145,8 +148,15 @@ impl Maps {
 /// The kernel merges neighbouring anonymous mappings: of one left out, the parts the program
 /// mapped itself (`program`, sorted: see [`crate::program_mappings`]) are still roots when
 /// they hold no block.
+///
+/// `heaps_too`: the allocator's heaps are roots as well, when some blocks were not tracked
+/// (`max_memory` reached): a block reachable only through one of those would otherwise be
+/// called lost (review helper 91). Every pointer in the heap then keeps a block, a stale one
+/// in a free chunk or one in a lost block included: only what nothing points to is lost.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn anonymous_roots(
     maps: &Maps,
+    heaps_too: bool,
     block_starts: &[u64],
     stack_pointers: &[u64],
     modules: &ModuleData,
@@ -165,8 +175,8 @@ pub(crate) fn anonymous_roots(
             .any(|&sp| !in_program(sp));
         let module_data =
             modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
-        !holds_block
-            && !glibc_thread_heap(maps, start, end)
+        let heap = holds_block || glibc_thread_heap(maps, start, end);
+        (!heap || heaps_too)
             && !holds_stack
             && !exited_stack
             && !module_data
@@ -174,7 +184,7 @@ pub(crate) fn anonymous_roots(
             && !crate::spare_stack::owns(start, end)
             && !os::owns_shared(start as usize, end as usize)
     };
-    for m in maps.list.iter().filter(|m| m.writable_data) {
+    for m in maps.list.iter().filter(|m| m.writable_data || heaps_too && m.brk_heap) {
         if root(m.start, m.end) {
             if out.len() < out.capacity() {
                 out.push((m.start, m.end));
