@@ -11,7 +11,7 @@
 //! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
 //! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23), or the guard found misuse; 0 leaves the status alone |
 //! | `stack_depth` | 1-128 | 32 | frames recorded per allocation |
-//! | `max_memory` | bytes, `k`/`m`/`g` suffixes | `4g` | cap on mallocspy's own memory |
+//! | `max_memory` | bytes, `k`/`m`/`g` suffixes | `4g`, at most a quarter of `ulimit -v`/`-d` | cap on mallocspy's own memory |
 //! | `sampling` | `poisson`, `tick` | `poisson` | how `ticks` chooses allocations (see [`crate::trace::Sampling`]) |
 //! | `sample_interval` | bytes, `k`/`m`/`g` suffixes | `102400` | mean bytes between ticks |
 //! | `sample_seed` | a number | from the clock | seeds the poisson gaps (for reproducible runs) |
@@ -70,6 +70,9 @@ pub enum StopThreads {
     Signal,
 }
 
+/// `max_memory` when none is given and no address-space limit asks for less.
+pub const DEFAULT_MAX_MEMORY: usize = 4 << 30;
+
 /// Parsed `MALLOCSPY_OPTIONS`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
@@ -93,8 +96,9 @@ pub struct Options {
     pub exitcode: Option<u8>,
     /// Frames recorded per allocation.
     pub stack_depth: usize,
-    /// Cap on mallocspy's own memory, in bytes.
-    pub max_memory: usize,
+    /// Cap on mallocspy's own memory, in bytes; `None`: [`DEFAULT_MAX_MEMORY`], or less under
+    /// an address-space limit (see `preload::memory_limit`).
+    pub max_memory: Option<usize>,
     /// How `ticks` samples.
     pub sampling: crate::trace::Sampling,
     /// Mean bytes between ticks.
@@ -124,7 +128,7 @@ impl Default for Options {
             suppressions: None,
             exitcode: None,
             stack_depth: crate::spies::leaks::DEFAULT_DEPTH,
-            max_memory: 4 << 30,
+            max_memory: None,
             sampling: crate::trace::Sampling::Poisson,
             sample_interval: 102_400,
             sample_seed: None,
@@ -311,9 +315,11 @@ impl Options {
                         .ok_or_else(|| bad("stack_depth", "a number from 1 to 128"))?
                 }
                 "max_memory" => {
-                    o.max_memory = parse_size(value)
-                        .filter(|&n| n >= 1 << 20)
-                        .ok_or_else(|| bad("max_memory", "a size of at least 1m"))?
+                    o.max_memory = Some(
+                        parse_size(value)
+                            .filter(|&n| n >= 1 << 20)
+                            .ok_or_else(|| bad("max_memory", "a size of at least 1m"))?,
+                    )
                 }
                 "sampling" => {
                     o.sampling = match value {
@@ -400,7 +406,7 @@ mod tests {
         // LeakSanitizer's `exitcode=0`: report, and leave the status alone.
         assert_eq!(Options::parse("exitcode=0").unwrap().exitcode, None);
         assert_eq!(o.stack_depth, 8);
-        assert_eq!(o.max_memory, 64 << 20);
+        assert_eq!(o.max_memory, Some(64 << 20));
         assert_eq!(Options::parse("").unwrap(), Options::default());
         assert!(Options::default().spies.leaks, "leak tracking by default");
         assert!(Options::parse("spy=none").unwrap().spies.is_empty());

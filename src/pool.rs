@@ -205,19 +205,28 @@ pub(crate) unsafe fn give_back(region: NonNull<u8>, bytes: usize) {
 fn say_refused() {
     if !REFUSED.swap(true, Ordering::Relaxed) {
         let mut line = Line::<200>::new();
+        let why = match LIMIT_FROM_RLIMIT.load(Ordering::Relaxed) {
+            true => ", a quarter of the process's address-space limit (ulimit -v or -d)",
+            false => "",
+        };
         let _ = writeln!(
             line,
-            "mallocspy: max_memory ({} bytes) reached: what does not fit from here on goes unspied",
+            "mallocspy: max_memory ({} bytes{why}) reached: what does not fit from here on goes unspied",
             LIMIT.load(Ordering::Relaxed)
         );
         sink::write(line.as_bytes());
     }
 }
 
-/// Caps the bytes the pool may map (leases past it fail).
-pub(crate) fn set_limit(bytes: usize) {
+/// Caps the bytes the pool may map (leases past it fail); `from_rlimit`: the cap is a share
+/// of the process's address-space limit, not a `max_memory` given.
+pub(crate) fn set_limit(bytes: usize, from_rlimit: bool) {
     LIMIT.store(bytes, Ordering::Relaxed);
+    LIMIT_FROM_RLIMIT.store(from_rlimit, Ordering::Relaxed);
 }
+
+/// Whether [`LIMIT`] is a share of the process's address-space limit.
+static LIMIT_FROM_RLIMIT: AtomicBool = AtomicBool::new(false);
 
 /// Bytes mapped by the pool, and bytes of them leased.
 pub(crate) fn usage() -> (usize, usize) {

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 
 use crate::global::{self, GLOBAL};
 use crate::leaks::{self, Caller, StackOptions, Suppressions};
-use crate::options::{Options, ReportFormat, expand_path};
+use crate::options::{DEFAULT_MAX_MEMORY, Options, ReportFormat, expand_path};
 use crate::spies::count::CountSpy;
 use crate::spies::guard::GuardSpy;
 use crate::spies::leaks::LeakTracker;
@@ -160,7 +160,8 @@ fn register_spies() {
             }
         },
     };
-    pool::set_limit(options.max_memory);
+    let (limit, from_rlimit) = memory_limit(options.max_memory);
+    pool::set_limit(limit, from_rlimit);
     let builtins = Builtins {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),
         guard: options.spies.guard.then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc())).flatten().map(leak),
@@ -332,6 +333,30 @@ fn revoked_note() -> Option<String> {
     GLOBAL
         .builtin_revoked()
         .then(|| "the program revoked mallocspy's spies (revoke_spy): they saw nothing it did afterwards".to_string())
+}
+
+/// The bound on mallocspy's own memory, and whether an address-space limit set it: the
+/// `max_memory` given; by default [`DEFAULT_MAX_MEMORY`], but no more than a quarter of what
+/// the process may map (`ulimit -v`, and `ulimit -d`, which counts private writable mappings
+/// too): under such a limit the tracker took the program's room, and its `malloc` failed
+/// where it succeeds natively (review helper 91).
+fn memory_limit(given: Option<usize>) -> (usize, bool) {
+    if let Some(given) = given {
+        return (given, false);
+    }
+    let room = [libc::RLIMIT_AS, libc::RLIMIT_DATA]
+        .into_iter()
+        .filter_map(|resource| {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: getrlimit writes the one struct it is given.
+            let known = unsafe { libc::getrlimit(resource, &mut limit) } == 0;
+            (known && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as usize)
+        })
+        .min();
+    match room.map(|room| room / 4).filter(|&quarter| quarter < DEFAULT_MAX_MEMORY) {
+        Some(quarter) => (quarter, true),
+        None => (DEFAULT_MAX_MEMORY, false),
+    }
 }
 
 fn tick_config(options: &Options) -> ticks::Config {

@@ -944,6 +944,28 @@ fn blocks_reachable_only_through_untracked_ones_are_not_called_lost() {
     assert_eq!(out.status.code(), Some(23), "the lost block fails the run");
 }
 
+/// Under an address-space limit the tracker took the program's room: a program whose
+/// allocations fit natively got NULL from `malloc` (here it dies of it). By default mallocspy
+/// now keeps to a quarter of the limit, and says so when it reaches that (review helper 91).
+#[test]
+fn an_address_space_limit_leaves_the_program_its_room() {
+    let program = c_program("linked_chain.c");
+    let limited = |preload: bool| {
+        let mut cmd = Command::new("bash");
+        cmd.args(["-c", "ulimit -v 100000 && exec \"$0\" 1000000"]).arg(&program).env_remove("MALLOCSPY_OPTIONS");
+        if preload {
+            cmd.env("LD_PRELOAD", shim());
+        }
+        cmd.output().unwrap()
+    };
+    let native = limited(false);
+    assert_eq!((native.status.code(), text(&native.stdout)), (Some(0), "1000000 nodes\n".to_owned()));
+    let out = limited(true);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "1000000 nodes\n");
+    assert!(text(&out.stderr).contains("a quarter of the process's address-space limit"), "{}", text(&out.stderr));
+}
+
 /// `mallocspy run` becomes the program, which then starts as its caller started it: a signal
 /// sent to its process group reaches it once (relayed, it came twice: `timeout` and `kill
 /// -PGID` signal the whole group), an ignored SIGPIPE stays ignored, blocked signals stay
