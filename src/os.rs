@@ -94,6 +94,14 @@ pub(crate) fn is_mapped(addr: usize) -> bool {
     unsafe { libc::mincore(page as *mut c_void, 1, &mut resident) == 0 }
 }
 
+/// Whether the file open as `fd` has no name left (deleted, or its directory removed).
+pub(crate) fn is_unlinked(fd: i32) -> bool {
+    // SAFETY: an all-zero stat is valid, and fstat writes only it.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_nlink == 0 }
+}
+
 /// Reads `words.len()` words of this process's memory at `addr` through the kernel
 /// (`process_vm_readv`), which says EFAULT where nothing readable is, rather than fault;
 /// `false` when not all of them could be read.

@@ -1262,6 +1262,62 @@ fn a_trace_the_disk_refuses_is_said_at_exit() {
     assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
 }
 
+/// A trace whose file was deleted while it was written (its directory removed), and a writer
+/// stopped so that the program waited out its ten seconds at exit and lost events: each is
+/// said in one line, and the program's status stays its own (nothing was said: review helper 91).
+#[test]
+fn a_deleted_trace_and_a_stopped_writer_are_said_at_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("gone.trace");
+    let traced = |script: &str, interval: &str| {
+        Command::new(python())
+            .args(["-c", script, trace.to_str().unwrap()])
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}:sample_interval={interval}", trace.display()))
+            .env("PYTHONMALLOC", "malloc")
+            .output()
+            .unwrap()
+    };
+    let deleted = traced("import os, sys; os.remove(sys.argv[1]); print([str(i) for i in range(10000)][-1])", "100k");
+    assert_eq!((deleted.status.code(), text(&deleted.stdout)), (Some(0), "9999\n".to_owned()));
+    assert_eq!(
+        text(&deleted.stderr),
+        "mallocspy: the trace file was deleted while it was written (its directory removed?)\n"
+    );
+
+    // The writer: the process that holds the trace open, not this one (tests run at once).
+    let stop_the_writer = "import os, signal, sys\n\
+        path = os.path.realpath(sys.argv[1])\n\
+        def holds(pid):\n\
+        \x20   try: return any(os.readlink(f'/proc/{pid}/fd/{fd}') == path for fd in os.listdir(f'/proc/{pid}/fd'))\n\
+        \x20   except OSError: return False\n\
+        writer = next(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and holds(p))\n\
+        os.kill(writer, signal.SIGSTOP)\n\
+        print(writer, len([str(i) for i in range(200000)]), flush=True)\n\
+        sys.exit(3)";
+    let stopped = traced(stop_the_writer, "64");
+    let out = text(&stopped.stdout);
+    let writer: i32 = out.split_whitespace().next().and_then(|w| w.parse().ok()).expect(&out);
+    // SAFETY: kill has no memory preconditions; the pid is the writer's, stopped, not reaped by us.
+    unsafe { libc::kill(writer, libc::SIGKILL) };
+    assert_eq!((stopped.status.code(), out.split_whitespace().nth(1)), (Some(3), Some("200000")));
+    let stderr = text(&stopped.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(
+        lines[0].starts_with("mallocspy: ")
+            && lines[0].ends_with(
+                " trace event(s) were lost: the trace writer fell behind the program (the trace counts them)"
+            ),
+        "{stderr}"
+    );
+    assert_eq!(
+        lines[1],
+        "mallocspy: the trace writer did not finish the trace within 10 s (stopped, or killed?): it may end \
+         before the program's last events, without an end"
+    );
+}
+
 /// The writer is a process of its own: the traced program has exactly its own threads (a
 /// second one would turn glibc's malloc to locking), and the writer is not its child (a
 /// program that waits for all its children finds none of ours).

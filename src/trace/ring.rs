@@ -51,6 +51,11 @@ struct Control {
     /// A futex shared by the two processes, for when the program has closed its socket to the
     /// consumer (see [`Ring::nudge`]).
     nudges: AtomicU32,
+    /// 1 once the consumer found the trace file deleted (its directory removed) at the end.
+    unlinked: AtomicU32,
+    /// Messages dropped in all, for the program to say at exit (`dropped` is the consumer's
+    /// to take).
+    dropped_total: AtomicU64,
 }
 
 /// A queue in memory shared with the writer process.
@@ -203,6 +208,7 @@ impl Ring {
                 },
                 d if d < 0 => {
                     self.control().dropped.fetch_add(1, Ordering::Relaxed);
+                    self.control().dropped_total.fetch_add(1, Ordering::Relaxed);
                     return None;
                 }
                 _ => position = next.load(Ordering::Relaxed),
@@ -304,6 +310,21 @@ impl Ring {
     pub(crate) fn write_error(&self) -> Option<(i32, u64)> {
         let errno = self.control().write_error.load(Ordering::Acquire) as i32;
         (errno != 0).then(|| (errno, self.control().written_before_error.load(Ordering::Relaxed)))
+    }
+
+    /// Consumer: the trace file was deleted while it was written.
+    pub(crate) fn note_unlinked(&self) {
+        self.control().unlinked.store(1, Ordering::Release);
+    }
+
+    /// Producer: whether the consumer found the trace file deleted.
+    pub(crate) fn unlinked(&self) -> bool {
+        self.control().unlinked.load(Ordering::Acquire) != 0
+    }
+
+    /// Producer: the messages dropped for want of room, in all.
+    pub(crate) fn dropped_total(&self) -> u64 {
+        self.control().dropped_total.load(Ordering::Relaxed)
     }
 
     /// Whether a message waits for the consumer.

@@ -490,6 +490,9 @@ impl Writer {
             if st.ended {
                 // A program that cannot see our socket close waits for this mark instead.
                 self.flush(st);
+                if st.fd >= 0 && os::is_unlinked(st.fd) {
+                    ring.note_unlinked();
+                }
             }
             ring.mark_done();
             words.clear();
@@ -695,19 +698,43 @@ impl Writer {
         let Some(ring) = (unsafe { self.ring.swap(core::ptr::null_mut(), Ordering::AcqRel).as_ref() }) else {
             return false;
         };
-        self.end_and_wait(fd, ring, stats);
+        let finished = self.end_and_wait(fd, ring, stats);
         if let Some((errno, written)) = ring.write_error() {
             let error = std::io::Error::from_raw_os_error(errno);
             sink::write(
                 format!("mallocspy: the trace stops at byte {written}, where writing it failed: {error}\n").as_bytes(),
             );
         }
+        // Each said in one line: nothing said a writer stopped (SIGSTOP) for the program's last
+        // ten seconds, nor a trace whose directory was removed (review helper 91).
+        let lost = ring.dropped_total();
+        if lost > 0 {
+            sink::write(
+                format!(
+                    "mallocspy: {lost} trace event(s) were lost: the trace writer fell behind the program \
+                     (the trace counts them)\n"
+                )
+                .as_bytes(),
+            );
+        }
+        if !finished {
+            sink::write(
+                format!(
+                    "mallocspy: the trace writer did not finish the trace within {} s (stopped, or killed?): \
+                     it may end before the program's last events, without an end\n",
+                    FINISH_WAIT_MS / 1000
+                )
+                .as_bytes(),
+            );
+        } else if ring.unlinked() {
+            sink::write(b"mallocspy: the trace file was deleted while it was written (its directory removed?)\n");
+        }
         true
     }
 
     /// Queues the last statistics and the end message, and waits (bounded) for the writer to
-    /// have written them.
-    fn end_and_wait(&self, fd: i32, ring: &Ring, stats: &HeapStats) {
+    /// have written them. Returns whether it did.
+    fn end_and_wait(&self, fd: i32, ring: &Ring, stats: &HeapStats) -> bool {
         let stats = message::stats(stats);
         let end = message::end(self.spy.elapsed_ns());
         // A full queue: the writer is draining it. A second at most, for room for both
@@ -726,19 +753,20 @@ impl Writer {
         ring.push(&stats, &[]);
         wait_for_room(1);
         ring.push_one(&end);
+        // Done up to here: the end written (or dropped, and counted).
+        let claimed = ring.claimed();
         if !is_our_socket(fd) {
             // The program closed our socket: the writer, nudged, drains the queue and marks
             // the end done once it is written.
-            let claimed = ring.claimed();
             ring.nudge();
             let limit = (2 * self.interval_ms).clamp(1000, FINISH_WAIT_MS as u64);
             for _ in 0..limit {
                 if ring.done(claimed) {
-                    break;
+                    return true;
                 }
                 os::pause_us(1000);
             }
-            return;
+            return false;
         }
         ring.take_idle();
         // SAFETY: one byte to our own socket.
@@ -754,6 +782,8 @@ impl Writer {
             waited += 100;
         }
         close(fd);
+        // Not only gone: a writer killed leaves too, its socket closed by the kernel.
+        ring.done(claimed)
     }
 
     /// After the program unloaded a library (`dlclose` succeeded): the writer reads the
