@@ -283,6 +283,9 @@ fn reclaim_dead_owners() -> usize {
 /// thread's stack mapped for a thread to come: the words left on it are stale, and the leak
 /// scan must not take them for roots (memcheck calls a block held only there lost).
 static EXITED_STACKS: [AtomicU64; EXITED_KEPT] = [const { AtomicU64::new(0) }; EXITED_KEPT];
+/// The thread pointers of the same threads, in the same slots: their control blocks, which
+/// glibc keeps with their stacks, name their dynamic TLS ([`crate::leaks::dead_tls`]).
+static EXITED_THREAD_POINTERS: [AtomicU64; EXITED_KEPT] = [const { AtomicU64::new(0) }; EXITED_KEPT];
 static EXITED_NEXT: AtomicUsize = AtomicUsize::new(0);
 /// Exited threads remembered: glibc's cache keeps 40 MiB of stacks (five of 8 MiB, 2,560 of
 /// 16 KiB), and a thread not yet joined keeps its own.
@@ -296,6 +299,15 @@ pub(crate) fn exited_stacks(sps: &mut Vec<u64>) {
     let room = sps.capacity();
     sps.extend(EXITED_STACKS.iter().map(|sp| sp.load(Ordering::Relaxed)).filter(|&sp| sp != 0).take(room));
     sps.sort_unstable();
+}
+
+/// The thread pointer of each of the latest threads to exit, as [`exited_stacks`] gives
+/// their stack pointers (sorted, within `tps`'s capacity).
+pub(crate) fn exited_thread_pointers(tps: &mut Vec<u64>) {
+    tps.clear();
+    let room = tps.capacity();
+    tps.extend(EXITED_THREAD_POINTERS.iter().map(|tp| tp.load(Ordering::Relaxed)).filter(|&tp| tp != 0).take(room));
+    tps.sort_unstable();
 }
 
 /// A function told of each thread's exit (its slot index).
@@ -317,6 +329,7 @@ extern "C" fn announce_thread_exit(value: *mut c_void) {
     }
     let at = EXITED_NEXT.fetch_add(1, Ordering::Relaxed) % EXITED_KEPT;
     EXITED_STACKS[at].store(crate::unwind::current_sp(), Ordering::Relaxed);
+    EXITED_THREAD_POINTERS[at].store(os::thread_pointer(), Ordering::Relaxed);
     let hook = EXIT_HOOK.load(Ordering::Acquire);
     if !hook.is_null() {
         // SAFETY: only `set_exit_hook` stores here, always a `fn(u32)`.

@@ -920,6 +920,28 @@ fn a_max_memory_too_small_for_the_tracker_is_noted_in_the_report() {
     assert!(unspied > 0 && untracked > 0, "the sweep meets a thread with no slot and a full table");
 }
 
+/// A block kept only by the `thread_local` of a thread that exited, in a `dlopen`ed library
+/// (dynamic TLS, the loader's block, which glibc keeps with the dead thread's stack): lost,
+/// as memcheck says; it read as still reachable, retained by the loader's block (review helper
+/// 93). The live main thread's is still reachable.
+#[test]
+fn a_block_kept_by_an_exited_threads_dynamic_tls_is_lost() {
+    let library = c_library("thread_local_lib.c");
+    let program = c_program_with("dead_thread_tls.c", &["-ldl", "-pthread"]);
+    let out = run(JSON_REPORT, Command::new(&program).arg(&library));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let kept: Vec<(&str, u64)> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["stack"][0]["function"] == "keep_for_this_thread")
+        .map(|r| (r["kind"].as_str().unwrap(), r["bytes"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(kept, [("definitely_lost", 123), ("still_reachable", 45)], "{report}");
+    assert_eq!(report["summary"]["definitely_lost"]["bytes"], 123, "{report}");
+}
+
 /// Blocks reachable only through blocks the tracker had no room for: a list whose nodes
 /// past `max_memory` went untracked read as 1,722 blocks "indirectly lost" (and failed an
 /// `exitcode` run) though every node was reachable (review helper 91). The heap is then
@@ -1227,7 +1249,8 @@ fn under_any_address_space_limit_the_program_runs_as_natively() {
             if stderr.contains("LEAK SUMMARY") {
                 reports += 1;
             } else {
-                let lines: Vec<&str> = stderr.lines().collect();
+                // The tracker's bound, a quarter of the limit, is said once when reached.
+                let lines: Vec<&str> = stderr.lines().filter(|l| !l.starts_with("mallocspy: max_memory (")).collect();
                 assert_eq!(lines.len(), 1, "ulimit -v {kib}, options '{options}': {stderr}");
                 assert!(
                     lines[0].ends_with("no leak report")
@@ -1314,18 +1337,17 @@ fn a_pointer_left_on_an_exited_threads_stack_does_not_keep_its_block() {
     assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 100}), "{report}");
     let lost = report["leaks"].as_array().unwrap().iter().find(|r| r["kind"] == "definitely_lost").unwrap();
     assert_eq!(lost["stack"][0]["function"], "work", "{lost}");
-    // The joined thread's TLS vector, the loader's, is a root of its own (it was said to be
-    // retained by "a thread's registers").
-    let by_loader = |r: &&serde_json::Value| {
+    // The joined thread's TLS vector, the loader's, which glibc keeps with its stack for a
+    // thread to come, is taken for freed (see `dead_tls`): not listed (it was, retained by
+    // the loader's own block).
+    let a_tls_vector = |r: &serde_json::Value| {
         r["stack"]
             .as_array()
             .unwrap()
             .iter()
             .any(|f| f["function"].as_str().is_some_and(|n| n.contains("dl_allocate_tls")))
     };
-    let dtv = report["leaks"].as_array().unwrap().iter().find(by_loader).expect("the thread's TLS vector");
-    let root = dtv["retained_by"][0].as_str().unwrap();
-    assert!(root.starts_with("the dynamic loader's own block"), "{dtv}");
+    assert!(!report["leaks"].as_array().unwrap().iter().any(a_tls_vector), "{report}");
 }
 
 /// Memory the program mapped from files, writable, is scanned as memcheck scans every mapping

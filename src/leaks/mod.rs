@@ -2,6 +2,7 @@
 //! allocated. `scan` classifies, `roots` finds where the program's pointers live while `stop`
 //! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
+mod dead_tls;
 pub(crate) mod report;
 mod restart;
 pub(crate) mod roots;
@@ -350,6 +351,13 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         .collect();
 
     let mut exited: Vec<u64> = Vec::with_capacity(crate::threads::EXITED_KEPT);
+    // The dynamic TLS of the exited threads, which glibc frees only when a thread reuses their
+    // stacks (see `dead_tls`), and of the live ones, whose thread pointers are gathered.
+    let mut exited_tps: Vec<u64> = Vec::with_capacity(crate::threads::EXITED_KEPT);
+    let mut live_tps: Vec<u64> = Vec::with_capacity(4098);
+    live_tps.push(own_tp);
+    let mut dead_tls: Vec<u64> = Vec::with_capacity(by_loader.len());
+    let mut live_tls: Vec<u64> = Vec::with_capacity(by_loader.len());
     let buffers = ProcessMemory::buffers();
     // From here until the threads resume, nothing is allocated or freed (see `_threads` in
     // `stop::Stopped`).
@@ -405,7 +413,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         stack_pointers.push(from);
     }
     words.extend_from_slice(&caller.regs);
-    words.extend_from_slice(&by_loader);
     let mut unstopped = 0;
     if let Some(stopped) = &stopped {
         let pid = os::getpid();
@@ -420,6 +427,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
                 add_thread(thread, p.sp, red_zone, p.tp, &mut regions, &mut region_kinds);
                 if p.tp != 0 && own_blocks.len() < own_blocks.capacity() {
                     own_blocks.push(tls::block_of(p.tp));
+                }
+                if live_tps.len() < live_tps.capacity() {
+                    live_tps.push(p.tp);
                 }
                 words.extend_from_slice(&p.regs);
                 if stack_pointers.len() < stack_pointers.capacity() {
@@ -448,6 +458,17 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         }
     }
     crate::threads::exited_stacks(&mut exited);
+    // Not when a thread could not be stopped: its dynamic TLS is live, and unknown.
+    if unstopped == 0 && live_tps.len() < live_tps.capacity() {
+        crate::threads::exited_thread_pointers(&mut exited_tps);
+        dead_tls::dead_tls_blocks(&exited_tps, &live_tps, &by_loader, &mut dead_tls, &mut live_tls);
+    }
+    words.extend(by_loader.iter().filter(|b| dead_tls.binary_search(b).is_err()));
+    for &block in &dead_tls {
+        if let Ok(i) = blocks.binary_search_by_key(&block, |(start, _)| *start) {
+            scratch.forget(i);
+        }
+    }
     // Some blocks were not tracked: one of the others may be reachable through them alone.
     let untracked = tracker.untracked() + crate::threads::unspied_calls();
     let heaps_too = untracked > 0;
@@ -569,8 +590,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     } else {
         None
     };
-    let mut freed = freed_meanwhile.into_iter();
-    classified.retain(|_| !freed.next().unwrap_or(false));
+    // Freed meanwhile, or taken for freed (the exited threads' dynamic TLS).
+    let mut freed = freed_meanwhile.into_iter().enumerate();
+    classified.retain(|_| freed.next().is_none_or(|(i, freed)| !freed && !scratch.forgotten(i)));
     let report = report::build(
         os::getpid(),
         &classified,

@@ -96,6 +96,8 @@ const REACHABLE: u8 = 2;
 const INDIRECT: u8 = 3;
 /// Lost, and suppressed: see [`suppress`].
 const SUPPRESSED: u8 = 4;
+/// Taken for freed ([`Scratch::forget`]): no pointer reaches it, and its words reach nothing.
+const FORGOTTEN: u8 = 5;
 
 /// Live blocks sorted by address, for pointer lookups.
 pub(crate) struct Heap<'a> {
@@ -236,10 +238,22 @@ impl Scratch {
         (self.state.get(index) == Some(&SUPPRESSED)).then(|| self.parent[index] as usize)
     }
 
+    /// Takes block `index` for one already freed, before [`classify`]: glibc's memory that
+    /// it frees only later (see [`super::dead_tls`]). Its kind then reads still reachable;
+    /// [`Self::forgotten`] says to leave it out.
+    pub(crate) fn forget(&mut self, index: usize) {
+        self.state[index] = FORGOTTEN;
+    }
+
+    /// Whether block `index` was [`forget`](Self::forget)-ten.
+    pub(crate) fn forgotten(&self, index: usize) -> bool {
+        self.state[index] == FORGOTTEN
+    }
+
     /// The kinds found by [`classify`], in block order.
     pub(crate) fn kinds(&self) -> impl Iterator<Item = LeakKind> + '_ {
         self.state.iter().map(|&s| match s {
-            REACHABLE => LeakKind::StillReachable,
+            REACHABLE | FORGOTTEN => LeakKind::StillReachable,
             POSSIBLE => LeakKind::PossiblyLost,
             INDIRECT => LeakKind::IndirectlyLost,
             _ => LeakKind::DefinitelyLost,
@@ -298,7 +312,7 @@ pub(crate) fn classify(
     let mut mark =
         |run: &[u64], at: u64, from: u32, definite: bool, interior: bool, state: &mut [u8], todo: &mut Vec<usize>| {
             for (k, &word) in run.iter().enumerate() {
-                let Some((i, at_start)) = heap.find(word) else { continue };
+                let Some((i, at_start)) = heap.find(word).filter(|&(i, _)| state[i] != FORGOTTEN) else { continue };
                 // memcheck's heuristics, asked only where they could change something.
                 let counts_as_start = at_start
                     || definite && interior && state[i] != REACHABLE && {
@@ -392,14 +406,14 @@ pub(crate) fn suppress(
     let Scratch { state, todo, parent, .. } = scratch;
     todo.clear();
     for root in 0..heap.blocks.len() {
-        if matches!(state[root], REACHABLE | SUPPRESSED) || !suppressed(root) {
+        if matches!(state[root], REACHABLE | SUPPRESSED | FORGOTTEN) || !suppressed(root) {
             continue;
         }
         state[root] = SUPPRESSED;
         parent[root] = root as u32;
         todo.push(root);
         walk(heap, memory, todo, |k| {
-            if matches!(state[k], REACHABLE | SUPPRESSED) {
+            if matches!(state[k], REACHABLE | SUPPRESSED | FORGOTTEN) {
                 return false;
             }
             state[k] = SUPPRESSED;
@@ -448,6 +462,23 @@ mod tests {
         assert_eq!(scratch.kinds().collect::<Vec<_>>(), [DefinitelyLost, StillReachable]);
         // The same words from any other root: possibly lost, as before.
         assert_eq!(run(&blocks, &[(0x100, 0x110)], &[], &Toy(mem)), [PossiblyLost, StillReachable]);
+    }
+
+    #[test]
+    fn a_forgotten_block_keeps_nothing_and_nothing_reaches_it() {
+        // A root word and a root register point at the first block, which points at the
+        // second: forgotten, the first keeps nothing, and the second is lost alone.
+        let blocks = [(0x1000, 16), (0x2000, 16)];
+        let mut mem = std::collections::BTreeMap::new();
+        mem.insert(0x100, 0x1000);
+        mem.insert(0x1000, 0x2000);
+        let mut scratch = Scratch::for_blocks(blocks.len());
+        scratch.forget(0);
+        classify(&Heap::new(&blocks), &[(0x100, 0x108)], &[], &[0x1008], &Toy(mem), &mut scratch);
+        use LeakKind::*;
+        assert_eq!(scratch.kinds().collect::<Vec<_>>(), [StillReachable, DefinitelyLost]);
+        assert!(scratch.forgotten(0) && !scratch.forgotten(1));
+        assert!(scratch.retention_path(0, 4).is_empty());
     }
 
     #[test]
