@@ -98,7 +98,7 @@ impl Scope {
     #[inline]
     pub(crate) fn enter() -> Option<Scope> {
         let ts = tls::state();
-        if ts.depth.get() != 0 {
+        if ts.depth.get() != 0 && !give_up_a_hook_left_by_a_jump() {
             return None;
         }
         ts.depth.set(1);
@@ -112,6 +112,11 @@ impl Scope {
         let valid = entry > sp;
         ts.hook_sp.set(if valid { entry } else { 0 });
         ts.hook_bp.set(ts.entry_bp.get());
+        if valid {
+            // SAFETY: `entry` is above this frame on the live stack: the caller's return
+            // address, pushed by its call of the export.
+            ts.hook_ret.set(unsafe { (entry as *const u64).read() });
+        }
         let slot = threads::current(ts)?;
         Some(Scope { slot, _in_flight: InFlight::enter(slot, ts), _depth: depth })
     }
@@ -120,6 +125,35 @@ impl Scope {
     pub(crate) fn slot(&self) -> u32 {
         self.slot
     }
+}
+
+/// Gives up the top-level hook in progress on this thread if a `siglongjmp` out of a signal
+/// handler that interrupted it in the real allocator abandoned it, and says whether it did.
+/// Otherwise the hook stayed in progress for good: every later call of the thread went
+/// unspied, and its exit wrote no report (review helper 92). A call from inside a hook, or
+/// from a handler that interrupted it, runs below the hook's frames, which are intact; a call
+/// made after the jump finds the return address the hook's caller left overwritten, or runs
+/// at or above the hook's own stack pointer. Not when the hook was in mallocspy's own code,
+/// which may hold a lock of its own that nothing would release: that thread stays unspied, as
+/// before.
+pub(crate) fn give_up_a_hook_left_by_a_jump() -> bool {
+    let ts = tls::state();
+    let (scope_sp, hook_sp) = (ts.scope_sp.get(), ts.hook_sp.get());
+    if ts.depth.get() != tls::IN_REAL_ALLOCATOR || scope_sp == 0 || hook_sp == 0 {
+        return false;
+    }
+    let sp = crate::unwind::current_sp();
+    let (low, high) = crate::unwind::stack_bounds();
+    let on_the_hooks_stack = (low..high).contains(&sp) && (low..high).contains(&scope_sp);
+    // Read through the kernel: the hook may have run on a stack since freed (a coroutine's).
+    let mut ret = [0u64; 1];
+    let overwritten = !os::read_own(hook_sp as usize, &mut ret) || ret[0] != ts.hook_ret.get();
+    if !(overwritten || on_the_hooks_stack && sp >= scope_sp) {
+        return false;
+    }
+    threads::leave_abandoned_hook(ts);
+    ts.depth.set(0);
+    true
 }
 
 /// Whether `posix_memalign` takes `align`: a power of two, a multiple of `sizeof(void *)`.

@@ -11,6 +11,7 @@
 //! (jemalloc has no `pvalloc`) is built from the ones it has, never taken from another
 //! allocator: a block from glibc freed by jemalloc would corrupt both.
 
+use crate::tls::in_real_allocator;
 use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering, fence};
@@ -517,13 +518,17 @@ unsafe impl Heap for NextHeap {
     #[inline(always)]
     fn malloc(&self, size: usize) -> *mut c_void {
         // SAFETY: `malloc_fn` holds `malloc_first` or the real malloc: a C malloc.
-        unsafe { core::mem::transmute::<*mut (), MallocFn>(self.malloc_fn.load(Ordering::Relaxed))(size) }
+        in_real_allocator(|| unsafe {
+            core::mem::transmute::<*mut (), MallocFn>(self.malloc_fn.load(Ordering::Relaxed))(size)
+        })
     }
 
     #[inline(always)]
     fn calloc(&self, nmemb: usize, size: usize) -> *mut c_void {
         // SAFETY: `calloc_fn` holds `calloc_first` or the real calloc: a C calloc.
-        unsafe { core::mem::transmute::<*mut (), CallocFn>(self.calloc_fn.load(Ordering::Relaxed))(nmemb, size) }
+        in_real_allocator(|| unsafe {
+            core::mem::transmute::<*mut (), CallocFn>(self.calloc_fn.load(Ordering::Relaxed))(nmemb, size)
+        })
     }
 
     #[inline(always)]
@@ -531,7 +536,7 @@ unsafe impl Heap for NextHeap {
         let f = self.realloc_fn.load(Ordering::Relaxed);
         // SAFETY: `realloc_fn` holds `realloc_first` or, while the arena holds no block, the
         // real realloc; the caller guarantees ptr is NULL or a live block of this allocator.
-        unsafe { core::mem::transmute::<*mut (), ReallocFn>(f)(ptr, size) }
+        in_real_allocator(|| unsafe { core::mem::transmute::<*mut (), ReallocFn>(f)(ptr, size) })
     }
 
     #[inline(always)]
@@ -539,20 +544,21 @@ unsafe impl Heap for NextHeap {
         let f = self.free_fn.load(Ordering::Relaxed);
         // SAFETY: `free_fn` holds `free_first` or, while the arena holds no block, the real
         // free; the caller guarantees ptr is NULL or a live block of this allocator.
-        unsafe { core::mem::transmute::<*mut (), FreeFn>(f)(ptr) }
+        in_real_allocator(|| unsafe { core::mem::transmute::<*mut (), FreeFn>(f)(ptr) })
     }
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
-        noted(self.memalign_raw(align, size), size, Entry::Memalign, early::caller_of_hook)
+        noted(in_real_allocator(|| self.memalign_raw(align, size)), size, Entry::Memalign, early::caller_of_hook)
     }
 
     fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
-        noted(self.aligned_alloc_raw(align, size), size, Entry::AlignedAlloc, early::caller_of_hook)
+        let block = in_real_allocator(|| self.aligned_alloc_raw(align, size));
+        noted(block, size, Entry::AlignedAlloc, early::caller_of_hook)
     }
 
     unsafe fn posix_memalign(&self, out: *mut *mut c_void, align: usize, size: usize) -> c_int {
         // SAFETY: the caller's guarantee.
-        let rc = unsafe { self.posix_memalign_raw(out, align, size) };
+        let rc = in_real_allocator(|| unsafe { self.posix_memalign_raw(out, align, size) });
         if rc == 0 {
             // SAFETY: written on success.
             noted(unsafe { *out }, size, Entry::PosixMemalign, early::caller_of_hook);
@@ -561,11 +567,11 @@ unsafe impl Heap for NextHeap {
     }
 
     fn valloc(&self, size: usize) -> *mut c_void {
-        noted(self.valloc_raw(size), size, Entry::Valloc, early::caller_of_hook)
+        noted(in_real_allocator(|| self.valloc_raw(size)), size, Entry::Valloc, early::caller_of_hook)
     }
 
     fn pvalloc(&self, size: usize) -> *mut c_void {
-        noted(self.pvalloc_raw(size), size, Entry::Pvalloc, early::caller_of_hook)
+        noted(in_real_allocator(|| self.pvalloc_raw(size)), size, Entry::Pvalloc, early::caller_of_hook)
     }
 
     unsafe fn usable_size(&self, ptr: *mut c_void) -> usize {

@@ -465,7 +465,7 @@ pub(crate) fn writing_reports() -> bool {
 
 /// The reports of [`report_all`].
 fn write_reports(caller: Caller) {
-    if tls::state().depth.get() != 0 {
+    if tls::state().depth.get() != 0 && !crate::dispatch::give_up_a_hook_left_by_a_jump() {
         // A signal handler that interrupted a hook of this thread called `exit`: the hook
         // holds locks (and half-made changes) that every report needs, and waiting for them
         // would hang the exit. Nothing that allocates or locks may run here.

@@ -368,6 +368,17 @@ impl InFlight {
     }
 }
 
+/// Ends the calling thread's mark of a spied hook in progress, if it has one: for a hook that
+/// a `siglongjmp` out of a signal handler abandoned, whose [`InFlight`] is never dropped
+/// (a `fork` would wait for it for ever).
+pub(crate) fn leave_abandoned_hook(ts: &ThreadState) {
+    let seq = ts.in_flight_seq.get();
+    if seq & 1 == 1 && (1..NO_SLOT).contains(&ts.slot.get()) {
+        ts.in_flight_seq.set(seq + 1);
+        slot(ts.slot.get() - 1).seq.store(seq + 1, Ordering::Release);
+    }
+}
+
 impl Drop for InFlight {
     #[inline]
     fn drop(&mut self) {

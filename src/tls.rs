@@ -27,7 +27,8 @@ pub(crate) struct ThreadState {
     pub tick_seen: Cell<u32>,
     /// Depth of hook nesting: 0 outside the hooks. A call that finds it non-zero was made by
     /// the hook itself (or by a signal handler that interrupted it) and goes straight to the
-    /// real allocator.
+    /// real allocator. [`IN_REAL_ALLOCATOR`] while a top-level hook is in the real allocator
+    /// ([`in_real_allocator`]).
     pub depth: Cell<u32>,
     /// Stack and frame pointer at the entry of the last exported allocating function called
     /// on this thread, written by its trampoline (see [`crate::export_interposer!`]; by
@@ -57,6 +58,9 @@ pub(crate) struct ThreadState {
     /// starts.
     pub hook_sp: Cell<u64>,
     pub hook_bp: Cell<u64>,
+    /// The return address at `hook_sp` when the hook began: a hook whose frames a `siglongjmp`
+    /// out of a signal handler abandoned finds it overwritten (see `dispatch::Scope::enter`).
+    pub hook_ret: Cell<u64>,
     /// The stack pointer of the top-level hook in progress, in the hook itself: a call from
     /// inside the hook is deeper (see [`crate::signal_frames`]). 0 while mallocspy's own code
     /// runs as if in a hook (a leak check, a new thread's first steps).
@@ -87,7 +91,7 @@ pub const ENTRY_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_sp);
 /// Offset of `ThreadState::entry_bp` in the block.
 pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 
-const BLOCK_SIZE: usize = 192;
+const BLOCK_SIZE: usize = 256;
 const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);
 const _: () = assert!(core::mem::offset_of!(ThreadState, tick_until) + 24 <= 64);
 const _: () = assert!(core::mem::offset_of!(ThreadState, tick_seen) == 0);
@@ -183,4 +187,25 @@ pub(crate) fn tid() -> u32 {
     let tid = crate::os::gettid();
     ts.tid.set(tid);
     tid
+}
+
+/// [`ThreadState::depth`] while a top-level hook is in the real allocator, where mallocspy
+/// holds no lock of its own.
+pub(crate) const IN_REAL_ALLOCATOR: u32 = 2;
+
+/// Runs `f`, a call of the real allocator, with a top-level hook in progress on this thread
+/// marked as in it: a signal handler that interrupts it there and leaves by `siglongjmp`
+/// leaves no lock of mallocspy's held, and the hook may be given up.
+#[inline(always)]
+pub(crate) fn in_real_allocator<T>(f: impl FnOnce() -> T) -> T {
+    let ts = state();
+    let in_hook = ts.depth.get() == 1;
+    if in_hook {
+        ts.depth.set(IN_REAL_ALLOCATOR);
+    }
+    let result = f();
+    if in_hook {
+        ts.depth.set(1);
+    }
+    result
 }

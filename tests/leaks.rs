@@ -920,6 +920,39 @@ fn a_max_memory_too_small_for_the_tracker_is_noted_in_the_report() {
     assert!(unspied > 0 && untracked > 0, "the sweep meets a thread with no slot and a full table");
 }
 
+/// A signal handler that leaves the malloc it interrupted by `siglongjmp`: the hook it
+/// abandoned stayed "in progress" for good, every later call of the thread went unspied, and
+/// the exit wrote "the process exited from a signal handler that interrupted mallocspy; no
+/// report" (review helper 92). The signal comes from the allocator preloaded after mallocspy,
+/// while the hook is in it.
+#[test]
+fn a_hook_left_by_a_jump_out_of_a_signal_handler_is_given_up() {
+    let raising = c_library("raising_malloc.c");
+    let program = c_program("jump_out_of_malloc.c");
+    for options in ["spy=leaks:report_format=json", "spy=count"] {
+        let out = Command::new(&program)
+            .env("LD_PRELOAD", format!("{} {}", shim().display(), raising.display()))
+            .env("MALLOCSPY_OPTIONS", options)
+            .output()
+            .unwrap();
+        let stderr = text(&out.stderr);
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "jumped out of malloc\n"), "{stderr}");
+        assert!(!stderr.contains("no report"), "{options}: {stderr}");
+        if options.starts_with("spy=leaks") {
+            let report = json_report(&out);
+            let lost = report["leaks"].as_array().unwrap().iter().find(|r| r["stack"][0]["function"] == "lose");
+            assert_eq!(
+                lost.map(|r| (&r["kind"], &r["bytes"])),
+                Some((&"definitely_lost".into(), &7770.into())),
+                "{report}"
+            );
+        } else {
+            let count: serde_json::Value = serde_json::from_str(stderr.lines().last().unwrap()).expect(&stderr);
+            assert!(count["calls"]["malloc"].as_u64().unwrap() >= 11, "{count}");
+        }
+    }
+}
+
 /// A block kept only by the `thread_local` of a thread that exited, in a `dlopen`ed library
 /// (dynamic TLS, the loader's block, which glibc keeps with the dead thread's stack): lost,
 /// as memcheck says; it read as still reachable, retained by the loader's block (review helper
