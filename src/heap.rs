@@ -11,12 +11,12 @@
 //! (jemalloc has no `pvalloc`) is built from the ones it has, never taken from another
 //! allocator: a block from glibc freed by jemalloc would corrupt both.
 
-use crate::tls::in_real_allocator;
 use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering, fence};
 
 use crate::spy::Entry;
+use crate::tls::in_real_allocator;
 use crate::{bootstrap, early, os, sink};
 
 /// The allocator underneath the spy. Implementations have the C functions' semantics.
