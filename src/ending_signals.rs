@@ -15,7 +15,8 @@
 //! signal come twice (sent to the process and to its group, as `timeout` and `kill -- -PGID`
 //! do, when `mallocspy run` also passes it on), which killed the report half-written. The
 //! first signal during the reports of a process that is leaving by `exit` or `_exit` is let
-//! go: the process leaves as it was leaving.
+//! go: the process leaves as it was leaving. A signal that comes inside a hook waits for the
+//! hook's end, [`HOOK_PATIENCE_S`] at most, then comes again as a second request.
 //! Python, which installs its own `INT` handler when it finds the default, still raises
 //! `KeyboardInterrupt`.
 
@@ -129,6 +130,7 @@ extern "C" fn on_signal(signal: c_int, _info: *mut libc::siginfo_t, context: *mu
     }
     if crate::tls::state().depth.get() != 0 {
         DEFERRED.store(signal, Ordering::Relaxed);
+        send_again_later(signal);
         return;
     }
     // SAFETY: an SA_SIGINFO handler's third argument is the interrupted context, a
@@ -150,8 +152,65 @@ pub(crate) fn after_hook() {
 fn take_deferred() {
     match DEFERRED.swap(0, Ordering::Relaxed) {
         0 => {}
-        signal => end_by(signal, None),
+        signal => {
+            // The reports may take longer than the patience: the hook ended, no need for it.
+            cancel_sending_again();
+            end_by(signal, None)
+        }
     }
+}
+
+/// How long a signal deferred to a hook's end waits for it. A hook that never ends (the
+/// program deadlocked in its allocator, by its own fault) kept a process that natively died
+/// of one SIGTERM alive for good: `timeout` without `-k` waited for ever (review helper 92).
+/// The signal comes again then, a second request, which ends the process without the reports.
+const HOOK_PATIENCE_S: i64 = 2;
+
+/// The kernel timer that sends the deferred signal again (-1: none).
+static SEND_AGAIN: AtomicI32 = AtomicI32::new(-1);
+
+/// Has the kernel send `signal` to this thread again in [`HOOK_PATIENCE_S`] seconds. From the
+/// handler: raw system calls only.
+fn send_again_later(signal: c_int) {
+    // SAFETY: zero is a valid sigevent; the fields set say: this signal, to this thread.
+    let mut event: libc::sigevent = unsafe { core::mem::zeroed() };
+    event.sigev_signo = signal;
+    event.sigev_notify = libc::SIGEV_THREAD_ID;
+    event.sigev_notify_thread_id = os::gettid() as c_int;
+    let mut timer: c_int = -1;
+    // SAFETY: the kernel reads the event and writes the timer's id (an int) into `timer`.
+    let created = unsafe {
+        os::raw_syscall(
+            libc::SYS_timer_create,
+            [libc::CLOCK_MONOTONIC as usize, &raw const event as usize, &raw mut timer as usize, 0, 0, 0],
+        )
+    };
+    if created != 0 || SEND_AGAIN.compare_exchange(-1, timer, Ordering::AcqRel, Ordering::Relaxed).is_err() {
+        // No timer, or one already armed (the first deferred signal's).
+        if created == 0 {
+            delete_timer(timer);
+        }
+        return;
+    }
+    let zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let when = libc::itimerspec { it_interval: zero, it_value: libc::timespec { tv_sec: HOOK_PATIENCE_S, tv_nsec: 0 } };
+    // SAFETY: the kernel reads `when`; the timer is ours.
+    unsafe {
+        os::raw_syscall(libc::SYS_timer_settime, [timer as usize, 0, &raw const when as usize, 0, 0, 0]);
+    }
+}
+
+/// Disarms the timer of [`send_again_later`], if one is armed.
+fn cancel_sending_again() {
+    let timer = SEND_AGAIN.swap(-1, Ordering::AcqRel);
+    if timer >= 0 {
+        delete_timer(timer);
+    }
+}
+
+fn delete_timer(timer: c_int) {
+    // SAFETY: deleting a timer of ours; the kernel checks the id.
+    unsafe { os::raw_syscall(libc::SYS_timer_delete, [timer as usize, 0, 0, 0, 0, 0]) };
 }
 
 /// The reports, then the end `signal` brings by default. `interrupted`: the program's context

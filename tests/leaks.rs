@@ -953,6 +953,44 @@ fn a_hook_left_by_a_jump_out_of_a_signal_handler_is_given_up() {
     }
 }
 
+/// A program stuck inside its allocator (a deadlock of its own) while a hook of mallocspy's
+/// is in it: the SIGTERM that ends it natively waited for the hook's end, which never came
+/// (`timeout` without `-k` waited for ever: review helper 92). It now waits two seconds, then
+/// ends the process as a second signal would, without the reports.
+#[test]
+fn a_program_stuck_in_its_allocator_still_dies_of_sigterm() {
+    use std::io::BufRead;
+    let stuck_malloc = c_library("raising_malloc.c");
+    let program = c_program("stuck_in_malloc.c");
+    let mut cmd = Command::new(&program);
+    cmd.env("LD_PRELOAD", format!("{} {}", shim().display(), stuck_malloc.display()))
+        .env_remove("MALLOCSPY_OPTIONS")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = with_ending_signals_at_default(&mut cmd, None).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line, "stuck\n");
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let sent = std::time::Instant::now();
+    // SAFETY: kill has no memory preconditions; the child is ours and not yet reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if sent.elapsed() > std::time::Duration::from_secs(20) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.and_then(|s| s.signal()), Some(libc::SIGTERM), "still alive 20 s after SIGTERM");
+    assert!(sent.elapsed() >= std::time::Duration::from_secs(2), "it waited for the hook first");
+}
+
 /// A block kept only by the `thread_local` of a thread that exited, in a `dlopen`ed library
 /// (dynamic TLS, the loader's block, which glibc keeps with the dead thread's stack): lost,
 /// as memcheck says; it read as still reachable, retained by the loader's block (review helper
