@@ -470,8 +470,8 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         }
     }
     // Some blocks were not tracked: one of the others may be reachable through them alone.
-    let untracked = tracker.untracked() + crate::threads::unspied_calls();
-    let heaps_too = untracked > 0;
+    let (untracked, unspied) = (tracker.untracked(), crate::threads::unspied_calls());
+    let heaps_too = untracked + unspied > 0;
     roots::anonymous_roots(
         &maps,
         heaps_too,
@@ -515,7 +515,6 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
              their registers were not read and their stacks were scanned whole"
         ));
     }
-    let (untracked, unspied) = (tracker.untracked(), crate::threads::unspied_calls());
     if untracked > 0 {
         notes.push(format!(
             "{untracked} allocation(s) were not tracked: mallocspy's memory limit (max_memory) was reached"
