@@ -55,6 +55,10 @@ static LEASED: AtomicUsize = AtomicUsize::new(0);
 static LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
 /// Set at the first lease the limit refused.
 static REFUSED: AtomicBool = AtomicBool::new(false);
+/// Set while the spies are made: a refusal is then left to [`unsaid`]'s caller to say.
+static QUIET: AtomicBool = AtomicBool::new(false);
+/// Set when the limit refused a lease while [`QUIET`] was.
+static REFUSED_QUIETLY: AtomicBool = AtomicBool::new(false);
 
 /// The region size and class a request of `bytes` gets.
 fn class_of(bytes: usize) -> Option<(usize, usize)> {
@@ -202,20 +206,37 @@ pub(crate) unsafe fn give_back(region: NonNull<u8>, bytes: usize) {
 /// Says, once, that the limit refused a lease. What a caller then leaves out (a thread with no
 /// slot or record is not spied at all, so `spy=ticks` under a small `max_memory` counted no
 /// allocation) would otherwise go without a word.
-fn say_refused() {
+pub(crate) fn say_refused() {
+    if QUIET.load(Ordering::Relaxed) {
+        REFUSED_QUIETLY.store(true, Ordering::Relaxed);
+        return;
+    }
     if !REFUSED.swap(true, Ordering::Relaxed) {
         let mut line = Line::<200>::new();
-        let why = match LIMIT_FROM_RLIMIT.load(Ordering::Relaxed) {
-            true => ", a quarter of the process's address-space limit (ulimit -v or -d)",
-            false => "",
-        };
-        let _ = writeln!(
-            line,
-            "mallocspy: max_memory ({} bytes{why}) reached: what does not fit from here on goes unspied",
-            LIMIT.load(Ordering::Relaxed)
-        );
+        let _ = write!(line, "mallocspy: ");
+        write_limit(&mut line);
+        let _ = writeln!(line, " reached: what does not fit from here on goes unspied");
         sink::write(line.as_bytes());
     }
+}
+
+/// Writes the limit as the lines about it name it: `max_memory (N bytes...)`.
+pub(crate) fn write_limit(out: &mut impl Write) {
+    let why = match LIMIT_FROM_RLIMIT.load(Ordering::Relaxed) {
+        true => ", a quarter of the process's address-space limit (ulimit -v or -d)",
+        false => "",
+    };
+    let _ = write!(out, "max_memory ({} bytes{why})", LIMIT.load(Ordering::Relaxed));
+}
+
+/// Runs `make` with the limit's refusals unsaid, and says whether it refused one meanwhile:
+/// the spies are made so, and when they do not fit in the limit the caller says that in one
+/// line, not in a line about the limit and another about the spies.
+pub(crate) fn unsaid<T>(make: impl FnOnce() -> T) -> (T, bool) {
+    QUIET.store(true, Ordering::Relaxed);
+    let made = make();
+    QUIET.store(false, Ordering::Relaxed);
+    (made, REFUSED_QUIETLY.swap(false, Ordering::Relaxed))
 }
 
 /// Caps the bytes the pool may map (leases past it fail); `from_rlimit`: the cap is a share

@@ -9,11 +9,13 @@
 //! that leaves by `_exit` gets the same report from the shim's `_exit`, one that leaves by
 //! `quick_exit` from an `at_quick_exit` handler.
 
+use core::fmt::Write;
 use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use crate::global::{self, GLOBAL};
 use crate::leaks::{self, Caller, StackOptions, Suppressions};
+use crate::line::Line;
 use crate::options::{DEFAULT_MAX_MEMORY, Options, ReportFormat, expand_path};
 use crate::spies::count::CountSpy;
 use crate::spies::guard::GuardSpy;
@@ -162,21 +164,42 @@ fn register_spies() {
     };
     let (limit, from_rlimit) = memory_limit(options.max_memory);
     pool::set_limit(limit, from_rlimit);
-    let builtins = Builtins {
+    let (builtins, refused) = pool::unsaid(|| Builtins {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),
         guard: options.spies.guard.then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc())).flatten().map(leak),
         leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
         ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options))).flatten().map(leak),
         suppressions,
         options,
-    };
+    });
     let s = &builtins.options.spies;
     if s.count != builtins.count.is_some()
         || s.guard != builtins.guard.is_some()
         || s.leaks != builtins.leaks.is_some()
         || s.ticks != builtins.ticks.is_some()
     {
-        return say("cannot map memory for the spies; running unspied");
+        if !refused {
+            return say("cannot map memory for the spies; running unspied");
+        }
+        let mut line = Line::<300>::new();
+        let _ = write!(line, "mallocspy: ");
+        pool::write_limit(&mut line);
+        let _ = write!(line, " is less than");
+        let not_made = [
+            (s.leaks && builtins.leaks.is_none(), "leaks"),
+            (s.ticks && builtins.ticks.is_none(), "ticks"),
+            (s.count && builtins.count.is_none(), "count"),
+            (s.guard && builtins.guard.is_none(), "guard"),
+        ];
+        for (i, (_, name)) in not_made.iter().filter(|(missing, _)| *missing).enumerate() {
+            let _ = write!(line, "{}{name}", if i == 0 { " spy=" } else { "," });
+        }
+        let _ = writeln!(line, " needs; running unspied");
+        return sink::to_stderr(line.as_bytes());
+    }
+    if refused {
+        // Made, with less than they asked for: said as any later refusal is.
+        pool::say_refused();
     }
     // Observers outermost, so they see the caller's pointers and sizes.
     let mut layers: Vec<&'static dyn MallocSpy> = Vec::new();

@@ -184,6 +184,22 @@ fn a_count_that_max_memory_cut_short_says_so() {
     assert_eq!((calls(&count, "malloc"), count.get("complete")), (1_000_002, None), "{report}");
 }
 
+/// A `max_memory` too small to make the spies at all: one line that says so, and the program
+/// runs unspied. It was two, the limit "reached" and then "cannot map memory for the spies",
+/// which read as the kernel refusing memory.
+#[test]
+fn spies_that_do_not_fit_in_max_memory_are_one_line() {
+    for (spies, named) in [("ticks", "ticks"), ("count,ticks", "ticks,count")] {
+        let out = run(Mode::Shim(format!("spy={spies}:max_memory=1m").leak()), &mut ls());
+        assert!(out.status.success());
+        assert!(text(&out.stdout).lines().any(|l| l == "usr"), "the program ran");
+        assert_eq!(
+            text(&out.stderr),
+            format!("mallocspy: max_memory (1048576 bytes) is less than spy={named} needs; running unspied\n")
+        );
+    }
+}
+
 #[test]
 fn spy_none_is_a_pure_pass_through() {
     let out = run(PASS_THROUGH, &mut ls());
