@@ -13,9 +13,9 @@
 //!
 //! What the program maps through these functions is its own memory: glibc's allocator maps
 //! its chunks and heaps with internal calls, which do not come here, and mallocspy maps its
-//! own with the system call. (An allocator preloaded after mallocspy does come here: its
-//! mappings hold blocks, and the scan still leaves those out.) Noted only while the leak
-//! tracker runs, up to [`CAPACITY`] ranges; beyond that, and for a mapping made by a
+//! own with the system call. An allocator preloaded after mallocspy does come here: what it
+//! maps while a hook is in it is noted as its own, no root (its chunks hold blocks; its
+//! metadata, stale addresses of blocks). Noted only while the leak tracker runs, up to [`CAPACITY`] ranges; beyond that, and for a mapping made by a
 //! signal handler that interrupted this bookkeeping, the scan falls back on the kernel's
 //! map alone.
 
@@ -30,56 +30,97 @@ use crate::sync::SpinLock;
 /// a tight `ulimit -v` counts (at 256 KiB, `thread_stacks` no longer fitted in 200 MB).
 pub(crate) const CAPACITY: usize = 4096;
 
-struct Table {
-    lock: SpinLock,
-    ranges: UnsafeCell<([(usize, usize); CAPACITY], usize)>,
+/// Ranges of the allocator's own noted at most: jemalloc maps its metadata and its chunks a
+/// few MiB at a time. Beyond it, a mapping of the allocator's that holds no live block is a
+/// root again, as before it was told apart.
+const ALLOCATOR_CAPACITY: usize = 256;
+
+/// Page ranges `[start, end)`, in no order.
+struct Ranges<const N: usize> {
+    list: [(usize, usize); N],
+    len: usize,
 }
 
-// SAFETY: `ranges` is read and written only under `lock`.
+impl<const N: usize> Ranges<N> {
+    const EMPTY: Self = Self { list: [(0, 0); N], len: 0 };
+
+    fn noted(&self) -> &[(usize, usize)] {
+        &self.list[..self.len]
+    }
+
+    /// Notes `[start, end)`, in place of what was noted there (a `MAP_FIXED` mapping replaces
+    /// what was mapped).
+    fn note(&mut self, start: usize, end: usize) {
+        self.forget(start, end);
+        self.push((start, end));
+    }
+
+    fn push(&mut self, range: (usize, usize)) {
+        if self.len < N {
+            self.list[self.len] = range;
+            self.len += 1;
+        } else {
+            OVERFLOWED.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Forgets `[start, end)`: ranges inside it go, ranges across its ends are cut.
+    fn forget(&mut self, start: usize, end: usize) {
+        let mut i = 0;
+        while i < self.len {
+            let (s, e) = self.list[i];
+            if e <= start || end <= s {
+                i += 1;
+                continue;
+            }
+            match (s < start, end < e) {
+                (false, false) => {
+                    self.len -= 1;
+                    self.list[i] = self.list[self.len];
+                    continue;
+                }
+                (true, false) => self.list[i].1 = start,
+                (false, true) => self.list[i].0 = end,
+                (true, true) => {
+                    self.list[i].1 = start;
+                    self.push((end, e));
+                }
+            }
+            i += 1;
+        }
+    }
+
+    fn holds(&self, addr: usize) -> bool {
+        self.noted().iter().any(|&(s, e)| s <= addr && addr < e)
+    }
+}
+
+/// The program's mappings, and the allocator's.
+struct Noted {
+    program: Ranges<CAPACITY>,
+    /// Mapped by the allocator after mallocspy while a hook was in it.
+    allocator: Ranges<ALLOCATOR_CAPACITY>,
+}
+
+struct Table {
+    lock: SpinLock,
+    noted: UnsafeCell<Noted>,
+}
+
+// SAFETY: `noted` is read and written only under `lock`.
 unsafe impl Sync for Table {}
 
-static TABLE: Table = Table { lock: SpinLock::new(), ranges: UnsafeCell::new(([(0, 0); CAPACITY], 0)) };
+static TABLE: Table =
+    Table { lock: SpinLock::new(), noted: UnsafeCell::new(Noted { program: Ranges::EMPTY, allocator: Ranges::EMPTY }) };
 /// Whether a range could not be noted (the table was full). For a debugger's eyes.
 static OVERFLOWED: AtomicBool = AtomicBool::new(false);
 
 /// Runs `f` on the table, unless the calling thread holds its lock already (a signal handler
 /// interrupted it): then the change is not noted.
-fn with_table<R>(f: impl FnOnce(&mut [(usize, usize); CAPACITY], &mut usize) -> R) -> Option<R> {
+fn with_table<R>(f: impl FnOnce(&mut Noted) -> R) -> Option<R> {
     let _guard = TABLE.lock.try_lock().ok()?;
     // SAFETY: the lock is held.
-    let (ranges, len) = unsafe { &mut *TABLE.ranges.get() };
-    Some(f(ranges, len))
-}
-
-/// Forgets `[start, end)`: ranges inside it go, ranges across its ends are cut.
-fn forget(ranges: &mut [(usize, usize); CAPACITY], len: &mut usize, start: usize, end: usize) {
-    let mut i = 0;
-    while i < *len {
-        let (s, e) = ranges[i];
-        if e <= start || end <= s {
-            i += 1;
-            continue;
-        }
-        match (s < start, end < e) {
-            (false, false) => {
-                *len -= 1;
-                ranges[i] = ranges[*len];
-                continue;
-            }
-            (true, false) => ranges[i].1 = start,
-            (false, true) => ranges[i].0 = end,
-            (true, true) => {
-                ranges[i].1 = start;
-                if *len < CAPACITY {
-                    ranges[*len] = (end, e);
-                    *len += 1;
-                } else {
-                    OVERFLOWED.store(true, Ordering::Relaxed);
-                }
-            }
-        }
-        i += 1;
-    }
+    Some(f(unsafe { &mut *TABLE.noted.get() }))
 }
 
 fn page_end(start: usize, len: usize) -> usize {
@@ -90,39 +131,57 @@ fn tracking() -> bool {
     crate::spies::leaks::tracker().is_some()
 }
 
-/// Notes that the program mapped `[start, start + len)`, anonymous and private.
+/// Notes that `[start, start + len)` was mapped, anonymous and private: by the allocator
+/// after mallocspy when a hook is in it on this thread (its metadata: jemalloc's thread
+/// caches keep the addresses of blocks they handed out, stale, and as roots they kept blocks
+/// leaked since "reachable"), else by the program.
 pub(crate) fn mapped(start: usize, len: usize) {
     if !tracking() {
         return;
     }
     let end = page_end(start, len);
-    with_table(|ranges, n| {
-        // A MAP_FIXED mapping replaces what was there.
-        forget(ranges, n, start, end);
-        if *n < CAPACITY {
-            ranges[*n] = (start, end);
-            *n += 1;
+    let by_allocator = crate::tls::state().depth.get() == crate::tls::IN_REAL_ALLOCATOR;
+    with_table(|noted| {
+        if by_allocator {
+            noted.program.forget(start, end);
+            noted.allocator.note(start, end);
         } else {
-            OVERFLOWED.store(true, Ordering::Relaxed);
+            noted.allocator.forget(start, end);
+            noted.program.note(start, end);
         }
     });
 }
 
-/// Notes that the program unmapped `[start, start + len)` (or mapped a file over it).
+/// Notes that `[start, start + len)` was unmapped (or a file mapped over it).
 pub(crate) fn unmapped(start: usize, len: usize) {
     if !tracking() {
         return;
     }
     let end = page_end(start, len);
-    with_table(|ranges, n| forget(ranges, n, start, end));
+    with_table(|noted| {
+        noted.program.forget(start, end);
+        noted.allocator.forget(start, end);
+    });
 }
 
-/// The ranges noted, sorted. Takes the table's lock: not while other threads are stopped.
-pub(crate) fn snapshot() -> Vec<(u64, u64)> {
-    let mut out = with_table(|ranges, n| ranges[..*n].iter().map(|&(s, e)| (s as u64, e as u64)).collect::<Vec<_>>())
-        .unwrap_or_default();
-    out.sort_unstable();
-    out
+/// The ranges noted, each list sorted.
+#[derive(Default)]
+pub(crate) struct Snapshot {
+    /// Mapped by the program.
+    pub program: Vec<(u64, u64)>,
+    /// Mapped by the allocator after mallocspy, inside an allocator call.
+    pub allocator: Vec<(u64, u64)>,
+}
+
+/// The ranges noted. Takes the table's lock: not while other threads are stopped.
+pub(crate) fn snapshot() -> Snapshot {
+    let sorted = |ranges: &[(usize, usize)]| {
+        let mut out: Vec<(u64, u64)> = ranges.iter().map(|&(s, e)| (s as u64, e as u64)).collect();
+        out.sort_unstable();
+        out
+    };
+    with_table(|noted| Snapshot { program: sorted(noted.program.noted()), allocator: sorted(noted.allocator.noted()) })
+        .unwrap_or_default()
 }
 
 /// Child side of `fork`: a thread that held the lock is not in the child.
@@ -215,7 +274,7 @@ pub(crate) unsafe fn mremap(
     };
     if p != libc::MAP_FAILED && tracking() {
         let (old, new) = (old as usize, p as usize);
-        let was_noted = with_table(|ranges, n| ranges[..*n].iter().any(|&(s, e)| s <= old && old < e)).unwrap_or(false);
+        let was_noted = with_table(|noted| noted.program.holds(old) || noted.allocator.holds(old)).unwrap_or(false);
         if flags & libc::MREMAP_DONTUNMAP == 0 {
             unmapped(old, old_len);
         }
@@ -230,16 +289,11 @@ pub(crate) unsafe fn mremap(
 mod tests {
     use super::*;
 
-    fn table(list: &[(usize, usize)]) -> ([(usize, usize); CAPACITY], usize) {
-        let mut ranges = [(0, 0); CAPACITY];
-        ranges[..list.len()].copy_from_slice(list);
-        (ranges, list.len())
-    }
-
     fn after_forget(list: &[(usize, usize)], start: usize, end: usize) -> Vec<(usize, usize)> {
-        let (mut ranges, mut len) = table(list);
-        forget(&mut ranges, &mut len, start, end);
-        let mut v = ranges[..len].to_vec();
+        let mut ranges = Ranges::<CAPACITY>::EMPTY;
+        list.iter().for_each(|&r| ranges.push(r));
+        ranges.forget(start, end);
+        let mut v = ranges.noted().to_vec();
         v.sort_unstable();
         v
     }

@@ -20,13 +20,6 @@ fn expected() -> HashMap<String, String> {
         .collect()
 }
 
-fn json_report(out: &Output) -> serde_json::Value {
-    let stderr = text(&out.stderr);
-    let line =
-        stderr.lines().find(|l| l.starts_with("{\"pid\"")).unwrap_or_else(|| panic!("no JSON report:\n{stderr}"));
-    serde_json::from_str(line).unwrap()
-}
-
 /// The bytes of each still-reachable record of a JSON report.
 fn still_reachable_bytes(report: &serde_json::Value) -> Vec<u64> {
     let records = report["leaks"].as_array().unwrap().iter();

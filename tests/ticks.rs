@@ -1836,9 +1836,8 @@ fn a_max_memory_too_small_is_said_and_the_allocations_it_leaves_out_are_named() 
         let (out, stderr) = sort(&format!("spy=ticks:max_memory={limit_k}k"));
         assert_eq!(out, expected_out, "limit {limit_k}k");
         let limit = format!("mallocspy: max_memory ({} bytes)", limit_k << 10);
-        let limit_said = [" reached", " is less than spy=ticks needs"]
-            .iter()
-            .any(|said| stderr.contains(&format!("{limit}{said}")));
+        let limit_said =
+            [" reached", " is less than spy=ticks needs"].iter().any(|said| stderr.contains(&format!("{limit}{said}")));
         let seen = counted(&stderr) + uncounted(&stderr);
         // Every allocation counted or named; or, when the thread got no slot at all (or the
         // spy no tables), none seen and the limit said.

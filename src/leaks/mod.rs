@@ -330,9 +330,9 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     let heap = Heap::new(&spans);
     let mut scratch = Scratch::for_blocks(spans.len());
     let mut maps = Maps::reserve();
-    let program_mappings = crate::program_mappings::snapshot();
+    let mappings = crate::program_mappings::snapshot();
     let mut regions: Vec<(u64, u64)> =
-        Vec::with_capacity(modules.roots.len() + 3 * 4096 + 4 + maps.list.capacity() + program_mappings.len());
+        Vec::with_capacity(modules.roots.len() + 3 * 4096 + 4 + maps.list.capacity() + mappings.program.len());
     // mallocspy's own block in each thread's static TLS, which keeps copies of the program's
     // registers (the frame pointer at the last allocator call, which optimized code uses as
     // any other register) and the spy's words: no root, wherever it lies.
@@ -472,16 +472,7 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     // Some blocks were not tracked: one of the others may be reachable through them alone.
     let (untracked, unspied) = (tracker.untracked(), crate::threads::unspied_calls());
     let heaps_too = untracked + unspied > 0;
-    roots::anonymous_roots(
-        &maps,
-        heaps_too,
-        &starts,
-        &stack_pointers,
-        &modules,
-        &program_mappings,
-        &exited,
-        &mut regions,
-    );
+    roots::anonymous_roots(&maps, heaps_too, &starts, &stack_pointers, &modules, &mappings, &exited, &mut regions);
     region_kinds.resize(regions.len(), Root::Anonymous);
     own_blocks.sort_unstable();
     cut_out(&mut regions, &mut region_kinds, &own_blocks);

@@ -146,8 +146,9 @@ impl Maps {
 /// every report, made `/bin/true`'s exit report cost a millisecond).
 ///
 /// The kernel merges neighbouring anonymous mappings: of one left out, the parts the program
-/// mapped itself (`program`, sorted: see [`crate::program_mappings`]) are still roots when
-/// they hold no block.
+/// mapped itself (`noted.program`: see [`crate::program_mappings`]) are still roots when
+/// they hold no block. What an allocator preloaded after mallocspy mapped inside its calls
+/// (`noted.allocator`) is its heap, whether it holds a block or its metadata.
 ///
 /// `heaps_too`: the allocator's heaps are roots as well, when some blocks were not tracked
 /// (`max_memory` reached): a block reachable only through one of those would otherwise be
@@ -160,10 +161,15 @@ pub(crate) fn anonymous_roots(
     block_starts: &[u64],
     stack_pointers: &[u64],
     modules: &ModuleData,
-    program: &[(u64, u64)],
+    noted: &crate::program_mappings::Snapshot,
     exited: &[u64],
     out: &mut Vec<(u64, u64)>,
 ) {
+    let program = &noted.program[..];
+    let allocators = |start: u64, end: u64| {
+        let first = noted.allocator.partition_point(|r| r.1 <= start);
+        noted.allocator.get(first).is_some_and(|r| r.0 < end)
+    };
     // A stack glibc freed may have been reused by the program for a mapping of its own.
     let in_program = |sp: u64| program.get(program.partition_point(|r| r.1 <= sp)).is_some_and(|r| r.0 <= sp);
     let root = |start: u64, end: u64| {
@@ -175,7 +181,7 @@ pub(crate) fn anonymous_roots(
             .any(|&sp| !in_program(sp));
         let module_data =
             modules.roots.iter().chain(&modules.allocator).chain(&modules.own).any(|&(s, e)| start < e && s < end);
-        let heap = holds_block || glibc_thread_heap(maps, start, end);
+        let heap = holds_block || allocators(start, end) || glibc_thread_heap(maps, start, end);
         (!heap || heaps_too)
             && !holds_stack
             && !exited_stack

@@ -322,3 +322,11 @@ pub fn key_values(line: &str) -> std::collections::HashMap<String, u64> {
         .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
         .collect()
 }
+
+/// The JSON leak report (`report_format=json`) among what the process wrote on stderr.
+pub fn json_report(out: &Output) -> serde_json::Value {
+    let stderr = text(&out.stderr);
+    let line =
+        stderr.lines().find(|l| l.starts_with("{\"pid\"")).unwrap_or_else(|| panic!("no JSON report:\n{stderr}"));
+    serde_json::from_str(line).unwrap()
+}
