@@ -1137,8 +1137,16 @@ impl<H: Heap> Interposer<H> {
         let unspied = || {
             keep_old();
             self.disable(cell, scope);
-            // SAFETY: unspied: a real block (the caller's guarantee).
-            if spied { failed(libc::ENOMEM) } else { unsafe { self.heap.realloc(ptr, size) } }
+            if !spied {
+                // SAFETY: unspied: a real block (the caller's guarantee).
+                return unsafe { self.heap.realloc(ptr, size) };
+            }
+            // Where the spy laid the block out is its own knowledge: the caller's bytes move
+            // to a real block, and the old one goes back through the spy with the parked
+            // frees (a spy that fails again there leaks it). The call failed instead, and a
+            // Rust program aborts when `realloc` fails (review helper 94).
+            // SAFETY: the caller's guarantee; the block is in the table again.
+            unsafe { self.realloc_nested(ptr, size) }
         };
 
         if cell.call(|spy| spy.before_release(entry, ptr, spied)).is_err() {

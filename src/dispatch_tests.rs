@@ -962,11 +962,13 @@ fn a_panicking_spy_is_revoked_and_the_call_still_succeeds() {
     assert!(ip.registry.is_empty());
 }
 
-/// A [`HeaderSpy`] whose `post_realloc` panics, or lays its header out 24 bytes into the real
-/// block, so that the caller's pointer is 8 bytes off a 16-byte boundary.
+/// A [`HeaderSpy`] whose `pre_realloc` or `post_realloc` panics, or whose `post_realloc` lays
+/// its header out 24 bytes into the real block, so that the caller's pointer is 8 bytes off a
+/// 16-byte boundary.
 struct ReallocGoesWrong {
     header: HeaderSpy,
     panics: bool,
+    pre_panics: bool,
 }
 
 impl MallocSpy for ReallocGoesWrong {
@@ -980,6 +982,7 @@ impl MallocSpy for ReallocGoesWrong {
         self.header.pre_free(request, spied)
     }
     fn pre_realloc(&self, request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize) {
+        assert!(!self.pre_panics, "spy bug");
         let (real, real_size) = self.header.pre_realloc(request, size, spied);
         (real, real_size + 8)
     }
@@ -1003,7 +1006,8 @@ fn a_realloc_whose_post_realloc_panics_keeps_the_callers_bytes() {
     let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
-    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: true })).unwrap();
+    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: true, pre_panics: false }))
+        .unwrap();
     let p = ip.malloc(32);
     let pattern: Vec<u8> = (1..=32).collect();
     // SAFETY: p is a live block of 32 bytes; q one of 100,000 (a move: glibc cannot grow a
@@ -1019,6 +1023,32 @@ fn a_realloc_whose_post_realloc_panics_keeps_the_callers_bytes() {
     assert!(ip.registry.is_empty(), "the spy is revoked");
 }
 
+/// A realloc whose `pre_realloc` panics still succeeds, with the caller's bytes, and the old
+/// block goes back through the spy: it failed (ENOMEM), and a Rust program whose `Vec` grew
+/// then aborted (review helper 94).
+#[test]
+fn a_realloc_whose_pre_realloc_panics_still_succeeds() {
+    let _serial = serial();
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: false, pre_panics: true }))
+        .unwrap();
+    let p = ip.malloc(32);
+    let pattern: Vec<u8> = (1..=32).collect();
+    // SAFETY: p is a live block of 32 bytes; q one of 100,000.
+    unsafe {
+        core::ptr::copy_nonoverlapping(pattern.as_ptr(), p.cast::<u8>(), 32);
+        let q = ip.realloc(p, 100_000);
+        assert!(!q.is_null(), "errno {}", os::errno());
+        assert_eq!(core::slice::from_raw_parts(q.cast::<u8>(), 32), &pattern[..]);
+        assert!(libc::malloc_usable_size(q) >= 100_000);
+        assert!(!ip.registry.is_empty(), "the old block is still the spy's to free");
+        ip.free(q);
+    }
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 1, "the old block went back through the spy");
+    assert!(ip.registry.is_empty(), "the spy is revoked, and gone with its last block");
+}
+
 /// A misaligned block from `post_realloc` is not given out: the caller gets an aligned, unspied
 /// copy, and the spy's block goes back through the spy (it was handed over misaligned, though
 /// the message said such allocations were served unspied; review helper 78).
@@ -1027,7 +1057,8 @@ fn a_misaligned_block_from_post_realloc_is_served_unspied() {
     let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
-    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: false })).unwrap();
+    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: false, pre_panics: false }))
+        .unwrap();
     let p = ip.malloc(32);
     let pattern: Vec<u8> = (1..=32).collect();
     // SAFETY: p is a live block of 32 bytes; q one of 64.

@@ -281,7 +281,12 @@ pub enum Role {
 /// * A spy must not block (waiting for another thread to allocate would deadlock) and should
 ///   be quick: it runs on every allocation of the process.
 /// * A panic in any method is caught: it is reported once, the spy is revoked (it keeps
-///   receiving the frees of its live blocks) and the program goes on.
+///   receiving the frees of its live blocks) and the program goes on. The call goes on as
+///   without the spy, but for what only the spy knows: a block of its own whose
+///   [`pre_free`](Self::pre_free) panicked is never freed (where it really starts is the
+///   spy's answer), and one whose [`pre_realloc`](Self::pre_realloc) panicked is copied to a
+///   new block of the real allocator's, the old one going back through the spy's `pre_free`
+///   later.
 /// * Calls on different threads run concurrently; a Pre method and its Post method run on the
 ///   same thread, with no other call of that thread in between.
 ///
