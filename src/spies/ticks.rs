@@ -624,7 +624,10 @@ impl TickSpy {
         let mut stats = self.stats();
         stats.time_ns = self.elapsed_ns();
         let live = stats.live_bytes();
-        stats.peak_live_bytes = self.estimates.peak_live.load(Ordering::Relaxed).max(live);
+        // Kept as the peak: this live figure counts what threads have not flushed, and the
+        // next event's peak must not read below it (it did, with threads on both cores:
+        // review helper 94).
+        stats.peak_live_bytes = self.estimates.peak_live.fetch_max(live, Ordering::Relaxed).max(live);
         stats
     }
 
@@ -1020,6 +1023,22 @@ mod tests {
         assert!((4 * second..=5 * second).contains(&next), "the parent's time for the next walk: {next}");
         let view = |s: &trace::HeapStats| [s.arena_bytes, s.mmapped_bytes, s.free_bytes, s.in_use_bytes];
         assert_eq!(view(&spy.emit_stats()), walked, "the inherited heap is not walked again yet");
+    }
+
+    /// An event's peak counts the live bytes threads have not flushed; the next event's may
+    /// not read below it (one read 4,299 after one of 8,598: review helper 94).
+    #[test]
+    fn an_events_peak_is_never_below_an_earlier_ones() {
+        let config = Config { sampling: Sampling::Poisson, interval: 1000, depth: 8, seed: 1, stats_interval_ns: 0 };
+        let spy = TickSpy::new(config).unwrap();
+        let _hook = crate::dispatch::Scope::enter().unwrap();
+        let (_, t) = spy.mine().unwrap();
+        // Samples of another thread's, not flushed to the shared total: the peak there is less.
+        t.live.add_own(gate::SMALL, 8000, 8 << 10);
+        spy.estimates.peak_live.store(4000, Ordering::Relaxed);
+        assert_eq!(spy.stats_now().peak_live_bytes, 8000);
+        t.live.take_own(gate::SMALL, 8000, 8 << 10);
+        assert_eq!(spy.stats_now().peak_live_bytes, 8000, "the peak an event gave stays");
     }
 
     #[test]
