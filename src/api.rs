@@ -52,6 +52,12 @@ pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError
 /// blocks allocated under the spy are live: the revoke is then pending, the spy keeps
 /// receiving the frees and reallocs of those blocks and is dropped right after the last one
 /// is freed. [`SpyError::NotInterposed`] as for [`register_malloc_spy`].
+///
+/// Some blocks live as long as the process or a thread: a revoke may then stay pending for
+/// good, and every later registration answer `AlreadyRegistered`. The first thread spawned
+/// under the spy leaves a few (among them glibc's TLS vector for it, kept with the cached
+/// thread stack), and so does the main thread's first blocking receive on a std channel.
+/// Spawning a thread and waiting once before registering keeps them unspied.
 pub fn revoke_malloc_spy() -> Result<(), SpyError> {
     match target()? {
         Target::Here => global::revoke_here(),

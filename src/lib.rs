@@ -18,11 +18,11 @@
 //!   malloc family itself, and its spy sees the allocations of the C libraries it calls too.
 //!
 //! ```no_run
-//! use std::ffi::c_void;
 //! use std::sync::atomic::{AtomicUsize, Ordering};
 //! use mallocspy::{register_malloc_spy, revoke_malloc_spy, MallocSpy};
 //!
-//! /// Counts allocations and pads each one with a 16-byte header.
+//! /// Counts allocations, and makes each one 16 bytes larger than asked (the caller's
+//! /// pointer is the real one: nothing else to map).
 //! struct Padding(AtomicUsize);
 //!
 //! impl MallocSpy for Padding {
@@ -30,22 +30,18 @@
 //!         self.0.fetch_add(1, Ordering::Relaxed);
 //!         size.checked_add(16).unwrap_or(0) // 0: fail the call
 //!     }
-//!     fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
-//!         if actual.is_null() { actual } else { actual.wrapping_byte_add(16) }
-//!     }
-//!     fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
-//!         if spied { request.wrapping_byte_sub(16) } else { request }
-//!     }
-//!     // (a complete spy also maps pointers in pre_realloc/post_realloc and pre_get_size,
-//!     //  and keeps the alignment in pre_alloc_aligned/post_alloc_aligned)
 //! }
 //!
 //! register_malloc_spy(Padding(AtomicUsize::new(0)))?;
 //! let v = vec![1u8; 100]; // Rust's allocator calls malloc: spied
 //! drop(v);
-//! revoke_malloc_spy()?; // Ok, or AccessDenied while padded blocks live (revoke pending)
+//! revoke_malloc_spy()?; // Ok, or AccessDenied while blocks allocated under it live (revoke pending)
 //! # Ok::<(), mallocspy::SpyError>(())
 //! ```
+//!
+//! A spy that moves the caller's pointer (a header before each block) maps it back in every
+//! Pre method that takes one and keeps the alignment of aligned requests: the README's
+//! `Header` spy is a complete one, run as written by the tests.
 //!
 //! The contract every spy lives by — what runs when, what a spy may change, re-entrancy,
 //! panics, threads — is on [`MallocSpy`].

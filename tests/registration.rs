@@ -50,6 +50,16 @@ fn the_readme_c_spy_runs_every_entry_point() {
     assert_eq!(out.status.code(), Some(0));
 }
 
+/// The README's Rust spy, as written there (the fixture's `build.rs` takes it out), run
+/// through every entry point by a Rust program under the shim. The example it showed left
+/// its realloc members to a comment: a program that copied it aborted at its first realloc.
+#[test]
+fn the_readme_rust_spy_runs_every_entry_point() {
+    let out = run(PASS_THROUGH, &mut Command::new(rust_program("spies", "readme_spy")));
+    assert_eq!(text(&out.stdout), "ok\n", "{}", text(&out.stderr));
+    assert_eq!(out.status.code(), Some(0));
+}
+
 /// A handle no `dlclose` unloads, the program's own (`dlopen(NULL)`), is closed as usual
 /// though the spy's code is in the program: it was refused, with a line saying the program
 /// stays loaded.
