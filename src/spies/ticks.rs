@@ -10,8 +10,9 @@
 //!   stands for `size / p` bytes, so sums of weights are unbiased estimates of true totals
 //!   whatever the allocation pattern (the scheme of tcmalloc, jemalloc's prof and heapprofd).
 //! * `tick`: .NET's rule: a tick when a thread's bytes of one kind since its last tick reach
-//!   the interval; the tick stands for those bytes. Totals are exact, but a periodic pattern
-//!   whose period divides the interval ticks the same site every time.
+//!   the interval; the tick stands for those bytes. Totals are exact but for each thread's
+//!   last stride of each kind, short of the interval, which no tick carries; and a periodic
+//!   pattern whose period divides the interval ticks the same site every time.
 //!
 //! Frees look up the sampled blocks only when a bitmap says the address may be one
 //! ([`crate::spies::sampled`]). When this spy is the only one, [`crate::gate`] does the
