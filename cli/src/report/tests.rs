@@ -58,6 +58,13 @@ fn the_text_report_ranks_sites_by_bytes_allocated_and_by_live_bytes_at_peak() {
     assert!(report.contains("  duration     2.00 s\n"), "{report}");
     assert!(report.contains("poisson, one sample per 1.00 KiB allocated on average"), "{report}");
     assert!(report.contains("  allocated    4.88 KiB in 34 objects (estimated)\n"), "{report}");
+    // Four samples: the estimates are worth little, and the report says so.
+    assert!(
+        report.contains(
+            "  allocated    4.88 KiB in 34 objects (estimated)\n               from 4 samples: good to about ±50%"
+        ),
+        "{report}"
+    );
     assert!(report.contains("  peak live    2.93 KiB at 20 ns"), "{report}");
     let one = type_name_of_val(&site_one);
     let two = type_name_of_val(&site_two);
