@@ -15,9 +15,9 @@
 //! its chunks and heaps with internal calls, which do not come here, and mallocspy maps its
 //! own with the system call. An allocator preloaded after mallocspy does come here: what it
 //! maps while a hook is in it is noted as its own, no root (its chunks hold blocks; its
-//! metadata, stale addresses of blocks). Noted only while the leak tracker runs, up to [`CAPACITY`] ranges; beyond that, and for a mapping made by a
-//! signal handler that interrupted this bookkeeping, the scan falls back on the kernel's
-//! map alone.
+//! metadata, stale addresses of blocks). Noted only while the leak tracker runs, up to
+//! [`CAPACITY`] ranges; beyond that, and for a mapping made by a signal handler that
+//! interrupted this bookkeeping, the scan falls back on the kernel's map alone.
 
 use core::cell::UnsafeCell;
 use core::ffi::c_void;
