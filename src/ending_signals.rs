@@ -19,9 +19,16 @@
 //! hook's end, [`HOOK_PATIENCE_S`] at most, then comes again as a second request.
 //! Python, which installs its own `INT` handler when it finds the default, still raises
 //! `KeyboardInterrupt`.
+//!
+//! A handler the program sets with `SA_RESETHAND` (node's for `INT` and `TERM`, every one
+//! `sysv_signal` sets) goes back to the default when it runs, by the kernel, behind
+//! `sigaction`'s back: the program's handler then raises the signal again to die by it, and
+//! died without the report. Such a handler is installed behind a trampoline of mallocspy's
+//! ([`on_oneshot`]), which puts mallocspy's handler back, as the kernel would the default,
+//! and calls the program's.
 
 use core::ffi::{c_int, c_void};
-use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 
 use crate::os;
 
@@ -105,6 +112,59 @@ static FIRST_NS: AtomicU64 = AtomicU64::new(0);
 
 /// A signal this soon after the first is the same one come twice, not a second request.
 const DUPLICATE_NS: u64 = 300_000_000;
+
+/// For each signal (by number), the program's `SA_RESETHAND` handler behind [`on_oneshot`]
+/// until it runs (0: none), and its flags as the program gave them.
+static ONESHOT: [AtomicUsize; 32] = [const { AtomicUsize::new(0) }; 32];
+static ONESHOT_FLAGS: [AtomicI32; 32] = [const { AtomicI32::new(0) }; 32];
+
+/// The program's `SA_RESETHAND` handler of `signal`, run once: as the kernel resets the action
+/// to the default before the handler runs, this puts mallocspy's back (the default, as the
+/// program sees it), then calls the program's handler. A program that then raises the signal
+/// again to die by it (node) dies by mallocspy's handler, with the reports.
+extern "C" fn on_oneshot(signal: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
+    let Some(slot) = ONESHOT.get(signal as usize) else { return };
+    let handler = slot.swap(0, Ordering::AcqRel);
+    if handler == 0 || !arm(signal) {
+        // It ran already, on another thread (its signal came twice at once): this one finds
+        // the default, as it would natively.
+        return on_signal(signal, info, context);
+    }
+    if ONESHOT_FLAGS[signal as usize].load(Ordering::Relaxed) & libc::SA_SIGINFO != 0 {
+        // SAFETY: the program gave this handler with SA_SIGINFO: its signature is this one.
+        let f =
+            unsafe { core::mem::transmute::<usize, extern "C" fn(c_int, *mut libc::siginfo_t, *mut c_void)>(handler) };
+        f(signal, info, context);
+    } else {
+        // SAFETY: the program gave this handler without SA_SIGINFO: a plain handler.
+        let f = unsafe { core::mem::transmute::<usize, extern "C" fn(c_int)>(handler) };
+        f(signal);
+    }
+}
+
+/// Puts the program's action of `signal` behind [`on_oneshot`] if it is a handler with
+/// `SA_RESETHAND`, after the program set it (by `sigaction` or libc's `signal` family).
+fn take_over_oneshot(signal: c_int) {
+    // SAFETY: zero is a valid sigaction; a query changes nothing.
+    let mut now: libc::sigaction = unsafe { core::mem::zeroed() };
+    // SAFETY: a query into our buffer.
+    if unsafe { next_sigaction(signal, core::ptr::null(), &mut now) } != 0
+        || now.sa_flags & libc::SA_RESETHAND == 0
+        || [libc::SIG_DFL, libc::SIG_IGN, libc::SIG_ERR].contains(&now.sa_sigaction)
+        || is_ours(now.sa_sigaction)
+        || now.sa_sigaction == on_oneshot as *const () as usize
+    {
+        return;
+    }
+    let Some(slot) = ONESHOT.get(signal as usize) else { return };
+    ONESHOT_FLAGS[signal as usize].store(now.sa_flags, Ordering::Relaxed);
+    slot.store(now.sa_sigaction, Ordering::Release);
+    // Its mask, its other flags; the trampoline takes the three arguments.
+    now.sa_sigaction = on_oneshot as *const () as usize;
+    now.sa_flags = (now.sa_flags & !libc::SA_RESETHAND) | libc::SA_SIGINFO;
+    // SAFETY: a valid action whose handler has the SA_SIGINFO signature.
+    unsafe { next_sigaction(signal, &now, core::ptr::null_mut()) };
+}
 
 /// The handler: the reports, then the end the signal would have brought. Inside a hook of
 /// this thread, which holds locks and half-made changes every report needs, that waits for
@@ -246,11 +306,24 @@ fn is_ours(handler: libc::sighandler_t) -> bool {
     handler == on_signal as *const () as usize
 }
 
-/// What the program sees of an action of ours: the default.
-fn as_seen(action: &mut libc::sigaction) {
+/// What the program sees of an action of ours: the default; of `signal`'s trampoline
+/// ([`on_oneshot`]), the handler and flags it gave.
+fn as_seen(signal: c_int, action: &mut libc::sigaction) {
     if is_ours(action.sa_sigaction) {
         // SAFETY: zero is a valid sigaction: SIG_DFL with an empty mask.
         *action = unsafe { core::mem::zeroed() };
+    } else if action.sa_sigaction == on_oneshot as *const () as usize
+        && let Some(slot) = ONESHOT.get(signal as usize)
+    {
+        match slot.load(Ordering::Acquire) {
+            // Run since: the reset, which puts ours back, the default, is about to show.
+            // SAFETY: zero is a valid sigaction: SIG_DFL with an empty mask.
+            0 => *action = unsafe { core::mem::zeroed() },
+            handler => {
+                action.sa_sigaction = handler;
+                action.sa_flags = ONESHOT_FLAGS[signal as usize].load(Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -286,7 +359,7 @@ pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut li
             // SAFETY: the caller's guarantee.
             return unsafe { next_sigaction(signal, act, old) };
         }
-        as_seen(&mut now);
+        as_seen(signal, &mut now);
         if !old.is_null() {
             // SAFETY: the caller's buffer.
             unsafe { old.write(now) };
@@ -298,7 +371,10 @@ pub unsafe fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut li
     let status = unsafe { next_sigaction(signal, act, old) };
     if status == 0 && !old.is_null() {
         // SAFETY: the caller's buffer, which libc has just filled.
-        as_seen(unsafe { &mut *old });
+        as_seen(signal, unsafe { &mut *old });
+    }
+    if status == 0 && !act.is_null() {
+        take_over_oneshot(signal);
     }
     status
 }
@@ -361,8 +437,16 @@ unsafe fn set_by_libc(
     }
     // SAFETY: the caller's guarantee: libc's function has this signature.
     let old = unsafe { core::mem::transmute::<*mut c_void, Signal>(f)(signal, handler) };
-    if old != libc::SIG_ERR && handled(signal) && handler == libc::SIG_DFL {
-        arm(signal);
+    if old != libc::SIG_ERR && handled(signal) {
+        if handler == libc::SIG_DFL {
+            arm(signal);
+        } else {
+            take_over_oneshot(signal);
+        }
     }
-    if is_ours(old) { libc::SIG_DFL } else { old }
+    // SAFETY: zero is a valid sigaction.
+    let mut seen: libc::sigaction = unsafe { core::mem::zeroed() };
+    seen.sa_sigaction = old;
+    as_seen(signal, &mut seen);
+    seen.sa_sigaction
 }

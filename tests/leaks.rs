@@ -2033,6 +2033,28 @@ fn a_signal_that_ends_the_program_writes_the_report_and_the_program_still_dies_o
     assert!(!text(&off.stderr).contains("LEAK SUMMARY"), "report_on_signal=0: {}", text(&off.stderr));
 }
 
+/// A handler set with `SA_RESETHAND` (node's `INT` and `TERM` handlers, any `sysv_signal`)
+/// that raises its signal again to die of it: the kernel set the default back as the handler
+/// began, behind `sigaction`'s back, and the process died without the report (review helper
+/// 96). What the program sees of the action, in the handler and before, is what it sees
+/// natively.
+#[test]
+fn a_one_shot_handler_that_raises_its_signal_again_still_gets_the_report() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("ending_signal.c");
+    for mode in ["oneshot", "sysv"] {
+        let native = signalled(&program, &[mode], Mode::Native, libc::SIGTERM, None);
+        assert_eq!(native.status.signal(), Some(libc::SIGTERM), "{mode}");
+        assert!(text(&native.stdout).ends_with("ready\nhandled: default\n"), "{mode}: {}", text(&native.stdout));
+        let out = signalled(&program, &[mode], JSON_REPORT, libc::SIGTERM, None);
+        assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{mode}: {}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), text(&native.stdout), "{mode}");
+        let report = json_report(&out);
+        assert_eq!(report["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 4096}), "{mode}");
+        assert!(report["notes"][0].as_str().unwrap().starts_with("the process is ending by signal 15"), "{report}");
+    }
+}
+
 /// The writer of a pipeline whose reader left dies of `SIGPIPE` with its report written: `yes |
 /// head -1` said nothing of `yes` (review helper 89).
 #[test]
