@@ -101,13 +101,16 @@ impl Scope {
         if ts.depth.get() != 0 && !give_up_a_hook_left_by_a_jump() {
             return None;
         }
+        let sp = crate::unwind::current_sp();
+        if crate::alt_stack::little_room(ts, sp) {
+            return None;
+        }
         ts.depth.set(1);
         let depth = Depth(ts);
         // Where the caller's stack starts, for spies that capture it. The trampoline's record
         // is trusted only if it lies above this frame (a signal handler could have run an
         // export of its own in between, deeper on the stack).
         let entry = ts.entry_sp.get();
-        let sp = crate::unwind::current_sp();
         ts.scope_sp.set(sp);
         let valid = entry > sp;
         ts.hook_sp.set(if valid { entry } else { 0 });
@@ -143,12 +146,16 @@ pub(crate) fn give_up_a_hook_left_by_a_jump() -> bool {
         return false;
     }
     let sp = crate::unwind::current_sp();
-    let (low, high) = crate::unwind::stack_bounds();
-    let on_the_hooks_stack = (low..high).contains(&sp) && (low..high).contains(&scope_sp);
     // Read through the kernel: the hook may have run on a stack since freed (a coroutine's).
     let mut ret = [0u64; 1];
     let overwritten = !os::read_own(hook_sp as usize, &mut ret) || ret[0] != ts.hook_ret.get();
-    if !(overwritten || on_the_hooks_stack && sp >= scope_sp) {
+    // The stack's bounds last: a handler on a small alternate stack is below the hook, or on
+    // a stack of its own, and has little room for finding them.
+    let on_the_hooks_stack = || {
+        let (low, high) = crate::unwind::stack_bounds();
+        (low..high).contains(&sp) && (low..high).contains(&scope_sp)
+    };
+    if !(overwritten || sp >= scope_sp && on_the_hooks_stack()) {
         return false;
     }
     threads::leave_abandoned_hook(ts);
@@ -796,8 +803,8 @@ impl<H: Heap> Interposer<H> {
     }
 
     /// Counts an allocation of `size` bytes that no spy sees, if a signal handler that
-    /// interrupted a hook made it (not mallocspy's own, nor one on a thread without a slot:
-    /// [`crate::threads::unspied_calls`] counts those).
+    /// interrupted a hook made it, or one on a small alternate stack (not mallocspy's own, nor
+    /// one on a thread without a slot: [`crate::threads::unspied_calls`] counts those).
     fn note_unseen(&self, size: usize) {
         let ts = tls::state();
         // Above every frame of the hook: the caller's stack pointer at the export, if known.
@@ -805,7 +812,8 @@ impl<H: Heap> Interposer<H> {
             0 => 0,
             scope_sp => scope_sp.max(ts.hook_sp.get()),
         };
-        if ts.depth.get() != 0 && crate::signal_frames::handler_interrupted(hook_sp) {
+        let interrupted_a_hook = ts.depth.get() != 0 && crate::signal_frames::handler_interrupted(hook_sp);
+        if interrupted_a_hook || crate::alt_stack::little_room(ts, crate::unwind::current_sp()) {
             self.unseen_calls.fetch_add(1, Ordering::Relaxed);
             self.unseen_bytes.fetch_add(size as u64, Ordering::Relaxed);
         }

@@ -73,6 +73,8 @@ macro_rules! export_interposer {
         $crate::__jump!(ssignal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(sysv_signal, $crate::interpose::sysv_signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(sigset, $crate::interpose::sigset, (signal: ::core::ffi::c_int, handler: usize) -> usize);
+        // A hook on a small alternate signal stack goes straight to the real allocator.
+        $crate::__jump!(sigaltstack, $crate::interpose::sigaltstack, (stack: *const $crate::interpose::StackT, old: *mut $crate::interpose::StackT) -> ::core::ffi::c_int);
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -294,6 +296,18 @@ pub unsafe extern "C" fn mmap(
 ) -> *mut c_void {
     // SAFETY: the caller's guarantee.
     unsafe { crate::program_mappings::mmap(addr, len, prot, flags, fd, offset) }
+}
+
+/// C's `stack_t`, for [`export_interposer!`].
+#[doc(hidden)]
+pub type StackT = libc::stack_t;
+
+/// # Safety
+/// As `sigaltstack`.
+#[doc(hidden)]
+pub unsafe extern "C" fn sigaltstack(stack: *const libc::stack_t, old: *mut libc::stack_t) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::alt_stack::sigaltstack(stack, old) }
 }
 
 /// C's `struct sigaction`, for [`export_interposer!`].

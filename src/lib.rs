@@ -50,6 +50,7 @@
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod alt_stack;
 mod api;
 mod bootstrap;
 mod deferred;

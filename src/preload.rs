@@ -110,6 +110,10 @@ fn register_spies() {
     // its `dlerror` state (a failed `dlopen`'s message, then NULL).
     crate::program_mappings::warm_up();
     crate::ending_signals::warm_up();
+    crate::alt_stack::warm_up();
+    // The main thread's stack, from the stack itself: a hook in a handler on an alternate
+    // signal stack cannot find it (review helper 97).
+    crate::unwind::stack_bounds();
     os::next_symbol_cached(&NEXT_CXA_AT_QUICK_EXIT, c"__cxa_at_quick_exit");
     // Spied or not: the program's `reallocarray` must reach the allocator ahead of us.
     if let Some(realloc) = served_elsewhere(c"realloc") {
@@ -335,15 +339,16 @@ fn bypassed_note() -> Option<String> {
     ))
 }
 
-/// Said when allocations were made from inside mallocspy's hooks: by a signal handler that
+/// Said when allocations were made from inside mallocspy's hooks, by a signal handler that
 /// interrupted one (no spy code may run then: the hook it interrupted may hold the locks it
-/// would take).
+/// would take), or by a handler on an alternate signal stack with little room left (see
+/// `alt_stack.rs`).
 fn unseen_note() -> Option<String> {
     let (calls, bytes) = GLOBAL.unseen();
     (calls > 0).then(|| {
         format!(
             "{} allocation(s) of {} bytes were made by signal handlers while mallocspy's hooks ran, \
-             which they interrupted: not tracked, their leaks not reported",
+             which they interrupted, or on a small alternate signal stack: not tracked, their leaks not reported",
             crate::leaks::report::grouped(calls),
             crate::leaks::report::grouped(bytes)
         )

@@ -568,3 +568,27 @@ fn memcheck_finds_no_error_in_the_shim() {
         assert!(text(&out.stdout).lines().any(|l| l == "mman.h"), "{options}");
     }
 }
+
+/// A signal handler on an alternate stack of `MINSIGSTKSZ` and 1 KiB that allocates: natively
+/// it has room to spare. A hook it ran inside an interrupted allocator call looked for the
+/// thread's stack, reading the memory map into a 4 KiB buffer on that stack, and overflowed
+/// it; the leak tracker's record of the block, its stack walk included, did not fit in the
+/// few hundred bytes a stack of `MINSIGSTKSZ` leaves (review helper 97). Such a handler's
+/// allocations go to the real allocator, and the leak report says how many.
+#[test]
+fn a_handler_allocating_on_a_small_alternate_stack_runs_as_natively() {
+    let program = c_program("small_altstack.c");
+    for mode in [JSON_REPORT, Mode::Shim("spy=count"), Mode::Shim("spy=guard"), Mode::Shim("spy=ticks")] {
+        // Three runs: the overflow needed the signal to land inside the real allocator.
+        for _ in 0..3 {
+            let out = run(mode, &mut Command::new(&program));
+            let stderr = text(&out.stderr);
+            assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ok\n"), "{mode:?}: {stderr}");
+            if mode == JSON_REPORT {
+                let note = "were made by signal handlers while mallocspy's hooks ran, which they interrupted, \
+                            or on a small alternate signal stack";
+                assert!(stderr.contains(note), "{stderr}");
+            }
+        }
+    }
+}

@@ -24,18 +24,25 @@ use crate::{os, tls};
 #[inline(always)]
 pub(crate) fn stack_bounds() -> (u64, u64) {
     let ts = tls::state();
-    if ts.stack_top.get() == 0 {
-        find_stack();
+    if ts.stack_top.get() == 0 && !find_stack() {
+        return (0, 0);
     }
     (ts.stack_low.get(), ts.stack_top.get())
 }
 
-/// A thread's first capture (unless the wrapper noted its stack): where is its stack?
+/// A thread's first capture (unless the wrapper noted its stack): where is its stack? Not
+/// from a signal handler's alternate stack, whose mapping is no stack of the thread's (and
+/// which reading the memory map, 4 KiB of buffer, overflowed: a handler's `malloc` on a stack
+/// of `MINSIGSTKSZ` crashed, review helper 97): unknown there, asked again later.
 #[cold]
 #[inline(never)]
-fn find_stack() {
+fn find_stack() -> bool {
+    if super::alternate_stack().is_some() {
+        return false;
+    }
     let sp = super::current_sp();
     cache(if is_main_thread() { main_stack() } else { queried(sp).unwrap_or_else(|| stack_in_map(sp)) });
+    true
 }
 
 /// Whether the kernel answers `PROCMAP_QUERY` (asked once): if not, a new thread asks glibc

@@ -192,7 +192,7 @@ fn configured_alternate_stack() -> Option<(u64, u64)> {
 
 /// The extent of the alternate signal stack (`sigaltstack`) the calling thread runs on, if
 /// it runs on one.
-fn alternate_stack() -> Option<(u64, u64)> {
+pub(super) fn alternate_stack() -> Option<(u64, u64)> {
     // SAFETY: zero is a valid stack_t; a query (no new stack) writes only `now`.
     let mut now: libc::stack_t = unsafe { core::mem::zeroed() };
     // SAFETY: as above.
