@@ -620,11 +620,10 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
             .notes
             .push(format!("the process is ending by signal {signal} ({})", crate::ending_signals::name(signal)));
     }
-    let text = match options.report_format {
-        ReportFormat::Text => report.to_text(options.show_reachable),
-        ReportFormat::Json => report.to_json(),
-    };
-    sink::write(text.as_bytes());
+    sink::write_parts(&mut |emit| match options.report_format {
+        ReportFormat::Text => report.write_text(options.show_reachable, &mut |part| emit(part.as_bytes())),
+        ReportFormat::Json => report.write_json(emit),
+    });
     report.summary
 }
 

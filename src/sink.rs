@@ -194,13 +194,33 @@ fn stderr_is_original() -> bool {
 /// duplicate kept of it. For warnings, which go to stderr even with a `log_path`, and for
 /// reports that the log file refused.
 pub(crate) fn to_stderr(bytes: &[u8]) {
+    let mut held = Held::default();
+    to_stderr_holding(bytes, &mut held);
+    held.release();
+}
+
+fn to_stderr_holding(bytes: &[u8], held: &mut Held) {
     if stderr_is_original() {
-        write_whole(2, bytes);
+        write_whole(2, bytes, held);
         return;
     }
     let copy = STDERR_COPY.load(Ordering::Acquire);
     if copy >= 0 && is_noted_stderr(copy) {
-        write_whole(copy, bytes);
+        write_whole(copy, bytes, held);
+    }
+}
+
+/// The lock [`write_whole`] took for a report written in parts ([`write_parts`]), kept until
+/// its last part: the descriptor written and the locked one.
+#[derive(Default)]
+struct Held(Option<(i32, i32)>);
+
+impl Held {
+    fn release(self) {
+        if let Some((_, lock)) = self.0 {
+            // Closing the descriptor releases the lock.
+            os::close(lock);
+        }
     }
 }
 
@@ -212,16 +232,18 @@ pub(crate) fn to_stderr(bytes: &[u8]) {
 /// lock on `fd` itself would be on the open file description the processes forked from one
 /// another share, and theirs too. Without `/proc`, or for a file that cannot be opened again
 /// (a socket; a FIFO left without a reader), or after ten seconds of waiting behind another
-/// report (whose reader may have stopped reading), the report goes unlocked.
-fn write_whole(fd: i32, bytes: &[u8]) -> bool {
-    if bytes.len() <= libc::PIPE_BUF {
+/// report (whose reader may have stopped reading), the report goes unlocked. The lock is kept
+/// in `held` for the report's next parts.
+fn write_whole(fd: i32, bytes: &[u8], held: &mut Held) -> bool {
+    if bytes.len() <= libc::PIPE_BUF || held.0.is_some_and(|(locked, _)| locked == fd) {
         return os::write_all(fd, bytes);
     }
     let lock = lock_file_of(fd);
     let written = os::write_all(fd, bytes);
-    if let Some(lock) = lock {
-        // Closing the descriptor releases the lock.
-        os::close(lock);
+    match (lock, &held.0) {
+        (Some(lock), None) => held.0 = Some((fd, lock)),
+        (Some(lock), Some(_)) => os::close(lock),
+        (None, _) => {}
     }
     written
 }
@@ -339,14 +361,30 @@ fn still_ours(fd: i32) -> bool {
 
 /// Writes one report (whole lines) to the report descriptor. Never allocates.
 pub(crate) fn write(bytes: &[u8]) {
+    write_parts(&mut |emit| emit(bytes));
+}
+
+/// What a report's parts are given to, one after another.
+pub(crate) type Emit<'a> = &'a mut dyn FnMut(&[u8]);
+
+/// Writes one report that `give` hands over in parts, whole lines each, with no other
+/// process's report between them (see [`write_whole`]): a leak report of many records is
+/// made a part at a time, not held whole in memory. Allocates nothing of its own.
+pub(crate) fn write_parts(give: &mut dyn FnMut(Emit<'_>)) {
+    let mut held = Held::default();
+    give(&mut |part| write_part(part, &mut held));
+    held.release();
+}
+
+fn write_part(bytes: &[u8], held: &mut Held) {
     let mut fd = FD.load(Ordering::Acquire);
     if !still_ours(fd) && reopen_log_file() {
         fd = FD.load(Ordering::Acquire);
     }
     if !still_ours(fd) {
-        return to_stderr(bytes);
+        return to_stderr_holding(bytes, held);
     }
-    if !write_whole(fd, bytes) {
+    if !write_whole(fd, bytes, held) {
         // A full disk, or a path that takes no writes (`/dev/full`, a file in /proc): said once,
         // then the report goes where it would without a log.
         static SAID: AtomicBool = AtomicBool::new(false);
@@ -354,8 +392,8 @@ pub(crate) fn write(bytes: &[u8]) {
             && (DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed))
                 == (STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed));
         if !stderr_copy && !SAID.swap(true, Ordering::Relaxed) {
-            to_stderr(b"mallocspy: writing to the log failed; the report goes to stderr\n");
+            to_stderr_holding(b"mallocspy: writing to the log failed; the report goes to stderr\n", held);
         }
-        to_stderr(bytes);
+        to_stderr_holding(bytes, held);
     }
 }

@@ -1052,6 +1052,35 @@ fn an_address_space_limit_leaves_the_program_its_room() {
     assert!(text(&out.stderr).contains("a quarter of the process's address-space limit"), "{}", text(&out.stderr));
 }
 
+/// 20,000 leaks from as many call stacks under an address-space limit: the report's named
+/// frames and its text did not fit, and the program aborted at its exit ("memory allocation
+/// failed", review helper 97). The records now go without their stacks, and the report says
+/// so; with room, every record has its own stack.
+#[test]
+fn a_report_too_large_for_the_address_space_limit_goes_without_stacks() {
+    let program = c_program("distinct_stacks.c");
+    let limited = |format: &str| {
+        Command::new("bash")
+            .args(["-c", "ulimit -v 150000 && exec \"$0\" 20000"])
+            .arg(&program)
+            .env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format)
+            .output()
+            .unwrap()
+    };
+    let out = limited("report_format=text");
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "20000 blocks lost\n"), "{stderr}");
+    assert!(stderr.contains("definitely lost: 160,000 bytes in 20,000 blocks"), "{stderr}");
+    assert!(stderr.contains("the records go without their stacks"), "{stderr}");
+    assert_eq!(stderr.matches("are definitely lost").count(), 1, "one record of each kind: {stderr}");
+    let report = json_report(&limited("report_format=json"));
+    assert_eq!(report["summary"]["definitely_lost"]["blocks"], 20000, "{report}");
+    let out = run(JSON_REPORT, Command::new(&program).arg("2000"));
+    let lost = json_report(&out)["leaks"].as_array().unwrap().iter().filter(|r| r["kind"] == "definitely_lost").count();
+    assert_eq!(lost, 2000, "a record for each stack");
+}
+
 /// `mallocspy run` becomes the program, which then starts as its caller started it: a signal
 /// sent to its process group reaches it once (relayed, it came twice: `timeout` and `kill
 /// -PGID` signal the whole group), an ignored SIGPIPE stays ignored, blocked signals stay

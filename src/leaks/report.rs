@@ -218,6 +218,9 @@ pub(crate) fn suppression_patterns(
     patterns
 }
 
+/// Memory a frame of a record takes, named (its strings) and in the text report, about.
+const NAMED_FRAME_BYTES: usize = 512;
+
 /// Groups blocks by (stack, kind), symbolizes (still-reachable stacks only when `reachable`
 /// is given, with the retention path of each: a text report does not show them), and counts
 /// the suppressed blocks apart, by the pattern of their own stack or else of the suppressed
@@ -252,6 +255,22 @@ pub(crate) fn build(
             groups.entry((b.stack, b.kind)).or_insert((Tally::default(), b.entry)).0.add(b.size);
         }
     }
+    // The frames the records will show, named, and their text: under an address-space limit
+    // a report of many distinct stacks did not fit, and the program aborted at its exit with
+    // "memory allocation failed" (100,000 leaks from as many stacks took 900 MB: review
+    // helper 97). Without room for them, the records go without stacks, one for each kind.
+    let shown = |&(_, kind): &(u32, LeakKind)| kind != LeakKind::StillReachable || reachable.is_some();
+    let frames: usize = groups.keys().filter(|g| shown(g)).map(|&(id, _)| namer.shown(&frames_of(id))).sum();
+    let fits = frames == 0 || crate::pool::has_room(frames.saturating_mul(NAMED_FRAME_BYTES));
+    let mut notes = notes;
+    if !fits {
+        notes.push(format!(
+            "the records' {} frames, named, would need about {} MiB more than this process may map (its \
+             address-space limit, ulimit -v, or the system's commit limit): the records go without their stacks",
+            grouped(frames as u64),
+            grouped((frames.saturating_mul(NAMED_FRAME_BYTES) >> 20) as u64)
+        ));
+    }
     let mut leaks: Vec<LeakRecord> = Vec::new();
     // Stacks with the same frames are one record: after a `dlclose` the same call sites get
     // stacks of their own (a library loaded where the closed one was may have other code at
@@ -261,11 +280,11 @@ pub(crate) fn build(
     let mut record_of: HashMap<u64, usize> = HashMap::new();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
-        let stack = if lost || reachable.is_some() { namer.frames(stack_id, &frames_of) } else { Vec::new() };
+        let stack = if fits && shown(&(stack_id, kind)) { namer.frames(stack_id, &frames_of) } else { Vec::new() };
         let t = summary.tally(kind);
         t.blocks += tally.blocks;
         t.bytes += tally.bytes;
-        if !stack.is_empty() {
+        if !stack.is_empty() || !fits {
             let mut hasher = std::collections::hash_map::DefaultHasher::new();
             (kind, &stack).hash(&mut hasher);
             match record_of.entry(hasher.finish()) {
@@ -311,14 +330,51 @@ pub(crate) fn build(
 impl LeakReport {
     /// One line of JSON.
     pub fn to_json(&self) -> String {
-        let mut s = serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
-        s.push('\n');
-        s
+        let mut json = Vec::new();
+        self.write_json(&mut |chunk| json.extend_from_slice(chunk));
+        String::from_utf8_lossy(&json).into_owned()
+    }
+
+    /// [`Self::to_json`], given to `emit` 64 KiB at a time, as
+    /// [`Self::write_text`] gives the text.
+    pub fn write_json(&self, emit: &mut dyn FnMut(&[u8])) {
+        struct Chunks<'a> {
+            buffer: Vec<u8>,
+            emit: &'a mut dyn FnMut(&[u8]),
+        }
+        impl std::io::Write for Chunks<'_> {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.buffer.extend_from_slice(bytes);
+                if self.buffer.len() >= TEXT_CHUNK {
+                    self.flush()?;
+                }
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                (self.emit)(&self.buffer);
+                self.buffer.clear();
+                Ok(())
+            }
+        }
+        let mut out = Chunks { buffer: Vec::with_capacity(TEXT_CHUNK + 4096), emit };
+        // Plain data into a writer that never fails: nothing to fail on.
+        let _ = serde_json::to_writer(&mut out, self);
+        out.buffer.push(b'\n');
+        let _ = std::io::Write::flush(&mut out);
     }
 
     /// The text report: every lost record, still-reachable ones when `show_reachable`, then
     /// the summary (valgrind's layout, prefixed by the pid).
     pub fn to_text(&self, show_reachable: bool) -> String {
+        let mut text = String::new();
+        self.write_text(show_reachable, &mut |chunk| text.push_str(chunk));
+        text
+    }
+
+    /// [`Self::to_text`], given to `emit` a part at a time (whole records, 64 KiB or so): a
+    /// report of 100,000 records with deep stacks is hundreds of megabytes of text, which made
+    /// at once did not fit under an address-space limit (review helper 97).
+    pub fn write_text(&self, show_reachable: bool, emit: &mut dyn FnMut(&str)) {
         let p = format!("=={}==", self.pid);
         let mut out = String::new();
         let _ = writeln!(out, "{p} mallocspy leak report for {}", self.program);
@@ -347,6 +403,10 @@ impl LeakReport {
             if !r.retained_by.is_empty() {
                 let hops = r.retained_by.join(&format!("\n{p}               -> "));
                 let _ = writeln!(out, "{p}  retained by: {hops} -> this block");
+            }
+            if out.len() >= TEXT_CHUNK {
+                emit(&out);
+                out.clear();
             }
         }
         let s = &self.summary;
@@ -383,9 +443,12 @@ impl LeakReport {
         for note in &self.notes {
             let _ = writeln!(out, "{p} note: {note}");
         }
-        out
+        emit(&out);
     }
 }
+
+/// About how much of the text report [`LeakReport::write_text`] gives at a time.
+const TEXT_CHUNK: usize = 64 << 10;
 
 /// Frame `i` of a stack as the text reports print it, after `prefix`: `#i 0x... in function
 /// file:line`, or the module where the line is not known.
