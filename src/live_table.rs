@@ -70,15 +70,19 @@ unsafe impl<V: Copy + Send> Send for LiveTable<V> {}
 
 /// Where `key` lives: the top bits choose the shard, the low bits the slot.
 ///
-/// Each 64 KiB region of addresses starts at a random place (Fibonacci hashing of the
-/// region number) and its 16-byte granules follow in order from there, so blocks allocated
-/// one after another, which allocators carve side by side, share cache lines of the table:
-/// an allocation mostly finds its slot already in cache, where a uniform hash would miss
-/// every time the table outgrows the cache.
+/// Each page of addresses (4 KiB) starts at a random place (Fibonacci hashing of the page
+/// number) and its 16-byte granules follow in order from there, so blocks allocated one after
+/// another, which allocators carve side by side, share cache lines of the table: an
+/// allocation mostly finds its slot already in cache, where a uniform hash would miss every
+/// time the table outgrows the cache. Not larger regions: with 64 KiB ones (4,096 slots each,
+/// half of them filled by 16-byte blocks), regions whose runs overlapped filled whole
+/// stretches of the table, and with 16 million live blocks a free probed thousands of slots
+/// (3.7 us a free against 0.1; review helper 97). Pages gave churn 8% and sqlite3 2.6% less
+/// time under the leak tracker too (7 alternating rounds).
 #[inline]
 fn hash(key: usize) -> u64 {
     let key = key as u64;
-    (key >> 16).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(key >> 4)
+    (key >> 12).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add((key >> 4) & 0xff)
 }
 
 impl<V: Copy> Array<V> {
@@ -475,6 +479,35 @@ mod tests {
         let leased = LiveTable::<[u64; 2]>::leased().unwrap();
         assert!(leased.insert(0x7000, [1, 2]));
         assert_eq!((leased.get(0x7000), leased.get(0x7010), leased.len()), (Some([1, 2]), None, 1));
+    }
+
+    /// Two million 32-byte blocks side by side, as an allocator carves them: every entry lies
+    /// close to its home slot. With 64 KiB regions of slots, regions whose runs overlapped
+    /// filled whole stretches of the table, and probes grew to thousands of slots (review
+    /// helper 97).
+    #[test]
+    fn blocks_side_by_side_stay_near_their_home_slots() {
+        let t = LiveTable::<u64>::new();
+        let blocks = 2_000_000usize;
+        for i in 0..blocks {
+            assert!(t.insert(0x5555_0000_0000 + i * 32, 0));
+        }
+        let (mut total, mut longest) = (0usize, 0usize);
+        for shard in &t.shards {
+            // SAFETY: no other thread uses the table.
+            let array = unsafe { &*shard.array.get() };
+            for slot in 0..array.capacity {
+                // SAFETY: slot < capacity.
+                let key = unsafe { (*array.entries.add(slot)).key };
+                if key != EMPTY {
+                    let distance = slot.wrapping_sub(array.index(hash(key))) & (array.capacity - 1);
+                    total += distance;
+                    longest = longest.max(distance);
+                }
+            }
+        }
+        let mean = total as f64 / blocks as f64;
+        assert!(mean < 10.0 && longest < 1000, "mean distance {mean:.1}, longest {longest}");
     }
 
     #[test]
