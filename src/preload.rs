@@ -222,6 +222,10 @@ fn register_spies() {
     if let Some(tracker) = builtins.leaks {
         crate::spies::leaks::set_tracker(tracker);
     }
+    if is_a_go_program() {
+        say("this is a Go program, which leaves by the exit system call, past C's exit: its reports and its \
+             trace's end are written only if a signal ends it or it calls C's exit (from cgo)");
+    }
     if builtins.ticks.is_none() && builtins.options.trace.is_some() {
         // Asked for and silently not made, the trace looked lost.
         say("trace is written by spy=ticks only, which is not among the spies; no trace");
@@ -368,6 +372,15 @@ fn revoked_note() -> Option<String> {
 /// the process may map (`ulimit -v`, and `ulimit -d`, which counts private writable mappings
 /// too): under such a limit the tracker took the program's room, and its `malloc` failed
 /// where it succeeds natively (review helper 91).
+/// Whether the program is Go's (with cgo: one without is linked statically and loads no
+/// preload library). Go's runtime ends the process with a raw `exit_group`, on a return from
+/// `main` and in `os.Exit`, and no exit handler, mallocspy's reports included, runs: the
+/// program ended without a word of them (review helper 96).
+fn is_a_go_program() -> bool {
+    // SAFETY: dlsym with a NUL-terminated name; RTLD_DEFAULT searches the global scope.
+    !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_cgo_sys_thread_start".as_ptr()) }.is_null()
+}
+
 fn memory_limit(given: Option<usize>) -> (usize, bool) {
     if let Some(given) = given {
         return (given, false);

@@ -195,3 +195,34 @@ fn the_program_heap_layout_is_untouched_by_the_shim_and_the_counting_spy() {
         );
     }
 }
+
+/// A Go program with cgo leaves by the exit system call, past C's exit, and no report was
+/// written, without a word (review helper 96): it now says so at start; one that calls C's
+/// exit gets its report.
+#[test]
+fn a_go_program_is_told_apart_and_its_report_comes_with_cs_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = dir.path().join("go_cgo");
+    let built = Command::new("go")
+        .arg("build")
+        .arg("-o")
+        .arg(&program)
+        .arg(root().join("tests/fixtures/go_cgo.go"))
+        .env("CGO_ENABLED", "1")
+        .env("GOCACHE", root().join("target/go-cache"))
+        .env("GOPATH", dir.path())
+        .env("GOFLAGS", "-mod=mod")
+        .env("GO111MODULE", "off")
+        .output()
+        .expect("go (golang-go) runs");
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let said = "mallocspy: this is a Go program, which leaves by the exit system call, past C's exit";
+    let out = run(Mode::Shim(""), &mut Command::new(&program));
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{stderr}");
+    assert!(stderr.starts_with(said) && !stderr.contains("LEAK SUMMARY"), "{stderr}");
+    let out = run(Mode::Shim(""), Command::new(&program).arg("exit"));
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{stderr}");
+    assert!(stderr.contains("LEAK SUMMARY") && stderr.contains("4,242 bytes"), "{stderr}");
+}
