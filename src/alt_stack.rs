@@ -8,7 +8,9 @@
 //! served unspied, as a call from a handler that interrupted a hook is. The stack is noted as
 //! the program sets it: looking it up on each call (a system call) would cost every program
 //! whose calls run off the thread's stack (coroutines), and one set by a raw system call is
-//! not seen.
+//! not seen. Nor can it tell a handler from ordinary frames that run over the stack (one set
+//! from a buffer its function's return left behind): the kernel's `SS_ONSTACK` too is only
+//! where the stack pointer lies.
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::AtomicPtr;
@@ -23,12 +25,12 @@ static NEXT_SIGALTSTACK: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut(
 
 type Sigaltstack = unsafe extern "C" fn(*const libc::stack_t, *mut libc::stack_t) -> c_int;
 
-/// Whether `sp`, the stack pointer of a hook about to begin, lies within [`HOOK_ROOM`] of the
-/// bottom of the thread's alternate signal stack.
+/// Whether `sp`, the stack pointer of a hook about to begin, lies on the thread's alternate
+/// signal stack within [`HOOK_ROOM`] of its bottom.
 #[inline(always)]
 pub(crate) fn little_room(ts: &tls::ThreadState, sp: u64) -> bool {
-    // 0 when none is set: no stack pointer lies that low.
-    sp.wrapping_sub(ts.alt_stack_low.get()) < HOOK_ROOM
+    // A size of 0 when none is set: no stack pointer is that close.
+    sp.wrapping_sub(ts.alt_stack_low.get()) < HOOK_ROOM.min(ts.alt_stack_size.get())
 }
 
 /// `sigaltstack`: libc's, then the new stack's bottom is noted for this thread.
@@ -50,8 +52,10 @@ pub(crate) unsafe fn sigaltstack(stack: *const libc::stack_t, old: *mut libc::st
     }
     // SAFETY: a non-null `stack` is the caller's valid stack_t.
     if let Some(stack) = unsafe { stack.as_ref() } {
-        let low = if stack.ss_flags & libc::SS_DISABLE != 0 { 0 } else { stack.ss_sp as u64 };
-        tls::state().alt_stack_low.set(low);
+        let disabled = stack.ss_flags & libc::SS_DISABLE != 0;
+        let ts = tls::state();
+        ts.alt_stack_low.set(if disabled { 0 } else { stack.ss_sp as u64 });
+        ts.alt_stack_size.set(if disabled { 0 } else { stack.ss_size as u64 });
     }
     status
 }

@@ -437,6 +437,12 @@ unsafe fn set_by_libc(
     }
     // SAFETY: the caller's guarantee: libc's function has this signature.
     let old = unsafe { core::mem::transmute::<*mut c_void, Signal>(f)(signal, handler) };
+    // What the program sees of the old action, before a new one-shot handler takes its slot
+    // (`sysv_signal` returned the handler it had just set: review helper 98).
+    // SAFETY: zero is a valid sigaction.
+    let mut seen: libc::sigaction = unsafe { core::mem::zeroed() };
+    seen.sa_sigaction = old;
+    as_seen(signal, &mut seen);
     if old != libc::SIG_ERR && handled(signal) {
         if handler == libc::SIG_DFL {
             arm(signal);
@@ -444,9 +450,5 @@ unsafe fn set_by_libc(
             take_over_oneshot(signal);
         }
     }
-    // SAFETY: zero is a valid sigaction.
-    let mut seen: libc::sigaction = unsafe { core::mem::zeroed() };
-    seen.sa_sigaction = old;
-    as_seen(signal, &mut seen);
     seen.sa_sigaction
 }

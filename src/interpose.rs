@@ -72,6 +72,8 @@ macro_rules! export_interposer {
         $crate::__jump!(bsd_signal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(ssignal, $crate::interpose::signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(sysv_signal, $crate::interpose::sysv_signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
+        // What `signal` is in strict C (`-std=c99`, `-ansi`): glibc's headers rename it.
+        $crate::__jump!(__sysv_signal, $crate::interpose::sysv_signal, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         $crate::__jump!(sigset, $crate::interpose::sigset, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         // A hook on a small alternate signal stack goes straight to the real allocator.
         $crate::__jump!(sigaltstack, $crate::interpose::sigaltstack, (stack: *const $crate::interpose::StackT, old: *mut $crate::interpose::StackT) -> ::core::ffi::c_int);

@@ -140,7 +140,11 @@ pub(crate) fn mapped(start: usize, len: usize) {
         return;
     }
     let end = page_end(start, len);
-    let by_allocator = crate::tls::state().depth.get() == crate::tls::IN_REAL_ALLOCATOR;
+    // Not under glibc, whose allocator maps with internal calls: a mapping made there inside
+    // an allocator call is a signal handler's that interrupted it (a profiler's buffer), and
+    // the program's (review helper 98).
+    let by_allocator =
+        crate::tls::state().depth.get() == crate::tls::IN_REAL_ALLOCATOR && !crate::global::GLOBAL.heap.is_glibc();
     with_table(|noted| {
         if by_allocator {
             noted.program.forget(start, end);

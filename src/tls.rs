@@ -81,9 +81,10 @@ pub(crate) struct ThreadState {
     /// thread stopped on the spare stack had its own skipped, and a block only its frames
     /// held was reported lost (review helper 73).
     pub spare_from_sp: Cell<u64>,
-    /// The bottom of the alternate signal stack the program set for this thread, 0 if none
-    /// (see [`crate::alt_stack`]).
+    /// The bottom and size of the alternate signal stack the program set for this thread, 0
+    /// if none (see [`crate::alt_stack`]).
     pub alt_stack_low: Cell<u64>,
+    pub alt_stack_size: Cell<u64>,
 }
 
 /// Offset of `ThreadState::spare_from_sp` in the block (read in a stopped thread's block).

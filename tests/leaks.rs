@@ -2084,6 +2084,35 @@ fn a_one_shot_handler_that_raises_its_signal_again_still_gets_the_report() {
     }
 }
 
+/// What `sysv_signal` and strict C's `signal` (glibc's `__sysv_signal`) say of the old action:
+/// the second of two `sysv_signal` calls gave the handler just set (review helper 98); strict
+/// C's `signal` was not wrapped, gave mallocspy's handler as the old action, and setting the
+/// default took mallocspy's away: the signal killed the program without the report.
+#[test]
+fn the_system_v_signal_functions_show_the_old_action_and_keep_the_report() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("ending_signal.c");
+    let out = run(Mode::Shim(""), Command::new(&program).arg("sysv-old"));
+    assert_eq!(text(&out.stdout), "old: the first handler\n", "{}", text(&out.stderr));
+    let strict = c_program_with("strict_c_signal.c", &["-std=c99"]);
+    let native = signalled(&strict, &[], Mode::Native, libc::SIGINT, None);
+    assert_eq!(text(&native.stdout), "old: default\nold: its handler\nready\n");
+    let out = signalled(&strict, &[], JSON_REPORT, libc::SIGINT, None);
+    assert_eq!((out.status.signal(), text(&out.stdout)), (Some(libc::SIGINT), text(&native.stdout)));
+    assert_eq!(json_report(&out)["summary"]["definitely_lost"]["bytes"], 555);
+}
+
+/// A signal handler that maps memory and keeps the only pointer to a block there, called
+/// mostly inside an allocator call: its pages were taken for the allocator's own (mapped inside
+/// its calls), no root, and the blocks were called lost (review helper 98).
+#[test]
+fn a_signal_handlers_mappings_are_the_programs_roots() {
+    let out = run(JSON_REPORT, &mut Command::new(c_program("handler_mmap.c")));
+    assert_eq!(text(&out.stdout), "pages 200\n", "{}", text(&out.stderr));
+    let report = json_report(&out);
+    assert_eq!(report["summary"]["definitely_lost"]["blocks"], 0, "{report}");
+}
+
 /// The writer of a pipeline whose reader left dies of `SIGPIPE` with its report written: `yes |
 /// head -1` said nothing of `yes` (review helper 89).
 #[test]
