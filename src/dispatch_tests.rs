@@ -999,6 +999,24 @@ impl MallocSpy for ReallocGoesWrong {
     }
 }
 
+/// Grows a 32-byte block of `spy`'s to 100,000 bytes (a move: glibc cannot grow a 32-byte
+/// chunk that far in place) and checks that the caller's bytes came along; gives the new block,
+/// still live.
+fn grow_under(ip: &Interposer<Glibc>, spy: ReallocGoesWrong) -> *mut c_void {
+    ip.register(|| Box::new(spy)).unwrap();
+    let p = ip.malloc(32);
+    let pattern: Vec<u8> = (1..=32).collect();
+    // SAFETY: p is a live block of 32 bytes; q one of 100,000.
+    unsafe {
+        core::ptr::copy_nonoverlapping(pattern.as_ptr(), p.cast::<u8>(), 32);
+        let q = ip.realloc(p, 100_000);
+        assert!(!q.is_null(), "errno {}", os::errno());
+        assert_eq!(core::slice::from_raw_parts(q.cast::<u8>(), 32), &pattern[..]);
+        assert!(libc::malloc_usable_size(q) >= 100_000);
+        q
+    }
+}
+
 /// The caller's bytes survive a realloc whose `post_realloc` panics: the real block, handed over
 /// as it was, began with the spy's header (review helper 78).
 #[test]
@@ -1006,20 +1024,9 @@ fn a_realloc_whose_post_realloc_panics_keeps_the_callers_bytes() {
     let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
-    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: true, pre_panics: false }))
-        .unwrap();
-    let p = ip.malloc(32);
-    let pattern: Vec<u8> = (1..=32).collect();
-    // SAFETY: p is a live block of 32 bytes; q one of 100,000 (a move: glibc cannot grow a
-    // 32-byte chunk that far in place).
-    unsafe {
-        core::ptr::copy_nonoverlapping(pattern.as_ptr(), p.cast::<u8>(), 32);
-        let q = ip.realloc(p, 100_000);
-        assert!(!q.is_null());
-        assert_eq!(core::slice::from_raw_parts(q.cast::<u8>(), 32), &pattern[..]);
-        assert!(libc::malloc_usable_size(q) >= 100_000);
-        ip.free(q);
-    }
+    let q = grow_under(&ip, ReallocGoesWrong { header: HeaderSpy::new(&log), panics: true, pre_panics: false });
+    // SAFETY: q is a live block.
+    unsafe { ip.free(q) };
     assert!(ip.registry.is_empty(), "the spy is revoked");
 }
 
@@ -1031,20 +1038,10 @@ fn a_realloc_whose_pre_realloc_panics_still_succeeds() {
     let _serial = serial();
     let log = Arc::new(Log::default());
     let ip = fresh();
-    ip.register(|| Box::new(ReallocGoesWrong { header: HeaderSpy::new(&log), panics: false, pre_panics: true }))
-        .unwrap();
-    let p = ip.malloc(32);
-    let pattern: Vec<u8> = (1..=32).collect();
-    // SAFETY: p is a live block of 32 bytes; q one of 100,000.
-    unsafe {
-        core::ptr::copy_nonoverlapping(pattern.as_ptr(), p.cast::<u8>(), 32);
-        let q = ip.realloc(p, 100_000);
-        assert!(!q.is_null(), "errno {}", os::errno());
-        assert_eq!(core::slice::from_raw_parts(q.cast::<u8>(), 32), &pattern[..]);
-        assert!(libc::malloc_usable_size(q) >= 100_000);
-        assert!(!ip.registry.is_empty(), "the old block is still the spy's to free");
-        ip.free(q);
-    }
+    let q = grow_under(&ip, ReallocGoesWrong { header: HeaderSpy::new(&log), panics: false, pre_panics: true });
+    assert!(!ip.registry.is_empty(), "the old block is still the spy's to free");
+    // SAFETY: q is a live block.
+    unsafe { ip.free(q) };
     assert_eq!(log.spied_frees.load(Ordering::SeqCst), 1, "the old block went back through the spy");
     assert!(ip.registry.is_empty(), "the spy is revoked, and gone with its last block");
 }
