@@ -380,28 +380,17 @@ fn revoked_note() -> Option<String> {
 /// in its loaded segments: a `dlsym` for a symbol of the runtime's, when it failed, left its
 /// error for the program's `dlerror` and two blocks of the loader's in every leak report.
 fn is_a_go_program() -> bool {
-    unsafe extern "C" fn first_object(
-        info: *mut libc::dl_phdr_info,
-        _size: usize,
-        data: *mut core::ffi::c_void,
-    ) -> core::ffi::c_int {
-        // SAFETY: dl_iterate_phdr passes a valid info, whose program headers are mapped; the
-        // first object is the program, whose notes lie in its loaded segments; `data` is
-        // the bool below.
-        unsafe {
-            let info = &*info;
-            let headers = core::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum));
-            let go = headers.iter().filter(|h| h.p_type == libc::PT_NOTE).any(|h| {
-                let notes = (info.dlpi_addr + h.p_vaddr) as *const u8;
-                has_go_note(core::slice::from_raw_parts(notes, h.p_memsz as usize))
-            });
-            *data.cast::<bool>() = go;
-        }
-        1
-    }
     let mut go = false;
-    // SAFETY: the callback matches dl_iterate_phdr's contract and writes only `go`.
-    unsafe { libc::dl_iterate_phdr(Some(first_object), (&raw mut go).cast()) };
+    // The first module is the program.
+    os::each_module(|program| {
+        go = program.headers.iter().filter(|h| h.p_type == libc::PT_NOTE).any(|h| {
+            // SAFETY: a PT_NOTE segment of the program lies in its loaded segments, mapped.
+            has_go_note(unsafe {
+                core::slice::from_raw_parts((program.bias + h.p_vaddr) as *const u8, h.p_memsz as usize)
+            })
+        });
+        true
+    });
     go
 }
 
