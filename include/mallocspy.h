@@ -208,6 +208,9 @@ struct mallocspy_api {
     /* Called by a spy's function, on its thread, when it cannot do its work: what it returns
      * is not used, the call goes on as without the spy, and the spy is revoked. */
     void (*spy_failed)(void);
+    /* Number of live blocks allocated under the current spy, or under a revoked one whose
+     * revoke is pending (it ends at the last one's free). */
+    uint64_t (*spied_blocks)(void);
 };
 
 /* The active interposer's API, or NULL when mallocspy is not the process's allocator. */

@@ -83,10 +83,14 @@ pub fn did_alloc(ptr: *const c_void) -> DidAlloc {
     }
 }
 
-/// Number of live blocks allocated under the current spy of this module's interposer
-/// (0 when this module is not the interposer).
+/// Number of live blocks allocated under the current spy, or under a revoked one whose revoke
+/// is pending (0 when mallocspy is not the process's allocator).
 pub fn spied_blocks() -> usize {
-    if global::is_active_here() { GLOBAL.spied_blocks() } else { 0 }
+    match target() {
+        Ok(Target::Here) => GLOBAL.spied_blocks(),
+        Ok(Target::Remote(api)) => (api.spied_blocks)() as usize,
+        Err(_) => 0,
+    }
 }
 
 /// Calls a C API query that fills a `T`.

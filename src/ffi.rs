@@ -111,6 +111,8 @@ pub struct Api {
     /// spy of another module that panicked): what the method returns is not used, the call
     /// goes on as without the spy, and the spy is revoked, as after a panic in-process.
     pub spy_failed: extern "C" fn(),
+    /// Number of live blocks allocated under the current spy (a pending revoke waits for them).
+    pub spied_blocks: extern "C" fn() -> u64,
 }
 
 /// A spy registered through the C ABI: a copy of its table (fields past the end of an older

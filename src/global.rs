@@ -244,6 +244,10 @@ extern "C" fn api_spy_failed() {
     crate::tls::state().spy_failed.set(1);
 }
 
+extern "C" fn api_spied_blocks() -> u64 {
+    if is_active_here() { GLOBAL.spied_blocks() as u64 } else { 0 }
+}
+
 /// This module's API table, for the Rust API when this module is the interposer.
 pub(crate) static LOCAL_API: Api = API;
 
@@ -263,4 +267,5 @@ pub const API: Api = Api {
     on_allocation_tick: api_on_allocation_tick,
     on_heap_stats: api_on_heap_stats,
     spy_failed: api_spy_failed,
+    spied_blocks: api_spied_blocks,
 };
