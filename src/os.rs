@@ -173,12 +173,11 @@ pub(crate) fn close(fd: c_int) {
 }
 
 /// Writes all of `bytes` to `fd`, retrying on `EINTR` and short writes. Preserves `errno`.
-/// Returns false when the descriptor refuses the data. A pipe or socket whose reader has gone
-/// raises no SIGPIPE: the report is ours, and the program's exit status stays its own
-/// (`mallocspy run -- prog 2>&1 | head -1` ended `prog` by SIGPIPE at its exit report).
+/// Returns false when the descriptor refuses the data. See [`without_write_signals`] for why
+/// no signal comes of it.
 pub(crate) fn write_all(fd: c_int, bytes: &[u8]) -> bool {
     let saved = errno();
-    let ok = without_sigpipe(|| write_all_of(fd, bytes));
+    let ok = without_write_signals(|| write_all_of(fd, bytes));
     set_errno(saved);
     ok
 }
@@ -195,25 +194,41 @@ fn write_all_of(fd: c_int, bytes: &[u8]) -> bool {
     }
 }
 
-/// Runs `f` with SIGPIPE blocked on this thread, and takes back a SIGPIPE that `f` raised (one
-/// already pending stays the program's).
-fn without_sigpipe<R>(f: impl FnOnce() -> R) -> R {
+/// Runs `f`, which writes mallocspy's own output, with SIGPIPE and SIGXFSZ blocked on this
+/// thread, and takes back those `f` raised (one already pending stays the program's). Both
+/// would end the program for output that is ours: a pipe whose reader has gone
+/// (`mallocspy run -- prog 2>&1 | head -1` ended `prog` by SIGPIPE at its exit report), a file
+/// past `RLIMIT_FSIZE` (`prlimit --fsize=0` ended it by SIGXFSZ before its stdout was
+/// flushed). Blocked, the write fails instead (`EPIPE`, `EFBIG`).
+pub(crate) fn without_write_signals<R>(f: impl FnOnce() -> R) -> R {
+    const SIGNALS: [c_int; 2] = [libc::SIGPIPE, libc::SIGXFSZ];
     // SAFETY: signal sets are plain data set up by sigemptyset/sigaddset; pthread_sigmask,
     // sigpending and sigtimedwait (with a zero timeout) only read and write them, and are
     // async-signal-safe, as this runs in signal handlers too.
     unsafe {
-        let mut pipe: libc::sigset_t = core::mem::zeroed();
-        libc::sigemptyset(&mut pipe);
-        libc::sigaddset(&mut pipe, libc::SIGPIPE);
+        let mut blocked: libc::sigset_t = core::mem::zeroed();
+        libc::sigemptyset(&mut blocked);
+        for signal in SIGNALS {
+            libc::sigaddset(&mut blocked, signal);
+        }
         let mut old: libc::sigset_t = core::mem::zeroed();
-        libc::pthread_sigmask(libc::SIG_BLOCK, &pipe, &mut old);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &blocked, &mut old);
         let mut pending: libc::sigset_t = core::mem::zeroed();
         libc::sigpending(&mut pending);
-        let was_pending = libc::sigismember(&pending, libc::SIGPIPE) == 1;
+        let mut ours: libc::sigset_t = core::mem::zeroed();
+        libc::sigemptyset(&mut ours);
+        for signal in SIGNALS {
+            if libc::sigismember(&pending, signal) != 1 {
+                libc::sigaddset(&mut ours, signal);
+            }
+        }
         let r = f();
-        if !was_pending {
-            let now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-            libc::sigtimedwait(&pipe, core::ptr::null_mut(), &now);
+        let now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // Standard signals queue once each: two takes at most.
+        for _ in SIGNALS {
+            if libc::sigtimedwait(&ours, core::ptr::null_mut(), &now) < 0 {
+                break;
+            }
         }
         libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
         r

@@ -2383,6 +2383,36 @@ fn a_report_into_a_closed_pipe_leaves_the_exit_status_alone() {
     assert_eq!(status.code(), Some(3), "{status:?}");
 }
 
+/// mallocspy's own output past `RLIMIT_FSIZE` (a log file, a trace's header) fails, said on
+/// stderr, instead of ending the program by SIGXFSZ before its stdout was flushed.
+#[test]
+fn output_past_the_file_size_limit_leaves_the_program_alone() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.txt");
+    let trace = dir.path().join("trace");
+    let runs: [(&str, Vec<&std::ffi::OsStr>, &str); 2] = [
+        ("run", vec!["run".as_ref(), "--log".as_ref(), log.as_os_str()], "the report goes to stderr"),
+        ("record", vec!["record".as_ref(), "-o".as_ref(), trace.as_os_str()], "File too large"),
+    ];
+    for (what, args, said) in runs {
+        let mut cmd = Command::new(mallocspy());
+        cmd.args(args).args(["--", "sh", "-c", "echo done; exit 4"]);
+        // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
+        unsafe {
+            cmd.pre_exec(|| {
+                let none = libc::rlimit { rlim_cur: 0, rlim_max: libc::RLIM_INFINITY };
+                libc::setrlimit(libc::RLIMIT_FSIZE, &none);
+                Ok(())
+            })
+        };
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(4), "{what}: {:?} {}", out.status, text(&out.stderr));
+        assert_eq!(text(&out.stdout), "done\n", "{what}");
+        assert!(text(&out.stderr).contains(said), "{what}: {}", text(&out.stderr));
+    }
+}
+
 /// A shim whose path holds a space or ':' (LD_PRELOAD splits at both) is refused in one line;
 /// the loader looked for the path's pieces and the program ran unspied.
 #[test]

@@ -120,6 +120,11 @@ pub fn run_preloaded(
     let mut child = preloaded(shim, options, program)?.spawn().map_err(|e| cannot_run(program, &e))?;
     let pid = child.id();
     relay_signals_to(pid);
+    // This process's own lines past `RLIMIT_FSIZE` then fail (EFBIG) rather than end it by
+    // SIGXFSZ: its exit status is to be the program's. Set after the spawn, which would have
+    // passed the ignored signal on to the program.
+    // SAFETY: setting a standard signal's disposition to SIG_IGN touches no memory.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     child.wait().map(|status| (pid, status)).map_err(|e| fail(&format!("cannot wait for the program: {e}"), 2))
 }
 

@@ -204,7 +204,7 @@ fn create(template: &str, descendant: bool, header: &Header) -> Result<(i32, Str
     }
     let mut head = Vec::new();
     write_header(&mut head, header);
-    let write = match os::write_whole(fd, &head) {
+    let write = match os::without_write_signals(|| os::write_whole(fd, &head)) {
         Ok(()) => HeaderWrite::Written(head.len() as u64),
         Err((errno, done)) => HeaderWrite::Failed { errno, written: done as u64 },
     };
