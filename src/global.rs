@@ -81,6 +81,7 @@ extern "C" fn fork_child() {
     crate::pool::force_unlock();
     crate::spare_stack::after_fork_child();
     crate::program_mappings::after_fork_child();
+    crate::leaks::kept::after_fork_child();
     crate::loader::after_fork_child();
     GLOBAL.after_fork_child();
     threads::fork_child();

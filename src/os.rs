@@ -276,6 +276,18 @@ pub(crate) fn write_whole(fd: c_int, bytes: &[u8]) -> Result<(), (c_int, usize)>
     Ok(())
 }
 
+/// The device and inode of the file behind `fd`: whether a descriptor kept is still the file
+/// it was (a program may close it and reuse its number).
+pub(crate) fn file_identity(fd: c_int) -> Option<(u64, u64)> {
+    // SAFETY: stat is plain data, valid when zeroed; fstat only writes it.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: st is a valid out-pointer.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return None;
+    }
+    Some((st.st_dev, st.st_ino))
+}
+
 /// Monotonic nanoseconds.
 pub(crate) fn monotonic_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC)

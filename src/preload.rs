@@ -651,7 +651,17 @@ pub(crate) fn write_leak_report(tracker: &LeakTracker, caller: Caller) -> leaks:
     }
     let reachable_stacks = options.report_format == ReportFormat::Json || options.show_reachable;
     let stacks = StackOptions { suppressions, below_main: options.show_below_main };
-    let mut report = leaks::check(tracker, stacks, reachable_stacks, caller);
+    let mut report = match leaks::check(tracker, stacks, reachable_stacks, caller) {
+        Ok(report) => report,
+        Err(errno) => {
+            no_report(&format!(
+                "cannot read /proc/thread-self/maps ({}); without it nothing tells the program's memory \
+                 from the rest, so no leak report",
+                std::io::Error::from_raw_os_error(errno)
+            ));
+            return leaks::Summary::default();
+        }
+    };
     report.notes.extend(bypassed_note());
     report.notes.extend(revoked_note());
     report.notes.extend(unseen_note());

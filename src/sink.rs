@@ -51,16 +51,6 @@ static TEMPLATE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 /// its descriptor. Made when the file is first opened, so that reopening does not allocate.
 static PATH: std::sync::Mutex<Option<CString>> = std::sync::Mutex::new(None);
 
-fn identity(fd: i32) -> Option<(u64, u64)> {
-    // SAFETY: stat is plain data, valid when zeroed; fstat only writes it.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: st is a valid out-pointer.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return None;
-    }
-    Some((st.st_dev, st.st_ino))
-}
-
 /// Moves `fd` to a high descriptor number, close-on-exec.
 pub(crate) fn move_high(fd: i32) -> i32 {
     // SAFETY: rlimit is plain data; getrlimit only writes it.
@@ -79,7 +69,7 @@ pub(crate) fn move_high(fd: i32) -> i32 {
 }
 
 fn install(fd: i32) {
-    let (dev, ino) = identity(fd).unwrap_or((0, 0));
+    let (dev, ino) = os::file_identity(fd).unwrap_or((0, 0));
     DEV.store(dev, Ordering::Relaxed);
     INO.store(ino, Ordering::Relaxed);
     FD.store(fd, Ordering::Release);
@@ -157,7 +147,7 @@ fn reopen_log_file() -> bool {
 /// reports may fall back to.
 fn note_stderr() {
     let old = STDERR_COPY.swap(-1, Ordering::AcqRel);
-    match identity(2) {
+    match os::file_identity(2) {
         Some((dev, ino)) => {
             STDERR_DEV.store(dev, Ordering::Relaxed);
             STDERR_INO.store(ino, Ordering::Relaxed);
@@ -178,7 +168,7 @@ fn note_stderr() {
 /// Whether `fd` is the stderr noted at start-up.
 fn is_noted_stderr(fd: i32) -> bool {
     STDERR.load(Ordering::Acquire) == STDERR_OPEN
-        && identity(fd) == Some((STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed)))
+        && os::file_identity(fd) == Some((STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed)))
 }
 
 /// Whether descriptor 2 is the stderr the process started with (or was never noted).
@@ -295,7 +285,7 @@ pub(crate) fn leave_file(path: &str) -> bool {
     }
     let fd = FD.load(Ordering::Acquire);
     let log_file = PATH.lock().is_ok_and(|p| p.is_some());
-    if !log_file || fd < 0 || identity(fd) != Some((st.st_dev, st.st_ino)) {
+    if !log_file || fd < 0 || os::file_identity(fd) != Some((st.st_dev, st.st_ino)) {
         return false;
     }
     if let Ok(mut t) = TEMPLATE.lock() {
@@ -356,7 +346,7 @@ pub(crate) fn after_fork_child() {
 
 /// Whether the report descriptor is still the file it was.
 fn still_ours(fd: i32) -> bool {
-    fd >= 0 && identity(fd) == Some((DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
+    fd >= 0 && os::file_identity(fd) == Some((DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
 }
 
 /// Writes one report (whole lines) to the report descriptor. Never allocates.

@@ -2370,6 +2370,53 @@ fn run_paths_are_absolute_and_a_colon_is_refused_before_the_program_runs() {
     );
 }
 
+/// A program that leaves itself no way to open `/proc` before it exits (out of descriptors, as
+/// a server at its limit; chrooted, as sshd's privilege separation) gets the report it would
+/// get otherwise: the map is read through the descriptor kept since the start, the name is the
+/// one noted then. Without the map every block was definitely lost (so `exitcode` failed the
+/// program), and the report named no program (review helper 99).
+#[test]
+fn a_program_that_can_no_longer_open_proc_gets_its_report() {
+    let program = c_program("no_proc.c");
+    let jail = tempfile::tempdir().unwrap();
+    for args in [vec!["files"], vec!["chroot", jail.path().to_str().unwrap()]] {
+        let out = run(JSON_REPORT, Command::new(&program).args(&args));
+        if text(&out.stdout) == "no chroot\n" {
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(6), "{args:?}: {}", text(&out.stderr));
+        let report = json_report(&out);
+        let s = &report["summary"];
+        assert_eq!(
+            (s["definitely_lost"]["bytes"].as_u64(), s["definitely_lost"]["blocks"].as_u64()),
+            (Some(55), Some(1)),
+            "{args:?}: {report}"
+        );
+        assert!(still_reachable_bytes(&report).contains(&100), "{args:?}: {report}");
+        assert!(report["program"].as_str().is_some_and(|p| p.ends_with("/no_proc")), "{args:?}: {report}");
+    }
+    // Under a `ulimit -n` that leaves no room for the kept descriptor: one line, and
+    // `exitcode` leaves the status alone.
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(&program);
+    cmd.arg("files");
+    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
+    unsafe {
+        cmd.pre_exec(|| {
+            let few = libc::rlimit { rlim_cur: 20, rlim_max: 20 };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &few);
+            Ok(())
+        })
+    };
+    let out = run(Mode::Shim("exitcode=23"), &mut cmd);
+    assert_eq!(out.status.code(), Some(6), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stderr),
+        "mallocspy: cannot read /proc/thread-self/maps (Too many open files (os error 24)); without it nothing \
+         tells the program's memory from the rest, so no leak report\n"
+    );
+}
+
 /// A report written into a pipe nobody reads any more raises no SIGPIPE in the program: its exit
 /// status stays its own (`mallocspy run -- prog 2>&1 | head -1` ended `prog` by SIGPIPE).
 #[test]

@@ -3,6 +3,7 @@
 //! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
 mod dead_tls;
+pub(crate) mod kept;
 pub(crate) mod report;
 mod restart;
 pub(crate) mod roots;
@@ -298,7 +299,14 @@ pub(crate) fn after_fork_child() {
 
 /// Runs a leak check now: snapshot, stop the other threads, scan, resume, report.
 /// `reachable_stacks`: symbolize the still-reachable records too (a text report hides them).
-pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stacks: bool, caller: Caller) -> LeakReport {
+/// `Err(errno)`: the process map could not be read (see [`Maps::read`]), and nothing was
+/// classified.
+pub(crate) fn check(
+    tracker: &LeakTracker,
+    stacks: StackOptions,
+    reachable_stacks: bool,
+    caller: Caller,
+) -> Result<LeakReport, i32> {
     // Allocations made by libc on our behalf from here on are not the program's.
     let ts = tls::state();
     let depth = ts.depth.replace(ts.depth.get().max(1));
@@ -367,7 +375,12 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
     // Until they resume, a stopped thread may hold the loader's locks: the unwinder's walks
     // out of alternate stacks below use the module list as it is.
     crate::loader::world_stopped(stopped.is_some());
-    maps.read();
+    if let Err(errno) = maps.read() {
+        crate::loader::world_stopped(false);
+        drop(stopped);
+        leave_check(ts, scope_sp, depth);
+        return Err(errno);
+    }
     regions.extend_from_slice(&modules.roots);
     region_kinds.extend(modules.roots.iter().map(|_| Root::Global));
     // A stack the program gave a thread from the heap (`pthread_attr_setstack` on a block,
@@ -593,12 +606,17 @@ pub(crate) fn check(tracker: &LeakTracker, stacks: StackOptions, reachable_stack
         retained.as_ref(),
         notes,
     );
+    leave_check(ts, scope_sp, depth);
+    Ok(report)
+}
+
+/// Gives the thread back the hook state [`check`] found.
+fn leave_check(ts: &tls::ThreadState, scope_sp: u64, depth: u32) {
     ts.scope_sp.set(scope_sp);
     ts.depth.set(depth);
     if depth == 0 {
         crate::ending_signals::after_hook();
     }
-    report
 }
 
 #[cfg(test)]

@@ -323,7 +323,7 @@ pub(crate) fn build(
         .map(|(pattern, t)| SuppressionUsed { pattern: pattern.to_owned(), blocks: t.blocks, bytes: t.bytes })
         .collect();
     suppressions_used.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.pattern.cmp(&b.pattern)));
-    let program = std::fs::read_link("/proc/thread-self/exe").map(|p| p.display().to_string()).unwrap_or_default();
+    let program = super::kept::program();
     LeakReport { pid, program, summary, leaks, notes, suppressions_used }
 }
 

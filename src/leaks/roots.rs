@@ -4,6 +4,7 @@
 
 use core::ffi::c_void;
 
+use super::kept;
 use super::scan::{FileKind, Memory};
 use crate::os;
 
@@ -68,30 +69,41 @@ impl Maps {
 
     /// Re-reads the map into the reserved buffers (what does not fit is dropped, which only
     /// makes less memory readable). Raw system calls: safe while other threads are stopped.
-    pub(crate) fn read(&mut self) {
+    /// When `/proc` cannot be opened, reads the map [`kept`] from the start; the `errno` of
+    /// the open when neither gives a map.
+    pub(crate) fn read(&mut self) -> Result<(), i32> {
         self.text.clear();
         self.list.clear();
         self.main_stack = None;
-        // SAFETY: a NUL-terminated path; the descriptor is closed below.
-        let fd = unsafe { libc::open(c"/proc/thread-self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-        if fd < 0 {
-            return;
-        }
+        let fd = os::open(c"/proc/thread-self/maps", libc::O_RDONLY | libc::O_CLOEXEC);
+        let (fd, owned) = match fd {
+            -1 => {
+                let refused = os::errno();
+                (kept::map().ok_or(refused)?, false)
+            }
+            fd => (fd, true),
+        };
         loop {
             let room = self.text.capacity() - self.text.len();
             if room == 0 {
                 break;
             }
-            // SAFETY: writes at most `room` bytes into the reserved, unused tail.
-            let n = unsafe { libc::read(fd, self.text.as_mut_ptr().add(self.text.len()).cast(), room) };
+            let at = self.text.len();
+            // SAFETY: writes at most `room` bytes into the reserved, unused tail; a read from
+            // offset 0 starts the map over (the kept descriptor has been read before).
+            let n = unsafe { libc::pread(fd, self.text.as_mut_ptr().add(at).cast(), room, at as libc::off_t) };
             if n <= 0 {
                 break;
             }
-            // SAFETY: read(2) initialised n more bytes.
-            unsafe { self.text.set_len(self.text.len() + n as usize) };
+            // SAFETY: pread(2) initialised n more bytes.
+            unsafe { self.text.set_len(at + n as usize) };
         }
-        // SAFETY: fd is ours.
-        unsafe { libc::close(fd) };
+        if owned {
+            os::close(fd);
+        }
+        if self.text.is_empty() {
+            return Err(libc::EIO);
+        }
         for line in self.text.split(|&c| c == b'\n') {
             if self.list.len() == self.list.capacity() {
                 break;
@@ -118,6 +130,7 @@ impl Maps {
             let brk_heap = readable && writable && path == b"[heap]";
             self.list.push(Mapping { start, end, readable, writable_data, brk_heap, file });
         }
+        Ok(())
     }
 
     /// The end of the readable mapping holding `addr`. (Thread stacks are one mapping each,

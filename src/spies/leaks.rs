@@ -167,6 +167,7 @@ impl LeakTracker {
     /// A tracker capturing `depth` frames per block; `None` if its memory cannot be mapped.
     pub(crate) fn new(depth: usize) -> Option<Self> {
         crate::leaks::roots::warm_up();
+        crate::leaks::kept::keep();
         Some(Self {
             live: LiveTable::leased()?,
             stacks: Stacks::new()?,
