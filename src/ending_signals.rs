@@ -104,6 +104,27 @@ pub(crate) fn enable() {
     }
 }
 
+/// Before a seccomp filter that may kill the program (see `crate::seccomp`): the reports are
+/// given up, so each signal's action goes back to what the program sees (the default, or its
+/// own `SA_RESETHAND` handler), which the kernel then carries out by itself.
+pub(crate) fn give_back() {
+    ENABLED.store(false, Ordering::Relaxed);
+    for signal in SIGNALS {
+        // SAFETY: zero is a valid sigaction; a query changes nothing.
+        let mut now: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { next_sigaction(signal, core::ptr::null(), &mut now) } != 0 {
+            continue;
+        }
+        let ours = is_ours(now.sa_sigaction) || now.sa_sigaction == on_oneshot as *const () as usize;
+        if ours {
+            as_seen(signal, &mut now);
+            // SAFETY: the action the program set (or the default), as it would be natively.
+            unsafe { next_sigaction(signal, &now, core::ptr::null_mut()) };
+        }
+    }
+}
+
 /// A signal that came while its thread was inside a hook, for the hook's end to take.
 static DEFERRED: AtomicI32 = AtomicI32::new(0);
 

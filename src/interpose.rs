@@ -77,6 +77,9 @@ macro_rules! export_interposer {
         $crate::__jump!(sigset, $crate::interpose::sigset, (signal: ::core::ffi::c_int, handler: usize) -> usize);
         // A hook on a small alternate signal stack goes straight to the real allocator.
         $crate::__jump!(sigaltstack, $crate::interpose::sigaltstack, (stack: *const $crate::interpose::StackT, old: *mut $crate::interpose::StackT) -> ::core::ffi::c_int);
+        // A seccomp filter that may kill is seen before it is in force (see `seccomp.rs`).
+        $crate::__jump!(prctl, $crate::interpose::prctl, (option: ::core::ffi::c_int, a2: ::core::ffi::c_ulong, a3: ::core::ffi::c_ulong, a4: ::core::ffi::c_ulong, a5: ::core::ffi::c_ulong) -> ::core::ffi::c_int);
+        $crate::__jump!(seccomp_load, $crate::interpose::seccomp_load, (context: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -310,6 +313,28 @@ pub type StackT = libc::stack_t;
 pub unsafe extern "C" fn sigaltstack(stack: *const libc::stack_t, old: *mut libc::stack_t) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::alt_stack::sigaltstack(stack, old) }
+}
+
+/// # Safety
+/// As `prctl` with these arguments.
+#[doc(hidden)]
+pub unsafe extern "C" fn prctl(
+    option: c_int,
+    a2: core::ffi::c_ulong,
+    a3: core::ffi::c_ulong,
+    a4: core::ffi::c_ulong,
+    a5: core::ffi::c_ulong,
+) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::seccomp::prctl(option, a2, a3, a4, a5) }
+}
+
+/// # Safety
+/// As libseccomp's `seccomp_load`.
+#[doc(hidden)]
+pub unsafe extern "C" fn seccomp_load(context: *mut c_void) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::seccomp::seccomp_load(context) }
 }
 
 /// C's `struct sigaction`, for [`export_interposer!`].

@@ -61,6 +61,7 @@ mod ending_signals;
 #[doc(hidden)]
 pub mod fast_path;
 pub mod ffi;
+mod fixed_hash;
 mod gate;
 mod global;
 mod heap;
@@ -81,6 +82,7 @@ pub mod preload;
 mod process_mark;
 mod program_mappings;
 mod registry;
+mod seccomp;
 mod signal_frames;
 mod sink;
 mod spare_stack;

@@ -288,6 +288,16 @@ pub(crate) fn file_identity(fd: c_int) -> Option<(u64, u64)> {
     Some((st.st_dev, st.st_ino))
 }
 
+/// Whether `fd` is the file `id` (see [`file_identity`]). An open descriptor that cannot be
+/// asked (a seccomp filter answering `fstat` with EPERM) counts as the same: the last lines of
+/// a process under such a filter still go out, where they were all dropped.
+pub(crate) fn is_file(fd: c_int, id: (u64, u64)) -> bool {
+    match file_identity(fd) {
+        Some(now) => now == id,
+        None => errno() != libc::EBADF,
+    }
+}
+
 /// Monotonic nanoseconds.
 pub(crate) fn monotonic_ns() -> u64 {
     clock_ns(libc::CLOCK_MONOTONIC)

@@ -111,6 +111,7 @@ fn register_spies() {
     crate::program_mappings::warm_up();
     crate::ending_signals::warm_up();
     crate::alt_stack::warm_up();
+    crate::seccomp::warm_up();
     // The main thread's stack, from the stack itself: a hook in a handler on an alternate
     // signal stack cannot find it (review helper 97).
     crate::unwind::stack_bounds();
@@ -518,6 +519,10 @@ static WRITING_REPORTS: AtomicU32 = AtomicU32::new(0);
 
 /// Every report, once per process, the leak check's scan of this thread starting at `caller`.
 fn report_all(caller: Caller) {
+    // Under a filter that may kill, not even `getpid` (see `seccomp.rs`).
+    if crate::seccomp::may_kill() {
+        return;
+    }
     let pid = os::getpid();
     if OWNER.load(Ordering::Relaxed) != pid || REPORTED.swap(true, Ordering::AcqRel) {
         return;

@@ -168,7 +168,7 @@ fn note_stderr() {
 /// Whether `fd` is the stderr noted at start-up.
 fn is_noted_stderr(fd: i32) -> bool {
     STDERR.load(Ordering::Acquire) == STDERR_OPEN
-        && os::file_identity(fd) == Some((STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed)))
+        && os::is_file(fd, (STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed)))
 }
 
 /// Whether descriptor 2 is the stderr the process started with (or was never noted).
@@ -346,7 +346,7 @@ pub(crate) fn after_fork_child() {
 
 /// Whether the report descriptor is still the file it was.
 fn still_ours(fd: i32) -> bool {
-    fd >= 0 && os::file_identity(fd) == Some((DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
+    fd >= 0 && os::is_file(fd, (DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
 }
 
 /// Writes one report (whole lines) to the report descriptor. Never allocates.

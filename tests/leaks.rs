@@ -664,6 +664,41 @@ fn a_sandboxed_program_keeps_its_status_and_report() {
     }
 }
 
+/// A program whose seccomp filter kills every call but its own (sshd's privilege separation)
+/// ends as natively, by its `return` or its SIGTERM: the exit reports, whose calls (`openat` of
+/// `/proc`, `sigaltstack`, ...) killed it by SIGSYS, are given up, said in one line when the
+/// filter was installed (review helper 99).
+#[test]
+fn a_program_under_a_filter_that_kills_unexpected_calls_ends_as_natively() {
+    let program = c_program("sandboxed.c");
+    for (how, status, signal) in [("allow_list", Some(3), None), ("allow_list_term", None, Some(libc::SIGTERM))] {
+        let native = Command::new(&program).args([how, "0"]).output().unwrap();
+        for mode in [Mode::Shim("spy=leaks"), Mode::Shim("spy=ticks"), Mode::Shim("spy=guard")] {
+            use std::os::unix::process::ExitStatusExt;
+            let out = run(mode, Command::new(&program).args([how, "0"]));
+            let ended = (out.status.code(), out.status.signal(), text(&out.stdout));
+            assert_eq!(ended, (status, signal, "sandboxed\n".to_owned()), "{how}: {}", text(&out.stderr));
+            assert_eq!((native.status.code(), native.status.signal()), (status, signal), "{how} natively");
+            assert_eq!(
+                text(&out.stderr),
+                "mallocspy: the program puts itself under a seccomp filter that may kill it for a system call it \
+                 does not expect; the reports at its end make such calls, so they are given up\n",
+                "{how}"
+            );
+        }
+    }
+    // Refused with EPERM instead, the calls fail: the check says in one line what it could not
+    // read (std's hash maps' `getrandom` panicked, and the program aborted; then no line came,
+    // the report's descriptors failing their `fstat`).
+    let out = run(Mode::Shim("spy=leaks"), Command::new(&program).args(["allow_list_errno", "0"]));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(3), "sandboxed\n"), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stderr),
+        "mallocspy: cannot read /proc/thread-self/maps (Operation not permitted (os error 1)); without it nothing \
+         tells the program's memory from the rest, so no leak report\n"
+    );
+}
+
 /// A walk cut short where the thread had too little stack left to compute a rule was taken
 /// for the whole stack, cached as such, and reused by the walks after it, with room again:
 /// two shallow leaks lost their outer frames and merged into one record (review helper 43).

@@ -54,7 +54,7 @@ pub(crate) fn after_fork_child() {
 }
 
 fn is_ours(fd: i32) -> bool {
-    os::file_identity(fd) == Some((DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
+    os::is_file(fd, (DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
 }
 
 /// The kept descriptor of this process's map, if it is still that (read it with `pread`).

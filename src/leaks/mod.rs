@@ -20,10 +20,10 @@ pub use scan::LeakKind;
 pub use suppress::{SuppressionError, Suppressions};
 pub use symbols::{Frame, demangle, function_name, load_cxx_runtime_demangler, qualified_name, symbol_name};
 
+use crate::fixed_hash::HashMap;
 use crate::spies::leaks::LeakTracker;
 use crate::{os, tls};
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::collections::HashMap;
 
 use report::Classified;
 use roots::{Maps, ProcessMemory};
@@ -88,7 +88,7 @@ fn retention_paths(
     symbols: &mut Symbolizer,
     describe: impl Fn(&mut Symbolizer, Hop, Option<usize>) -> String,
 ) -> HashMap<u32, Vec<String>> {
-    let mut paths = HashMap::new();
+    let mut paths = HashMap::default();
     for (i, b) in blocks.iter().enumerate() {
         if b.kind == LeakKind::StillReachable && !paths.contains_key(&b.stack) {
             let path = scratch.retention_path(i, PATH_HOPS);

@@ -1,8 +1,8 @@
 //! The leak report: blocks grouped by allocation stack and kind, symbolized, as text or JSON.
 //! Building and rendering are pure functions of the classified blocks and the tracker's totals.
 
+use crate::fixed_hash::{HashMap, HashSet};
 use std::collections::hash_map::Entry as Slot;
-use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 use std::hash::{Hash, Hasher};
 
@@ -160,7 +160,7 @@ impl Namer {
     pub(crate) fn new(stacks: StackOptions, stack_ids: &[u32], frames_of: &impl Fn(u32) -> Vec<u64>) -> Self {
         let mut start_up = if stacks.below_main { None } else { symbols::StartUp::find() };
         if let Some(start_up) = &mut start_up {
-            let mut learnt = HashSet::new();
+            let mut learnt = HashSet::default();
             for &id in stack_ids.iter().filter(|&&id| learnt.insert(id)) {
                 start_up.learn(&frames_of(id));
             }
@@ -203,11 +203,11 @@ pub(crate) fn suppression_patterns(
     frames_of: &impl Fn(u32) -> Vec<u64>,
     suppressions: &Suppressions,
 ) -> HashMap<u32, String> {
-    let mut patterns = HashMap::new();
+    let mut patterns = HashMap::default();
     if suppressions.is_empty() {
         return patterns;
     }
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     for id in stack_ids.into_iter().filter(|&id| seen.insert(id)) {
         let pattern = namer.frames(id, frames_of).iter().find_map(|f| {
             let texts = [f.function.as_deref(), f.file.as_deref(), f.module.as_deref()];
@@ -243,8 +243,8 @@ pub(crate) fn build(
         ..Summary::default()
     };
     let pattern = |stack_id: u32| patterns.get(&stack_id).map(String::as_str);
-    let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::new();
-    let mut used: HashMap<&str, Tally> = HashMap::new();
+    let mut groups: HashMap<(u32, LeakKind), (Tally, Entry)> = HashMap::default();
+    let mut used: HashMap<&str, Tally> = HashMap::default();
     for b in blocks {
         let lost = b.kind != LeakKind::StillReachable;
         let suppressed = b.suppressed_by.and_then(|by| pattern(b.stack).or_else(|| pattern(by)));
@@ -277,7 +277,7 @@ pub(crate) fn build(
     // its addresses, and then other frames). Known by a hash of the frames, compared on a
     // hit: a copy of each record's frames as the key cost half again the report's memory
     // (review helper 30).
-    let mut record_of: HashMap<u64, usize> = HashMap::new();
+    let mut record_of: HashMap<u64, usize> = HashMap::default();
     for ((stack_id, kind), (tally, entry)) in groups {
         let lost = kind != LeakKind::StillReachable;
         let stack = if fits && shown(&(stack_id, kind)) { namer.frames(stack_id, &frames_of) } else { Vec::new() };
@@ -507,11 +507,19 @@ mod tests {
             block(100, 3, LeakKind::StillReachable),
             block(10, 3, LeakKind::IndirectlyLost),
         ];
-        let retained = HashMap::from([(3, vec!["global table (prog)".to_owned()])]);
+        let retained = HashMap::from_iter([(3, vec!["global table (prog)".to_owned()])]);
         let stacks = StackOptions { suppressions: &Suppressions::default(), below_main: false };
         let mut namer = Namer::new(stacks, &[], &|_| Vec::new());
-        let report =
-            build(7, &blocks, (50, 21, 18288), |_| Vec::new(), &mut namer, &HashMap::new(), Some(&retained), vec![]);
+        let report = build(
+            7,
+            &blocks,
+            (50, 21, 18288),
+            |_| Vec::new(),
+            &mut namer,
+            &HashMap::default(),
+            Some(&retained),
+            vec![],
+        );
         assert_eq!(report.summary.definitely_lost, Tally { blocks: 3, bytes: 4192 });
         assert_eq!(report.summary.indirectly_lost, Tally { blocks: 1, bytes: 10 });
         assert_eq!(report.summary.still_reachable, Tally { blocks: 1, bytes: 100 });

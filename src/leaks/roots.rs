@@ -83,6 +83,7 @@ impl Maps {
             }
             fd => (fd, true),
         };
+        let mut refused = libc::EIO;
         loop {
             let room = self.text.capacity() - self.text.len();
             if room == 0 {
@@ -93,6 +94,7 @@ impl Maps {
             // offset 0 starts the map over (the kept descriptor has been read before).
             let n = unsafe { libc::pread(fd, self.text.as_mut_ptr().add(at).cast(), room, at as libc::off_t) };
             if n <= 0 {
+                refused = if n < 0 { os::errno() } else { refused };
                 break;
             }
             // SAFETY: pread(2) initialised n more bytes.
@@ -102,7 +104,7 @@ impl Maps {
             os::close(fd);
         }
         if self.text.is_empty() {
-            return Err(libc::EIO);
+            return Err(refused);
         }
         for line in self.text.split(|&c| c == b'\n') {
             if self.list.len() == self.list.capacity() {

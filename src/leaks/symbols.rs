@@ -1,7 +1,7 @@
 //! Return addresses to functions, files and lines, at report time only (the hook path keeps
 //! raw addresses). Inlined calls become frames of their own, as in memcheck's reports.
 
-use std::collections::HashMap;
+use crate::fixed_hash::HashMap;
 use std::ffi::CStr;
 
 use serde::Serialize;

@@ -118,7 +118,7 @@ fn mapping(line: &[u8]) -> Option<Mapping<'_>> {
 /// again each time a stack names unknown code, and a program that loads and unloads a
 /// library in a loop makes it do so at each `dlclose` (see [`crate::dl_close`]).
 #[derive(Default)]
-pub(crate) struct ElfCache(std::collections::HashMap<(Vec<u8>, u64), Option<ElfFacts>>);
+pub(crate) struct ElfCache(crate::fixed_hash::HashMap<(Vec<u8>, u64), Option<ElfFacts>>);
 
 /// Process `pid`'s memory map. `/proc/PID/maps` is the main thread's view, and it reads
 /// empty once the main thread has ended by `pthread_exit` while others live on; then any

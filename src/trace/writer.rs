@@ -29,8 +29,8 @@
 //! queue fills) until the program has gone (it no longer maps the queue: it exited, or
 //! `exec`'d).
 
+use crate::fixed_hash::HashSet;
 use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::collections::HashSet;
 use std::sync::OnceLock;
 
 use super::message;
@@ -64,6 +64,16 @@ fn is_our_socket(fd: i32) -> bool {
         && unsafe { libc::fstat(fd, &mut st) } == 0
         && st.st_mode & libc::S_IFMT == libc::S_IFSOCK
         && st.st_ino == WAKE_INODE.load(Ordering::Relaxed)
+}
+
+/// Before a seccomp filter that may kill the program for a call it does not expect (see
+/// `crate::seccomp`): the writer is woken through the queue's futex from now on, not by a
+/// `send` on the socket, whose check (`fstat`) and `send` the filter may not allow.
+pub(crate) fn before_filter() {
+    let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
+    if is_our_socket(fd) {
+        close(fd);
+    }
 }
 
 /// Wakes the writer, which sleeps for want of messages or waits for its next drain. Called by
@@ -539,7 +549,7 @@ impl Writer {
             written,
             buf: Vec::with_capacity(1 << 16),
             ring,
-            stacks: HashSet::new(),
+            stacks: HashSet::default(),
             modules: Vec::new(),
             elf: modules::ElfCache::default(),
             next_module: 0,
