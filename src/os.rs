@@ -142,6 +142,35 @@ pub(crate) fn page_size() -> usize {
 // system calls themselves are not cancellation points, so the code a hook may run makes them
 // directly (`malloc` itself is not one: a program may count on that).
 
+/// The calling thread's cancellation disabled while this lives (see [`SpyCell::call`]).
+///
+/// [`SpyCell::call`]: crate::registry::SpyCell::call
+pub(crate) struct Uncancellable(c_int);
+
+// glibc's values (the libc crate has neither for Linux).
+const PTHREAD_CANCEL_ENABLE: c_int = 0;
+const PTHREAD_CANCEL_DISABLE: c_int = 1;
+
+unsafe extern "C" {
+    fn pthread_setcancelstate(state: c_int, old: *mut c_int) -> c_int;
+}
+
+impl Uncancellable {
+    pub(crate) fn new() -> Self {
+        let mut old = PTHREAD_CANCEL_ENABLE;
+        // SAFETY: a valid out-pointer; the state is the calling thread's own.
+        unsafe { pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &mut old) };
+        Self(old)
+    }
+}
+
+impl Drop for Uncancellable {
+    fn drop(&mut self) {
+        // SAFETY: restores the state `new` found; the old state's out-pointer may be null.
+        unsafe { pthread_setcancelstate(self.0, core::ptr::null_mut()) };
+    }
+}
+
 /// `open(2)` of `path` with `flags` (no `O_CREAT`), without the cancellation point.
 pub(crate) fn open(path: &CStr, flags: c_int) -> c_int {
     // SAFETY: openat reads the NUL-terminated path and nothing else.

@@ -588,10 +588,12 @@ fn write_reports(caller: Caller) {
         let ticks = spy.ticks();
         let (calls, bytes) = stats.kinds.iter().fold((0, 0), |(c, b), k| (c + k.allocs, b + k.bytes));
         let c = &spy.config;
+        // With a `trace` that could not be started (said then), no advice to give one.
+        let advice = if b.options.trace.is_none() { " (give trace=PATH to keep the samples)" } else { "" };
         sink::write(
             format!(
                 "mallocspy: ticks: {ticks} sample{} ({}, every {} bytes on average) of {calls} allocations, \
-                 {bytes} bytes; estimated peak live {} bytes (give trace=PATH to keep the samples)\n",
+                 {bytes} bytes; estimated peak live {} bytes{advice}\n",
                 if ticks == 1 { "" } else { "s" },
                 c.sampling.name(),
                 c.interval,

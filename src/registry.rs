@@ -19,7 +19,7 @@ use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use crate::pins::Pins;
 use crate::spy::{MallocSpy, Role, SpyError};
 use crate::sync::SpinLock;
-use crate::{sink, threads, tls};
+use crate::{os, sink, threads, tls};
 
 /// A spy to register: owned (dropped when the registration ends) or static (the built-in
 /// spies, which outlive it for their exit reports).
@@ -92,6 +92,11 @@ impl SpyCell {
             // in a `release`) would otherwise blame the next call, of this spy or the next one.
             tls::state().spy_failed.set(0);
         }
+        // A registered spy's code may make a cancellation point (a `write`, a `printf`): a
+        // cancellation pending on the thread would start there, unwind through the hook and
+        // abort the process, where natively `malloc` is no cancellation point. It waits for the
+        // thread's next one, outside the hook.
+        let _uncancellable = self.owned.then(os::Uncancellable::new);
         match std::panic::catch_unwind(AssertUnwindSafe(|| f(spy))) {
             // A spy behind the C ABI (a Rust one in another module included, whose panic was
             // caught there) says it failed through the API: as a panic, its answer is unusable.

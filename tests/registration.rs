@@ -14,6 +14,20 @@ fn assert_all_ok(what: &str, out: &std::process::Output) {
     assert!(stdout.lines().filter(|l| l.ends_with(": ok")).count() >= 10, "{what} ran its checks:\n{stdout}");
 }
 
+/// A registered C spy whose function makes a cancellation point (a `write`) on a thread with a
+/// cancellation pending: the thread is cancelled at its next cancellation point after the
+/// hook, as natively, where glibc's unwinding from inside the hook aborted the process
+/// ("FATAL: exception not rethrown", review helper 101).
+#[test]
+fn a_spy_making_a_cancellation_point_leaves_the_cancellation_to_the_program() {
+    let program = c_program("cancel_in_spy.c");
+    let mut cmd = Command::new(&program);
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    PASS_THROUGH.apply(&mut cmd);
+    let out = output_within(cmd.spawn().unwrap(), std::time::Duration::from_secs(60));
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "cancelled\n"), "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_c_program_registers_a_header_spy_through_the_header() {
     let program = c_program("register.c");

@@ -1057,6 +1057,8 @@ fn record_reports_bad_arguments_and_missing_programs() {
     assert!(out.status.success(), "an unwritable trace path does not stop the program");
     let stderr = text(&out.stderr);
     assert!(stderr.contains("cannot open trace '/no/such/dir/t.trace'"), "{stderr}");
+    // Its summary gives no advice to give a trace path, which was given (review helper 99).
+    assert!(stderr.contains("mallocspy: ticks: ") && !stderr.contains("give trace=PATH"), "{stderr}");
     assert!(text(&out.stdout).contains("site_small"), "the program ran, sampled");
     // A stderr that refuses every line (a full disk): the lines are lost, the statuses are not
     // (`eprintln!` panicked there, and `record` exited 101 for a program that exited 3).

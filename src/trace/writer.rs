@@ -709,16 +709,20 @@ impl Writer {
             return false;
         };
         let finished = self.end_and_wait(fd, ring, stats);
-        if let Some((errno, written)) = ring.write_error() {
+        let lost = ring.dropped_total();
+        let write_error = ring.write_error();
+        if let Some((errno, written)) = write_error {
             let error = std::io::Error::from_raw_os_error(errno);
+            // The events queued after it are lost for that, not for a writer that fell behind.
+            let later = if lost > 0 { format!("; {lost} later trace event(s) were lost") } else { String::new() };
             sink::write(
-                format!("mallocspy: the trace stops at byte {written}, where writing it failed: {error}\n").as_bytes(),
+                format!("mallocspy: the trace stops at byte {written}, where writing it failed: {error}{later}\n")
+                    .as_bytes(),
             );
         }
         // Each said in one line: nothing said a writer stopped (SIGSTOP) for the program's last
         // ten seconds, nor a trace whose directory was removed (review helper 91).
-        let lost = ring.dropped_total();
-        if lost > 0 {
+        if lost > 0 && write_error.is_none() {
             sink::write(
                 format!(
                     "mallocspy: {lost} trace event(s) were lost: the trace writer fell behind the program \
