@@ -101,7 +101,7 @@ struct mallocspy_spy_vtable {
     void (*release)(void *ctx);
     /* MALLOCSPY_OBSERVE: the spy only observes (before_release and after_call run, nothing
      * is changed or recorded, `spied` is always 0, a revoke takes effect at once); 0: it
-     * interposes, like IMallocSpy. */
+     * interposes, like IMallocSpy. Another bit: E_INVALIDARG. */
     uint32_t flags;
 };
 
@@ -183,7 +183,9 @@ struct mallocspy_api {
     uint32_t size;    /* sizeof(struct mallocspy_api) */
     /* CoRegisterMallocSpy: S_OK, E_OBJISREG, E_INVALIDARG, E_NOT_INTERPOSED. */
     int32_t (*register_spy)(const struct mallocspy_spy_vtable *vtable, void *ctx);
-    /* CoRevokeMallocSpy: S_OK, E_OBJNOTREG, E_ACCESSDENIED (pending until the last free). */
+    /* CoRevokeMallocSpy: S_OK, E_OBJNOTREG, E_ACCESSDENIED (pending until the last free).
+     * It waits for the spy's functions running on other threads to return: not to be called
+     * holding a lock one of them takes. */
     int32_t (*revoke_spy)(void);
     /* IMalloc::DidAlloc: 1 a live block, 0 not a block, -1 cannot tell. */
     int (*did_alloc)(void *ptr);

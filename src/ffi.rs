@@ -259,6 +259,14 @@ pub(crate) unsafe fn validate(vtable: *const SpyVtable) -> Result<(), SpyError> 
     if version != ABI_VERSION || (size as usize) < MIN_VTABLE_SIZE {
         return Err(SpyError::InvalidArgument);
     }
+    // A flag this interposer does not know (a newer header's) asks for what it cannot do: the
+    // spy would run in a role it was not written for.
+    if size as usize >= core::mem::size_of::<SpyVtable>() {
+        // SAFETY: the size says the whole table, `flags` included, is readable.
+        if unsafe { (*vtable).flags } & !OBSERVE != 0 {
+            return Err(SpyError::InvalidArgument);
+        }
+    }
     Ok(())
 }
 
