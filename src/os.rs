@@ -94,12 +94,20 @@ pub(crate) fn is_mapped(addr: usize) -> bool {
     unsafe { libc::mincore(page as *mut c_void, 1, &mut resident) == 0 }
 }
 
+/// `fstat(2)` of `fd` by the system call, sets `errno` on failure. Not libc's: another
+/// preloaded library after mallocspy's (libfaketime wraps the `stat` family) would take the
+/// call, and at exit, its own destructor run, crashed in it (review helper 103).
+pub(crate) fn fstat(fd: c_int) -> Option<libc::stat> {
+    // SAFETY: stat is plain data, valid when zeroed.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: fstat writes only the stat buffer; a bad descriptor only fails.
+    let r = unsafe { libc::syscall(libc::SYS_fstat, fd, &mut st as *mut libc::stat) };
+    (r == 0).then_some(st)
+}
+
 /// Whether the file open as `fd` has no name left (deleted, or its directory removed).
 pub(crate) fn is_unlinked(fd: i32) -> bool {
-    // SAFETY: an all-zero stat is valid, and fstat writes only it.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_nlink == 0 }
+    fstat(fd).is_some_and(|st| st.st_nlink == 0)
 }
 
 /// Reads `words.len()` words of this process's memory at `addr` through the kernel
@@ -265,10 +273,7 @@ pub(crate) fn without_write_signals<R>(f: impl FnOnce() -> R) -> R {
 }
 
 fn is_pipe(fd: c_int) -> bool {
-    // SAFETY: stat is plain data; fstat only writes it.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: a valid out-pointer; a bad descriptor only fails.
-    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFIFO }
+    fstat(fd).is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFIFO)
 }
 
 /// `bytes` in pieces of at most `max` bytes that end at line ends, but for a line longer than
@@ -308,13 +313,7 @@ pub(crate) fn write_whole(fd: c_int, bytes: &[u8]) -> Result<(), (c_int, usize)>
 /// The device and inode of the file behind `fd`: whether a descriptor kept is still the file
 /// it was (a program may close it and reuse its number).
 pub(crate) fn file_identity(fd: c_int) -> Option<(u64, u64)> {
-    // SAFETY: stat is plain data, valid when zeroed; fstat only writes it.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: st is a valid out-pointer.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return None;
-    }
-    Some((st.st_dev, st.st_ino))
+    fstat(fd).map(|st| (st.st_dev, st.st_ino))
 }
 
 /// Whether `fd` is the file `id` (see [`file_identity`]). An open descriptor that cannot be
@@ -350,10 +349,40 @@ pub(crate) fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
+/// glibc's own `clock_gettime` (null: not looked up yet, or not found): not the one the
+/// process's lookup order finds, which a library preloaded after mallocspy's may define
+/// (libfaketime: the trace's times then ran ten times fast under `faketime x10`, and at exit,
+/// its destructor run, its wrappers crashed).
+static LIBC_CLOCK_GETTIME: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// Looks up [`LIBC_CLOCK_GETTIME`], at start.
+pub(crate) fn warm_up_clock() {
+    // SAFETY: NUL-terminated names; RTLD_NOLOAD only finds the libc already loaded.
+    let f = unsafe {
+        let libc_handle = libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
+        if libc_handle.is_null() {
+            return;
+        }
+        let f = libc::dlsym(libc_handle, c"clock_gettime".as_ptr());
+        libc::dlclose(libc_handle);
+        f
+    };
+    LIBC_CLOCK_GETTIME.store(f, Ordering::Release);
+}
+
 fn clock_ns(clock: libc::clockid_t) -> u64 {
+    type ClockGettime = unsafe extern "C" fn(libc::clockid_t, *mut libc::timespec) -> c_int;
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes the timespec; both clocks used here always exist.
-    unsafe { libc::clock_gettime(clock, &mut ts) };
+    let f = LIBC_CLOCK_GETTIME.load(Ordering::Acquire);
+    // SAFETY: clock_gettime writes the timespec; the clocks used here always exist; `f` is
+    // glibc's clock_gettime, of this signature.
+    unsafe {
+        if f.is_null() {
+            libc::clock_gettime(clock, &mut ts);
+        } else {
+            core::mem::transmute::<*mut c_void, ClockGettime>(f)(clock, &mut ts);
+        }
+    }
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -487,8 +516,11 @@ pub(crate) fn yield_now() {
 pub(crate) fn pause_us(us: u32) {
     let pause =
         libc::timespec { tv_sec: (us / 1_000_000) as libc::time_t, tv_nsec: (us % 1_000_000) as libc::c_long * 1000 };
-    // SAFETY: nanosleep with a valid request; no remainder wanted.
-    unsafe { libc::nanosleep(&pause, core::ptr::null_mut()) };
+    // SAFETY: nanosleep with a valid request; no remainder wanted. The system call: libc's
+    // may be another preloaded library's (see [`fstat`]).
+    unsafe {
+        libc::syscall(libc::SYS_nanosleep, &pause as *const libc::timespec, core::ptr::null_mut::<libc::timespec>())
+    };
 }
 
 /// A loaded module (executable or shared object) as `dl_iterate_phdr` lists it.

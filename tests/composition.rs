@@ -183,3 +183,29 @@ fn leaks_made_on_threads_are_lost_over_every_allocator() {
         }
     }
 }
+
+/// A library preloaded after the shim that wraps `fstat` and `clock_gettime` and whose state
+/// its destructor ends (libfaketime: `faketime DATE mallocspy run -- prog` preloads it so)
+/// leaves the program's exit alone: the reports at exit make those calls themselves, and
+/// crashed in its wrappers, the program's buffered output lost (review helper 103).
+#[test]
+fn a_wrapper_preloaded_after_the_shim_and_ended_before_its_reports_is_not_called() {
+    let wrapper = c_library("late_wrapper.c");
+    let program = c_program("lose_one.c");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let trace_option = format!("spy=ticks:sample_interval=1:trace={}", trace.display());
+    for options in ["report_format=json", "spy=count", trace_option.as_str()] {
+        let out = Command::new(&program)
+            .arg("100")
+            .env("LD_PRELOAD", format!("{} {}", shim().display(), wrapper.display()))
+            .env("MALLOCSPY_OPTIONS", options)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{options}: {:?} {}", out.status, text(&out.stderr));
+        if options == "report_format=json" {
+            assert_eq!(json_report(&out)["summary"]["definitely_lost"]["bytes"], 100, "{}", text(&out.stderr));
+        }
+    }
+    assert!(std::fs::metadata(&trace).unwrap().len() > 0);
+}

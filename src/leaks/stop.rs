@@ -11,7 +11,6 @@
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
 use super::restart;
 use super::roots::parse_hex;
@@ -364,8 +363,8 @@ fn stop_the_world_by(tracer: bool, ending: bool) -> Option<Stopped> {
             sent += 1;
         }
     }
-    let deadline = Instant::now() + Duration::from_millis(500);
-    while ARRIVED.load(Ordering::Acquire) < sent && Instant::now() < deadline {
+    let deadline = os::monotonic_ns() + 500_000_000;
+    while ARRIVED.load(Ordering::Acquire) < sent && os::monotonic_ns() < deadline {
         os::yield_now();
     }
     let arrived = ARRIVED.load(Ordering::Acquire);
@@ -423,8 +422,8 @@ impl Drop for Stopped {
             libc::syscall(libc::SYS_futex, RESUME.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX)
         };
         // Late arrivals also see RESUME set and leave at once.
-        let deadline = Instant::now() + Duration::from_millis(500);
-        while LEFT.load(Ordering::Acquire) < ARRIVED.load(Ordering::Acquire) && Instant::now() < deadline {
+        let deadline = os::monotonic_ns() + 500_000_000;
+        while LEFT.load(Ordering::Acquire) < ARRIVED.load(Ordering::Acquire) && os::monotonic_ns() < deadline {
             os::yield_now();
         }
         // A thread that has not answered may still get the signal later: under the default
@@ -440,6 +439,7 @@ impl Drop for Stopped {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
 
     fn status(state: &str, blocked: &str) -> Vec<u8> {
         format!("Name:\tworker\nUmask:\t0022\nState:\t{state}\nTgid:\t7\nSigQ:\t0/127\nSigPnd:\t0000000000000000\nSigBlk:\t{blocked}\nSigIgn:\t0000000000001000\n").into_bytes()

@@ -57,13 +57,10 @@ static WAKE_INODE: AtomicU64 = AtomicU64::new(0);
 
 /// Whether `fd` is still the socket we made.
 fn is_our_socket(fd: i32) -> bool {
-    // SAFETY: fstat writes the stat buffer; an invalid descriptor only fails.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: as above.
     fd >= 0
-        && unsafe { libc::fstat(fd, &mut st) } == 0
-        && st.st_mode & libc::S_IFMT == libc::S_IFSOCK
-        && st.st_ino == WAKE_INODE.load(Ordering::Relaxed)
+        && os::fstat(fd).is_some_and(|st| {
+            st.st_mode & libc::S_IFMT == libc::S_IFSOCK && st.st_ino == WAKE_INODE.load(Ordering::Relaxed)
+        })
 }
 
 /// Before a seccomp filter that may kill the program for a call it does not expect (see
@@ -234,10 +231,7 @@ enum HeaderWrite {
 
 /// Whether `fd` is a regular file's.
 fn is_regular(fd: i32) -> bool {
-    // SAFETY: stat is plain data, valid when zeroed; fstat only writes it.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: as above; an invalid descriptor only fails.
-    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG }
+    os::fstat(fd).is_some_and(|st| st.st_mode & libc::S_IFMT == libc::S_IFREG)
 }
 
 /// Removes the trace at `path` that a writer could not start for, if it is a regular file: the
@@ -686,13 +680,9 @@ impl Writer {
         // Out of the way of the descriptors the program numbers from the bottom up, however
         // low its limit.
         let ours = sink::move_high(ours);
-        // SAFETY: fcntl/fstat on our own descriptor.
-        unsafe {
-            libc::fcntl(ours, libc::F_SETFL, libc::O_NONBLOCK);
-            let mut st: libc::stat = core::mem::zeroed();
-            libc::fstat(ours, &mut st);
-            WAKE_INODE.store(st.st_ino, Ordering::Relaxed);
-        }
+        // SAFETY: fcntl on our own descriptor.
+        unsafe { libc::fcntl(ours, libc::F_SETFL, libc::O_NONBLOCK) };
+        WAKE_INODE.store(os::fstat(ours).map_or(0, |st| st.st_ino), Ordering::Relaxed);
         WAKE_FD.store(ours, Ordering::Release);
         self.ring.store(ring as *const Ring as *mut Ring, Ordering::Release);
         self.traced_pid.store(header.pid, Ordering::Relaxed);
