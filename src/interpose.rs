@@ -79,7 +79,6 @@ macro_rules! export_interposer {
         $crate::__jump!(sigaltstack, $crate::interpose::sigaltstack, (stack: *const $crate::interpose::StackT, old: *mut $crate::interpose::StackT) -> ::core::ffi::c_int);
         // A seccomp filter that may kill is seen before it is in force (see `seccomp.rs`).
         $crate::__jump!(prctl, $crate::interpose::prctl, (option: ::core::ffi::c_int, a2: ::core::ffi::c_ulong, a3: ::core::ffi::c_ulong, a4: ::core::ffi::c_ulong, a5: ::core::ffi::c_ulong) -> ::core::ffi::c_int);
-        $crate::__jump!(seccomp_load, $crate::interpose::seccomp_load, (context: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -327,14 +326,6 @@ pub unsafe extern "C" fn prctl(
 ) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::seccomp::prctl(option, a2, a3, a4, a5) }
-}
-
-/// # Safety
-/// As libseccomp's `seccomp_load`.
-#[doc(hidden)]
-pub unsafe extern "C" fn seccomp_load(context: *mut c_void) -> c_int {
-    // SAFETY: the caller's guarantee.
-    unsafe { crate::seccomp::seccomp_load(context) }
 }
 
 /// C's `struct sigaction`, for [`export_interposer!`].

@@ -115,9 +115,16 @@ pub(crate) fn is_unlinked(fd: i32) -> bool {
 /// `false` when not all of them could be read.
 pub(crate) fn read_own(addr: usize, words: &mut [u64]) -> bool {
     let len = core::mem::size_of_val(words);
-    let local = libc::iovec { iov_base: words.as_mut_ptr().cast(), iov_len: len };
+    // SAFETY: the words' bytes, which any value fills.
+    read_own_bytes(addr, unsafe { core::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), len) })
+}
+
+/// [`read_own`], of bytes.
+pub(crate) fn read_own_bytes(addr: usize, bytes: &mut [u8]) -> bool {
+    let len = bytes.len();
+    let local = libc::iovec { iov_base: bytes.as_mut_ptr().cast(), iov_len: len };
     let remote = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
-    // SAFETY: the kernel writes at most `len` bytes into `words` and only reads at `addr`.
+    // SAFETY: the kernel writes at most `len` bytes into `bytes` and only reads at `addr`.
     let read = unsafe {
         raw_syscall(
             libc::SYS_process_vm_readv,

@@ -1,14 +1,16 @@
-//! Seccomp filters the program installs on itself (`prctl(PR_SET_SECCOMP)`, libseccomp's
-//! `seccomp_load`, both wrapped). A filter that kills for an unexpected system call (sshd's
-//! privilege separation, a sandbox's) killed the program at its exit: the leak check and the
-//! trace's end make calls its own exit does not (`sigaltstack`, `openat` of `/proc`,
-//! `process_vm_readv`, a CPU clock), and the process died of `SIGSYS` where natively it exited.
-//! Such a filter is seen before it is in force, while every call is still allowed: mallocspy
-//! says then, in one line, that the exit reports are given up, hands the ending signals back
-//! to the program, and wakes the trace writer through the queue's futex alone. A filter that
-//! answers with an errno (`SECCOMP_RET_ERRNO`, as container runtimes' do) changes nothing: the
-//! reports go on, and what cannot be read is said. Filters installed by raw system calls (the
-//! `syscall` function, Chromium's own) or inherited at start are not seen.
+//! Seccomp filters the program installs on itself with `prctl(PR_SET_SECCOMP)` (wrapped). A
+//! filter that kills for an unexpected system call (sshd's privilege separation, a sandbox's)
+//! killed the program at its exit: the leak check and the trace's end make calls its own exit
+//! does not (`sigaltstack`, `openat` of `/proc`, `process_vm_readv`, a CPU clock), and the
+//! process died of `SIGSYS` where natively it exited. Such a filter is seen before it is in
+//! force, while every call is still allowed: mallocspy says then, in one line, that the exit
+//! reports are given up, hands the ending signals back to the program, and wakes the trace
+//! writer through the queue's futex alone; should the kernel refuse the filter, the reports are
+//! back, and a second line says so. A filter that answers with an errno (`SECCOMP_RET_ERRNO`,
+//! as container runtimes' do) changes nothing: the reports go on, and what cannot be read is
+//! said. Not seen: filters installed by the `seccomp` system call (libseccomp's `seccomp_load`,
+//! Chromium's sandbox) or inherited at start. A filter installed on one thread gives up the
+//! whole process's reports.
 
 use core::ffi::{c_int, c_ulong, c_void};
 use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
@@ -19,7 +21,6 @@ use crate::os;
 static MAY_KILL: AtomicBool = AtomicBool::new(false);
 
 static NEXT_PRCTL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
-static NEXT_SECCOMP_LOAD: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 
 /// Whether the exit reports are given up (see the module's docs).
 pub(crate) fn may_kill() -> bool {
@@ -31,44 +32,86 @@ pub(crate) fn warm_up() {
     os::next_symbol_cached(&NEXT_PRCTL, c"prctl");
 }
 
-/// `prctl`: a filter that may kill is noted before libc's installs it.
+type Prctl = unsafe extern "C" fn(c_int, c_ulong, c_ulong, c_ulong, c_ulong) -> c_int;
+
+/// libc's `prctl`, or null.
+fn next_prctl() -> Option<Prctl> {
+    let f = os::next_symbol_cached(&NEXT_PRCTL, c"prctl");
+    // SAFETY: libc's prctl takes its arguments as five words.
+    (!f.is_null()).then(|| unsafe { core::mem::transmute::<*mut c_void, Prctl>(f) })
+}
+
+/// `prctl`: a filter that may kill is noted before libc's installs it, and the note is taken
+/// back if the kernel refuses it.
 ///
 /// # Safety
 /// As `prctl` with these arguments.
 pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong, a5: c_ulong) -> c_int {
-    if option == libc::PR_SET_SECCOMP {
-        let program = a3 as *const libc::sock_fprog;
-        // SAFETY: for a filter, the caller passes a valid `sock_fprog` (or the kernel refuses).
-        let filter_may_kill = a2 != libc::SECCOMP_MODE_FILTER as c_ulong || unsafe { may_kill_by(program) };
-        if filter_may_kill {
-            give_up_reports();
-        }
-    }
-    let f = os::next_symbol_cached(&NEXT_PRCTL, c"prctl");
-    if f.is_null() {
+    let Some(next) = next_prctl() else {
         os::set_errno(libc::ENOSYS);
         return -1;
+    };
+    let gives_up = option == libc::PR_SET_SECCOMP && !may_kill() && would_kill(next, a2, a3);
+    if gives_up {
+        give_up_reports();
     }
-    type Prctl = unsafe extern "C" fn(c_int, c_ulong, c_ulong, c_ulong, c_ulong) -> c_int;
-    // SAFETY: libc's prctl takes its arguments as five words; the caller's guarantee covers
-    // them.
-    unsafe { core::mem::transmute::<*mut c_void, Prctl>(f)(option, a2, a3, a4, a5) }
+    // SAFETY: the caller's guarantee covers the arguments.
+    let r = unsafe { next(option, a2, a3, a4, a5) };
+    if gives_up && r != 0 {
+        let errno = os::errno();
+        take_back(errno);
+        os::set_errno(errno);
+    }
+    r
 }
 
-/// libseccomp's `seccomp_load`: its filter is opaque, so taken as one that may kill.
-///
-/// # Safety
-/// As `seccomp_load`.
-pub(crate) unsafe fn seccomp_load(context: *mut c_void) -> c_int {
-    let f = os::next_symbol_cached(&NEXT_SECCOMP_LOAD, c"seccomp_load");
-    if f.is_null() {
-        // No libseccomp after us: the program's call reached a name it does not define.
-        return -libc::ENOSYS;
+/// Whether `prctl(PR_SET_SECCOMP, mode, program)` would put in force a filter that may kill a
+/// call of the reports: strict mode (it kills all but four calls); a filter that may
+/// ([`may_kill_by`]). Not a call the kernel will refuse at once (another mode, a program that
+/// cannot be read or has no instructions or too many, a process without `no_new_privs` that
+/// is not root).
+fn would_kill(next: Prctl, mode: c_ulong, program: c_ulong) -> bool {
+    // SAFETY: a query, with no pointer.
+    let no_new_privs = unsafe { next(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) } == 1;
+    // SAFETY: geteuid has no preconditions.
+    if !no_new_privs && unsafe { libc::geteuid() } != 0 {
+        return false;
     }
-    give_up_reports();
-    type Load = unsafe extern "C" fn(*mut c_void) -> c_int;
-    // SAFETY: libseccomp's seccomp_load has this signature; the caller's guarantee.
-    unsafe { core::mem::transmute::<*mut c_void, Load>(f)(context) }
+    match mode as u32 {
+        libc::SECCOMP_MODE_STRICT => true,
+        libc::SECCOMP_MODE_FILTER => read_filter(program)
+            .is_some_and(|filter| may_kill_by(&filter, crate::leaks::stop::tracer_under_filter(no_new_privs))),
+        _ => false,
+    }
+}
+
+/// The instructions of the `sock_fprog` at `address`, read as the kernel reads them: a bad
+/// pointer (the program's mistake, which the kernel answers with EFAULT) gives `None`, not a
+/// crash.
+fn read_filter(address: c_ulong) -> Option<Vec<libc::sock_filter>> {
+    const BPF_MAXINSNS: usize = 4096;
+    // SAFETY: sock_fprog is plain data, valid when zeroed.
+    let mut program: libc::sock_fprog = unsafe { core::mem::zeroed() };
+    // SAFETY: the bytes of `program`, written by the kernel only.
+    let header = unsafe {
+        core::slice::from_raw_parts_mut(
+            (&mut program as *mut libc::sock_fprog).cast::<u8>(),
+            size_of::<libc::sock_fprog>(),
+        )
+    };
+    if !os::read_own_bytes(address as usize, header) {
+        return None;
+    }
+    let len = program.len as usize;
+    if len == 0 || len > BPF_MAXINSNS {
+        return None;
+    }
+    let mut filter = vec![libc::sock_filter { code: 0, jt: 0, jf: 0, k: 0 }; len];
+    // SAFETY: the bytes of `filter`'s `len` instructions, written by the kernel only.
+    let bytes = unsafe {
+        core::slice::from_raw_parts_mut(filter.as_mut_ptr().cast::<u8>(), len * size_of::<libc::sock_filter>())
+    };
+    os::read_own_bytes(program.filter as usize, bytes).then_some(filter)
 }
 
 /// The system calls the reports at the end make (`strace` of every spy's exit report and
@@ -112,43 +155,46 @@ const REPORTS_CALL: [libc::c_long; 36] = [
     libc::SYS_exit_group,
 ];
 
-/// Whether the classic BPF `program` kills or traps (`KILL_PROCESS`, `KILL_THREAD`, `TRAP`,
-/// whose `SIGSYS` a program's handler answers for the calls it expects, not for ours) one of
-/// [`REPORTS_CALL`], run as the kernel runs it, with the calls' arguments taken as 0. A deny
-/// list that kills `clone` or `ptrace` passes (the reports then make neither); an allow list of
-/// the program's own calls does not.
-///
-/// # Safety
-/// `program` is null or a valid `sock_fprog` whose `filter` holds `len` instructions.
-unsafe fn may_kill_by(program: *const libc::sock_fprog) -> bool {
-    // SAFETY: the caller's guarantee.
-    let Some(program) = (unsafe { program.as_ref() }) else { return true };
-    if program.filter.is_null() {
-        return true;
-    }
-    // SAFETY: as above: `len` instructions at `filter`.
-    let filter = unsafe { core::slice::from_raw_parts(program.filter, program.len as usize) };
-    REPORTS_CALL.iter().any(|&nr| run(filter, nr as u32).is_none_or(kills))
+/// The calls the check's tracer adds (see `leaks::stop::tracer_under_filter`).
+const TRACER_CALLS: [libc::c_long; 4] = [libc::SYS_clone, libc::SYS_ptrace, libc::SYS_wait4, libc::SYS_prctl];
+
+/// Whether the seccomp `filter` kills or traps (`TRAP`, whose `SIGSYS` a program's handler
+/// answers for the calls it expects, not for ours) one of [`REPORTS_CALL`] (and of
+/// [`TRACER_CALLS`] when `traced`), run as the kernel runs it, with the calls' arguments 0, then
+/// a first argument of a descriptor numbered high (mallocspy's, see `sink::move_high`). A deny
+/// list that kills `clone` or `ptrace` passes when no tracer will be made; an allow list of the
+/// program's own calls does not.
+fn may_kill_by(filter: &[libc::sock_filter], traced: bool) -> bool {
+    let tracer: &[libc::c_long] = if traced { &TRACER_CALLS } else { &[] };
+    REPORTS_CALL
+        .iter()
+        .chain(tracer)
+        .any(|&nr| [0, 1000].into_iter().any(|first| run(filter, nr as u32, first).is_none_or(kills)))
 }
 
-/// Whether a filter's return value kills or traps (see [`may_kill_by`]).
+/// Whether a filter's return value ends the call other than by running it or failing it: the
+/// kernel kills the process for every action but these (an unknown one included).
 fn kills(action: u32) -> bool {
     const ACTION: u32 = 0xffff_0000;
-    const KILL_PROCESS: u32 = 0x8000_0000;
-    const KILL_THREAD: u32 = 0x0000_0000;
-    const TRAP: u32 = 0x0003_0000;
-    matches!(action & ACTION, KILL_PROCESS | KILL_THREAD | TRAP)
+    const ERRNO: u32 = 0x0005_0000;
+    const USER_NOTIF: u32 = 0x7fc0_0000;
+    const TRACE: u32 = 0x7ff0_0000;
+    const LOG: u32 = 0x7ffc_0000;
+    const ALLOW: u32 = 0x7fff_0000;
+    !matches!(action & ACTION, ERRNO | USER_NOTIF | TRACE | LOG | ALLOW)
 }
 
-/// Runs a seccomp filter on the x86_64 system call `nr` with its arguments and instruction
-/// pointer 0: what it returns, or `None` for a program the kernel would not have taken (an
-/// unknown instruction, a load out of `seccomp_data`, a jump past the end).
-fn run(filter: &[libc::sock_filter], nr: u32) -> Option<u32> {
+/// Runs a seccomp filter on the x86_64 system call `nr` with `first` as its first argument
+/// (its low word), the others and the instruction pointer 0: what it returns, or `None` for a
+/// program the kernel would not have taken (an unknown instruction, a load out of
+/// `seccomp_data`, a jump past the end).
+fn run(filter: &[libc::sock_filter], nr: u32, first: u32) -> Option<u32> {
     const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
     // `struct seccomp_data`: nr, arch, instruction_pointer, args[6], as 32-bit words.
     let mut data = [0u32; 16];
     data[0] = nr;
     data[1] = AUDIT_ARCH_X86_64;
+    data[4] = first;
     let (mut a, mut x, mut mem, mut pc) = (0u32, 0u32, [0u32; 16], 0usize);
     loop {
         let i = filter.get(pc)?;
@@ -182,8 +228,9 @@ fn run(filter: &[libc::sock_filter], nr: u32) -> Option<u32> {
                     0x30 => a.checked_div(src)?,
                     0x40 => a | src,
                     0x50 => a & src,
-                    0x60 => a.checked_shl(src).unwrap_or(0),
-                    0x70 => a.checked_shr(src).unwrap_or(0),
+                    // As the kernel's: the count taken modulo 32.
+                    0x60 => a.wrapping_shl(src),
+                    0x70 => a.wrapping_shr(src),
                     0x80 => a.wrapping_neg(),
                     0x90 => a.checked_rem(src)?,
                     0xa0 => a ^ src,
@@ -223,18 +270,25 @@ fn run(filter: &[libc::sock_filter], nr: u32) -> Option<u32> {
     }
 }
 
-/// Once: says so, hands the ending signals back, moves the trace writer's wake-ups to the
-/// futex.
+/// Says so, hands the ending signals back, moves the trace writer's wake-ups to the futex.
 fn give_up_reports() {
-    if MAY_KILL.swap(true, Ordering::AcqRel) {
-        return;
-    }
+    MAY_KILL.store(true, Ordering::Release);
     crate::sink::write(
         b"mallocspy: the program puts itself under a seccomp filter that may kill it for a system call it \
           does not expect; the reports at its end make such calls, so they are given up\n",
     );
     crate::ending_signals::give_back();
     crate::trace::writer::before_filter();
+}
+
+/// The kernel refused the filter ([`give_up_reports`] came first): the reports are back.
+fn take_back(errno: c_int) {
+    MAY_KILL.store(false, Ordering::Release);
+    crate::ending_signals::enable();
+    let error = std::io::Error::from_raw_os_error(errno);
+    crate::sink::write(
+        format!("mallocspy: the seccomp filter was refused ({error}); the reports are back\n").as_bytes(),
+    );
 }
 
 #[cfg(test)]
@@ -263,9 +317,7 @@ mod tests {
     }
 
     fn may_kill(filter: &[libc::sock_filter]) -> bool {
-        let program = libc::sock_fprog { len: filter.len() as u16, filter: filter.as_ptr().cast_mut() };
-        // SAFETY: `program` holds `filter`, alive for the call.
-        unsafe { may_kill_by(&program) }
+        may_kill_by(filter, false)
     }
 
     #[test]

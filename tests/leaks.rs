@@ -687,6 +687,13 @@ fn a_program_under_a_filter_that_kills_unexpected_calls_ends_as_natively() {
             );
         }
     }
+    // A filter the kernel refuses (here, at an address that cannot be read: mallocspy's own read
+    // of it crashed the program) leaves the reports in place.
+    let out = run(JSON_REPORT, Command::new(&program).args(["bad_pointer", "0"]));
+    let ended = (out.status.code(), text(&out.stdout));
+    assert_eq!(ended, (Some(3), "refused: Bad address\nsandboxed\n".to_owned()), "{}", text(&out.stderr));
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{s}");
     // Refused with EPERM instead, the calls fail: the check says in one line what it could not
     // read (std's hash maps' `getrandom` panicked, and the program aborted; then no line came,
     // the report's descriptors failing their `fstat`).

@@ -268,6 +268,18 @@ fn use_tracer() -> bool {
     }
 }
 
+/// Whether checks will stop the other threads with a tracer once a seccomp filter is in force,
+/// installed with `no_new_privs` or not (see [`tracer_may_be_killed`]).
+pub(crate) fn tracer_under_filter(no_new_privs: bool) -> bool {
+    const SIGNAL: u8 = StopThreads::Signal as u8;
+    const PTRACE: u8 = StopThreads::Ptrace as u8;
+    match STOP_THREADS.load(Ordering::Relaxed) {
+        SIGNAL => false,
+        PTRACE => true,
+        _ => !no_new_privs,
+    }
+}
+
 /// How `signal` would reach thread `tid` of this process (a thread that has gone from
 /// `/proc` meanwhile is `Gone`).
 fn reach_thread(tid: u32, signal: c_int) -> Reach {
