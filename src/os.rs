@@ -134,6 +134,31 @@ pub(crate) fn read_own_bytes(addr: usize, bytes: &mut [u8]) -> bool {
     read == len as isize
 }
 
+/// Whether the process runs on valgrind's synthetic CPU: valgrind's `RUNNING_ON_VALGRIND`
+/// client request, the instruction sequence `valgrind.h` defines, which a real CPU runs as
+/// rotations that leave `rdi` as it was and an exchange of `rbx` with itself (the default
+/// answer, 0, stays in `rdx`).
+pub(crate) fn running_on_valgrind() -> bool {
+    const RUNNING_ON_VALGRIND: u64 = 0x1001;
+    let request: [u64; 6] = [RUNNING_ON_VALGRIND, 0, 0, 0, 0, 0];
+    let mut answer: u64 = 0;
+    // SAFETY: rotations of rdi by 128 bits in all, which restore it, and `xchg rbx, rbx`: no
+    // register or memory changes on a real CPU; valgrind reads the request and writes rdx.
+    unsafe {
+        core::arch::asm!(
+            "rol rdi, 3",
+            "rol rdi, 13",
+            "rol rdi, 61",
+            "rol rdi, 51",
+            "xchg rbx, rbx",
+            inout("rdx") answer,
+            in("rax") request.as_ptr(),
+            out("rdi") _,
+        )
+    };
+    answer != 0
+}
+
 /// The system page size (cached; `getauxval` works before libc is initialised).
 #[inline]
 pub(crate) fn page_size() -> usize {

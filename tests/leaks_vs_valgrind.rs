@@ -262,3 +262,24 @@ fn churn_cxx_and_rust() {
     let aligned = rust_program("spies", "aligned");
     compare("rust aligned", &|_| Command::new(&aligned));
 }
+
+/// The shim preloaded into a program that valgrind runs sees none of its allocations (the
+/// tool replaces the malloc family by the code): its report says so, under the program's
+/// name, where it read as a clean bill for valgrind's own executable (review helper 103).
+#[test]
+fn under_valgrind_the_report_says_it_saw_nothing() {
+    let program = c_program("lose_one.c");
+    let out = Command::new("valgrind")
+        .args(["-q", "--leak-check=no"])
+        .arg(&program)
+        .arg("100")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "report_format=json")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let notes = report["notes"].to_string();
+    assert!(notes.contains("malloc resolves to valgrind's replacements"), "{report}");
+    assert!(report["program"].as_str().is_some_and(|p| p.ends_with("/lose_one")), "{report}");
+}

@@ -63,9 +63,11 @@ pub(crate) fn map() -> Option<i32> {
     (fd >= 0 && PID.load(Ordering::Relaxed) == os::getpid() as i32 && is_ours(fd)).then_some(fd)
 }
 
-/// The program's path: `/proc/thread-self/exe` now, or else what it was at the start.
+/// The program's path: `/proc/self/exe` now (what valgrind answers with its client's path),
+/// `/proc/thread-self/exe` (once the main thread has exited), or else what it was at the start.
 pub(crate) fn program() -> String {
-    std::fs::read_link("/proc/thread-self/exe")
+    std::fs::read_link("/proc/self/exe")
+        .or_else(|_| std::fs::read_link("/proc/thread-self/exe"))
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| PROGRAM.get().cloned().unwrap_or_default())
 }
