@@ -381,36 +381,66 @@ pub(crate) fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
-/// glibc's own `clock_gettime` (null: not looked up yet, or not found): not the one the
+/// The vDSO's `clock_gettime` (null: not looked up yet, or not found): not the one the
 /// process's lookup order finds, which a library preloaded after mallocspy's may define
 /// (libfaketime: the trace's times then ran ten times fast under `faketime x10`, and at exit,
 /// its destructor run, its wrappers crashed).
-static LIBC_CLOCK_GETTIME: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+static VDSO_CLOCK_GETTIME: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 
-/// Looks up [`LIBC_CLOCK_GETTIME`], at start.
+/// Looks up [`VDSO_CLOCK_GETTIME`], at start: the vDSO's `__vdso_clock_gettime`, which
+/// glibc's calls, found in the image the kernel maps (no `dlopen`, whose block of the loader's
+/// the leak report counted as the program's, and which a child forked during another thread's
+/// `dlopen` must not make).
 pub(crate) fn warm_up_clock() {
-    // SAFETY: NUL-terminated names; RTLD_NOLOAD only finds the libc already loaded.
-    let f = unsafe {
-        let libc_handle = libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD);
-        if libc_handle.is_null() {
-            return;
+    VDSO_CLOCK_GETTIME.store(vdso_symbol(b"__vdso_clock_gettime"), Ordering::Release);
+}
+
+/// The address of the vDSO's symbol `name`, or null. Read in place, allocating nothing (a
+/// process may start under an address-space limit that leaves mallocspy no room).
+fn vdso_symbol(name: &[u8]) -> *mut c_void {
+    const SHT_DYNSYM: u32 = 11;
+    // SAFETY: getauxval only reads the auxiliary vector.
+    let base = unsafe { libc::getauxval(libc::AT_SYSINFO_EHDR) } as usize;
+    if base == 0 {
+        return core::ptr::null_mut();
+    }
+    // SAFETY: the kernel maps the vDSO whole (its ELF header, program headers, sections and
+    // section headers), readable for the process's life; the offsets below are the image's own.
+    unsafe {
+        let header = &*(base as *const libc::Elf64_Ehdr);
+        let at = |offset: u64| base + offset as usize;
+        let phdrs = core::slice::from_raw_parts(at(header.e_phoff) as *const libc::Elf64_Phdr, header.e_phnum as usize);
+        let Some(linked_at) = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD).map(|p| p.p_vaddr).min() else {
+            return core::ptr::null_mut();
+        };
+        let shdrs = core::slice::from_raw_parts(at(header.e_shoff) as *const libc::Elf64_Shdr, header.e_shnum as usize);
+        for dynsym in shdrs.iter().filter(|s| s.sh_type == SHT_DYNSYM) {
+            let Some(strtab) = shdrs.get(dynsym.sh_link as usize) else { continue };
+            let count = dynsym.sh_size as usize / core::mem::size_of::<libc::Elf64_Sym>();
+            let symbols = core::slice::from_raw_parts(at(dynsym.sh_offset) as *const libc::Elf64_Sym, count);
+            for symbol in symbols.iter().filter(|s| s.st_value != 0 && (s.st_name as u64) < strtab.sh_size) {
+                let symbol_name =
+                    CStr::from_ptr(at(strtab.sh_offset + symbol.st_name as u64) as *const core::ffi::c_char);
+                if symbol_name.to_bytes() == name {
+                    return (base as u64 + symbol.st_value - linked_at) as *mut c_void;
+                }
+            }
         }
-        let f = libc::dlsym(libc_handle, c"clock_gettime".as_ptr());
-        libc::dlclose(libc_handle);
-        f
-    };
-    LIBC_CLOCK_GETTIME.store(f, Ordering::Release);
+    }
+    core::ptr::null_mut()
 }
 
 fn clock_ns(clock: libc::clockid_t) -> u64 {
     type ClockGettime = unsafe extern "C" fn(libc::clockid_t, *mut libc::timespec) -> c_int;
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    let f = LIBC_CLOCK_GETTIME.load(Ordering::Acquire);
+    let f = VDSO_CLOCK_GETTIME.load(Ordering::Acquire);
     // SAFETY: clock_gettime writes the timespec; the clocks used here always exist; `f` is
-    // glibc's clock_gettime, of this signature.
+    // the vDSO's clock_gettime, of this signature (it makes the system call for the clocks it
+    // does not keep).
     unsafe {
         if f.is_null() {
-            libc::clock_gettime(clock, &mut ts);
+            // Until then, the kernel's clock itself: the same clock, a little slower.
+            libc::syscall(libc::SYS_clock_gettime, clock, &mut ts as *mut libc::timespec);
         } else {
             core::mem::transmute::<*mut c_void, ClockGettime>(f)(clock, &mut ts);
         }
@@ -730,6 +760,24 @@ pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_vdso_clock_is_found_and_reads_the_clocks_libc_reads() {
+        warm_up_clock();
+        assert!(!VDSO_CLOCK_GETTIME.load(Ordering::Acquire).is_null(), "no __vdso_clock_gettime");
+        let libc_ns = |clock| {
+            let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            // SAFETY: clock_gettime writes the timespec.
+            unsafe { libc::clock_gettime(clock, &mut ts) };
+            ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+        };
+        for clock in [libc::CLOCK_MONOTONIC, libc::CLOCK_REALTIME, libc::CLOCK_THREAD_CPUTIME_ID] {
+            let before = libc_ns(clock);
+            let ours = clock_ns(clock);
+            let after = libc_ns(clock);
+            assert!(before <= ours && ours <= after, "clock {clock}: {before} {ours} {after}");
+        }
+    }
 
     #[test]
     fn the_process_started_before_now_and_after_boot() {
