@@ -413,6 +413,17 @@ fn vdso_symbol(name: &[u8]) -> *mut c_void {
         let Some(linked_at) = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD).map(|p| p.p_vaddr).min() else {
             return core::ptr::null_mut();
         };
+        // The section headers are read only if the pages the kernel mapped hold them.
+        let page = page_size() as u64;
+        let image_end = phdrs
+            .iter()
+            .filter(|p| p.p_type == libc::PT_LOAD)
+            .map(|p| (p.p_offset + p.p_filesz).div_ceil(page) * page)
+            .max();
+        let headers_end = header.e_shoff + header.e_shnum as u64 * core::mem::size_of::<libc::Elf64_Shdr>() as u64;
+        if header.e_shoff == 0 || image_end.is_none_or(|end| headers_end > end) {
+            return core::ptr::null_mut();
+        }
         let shdrs = core::slice::from_raw_parts(at(header.e_shoff) as *const libc::Elf64_Shdr, header.e_shnum as usize);
         for dynsym in shdrs.iter().filter(|s| s.sh_type == SHT_DYNSYM) {
             let Some(strtab) = shdrs.get(dynsym.sh_link as usize) else { continue };

@@ -42,6 +42,12 @@ const HEAP_PATIENCE_MS: u64 = 2_000;
 static BUILTINS: OnceLock<Builtins> = OnceLock::new();
 /// The process the reports belong to (a `vfork` child shares our memory but is not us).
 static OWNER: AtomicU32 = AtomicU32::new(0);
+
+/// Whether this process writes the reports of this memory's spies: not a `vfork` child, which
+/// shares its parent's memory (and runs no `fork` handler).
+pub(crate) fn owns_the_reports() -> bool {
+    OWNER.load(Ordering::Relaxed) == os::getpid()
+}
 static REPORTED: AtomicBool = AtomicBool::new(false);
 /// Whether the built-in spies were registered: only then do they report, and a forked child
 /// get a trace writer of its own.

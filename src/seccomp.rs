@@ -51,7 +51,9 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
         os::set_errno(libc::ENOSYS);
         return -1;
     };
-    let gives_up = option == libc::PR_SET_SECCOMP && !may_kill() && would_kill(next, a2, a3);
+    // Not in a `vfork` child: the state is its parent's.
+    let gives_up =
+        option == libc::PR_SET_SECCOMP && !may_kill() && crate::preload::owns_the_reports() && would_kill(next, a2, a3);
     if gives_up {
         give_up_reports();
     }
@@ -67,22 +69,35 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
 
 /// Whether `prctl(PR_SET_SECCOMP, mode, program)` would put in force a filter that may kill a
 /// call of the reports: strict mode (it kills all but four calls); a filter that may
-/// ([`may_kill_by`]). Not a call the kernel will refuse at once (another mode, a program that
-/// cannot be read or has no instructions or too many, a process without `no_new_privs` that
-/// is not root).
+/// ([`may_kill_by`]). Not a call the kernel will refuse at once (another mode; a filter that
+/// cannot be read, that the kernel's checks refuse, or from a process with neither
+/// `no_new_privs` nor `CAP_SYS_ADMIN`).
 fn would_kill(next: Prctl, mode: c_ulong, program: c_ulong) -> bool {
-    // SAFETY: a query, with no pointer.
-    let no_new_privs = unsafe { next(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) } == 1;
-    // SAFETY: geteuid has no preconditions.
-    if !no_new_privs && unsafe { libc::geteuid() } != 0 {
-        return false;
-    }
     match mode as u32 {
         libc::SECCOMP_MODE_STRICT => true,
-        libc::SECCOMP_MODE_FILTER => read_filter(program)
-            .is_some_and(|filter| may_kill_by(&filter, crate::leaks::stop::tracer_under_filter(no_new_privs))),
+        libc::SECCOMP_MODE_FILTER => {
+            // SAFETY: a query, with no pointer.
+            let no_new_privs = unsafe { next(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) } == 1;
+            if !no_new_privs && !has_sys_admin() {
+                return false;
+            }
+            let traced = crate::leaks::stop::tracer_under_filter(no_new_privs);
+            read_filter(program).is_some_and(|filter| may_kill_by(&filter, traced))
+        }
         _ => false,
     }
+}
+
+/// Whether the calling thread has `CAP_SYS_ADMIN` in effect (`capget`, version 3).
+fn has_sys_admin() -> bool {
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_ADMIN: u32 = 21;
+    let mut header = [VERSION_3, 0u32];
+    // Two sets of (effective, permitted, inheritable).
+    let mut data = [0u32; 6];
+    // SAFETY: capget writes the two sets into `data`; pid 0 is the caller.
+    let r = unsafe { libc::syscall(libc::SYS_capget, header.as_mut_ptr(), data.as_mut_ptr()) };
+    r == 0 && data[0] & (1 << CAP_SYS_ADMIN) != 0
 }
 
 /// The instructions of the `sock_fprog` at `address`, read as the kernel reads them: a bad
@@ -163,13 +178,19 @@ const TRACER_CALLS: [libc::c_long; 4] = [libc::SYS_clone, libc::SYS_ptrace, libc
 /// [`TRACER_CALLS`] when `traced`), run as the kernel runs it, with the calls' arguments 0, then
 /// a first argument of a descriptor numbered high (mallocspy's, see `sink::move_high`). A deny
 /// list that kills `clone` or `ptrace` passes when no tracer will be made; an allow list of the
-/// program's own calls does not.
+/// program's own calls does not. A filter the kernel would refuse (see [`run`]) does not.
 fn may_kill_by(filter: &[libc::sock_filter], traced: bool) -> bool {
     let tracer: &[libc::c_long] = if traced { &TRACER_CALLS } else { &[] };
-    REPORTS_CALL
-        .iter()
-        .chain(tracer)
-        .any(|&nr| [0, 1000].into_iter().any(|first| run(filter, nr as u32, first).is_none_or(kills)))
+    let mut kills_one = false;
+    for &nr in REPORTS_CALL.iter().chain(tracer) {
+        for first in [0, 1000] {
+            match run(filter, nr as u32, first) {
+                None => return false,
+                Some(action) => kills_one |= kills(action),
+            }
+        }
+    }
+    kills_one
 }
 
 /// Whether a filter's return value ends the call other than by running it or failing it: the
@@ -221,18 +242,34 @@ fn run(filter: &[libc::sock_filter], nr: u32, first: u32) -> Option<u32> {
             0x03 => *mem.get_mut(k as usize)? = x,
             // BPF_ALU.
             0x04 => {
+                let by_k = i.code & 0x08 == 0;
+                // The kernel's checks refuse a division by a constant 0 and a constant shift
+                // of 32 or more.
+                if by_k
+                    && (matches!(i.code & 0xf0, 0x30 | 0x90) && k == 0
+                        || matches!(i.code & 0xf0, 0x60 | 0x70) && k >= 32)
+                {
+                    return None;
+                }
                 a = match i.code & 0xf0 {
                     0x00 => a.wrapping_add(src),
                     0x10 => a.wrapping_sub(src),
                     0x20 => a.wrapping_mul(src),
-                    0x30 => a.checked_div(src)?,
+                    // By zero: the kernel's filter returns 0 (KILL_THREAD).
+                    0x30 => match a.checked_div(src) {
+                        Some(q) => q,
+                        None => return Some(0),
+                    },
                     0x40 => a | src,
                     0x50 => a & src,
                     // As the kernel's: the count taken modulo 32.
                     0x60 => a.wrapping_shl(src),
                     0x70 => a.wrapping_shr(src),
                     0x80 => a.wrapping_neg(),
-                    0x90 => a.checked_rem(src)?,
+                    0x90 => match a.checked_rem(src) {
+                        Some(r) => r,
+                        None => return Some(0),
+                    },
                     0xa0 => a ^ src,
                     _ => return None,
                 }
@@ -342,7 +379,9 @@ mod tests {
         assert!(may_kill(&arch_first), "TRAP on openat");
         assert!(!may_kill(&arch_first[..3].iter().copied().chain([op(RET, 0, 0, ALLOW)]).collect::<Vec<_>>()));
         assert!(may_kill(&[op(0x16, 0, 0, 0)]), "returns A, 0 here: KILL_THREAD");
-        assert!(may_kill(&[op(0xff, 0, 0, 0)]), "an instruction the kernel would refuse");
-        assert!(may_kill(&[op(LD_NR, 0, 0, 0)]), "runs past its end");
+        assert!(!may_kill(&[op(0xff, 0, 0, 0)]), "an instruction the kernel refuses: no filter");
+        assert!(!may_kill(&[op(LD_NR, 0, 0, 0)]), "runs past its end: refused too");
+        assert!(may_kill(&[op(LD_NR, 0, 0, 0), op(0x3c, 0, 0, 0), op(0x16, 0, 0, 0)]), "divides by X = 0: returns 0");
+        assert!(!may_kill(&[op(LD_NR, 0, 0, 0), op(0x34, 0, 0, 0), op(0x16, 0, 0, 0)]), "by a constant 0: refused");
     }
 }

@@ -706,6 +706,26 @@ fn a_program_under_a_filter_that_kills_unexpected_calls_ends_as_natively() {
     );
 }
 
+/// Strict mode needs no privilege: a program that dropped root and entered it ends by the
+/// SIGTERM that ends it natively (mallocspy's handler stayed, and the process died of SIGSEGV);
+/// a `vfork` child's filter is the child's, and leaves its parent's report (review helper 104).
+#[test]
+fn strict_mode_without_privileges_and_a_vfork_childs_filter_leave_the_right_process_alone() {
+    use std::os::unix::process::ExitStatusExt;
+    let program = c_program("seccomp_corners.c");
+    let out = run(Mode::Shim("spy=leaks"), Command::new(&program).arg("strict"));
+    assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{:?} {}", out.status, text(&out.stderr));
+    let out = run(JSON_REPORT, Command::new(&program).arg("vfork"));
+    assert_eq!(
+        (out.status.code(), text(&out.stdout)),
+        (Some(0), "child status 0\n".to_owned()),
+        "{}",
+        text(&out.stderr)
+    );
+    let s = &json_report(&out)["summary"];
+    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{s}");
+}
+
 /// A walk cut short where the thread had too little stack left to compute a rule was taken
 /// for the whole stack, cached as such, and reused by the walks after it, with room again:
 /// two shallow leaks lost their outer frames and merged into one record (review helper 43).
