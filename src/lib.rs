@@ -67,6 +67,7 @@ mod global;
 mod heap;
 #[doc(hidden)]
 pub mod interpose;
+mod kept_fd;
 pub mod leaks;
 mod line;
 mod live_table;

@@ -176,7 +176,7 @@ const TRACER_CALLS: [libc::c_long; 4] = [libc::SYS_clone, libc::SYS_ptrace, libc
 /// Whether the seccomp `filter` kills or traps (`TRAP`, whose `SIGSYS` a program's handler
 /// answers for the calls it expects, not for ours) one of [`REPORTS_CALL`] (and of
 /// [`TRACER_CALLS`] when `traced`), run as the kernel runs it, with the calls' arguments 0, then
-/// a first argument of a descriptor numbered high (mallocspy's, see `sink::move_high`). A deny
+/// a first argument of a descriptor numbered high (mallocspy's, see `kept_fd::move_high`). A deny
 /// list that kills `clone` or `ptrace` passes when no tracer will be made; an allow list of the
 /// program's own calls does not. A filter the kernel would refuse (see [`run`]) does not.
 fn may_kill_by(filter: &[libc::sock_filter], traced: bool) -> bool {

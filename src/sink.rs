@@ -19,28 +19,25 @@
 //! sends its stderr to a log and forks its workers) keeps the duplicate: it is its only way
 //! to the stderr the reports belong on.
 
-use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::ffi::CString;
 
+use crate::kept_fd::{KeptFd, move_high};
 use crate::options::{Escaped, expand_path, names_pid};
 use crate::os;
 
-/// The report descriptor, or -1.
-static FD: AtomicI32 = AtomicI32::new(-1);
-static DEV: AtomicU64 = AtomicU64::new(0);
-static INO: AtomicU64 = AtomicU64::new(0);
+/// The report descriptor.
+static REPORT: KeptFd = KeptFd::new();
 
 /// What descriptor 2 was when the reports' destination was chosen: [`STDERR_UNSEEN`] (never
 /// chosen: the library used without the preload), [`STDERR_CLOSED`], or [`STDERR_OPEN`] with
-/// its identity in `STDERR_DEV` and `STDERR_INO`.
+/// its identity kept in `STDERR_COPY`.
 static STDERR: AtomicU8 = AtomicU8::new(STDERR_UNSEEN);
-static STDERR_DEV: AtomicU64 = AtomicU64::new(0);
-static STDERR_INO: AtomicU64 = AtomicU64::new(0);
-/// A duplicate of that stderr (-1: none), made with a log file as well: where the reports and
-/// warnings that belong on stderr go once the program has closed its descriptor 2 (coreutils
-/// close it at exit, before the report is written). Without a log file it is the report
-/// descriptor.
-static STDERR_COPY: AtomicI32 = AtomicI32::new(-1);
+/// A duplicate of that stderr (if one could be made), made with a log file as well: where the
+/// reports and warnings that belong on stderr go once the program has closed its descriptor 2
+/// (coreutils close it at exit, before the report is written). Without a log file it is the
+/// report descriptor.
+static STDERR_COPY: KeptFd = KeptFd::new();
 const STDERR_UNSEEN: u8 = 0;
 const STDERR_CLOSED: u8 = 1;
 const STDERR_OPEN: u8 = 2;
@@ -50,30 +47,6 @@ static TEMPLATE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 /// The log file of this process (`log_path` expanded), to open again if the program closes
 /// its descriptor. Made when the file is first opened, so that reopening does not allocate.
 static PATH: std::sync::Mutex<Option<CString>> = std::sync::Mutex::new(None);
-
-/// Moves `fd` to a high descriptor number, close-on-exec.
-pub(crate) fn move_high(fd: i32) -> i32 {
-    // SAFETY: rlimit is plain data; getrlimit only writes it.
-    let mut lim: libc::rlimit = unsafe { core::mem::zeroed() };
-    // SAFETY: lim is a valid out-pointer.
-    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 { lim.rlim_cur } else { 1024 };
-    let base = soft.clamp(64, 1024) as i32 - 32;
-    // SAFETY: fcntl on a descriptor we own.
-    let high = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, base) };
-    if high < 0 {
-        return fd;
-    }
-    // SAFETY: fd is ours (opened by us) and replaced by `high`.
-    unsafe { libc::close(fd) };
-    high
-}
-
-fn install(fd: i32) {
-    let (dev, ino) = os::file_identity(fd).unwrap_or((0, 0));
-    DEV.store(dev, Ordering::Relaxed);
-    INO.store(ino, Ordering::Relaxed);
-    FD.store(fd, Ordering::Release);
-}
 
 /// Opens `path` for writing at a high descriptor number: appending, or truncating it.
 pub(crate) fn open_path(path: &str, append: bool) -> Result<i32, String> {
@@ -121,8 +94,7 @@ fn use_log_file(path: String) -> Result<(), String> {
     };
     let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
     let fd = open_c(&c, true).ok_or_else(|| open_error(&c))?;
-    let old = FD.swap(-1, Ordering::AcqRel);
-    install(fd);
+    let old = REPORT.keep(fd);
     if old >= 0 && old != fd {
         // SAFETY: the report descriptor was ours (a fork's child inherits the parent's).
         unsafe { libc::close(old) };
@@ -139,36 +111,34 @@ fn use_log_file(path: String) -> Result<(), String> {
 fn reopen_log_file() -> bool {
     let Ok(path) = PATH.try_lock() else { return false };
     let Some(fd) = path.as_ref().and_then(|c| open_c(c, true)) else { return false };
-    install(fd);
+    REPORT.keep(fd);
     true
 }
 
 /// Notes what descriptor 2 is now, at start-up, and keeps a duplicate of it: the stderr that
 /// reports may fall back to.
 fn note_stderr() {
-    let old = STDERR_COPY.swap(-1, Ordering::AcqRel);
-    match os::file_identity(2) {
-        Some((dev, ino)) => {
-            STDERR_DEV.store(dev, Ordering::Relaxed);
-            STDERR_INO.store(ino, Ordering::Relaxed);
-            STDERR.store(STDERR_OPEN, Ordering::Release);
+    let old = match os::file_identity(2) {
+        Some(id) => {
             // SAFETY: fcntl on fd 2, which is open.
             let copy = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 0) };
-            if copy >= 0 {
-                STDERR_COPY.store(move_high(copy), Ordering::Release);
-            }
+            let old = STDERR_COPY.keep_as(if copy >= 0 { move_high(copy) } else { -1 }, id);
+            STDERR.store(STDERR_OPEN, Ordering::Release);
+            old
         }
-        None => STDERR.store(STDERR_CLOSED, Ordering::Release),
-    }
-    if old >= 0 && old != FD.load(Ordering::Acquire) {
+        None => {
+            STDERR.store(STDERR_CLOSED, Ordering::Release);
+            STDERR_COPY.take()
+        }
+    };
+    if old >= 0 && old != REPORT.raw() {
         os::close(old);
     }
 }
 
 /// Whether `fd` is the stderr noted at start-up.
 fn is_noted_stderr(fd: i32) -> bool {
-    STDERR.load(Ordering::Acquire) == STDERR_OPEN
-        && os::is_file(fd, (STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed)))
+    STDERR.load(Ordering::Acquire) == STDERR_OPEN && STDERR_COPY.is(fd)
 }
 
 /// Whether descriptor 2 is the stderr the process started with (or was never noted).
@@ -194,8 +164,8 @@ fn to_stderr_holding(bytes: &[u8], held: &mut Held) {
         write_whole(2, bytes, held);
         return;
     }
-    let copy = STDERR_COPY.load(Ordering::Acquire);
-    if copy >= 0 && is_noted_stderr(copy) {
+    let copy = STDERR_COPY.raw();
+    if is_noted_stderr(copy) {
         write_whole(copy, bytes, held);
     }
 }
@@ -267,9 +237,9 @@ fn lock_file_of(fd: i32) -> Option<i32> {
 /// Sends the reports to a duplicate of stderr.
 pub(crate) fn use_stderr() {
     note_stderr();
-    let copy = STDERR_COPY.load(Ordering::Acquire);
+    let copy = STDERR_COPY.raw();
     if copy >= 0 {
-        install(copy);
+        REPORT.keep(copy);
     }
 }
 
@@ -283,7 +253,7 @@ pub(crate) fn leave_file(path: &str) -> bool {
     if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
         return false;
     }
-    let fd = FD.load(Ordering::Acquire);
+    let fd = REPORT.raw();
     let log_file = PATH.lock().is_ok_and(|p| p.is_some());
     if !log_file || fd < 0 || os::file_identity(fd) != Some((st.st_dev, st.st_ino)) {
         return false;
@@ -296,9 +266,9 @@ pub(crate) fn leave_file(path: &str) -> bool {
     }
     use_stderr();
     // With stderr closed there is no copy of it: no reports, rather than a damaged trace.
-    let _ = FD.compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Relaxed);
-    // SAFETY: the log file's descriptor was ours, and is no longer the reports'.
-    unsafe { libc::close(fd) };
+    REPORT.forget(fd);
+    // The log file's descriptor was ours, and is no longer the reports'.
+    os::close(fd);
     true
 }
 
@@ -335,18 +305,13 @@ pub(crate) fn after_fork_child() {
     // parent that pointed it at /dev/null before forking a daemon left the daemon holding
     // its caller's pipe: review helper 84).
     if log_file || (STDERR.load(Ordering::Acquire) == STDERR_OPEN && stderr_is_original()) {
-        let copy = STDERR_COPY.swap(-1, Ordering::AcqRel);
+        let copy = STDERR_COPY.take();
         // Without a log file the copy is the report descriptor: the reports go to descriptor 2.
-        let _ = FD.compare_exchange(copy, -1, Ordering::AcqRel, Ordering::Relaxed);
-        if copy >= 0 && is_noted_stderr(copy) {
+        REPORT.forget(copy);
+        if is_noted_stderr(copy) {
             os::close(copy);
         }
     }
-}
-
-/// Whether the report descriptor is still the file it was.
-fn still_ours(fd: i32) -> bool {
-    fd >= 0 && os::is_file(fd, (DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed)))
 }
 
 /// Writes one report (whole lines) to the report descriptor. Never allocates.
@@ -367,20 +332,14 @@ pub(crate) fn write_parts(give: &mut dyn FnMut(Emit<'_>)) {
 }
 
 fn write_part(bytes: &[u8], held: &mut Held) {
-    let mut fd = FD.load(Ordering::Acquire);
-    if !still_ours(fd) && reopen_log_file() {
-        fd = FD.load(Ordering::Acquire);
-    }
-    if !still_ours(fd) {
+    let Some(fd) = REPORT.get().or_else(|| if reopen_log_file() { REPORT.get() } else { None }) else {
         return to_stderr_holding(bytes, held);
-    }
+    };
     if !write_whole(fd, bytes, held) {
         // A full disk, or a path that takes no writes (`/dev/full`, a file in /proc): said once,
         // then the report goes where it would without a log.
         static SAID: AtomicBool = AtomicBool::new(false);
-        let stderr_copy = STDERR.load(Ordering::Relaxed) == STDERR_OPEN
-            && (DEV.load(Ordering::Relaxed), INO.load(Ordering::Relaxed))
-                == (STDERR_DEV.load(Ordering::Relaxed), STDERR_INO.load(Ordering::Relaxed));
+        let stderr_copy = STDERR.load(Ordering::Relaxed) == STDERR_OPEN && REPORT.identity() == STDERR_COPY.identity();
         if !stderr_copy && !SAID.swap(true, Ordering::Relaxed) {
             to_stderr_holding(b"mallocspy: writing to the log failed; the report goes to stderr\n", held);
         }

@@ -30,12 +30,13 @@
 //! `exec`'d).
 
 use crate::fixed_hash::HashSet;
-use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use super::message;
 use super::ring::{Ring, slots_for};
 use super::{Event, Header, HeapStats, Module, modules, write_event, write_header};
+use crate::kept_fd::{self, KeptFd};
 use crate::spies::ticks::TickSpy;
 use crate::{options, os, sink, tls};
 
@@ -49,28 +50,14 @@ const FINISH_WAIT_MS: i32 = 10_000;
 const IDLE_POLL_MS: i32 = 10;
 const QUIET_POLLS: u32 = 10;
 
-/// The program's end of the socket pair to the writer (-1 without a writer), and its inode,
-/// to be sure the descriptor is still ours before writing to it (a program may close
-/// descriptors it did not open, and a new file of its own may get the number).
-static WAKE_FD: AtomicI32 = AtomicI32::new(-1);
-static WAKE_INODE: AtomicU64 = AtomicU64::new(0);
-
-/// Whether `fd` is still the socket we made.
-fn is_our_socket(fd: i32) -> bool {
-    fd >= 0
-        && os::fstat(fd).is_some_and(|st| {
-            st.st_mode & libc::S_IFMT == libc::S_IFSOCK && st.st_ino == WAKE_INODE.load(Ordering::Relaxed)
-        })
-}
+/// The program's end of the socket pair to the writer, if it has one.
+static WAKE: KeptFd = KeptFd::strict();
 
 /// Before a seccomp filter that may kill the program for a call it does not expect (see
 /// `crate::seccomp`): the writer is woken through the queue's futex from now on, not by a
 /// `send` on the socket, whose check (`fstat`) and `send` the filter may not allow.
 pub(crate) fn before_filter() {
-    let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
-    if is_our_socket(fd) {
-        close(fd);
-    }
+    WAKE.release();
 }
 
 /// Wakes the writer, which sleeps for want of messages or waits for its next drain. Called by
@@ -79,8 +66,7 @@ pub(crate) fn before_filter() {
 /// program has closed the socket, a nudge of the queue's futex, on which the writer then
 /// sleeps. `false` when there is no writer.
 pub(crate) fn wake() -> bool {
-    let fd = WAKE_FD.load(Ordering::Relaxed);
-    if is_our_socket(fd) {
+    if let Some(fd) = WAKE.get() {
         os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
         return true;
     }
@@ -679,11 +665,10 @@ impl Writer {
         while !subreaper && reap(child) < 0 && os::errno() == libc::EINTR {}
         // Out of the way of the descriptors the program numbers from the bottom up, however
         // low its limit.
-        let ours = sink::move_high(ours);
+        let ours = kept_fd::move_high(ours);
         // SAFETY: fcntl on our own descriptor.
         unsafe { libc::fcntl(ours, libc::F_SETFL, libc::O_NONBLOCK) };
-        WAKE_INODE.store(os::fstat(ours).map_or(0, |st| st.st_ino), Ordering::Relaxed);
-        WAKE_FD.store(ours, Ordering::Release);
+        WAKE.keep(ours);
         self.ring.store(ring as *const Ring as *mut Ring, Ordering::Release);
         self.traced_pid.store(header.pid, Ordering::Relaxed);
         Ok(ring)
@@ -693,7 +678,7 @@ impl Writer {
     /// writer to close its end. Returns whether this process had a trace to finish.
     pub(crate) fn finish(&self, stats: &HeapStats) -> bool {
         self.spy.set_ring(None);
-        let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
+        let fd = WAKE.take();
         // SAFETY: only `launch` stores here: null or a leaked ring.
         let Some(ring) = (unsafe { self.ring.swap(core::ptr::null_mut(), Ordering::AcqRel).as_ref() }) else {
             return false;
@@ -747,7 +732,7 @@ impl Writer {
         let mut wait_for_room = |slots: usize| {
             while !ring.has_room(slots) && waited_ms < 1000 {
                 waited_ms += 1;
-                if is_our_socket(fd) {
+                if WAKE.is(fd) {
                     os::send(fd, b"w", libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL);
                 }
                 os::pause_us(1000);
@@ -759,7 +744,7 @@ impl Writer {
         ring.push_one(&end);
         // Done up to here: the end written (or dropped, and counted).
         let claimed = ring.claimed();
-        if !is_our_socket(fd) {
+        if !WAKE.is(fd) {
             // The program closed our socket: the writer, nudged, drains the queue and marks
             // the end done once it is written.
             ring.nudge();
@@ -835,11 +820,8 @@ impl Writer {
     /// Child side of `fork`: the parent's writer is the parent's; the child gets a writer and
     /// a trace of its own (without `%p` in the path, `PATH.PID`: see [`open`]).
     pub(crate) fn after_fork_child(&'static self) {
-        let fd = WAKE_FD.swap(-1, Ordering::AcqRel);
-        if is_our_socket(fd) {
-            // The parent's writer waits for the parent's end alone to close.
-            close(fd);
-        }
+        // The parent's writer waits for the parent's end alone to close.
+        WAKE.release();
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
         let parent = self.traced_pid.load(Ordering::Relaxed);
         match self.launch(true) {
