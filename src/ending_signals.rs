@@ -90,9 +90,22 @@ fn arm(signal: c_int) -> bool {
     unsafe { next_sigaction(signal, &act, core::ptr::null_mut()) == 0 }
 }
 
+/// Whether [`enable`] left the signals alone because the process is the init of its PID
+/// namespace, for its forked children to take them.
+static LEFT_TO_INIT: AtomicBool = AtomicBool::new(false);
+
 /// At start: reports when one of [`SIGNALS`] ends the process, for each whose action is the
 /// default now.
+///
+/// Not in the init of a PID namespace (a container's entrypoint, `unshare --pid --fork`): the
+/// kernel does not deliver it a signal whose action is the default (pid_namespaces(7)), so a
+/// handler of ours made `TERM` end a program that natively ignores it (`docker stop` then
+/// stopped it at once instead of after its grace period). Its children take them.
 pub(crate) fn enable() {
+    if os::getpid() == 1 {
+        LEFT_TO_INIT.store(true, Ordering::Relaxed);
+        return;
+    }
     ENABLED.store(true, Ordering::Relaxed);
     for signal in SIGNALS {
         // SAFETY: zero is a valid sigaction; a query changes nothing.
@@ -101,6 +114,13 @@ pub(crate) fn enable() {
         if unsafe { next_sigaction(signal, core::ptr::null(), &mut now) } == 0 && now.sa_sigaction == libc::SIG_DFL {
             arm(signal);
         }
+    }
+}
+
+/// In a forked child of an init that [`enable`] left alone: the child is not an init.
+pub(crate) fn after_fork_child() {
+    if LEFT_TO_INIT.swap(false, Ordering::Relaxed) {
+        enable();
     }
 }
 

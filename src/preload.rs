@@ -290,6 +290,7 @@ fn after_fork_child() {
         return;
     }
     sink::after_fork_child();
+    crate::ending_signals::after_fork_child();
     OWNER.store(os::getpid(), Ordering::Relaxed);
     if let Some(b) = BUILTINS.get() {
         if let Some(count) = b.count {

@@ -2098,6 +2098,41 @@ fn signalled(program: &Path, args: &[&str], mode: Mode, signal: i32, ignored: Op
     out
 }
 
+/// The init of a PID namespace (a container's entrypoint) is sent no signal whose action is
+/// the default: the kernel drops them. A handler of ours made `TERM` end it where it natively
+/// runs on (review helper 107: `docker stop` stopped such a program at once, not after its
+/// grace period). Its forked child, no init, still dies of `TERM` with its report.
+#[test]
+fn the_init_of_a_pid_namespace_is_not_ended_by_a_signal_the_kernel_drops() {
+    let program = c_program("ending_signal.c");
+    let in_namespace = |mode: Mode| {
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--pid", "--fork", "--mount-proc"]).arg(&program).arg("init");
+        mode.apply(&mut cmd);
+        with_ending_signals_at_default(&mut cmd, None).output().unwrap()
+    };
+    let native = in_namespace(Mode::Native);
+    if !native.status.success() && text(&native.stderr).contains("unshare") {
+        eprintln!("PID namespaces skipped: unshare --pid fails here: {}", text(&native.stderr));
+        return;
+    }
+    assert_eq!(text(&native.stdout), "pid 1 survived\nchild ended by signal 15\n", "{}", text(&native.stderr));
+    let out = in_namespace(JSON_REPORT);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), text(&native.stdout));
+    let stderr = text(&out.stderr);
+    let reports: Vec<serde_json::Value> =
+        stderr.lines().filter(|l| l.starts_with("{\"pid\"")).map(|l| serde_json::from_str(l).unwrap()).collect();
+    let ended_by = |r: &serde_json::Value, signal: &str| {
+        r["notes"].as_array().unwrap().iter().any(|n| n.as_str().unwrap().contains(signal))
+    };
+    let init = reports.iter().find(|r| r["pid"] == 1).unwrap_or_else(|| panic!("no report of the init:\n{stderr}"));
+    assert!(!ended_by(init, "ending by signal"), "{init}");
+    assert_eq!(init["summary"]["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 4096}));
+    let child = reports.iter().find(|r| r["pid"] == 2).unwrap_or_else(|| panic!("no report of the child:\n{stderr}"));
+    assert!(ended_by(child, "ending by signal 15"), "{child}");
+}
+
 /// `HUP`, `INT`, `PIPE` and `TERM` end a program that left them at their default action: it
 /// writes its report first, with a note of the signal, and still dies of it.
 #[test]
