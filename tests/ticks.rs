@@ -1214,6 +1214,52 @@ fn a_writer_that_cannot_start_leaves_no_trace_and_the_summary_comes() {
     assert!(!trace.exists(), "no empty trace left behind");
 }
 
+/// At the user's process limit the writer's second fork of two fails alone: the middle
+/// process said nothing of it, and the program waited 10 s at exit for a writer that never
+/// was, then left an empty trace (review helper 107). It now gives up the trace as when the
+/// first fork fails.
+#[test]
+fn a_writer_that_cannot_fork_at_the_process_limit_leaves_no_trace_and_no_wait() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("process limit skipped: only root can run the program as another user here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let trace = dir.path().join("t.trace");
+    let mut cmd = Command::new(c_program("closes_descriptors.c"));
+    cmd.arg("10").env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", trace.display()));
+    // SAFETY: between fork and exec, only async-signal-safe calls that touch no memory of the
+    // parent's. `nobody` runs no other process on a test machine: the program is its first,
+    // the writer's middle process its second.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit { rlim_cur: 2, rlim_max: 2 };
+            if libc::setgroups(0, core::ptr::null()) != 0
+                || libc::setgid(65534) != 0
+                || libc::setrlimit(libc::RLIMIT_NPROC, &lim) != 0
+                || libc::setuid(65534) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    };
+    let started = std::time::Instant::now();
+    let out = cmd.output().unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "the program waited for a writer");
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "malloc calls: 10\n"));
+    let stderr = text(&out.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "{stderr}");
+    assert!(lines[0].starts_with("mallocspy: cannot start the trace writer: Resource temporarily unavailable"), "{stderr}");
+    assert!(lines[1].starts_with("mallocspy: ticks: "), "{stderr}");
+    assert!(!trace.exists(), "no empty trace left behind");
+}
+
 /// A program that closed every descriptor (the writer's socket with them) and then went quiet
 /// is not held at its exit, and its trace is whole when `record` names it: the writer, which
 /// the socket could no longer wake, slept a whole `stats_interval_ms` at a time, and the

@@ -353,10 +353,19 @@ fn raw_fork() -> i32 {
     unsafe { crate::os::raw_syscall(libc::SYS_clone, [0; 6]) as i32 }
 }
 
-/// Reaps our child `pid`, whatever its exit signal.
-fn reap(pid: i32) -> i32 {
-    // SAFETY: waitpid with a null status pointer writes nothing.
-    unsafe { libc::waitpid(pid, core::ptr::null_mut(), libc::__WALL) }
+/// Reaps our child `pid`, whatever its exit signal: its exit status, or `None` if another
+/// thread of the program's reaped it first (one that waits for any child with `__WALL`).
+fn reap(pid: i32) -> Option<i32> {
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid writes the status into an int of ours.
+        if unsafe { libc::waitpid(pid, &mut status, libc::__WALL) } == pid {
+            return libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status));
+        }
+        if os::errno() != libc::EINTR {
+            return None;
+        }
+    }
 }
 
 fn close(fd: i32) {
@@ -369,12 +378,17 @@ fn close(fd: i32) {
 /// waiting at exit for the socket to close goes on then, not once the kernel has also torn
 /// down this process's copy of its memory (which it does before closing what is left open).
 fn leave(fds: &[i32]) -> ! {
+    leave_with(fds, 0)
+}
+
+/// [`leave`] with an exit status.
+fn leave_with(fds: &[i32], status: i32) -> ! {
     for &fd in fds.iter().filter(|&&fd| fd >= 0) {
         close(fd);
     }
     loop {
         // SAFETY: exit_group ends the process.
-        unsafe { libc::syscall(libc::SYS_exit_group, 0) };
+        unsafe { libc::syscall(libc::SYS_exit_group, status) };
     }
 }
 
@@ -648,21 +662,24 @@ impl Writer {
         };
         let child = raw_fork();
         if child == 0 {
-            if subreaper || raw_fork() == 0 {
+            let writer = if subreaper { 0 } else { raw_fork() };
+            if writer == 0 {
                 self.serve(&header, trace_fd, header_write, its, ring);
             }
-            leave(&[]);
+            // The middle process: its exit status is the error of the writer's fork (at the
+            // user's process limit, `RLIMIT_NPROC`, the second fork of two may fail alone).
+            leave_with(&[], (-writer).max(0));
         }
-        if child < 0 {
-            let error = std::io::Error::from_raw_os_error(-child);
+        // The short-lived middle process, our child, which only `__WALL` waits for (a thread
+        // of the program's that waits for any child with it may reap it first: its status is
+        // then unknown, and the writer taken to have started).
+        let failed = if child < 0 { -child } else if subreaper { 0 } else { reap(child).unwrap_or(0) };
+        if failed != 0 {
+            let error = std::io::Error::from_raw_os_error(failed);
             return give_up(&[trace_fd, ours, its], format!("cannot start the trace writer: {error}"));
         }
         close(its);
         close(trace_fd);
-        // The short-lived middle process, our child, which only `__WALL` waits for (a thread
-        // of the program's that waits for any child with it may reap it first: then this
-        // fails, harmlessly).
-        while !subreaper && reap(child) < 0 && os::errno() == libc::EINTR {}
         // Out of the way of the descriptors the program numbers from the bottom up, however
         // low its limit.
         let ours = kept_fd::move_high(ours);
