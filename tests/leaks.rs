@@ -2419,6 +2419,32 @@ fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
     let out =
         Command::new(mallocspy()).args(["run", "--log", "/dev/null", "--", "sh", "-c", "echo ran"]).output().unwrap();
     assert_eq!((out.status.code(), text(&out.stdout).as_str(), text(&out.stderr).as_str()), (Some(0), "ran\n", ""));
+    // A FIFO takes a log too. Its check opened it: with no reader that open waited forever,
+    // the program never started; a reader got its end of file from the check (review helper
+    // 106). Now the reader gets the report, and without one the report goes to stderr.
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let run = || {
+        let child = Command::new(mallocspy())
+            .args(["run", "--log", fifo.to_str().unwrap(), "--", "sh", "-c", "echo ran"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        output_within(child, std::time::Duration::from_secs(20))
+    };
+    let reader = Command::new("cat").arg(&fifo).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let out = run();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str(), text(&out.stderr).as_str()), (Some(0), "ran\n", ""));
+    let read = output_within(reader, std::time::Duration::from_secs(20));
+    assert!(text(&read.stdout).contains("LEAK SUMMARY"), "the reader's: {}", text(&read.stdout));
+    let out = run();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ran\n"), "{}", text(&out.stderr));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("a FIFO that nothing reads; reports go to stderr") && stderr.contains("LEAK SUMMARY"),
+        "{stderr}"
+    );
 }
 
 /// `run --log` and `--suppressions` reach the program as absolute paths (each process resolves

@@ -1255,7 +1255,10 @@ fn a_writer_that_cannot_fork_at_the_process_limit_leaves_no_trace_and_no_wait() 
     let stderr = text(&out.stderr);
     let lines: Vec<&str> = stderr.lines().collect();
     assert_eq!(lines.len(), 2, "{stderr}");
-    assert!(lines[0].starts_with("mallocspy: cannot start the trace writer: Resource temporarily unavailable"), "{stderr}");
+    assert!(
+        lines[0].starts_with("mallocspy: cannot start the trace writer: Resource temporarily unavailable"),
+        "{stderr}"
+    );
     assert!(lines[1].starts_with("mallocspy: ticks: "), "{stderr}");
     assert!(!trace.exists(), "no empty trace left behind");
 }

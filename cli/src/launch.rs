@@ -58,6 +58,10 @@ pub fn check_writable(output: &str, regular_only: bool) -> Result<(), String> {
     match std::fs::metadata(&file) {
         Ok(m) if m.is_dir() => Err("it is a directory".into()),
         Ok(m) if regular_only && !m.is_file() => Err("it is not a regular file".into()),
+        // A FIFO or a device is asked, not opened: a FIFO's open waited for a reader (the
+        // program never started), and one with a reader got its end of file from this open's
+        // close, before the report (review helper 106).
+        Ok(m) if !m.is_file() => may_write(&file),
         Ok(_) => OpenOptions::new().append(true).open(&file).map(drop).map_err(|e| e.to_string()),
         Err(e) if e.kind() == ErrorKind::NotFound => {
             // A dangling symbolic link (or a chain of them): the writer will create the last
@@ -72,6 +76,20 @@ pub fn check_writable(output: &str, regular_only: bool) -> Result<(), String> {
             std::fs::remove_file(&file).map_err(|e| e.to_string())
         }
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Whether this process may write `file`, by its permissions alone (`faccessat` with the
+/// effective ids).
+fn may_write(file: &Path) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c =
+        std::ffi::CString::new(file.as_os_str().as_bytes()).map_err(|_| "the path contains a NUL byte".to_string())?;
+    // SAFETY: a NUL-terminated path; faccessat reads nothing else.
+    if unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), libc::W_OK, libc::AT_EACCESS) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error().to_string())
     }
 }
 

@@ -673,7 +673,11 @@ impl Writer {
         // The short-lived middle process, our child, which only `__WALL` waits for (a thread
         // of the program's that waits for any child with it may reap it first: its status is
         // then unknown, and the writer taken to have started).
-        let failed = if child < 0 { -child } else if subreaper { 0 } else { reap(child).unwrap_or(0) };
+        let failed = match child {
+            ..0 => -child,
+            _ if subreaper => 0,
+            _ => reap(child).unwrap_or(0),
+        };
         if failed != 0 {
             let error = std::io::Error::from_raw_os_error(failed);
             return give_up(&[trace_fd, ours, its], format!("cannot start the trace writer: {error}"));
