@@ -2447,6 +2447,32 @@ fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
     );
 }
 
+/// Names in a report come from the program's files and may hold anything: a newline in the
+/// program's path or a source file's forged lines of the report (review helper 106). They are
+/// escaped, as in the options' errors.
+#[test]
+fn a_newline_in_a_name_does_not_forge_a_line_of_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sources, programs) = (dir.path().join("src\n==1== FORGED"), dir.path().join("bin\n==2== FORGED"));
+    std::fs::create_dir(&sources).unwrap();
+    std::fs::create_dir(&programs).unwrap();
+    let source = sources.join("lose.c");
+    std::fs::write(
+        &source,
+        "#include <stdlib.h>\n#include <string.h>\nvoid *volatile kept;\n\
+         int main(void) { kept = malloc(100); memset(kept, 1, 100); return 0; }\n",
+    )
+    .unwrap();
+    let program = programs.join("prog");
+    let built = Command::new("gcc").args(["-g", "-O0", "-o"]).arg(&program).arg(&source).output().unwrap();
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let out = Command::new(mallocspy()).args(["run", "--show-reachable", "--"]).arg(&program).output().unwrap();
+    let stderr = text(&out.stderr);
+    assert!(stderr.lines().all(|l| !l.starts_with("==1== FORGED") && !l.starts_with("==2== FORGED")), "{stderr}");
+    assert!(stderr.contains("leak report for ") && stderr.contains("bin\\n==2== FORGED/prog\n"), "{stderr}");
+    assert!(stderr.contains("src\\n==1== FORGED/lose.c:4"), "{stderr}");
+}
+
 /// `run --log` and `--suppressions` reach the program as absolute paths (each process resolves
 /// them where it starts, and a program may change directory first: the report went there),
 /// and one holding ':' (the options' separator) is refused in one line before the program

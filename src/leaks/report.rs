@@ -11,6 +11,7 @@ use serde::Serialize;
 use super::scan::LeakKind;
 use super::suppress::Suppressions;
 use super::symbols::{self, Frame, Symbolizer};
+use crate::options::Escaped;
 use crate::spy::Entry;
 
 /// Blocks and bytes.
@@ -377,7 +378,7 @@ impl LeakReport {
     pub fn write_text(&self, show_reachable: bool, emit: &mut dyn FnMut(&str)) {
         let p = format!("=={}==", self.pid);
         let mut out = String::new();
-        let _ = writeln!(out, "{p} mallocspy leak report for {}", self.program);
+        let _ = writeln!(out, "{p} mallocspy leak report for {}", Escaped(&self.program));
         let mut hidden = Tally::default();
         for r in &self.leaks {
             if r.kind == LeakKind::StillReachable && !show_reachable {
@@ -401,7 +402,8 @@ impl LeakReport {
                 write_frame(&mut out, &p, i, f);
             }
             if !r.retained_by.is_empty() {
-                let hops = r.retained_by.join(&format!("\n{p}               -> "));
+                let hops: Vec<String> = r.retained_by.iter().map(|hop| Escaped(hop).to_string()).collect();
+                let hops = hops.join(&format!("\n{p}               -> "));
                 let _ = writeln!(out, "{p}  retained by: {hops} -> this block");
             }
             if out.len() >= TEXT_CHUNK {
@@ -451,10 +453,12 @@ impl LeakReport {
 const TEXT_CHUNK: usize = 64 << 10;
 
 /// Frame `i` of a stack as the text reports print it, after `prefix`: `#i 0x... in function
-/// file:line`, or the module where the line is not known.
+/// file:line`, or the module where the line is not known. Names come from the program's files
+/// and may hold anything: a newline in one forged a line of the report (review helper 106).
 pub(crate) fn write_frame(out: &mut String, prefix: &str, i: usize, f: &Frame) {
-    let _ = write!(out, "{prefix}    #{i} {} in {}", f.address, f.function.as_deref().unwrap_or("??"));
-    match (&f.file, f.line, &f.module) {
+    let _ = write!(out, "{prefix}    #{i} {} in {}", f.address, Escaped(f.function.as_deref().unwrap_or("??")));
+    let (file, module) = (f.file.as_deref().map(Escaped), f.module.as_deref().map(Escaped));
+    match (file, f.line, module) {
         // Named from the file of a library unloaded since: which one, and that it is gone.
         (Some(file), Some(line), Some(module)) if f.unloaded => {
             let _ = writeln!(out, " {file}:{line} ({module} (unloaded))");

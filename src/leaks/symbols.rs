@@ -264,7 +264,8 @@ pub(super) fn mapped_file(addr: u64) -> Option<String> {
         let path = fields.nth(4)?;
         // A path may hold spaces: the rest of the line from the path's start.
         let path = &line[line.find(path)?..];
-        (start <= addr && addr < end && path.starts_with('/')).then(|| path.to_owned())
+        (start <= addr && addr < end && path.starts_with('/'))
+            .then(|| String::from_utf8_lossy(&crate::trace::modules::unescaped_map_path(path.as_bytes())).into_owned())
     })
 }
 

@@ -718,7 +718,7 @@ fn write_code_place(line: &mut Line<256>, pc: u64) {
         name[..len].copy_from_slice(&base[..len]);
     }
     let module = core::str::from_utf8(&name[..len]).unwrap_or("?");
-    let _ = write!(line, "{module}+{:#x}", pc.wrapping_sub(bias));
+    let _ = write!(line, "{}+{:#x}", crate::options::Escaped(module), pc.wrapping_sub(bias));
 }
 
 /// The entry point that is giving a block back, as findings name it ([`GuardSpy::before_release`]

@@ -136,6 +136,32 @@ fn maps_of(pid: u32) -> Vec<u8> {
         .unwrap_or_default()
 }
 
+/// A file's path as a process's memory map spells it, as the file is named: the kernel writes a
+/// newline in a path as `\012` (the only character it escapes there), and that spelling opens
+/// nothing (a program in such a directory had every frame unnamed: review helper 106). A file
+/// whose name holds `\012` itself keeps it.
+pub(crate) fn unescaped_map_path(path: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    use std::os::unix::ffi::OsStrExt;
+    const NEWLINE: &[u8] = b"\\012";
+    if !path.windows(NEWLINE.len()).any(|w| w == NEWLINE)
+        || std::path::Path::new(std::ffi::OsStr::from_bytes(path)).exists()
+    {
+        return path.into();
+    }
+    let mut out = Vec::with_capacity(path.len());
+    let mut rest = path;
+    while !rest.is_empty() {
+        if rest.starts_with(NEWLINE) {
+            out.push(b'\n');
+            rest = &rest[NEWLINE.len()..];
+        } else {
+            out.push(rest[0]);
+            rest = &rest[1..];
+        }
+    }
+    out.into()
+}
+
 /// The modules mapped into process `pid` now, from its memory map and their files (ids
 /// left 0, for the caller to number). The writer process reads another process's map this
 /// way; a module whose file is gone or is not ELF is left out. Empty when the process is
@@ -152,7 +178,8 @@ pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
         }
         seen.push(path);
         let key = (m.file.0.to_vec(), m.file.1);
-        let facts = cache.0.entry(key).or_insert_with(|| elf_facts(path).or_else(|| elf_facts_of_gone(pid, m)));
+        let named = unescaped_map_path(path);
+        let facts = cache.0.entry(key).or_insert_with(|| elf_facts(&named).or_else(|| elf_facts_of_gone(pid, m)));
         let Some((vaddr, offset, build_id)) = facts.clone() else { continue };
         let mine = || lines.iter().filter(move |m| m.path == path);
         let Some(first) = mine().find(|m| m.offset == offset) else { continue };
@@ -164,7 +191,7 @@ pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
         // open that spelling, and names the module's frames by offset. A file gone since it
         // was mapped is listed under its path: put back, or found by its build id, it names
         // the frames again (and a different file there is told apart by the report).
-        let path = String::from_utf8_lossy(path.strip_suffix(GONE).unwrap_or(path)).into_owned();
+        let path = String::from_utf8_lossy(named.strip_suffix(GONE).unwrap_or(&named)).into_owned();
         list.push(Module { id: 0, path, base: first.start.wrapping_sub(vaddr), ranges, build_id });
     }
     list
@@ -262,5 +289,20 @@ mod tests {
         let named = list.iter().find(|m| m.path.ends_with("/caf\u{FFFD}.so")).expect("the odd file, named lossily");
         assert_eq!(named.ranges, [(at as u64, at as u64 + len as u64)]);
         assert_eq!(named.base, at as u64, "its first segment lies at file offset 0 and address 0");
+    }
+
+    /// The kernel's map writes a newline in a path as `\012`: the file is found under its name
+    /// (its frames were bare addresses), and a file named with `\012` itself keeps it.
+    #[test]
+    fn a_newline_in_a_mapped_path_is_the_files_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let with_newline = dir.path().join("a\nb");
+        std::fs::write(&with_newline, b"").unwrap();
+        let spelled = format!("{}/a\\012b", dir.path().display());
+        assert_eq!(&*unescaped_map_path(spelled.as_bytes()), with_newline.as_os_str().as_encoded_bytes());
+        std::fs::write(&spelled, b"").unwrap();
+        assert_eq!(&*unescaped_map_path(spelled.as_bytes()), spelled.as_bytes(), "a real `\\012` stays");
+        let plain = format!("{}/plain", dir.path().display());
+        assert_eq!(&*unescaped_map_path(plain.as_bytes()), plain.as_bytes());
     }
 }
