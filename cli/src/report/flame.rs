@@ -45,9 +45,17 @@ fn divisor(counts: impl Iterator<Item = u64>) -> u64 {
 }
 
 /// A name that cannot break the line's syntax: `;` separates frames (Rust's `[u8; 4]` has
-/// one) and a line ends the stack.
+/// one), a line ends the stack, and a name ending in a number after a space would be read as a
+/// count (flamegraph.pl and inferno take a line's last two numbers for a differential flame
+/// graph's two counts: review helper 106): that space is a no-break space.
 fn frame_name(function: &str) -> String {
-    function.replace(';', ",").replace(['\n', '\r'], " ")
+    let name = function.replace(';', ",").replace(['\n', '\r'], " ");
+    match name.rsplit_once(' ') {
+        Some((head, number)) if !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit() || b == b'.') => {
+            format!("{head}\u{a0}{number}")
+        }
+        _ => name,
+    }
 }
 
 /// Writes the folded lines.
@@ -92,5 +100,7 @@ mod tests {
     fn names_cannot_split_frames_or_lines() {
         assert_eq!(frame_name("<[u8; 4] as core::fmt::Debug>::fmt"), "<[u8, 4] as core::fmt::Debug>::fmt");
         assert_eq!(frame_name("a\nb"), "a b");
+        assert_eq!(frame_name("sp ace 12345 9999"), "sp ace 12345\u{a0}9999");
+        assert_eq!(frame_name("operator new(unsigned long)"), "operator new(unsigned long)");
     }
 }
