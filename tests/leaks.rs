@@ -2434,7 +2434,11 @@ fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
         output_within(child, std::time::Duration::from_secs(20))
     };
     let reader = Command::new("cat").arg(&fifo).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    // Opened once `cat` has opened its end (the run's check would find no reader before), and
+    // held until the run's end, so that `cat` reads on to the report.
+    let held = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
     let out = run();
+    drop(held);
     assert_eq!((out.status.code(), text(&out.stdout).as_str(), text(&out.stderr).as_str()), (Some(0), "ran\n", ""));
     let read = output_within(reader, std::time::Duration::from_secs(20));
     assert!(text(&read.stdout).contains("LEAK SUMMARY"), "the reader's: {}", text(&read.stdout));

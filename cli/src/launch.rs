@@ -25,7 +25,10 @@ pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
     };
     if absolute.contains(':') || absolute.trim_end() != absolute {
         return Err(fail(
-            &format!("{flag} '{absolute}' holds ':' or ends in white space, which MALLOCSPY_OPTIONS cannot carry"),
+            &format!(
+                "{flag} {} holds ':' or ends in white space, which MALLOCSPY_OPTIONS cannot carry",
+                crate::report::text::quoted_path(&absolute)
+            ),
             2,
         ));
     }

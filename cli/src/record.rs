@@ -9,6 +9,12 @@ use clap::{Args, ValueEnum};
 use mallocspy::options::{expand_path, names_pid};
 
 use crate::launch::{self, fail};
+use crate::report::text::{path_shown, quoted_path, shell_word};
+
+/// A path in a message, on one line.
+fn shown(path: &str) -> String {
+    path_shown(Path::new(path))
+}
 
 pub const EXAMPLES: &str = "Examples:
   mallocspy record -- sqlite3 db.sqlite '.read x.sql'   # names the trace it wrote
@@ -139,17 +145,6 @@ fn other_traces(template: &str, named: &str, started_ns: u64, run: &str) -> Vec<
 /// Traces [`other_traces`] names in its line at most.
 const OTHERS_LISTED: usize = 5;
 
-/// `path` as a shell reads it back: as is when it has no character a shell treats specially,
-/// else in single quotes (the hint after a trace's name is to be pasted).
-fn shell_quoted(path: &str) -> String {
-    let plain = |c: char| c.is_ascii_alphanumeric() || "_./%+,:=@-".contains(c);
-    if !path.is_empty() && path.chars().all(plain) {
-        path.to_string()
-    } else {
-        format!("'{}'", path.replace('\'', r"'\''"))
-    }
-}
-
 pub fn record(args: RecordArgs) -> ExitCode {
     if args.output == "-" {
         // `report -o -` means stdout; here the program's own output would be mixed in.
@@ -160,7 +155,7 @@ pub fn record(args: RecordArgs) -> ExitCode {
         Err(code) => return code,
     };
     if let Err(why) = launch::check_writable(&output, true) {
-        return fail(&format!("cannot write --output '{output}': {why}"), 2);
+        return fail(&format!("cannot write --output {}: {why}", quoted_path(&output)), 2);
     }
     // Only the flags given: the environment's MALLOCSPY_OPTIONS sets the others, and its
     // spies stay beside the ticks.
@@ -192,23 +187,28 @@ pub fn record(args: RecordArgs) -> ExitCode {
         match last_trace_of(pid, &[trace.clone(), own.clone()]) {
             Some(found) => found,
             None => {
-                say!("mallocspy: no trace of {pid} in {trace} or {own}");
+                say!("mallocspy: no trace of {pid} in {} or {}", shown(&trace), shown(&own));
                 return launch::forward(status);
             }
         }
     };
     match std::fs::metadata(&trace) {
         Ok(m) => {
-            say!("mallocspy: trace of {pid} in {trace} ({} bytes): mallocspy report {}", m.len(), shell_quoted(&trace))
+            say!(
+                "mallocspy: trace of {pid} in {} ({} bytes): mallocspy report {}",
+                shown(&trace),
+                m.len(),
+                shell_word(&trace)
+            )
         }
-        Err(e) => say!("mallocspy: no trace at {trace}: {e}"),
+        Err(e) => say!("mallocspy: no trace at {}: {e}", shown(&trace)),
     }
     let others = other_traces(&output, &trace, started_ns, &run);
     if !others.is_empty() {
         let listed: Vec<String> = others
             .iter()
             .take(OTHERS_LISTED)
-            .map(|(path, program, size)| format!("{} ({program}, {size} bytes)", shell_quoted(path)))
+            .map(|(path, program, size)| format!("{} ({program}, {size} bytes)", shell_word(path)))
             .collect();
         let more = others.len().saturating_sub(OTHERS_LISTED);
         let more = if more > 0 { format!(" and {more} more") } else { String::new() };
@@ -228,9 +228,11 @@ mod tests {
 
     #[test]
     fn the_hint_quotes_a_path_a_shell_would_split() {
-        assert_eq!(shell_quoted("/tmp/a.trace"), "/tmp/a.trace");
-        assert_eq!(shell_quoted("/tmp/my dir/a.trace"), "'/tmp/my dir/a.trace'");
-        assert_eq!(shell_quoted("/tmp/it's.trace"), r"'/tmp/it'\''s.trace'");
+        assert_eq!(shell_word("/tmp/a.trace"), "/tmp/a.trace");
+        assert_eq!(shell_word("/tmp/my dir/a.trace"), "'/tmp/my dir/a.trace'");
+        assert_eq!(shell_word("/tmp/it's.trace"), r"'/tmp/it'\''s.trace'");
+        assert_eq!(shell_word("/tmp/a\n==1== b.trace"), r"$'/tmp/a\n==1== b.trace'");
+        assert_eq!(shown("/tmp/a\nb.trace"), r"$'/tmp/a\nb.trace'");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use clap::Args;
 use mallocspy::leaks::Suppressions;
 
 use crate::launch::{self, fail};
+use crate::report::text::quoted_path;
 
 pub const EXAMPLES: &str = "Examples:
   mallocspy run -- ./leaky
@@ -74,7 +75,7 @@ pub fn run(args: RunArgs) -> ExitCode {
         match launch::option_path("--log", Path::new(log)) {
             Ok(log) => match launch::check_writable(&log, false) {
                 Ok(()) => options.push(format!("log_path={log}")),
-                Err(why) => return fail(&format!("cannot write --log '{log}': {why}"), 2),
+                Err(why) => return fail(&format!("cannot write --log {}: {why}", quoted_path(&log)), 2),
             },
             Err(code) => return code,
         }

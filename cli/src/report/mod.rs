@@ -22,7 +22,7 @@ mod symbolize;
 mod testing;
 #[cfg(test)]
 mod tests;
-mod text;
+pub mod text;
 mod timeline;
 mod units;
 

@@ -71,6 +71,12 @@ pub fn path_shown(path: &Path) -> String {
     if name.chars().any(unprintable) { shell_word(&name) } else { name.into_owned() }
 }
 
+/// A path in a one-line message: in single quotes, or as a shell word (`$'...'`) when it holds
+/// unprintable characters (a newline split the message in two: review helper 106).
+pub fn quoted_path(path: &str) -> String {
+    if path.chars().any(unprintable) { shell_word(path) } else { format!("'{path}'") }
+}
+
 /// The command line for a chart's title: at most `max` characters.
 pub fn title(args: &[String], max: usize) -> String {
     let full = command_line(args);
