@@ -314,6 +314,11 @@ pub(crate) fn after_fork_child() {
     }
 }
 
+/// Whether `fd`, the report descriptor, is a log file that has no name left.
+fn log_file_deleted(fd: i32) -> bool {
+    os::is_unlinked(fd) && PATH.try_lock().is_ok_and(|p| p.is_some())
+}
+
 /// Writes one report (whole lines) to the report descriptor. Never allocates.
 pub(crate) fn write(bytes: &[u8]) {
     write_parts(&mut |emit| emit(bytes));
@@ -332,7 +337,31 @@ pub(crate) fn write_parts(give: &mut dyn FnMut(Emit<'_>)) {
 }
 
 fn write_part(bytes: &[u8], held: &mut Held) {
-    let Some(fd) = REPORT.get().or_else(|| if reopen_log_file() { REPORT.get() } else { None }) else {
+    let fd = match REPORT.get() {
+        // The log file deleted (its directory removed, `logrotate` without `copytruncate`):
+        // written on, the report went nowhere, unsaid (review helper 105). It is made again
+        // at its path, or else the report goes to stderr, said once.
+        Some(fd) if log_file_deleted(fd) => {
+            if reopen_log_file() {
+                os::close(fd);
+            } else {
+                static SAID: AtomicBool = AtomicBool::new(false);
+                if !SAID.swap(true, Ordering::Relaxed) {
+                    to_stderr_holding(
+                        b"mallocspy: the log file was deleted and cannot be made again; the report goes to stderr\n",
+                        held,
+                    );
+                }
+                REPORT.forget(fd);
+                os::close(fd);
+            }
+            REPORT.get()
+        }
+        Some(fd) => Some(fd),
+        None if reopen_log_file() => REPORT.get(),
+        None => None,
+    };
+    let Some(fd) = fd else {
         return to_stderr_holding(bytes, held);
     };
     if !write_whole(fd, bytes, held) {

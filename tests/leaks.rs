@@ -2451,6 +2451,52 @@ fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
     );
 }
 
+/// A log file deleted while the program runs (`logrotate` without `copytruncate`, a cleanup of
+/// its directory): the report was written into the deleted file, and nothing said so (review
+/// helper 105). It is made again at its path, or, with its directory gone, the report goes to
+/// stderr with a line that says why.
+#[test]
+fn a_log_file_deleted_while_the_program_runs_is_made_again_or_said() {
+    use std::io::BufRead;
+    let program = c_program("ending_signal.c");
+    let dir = tempfile::tempdir().unwrap();
+    for remove_dir in [false, true] {
+        let logs = dir.path().join(format!("logs-{remove_dir}"));
+        std::fs::create_dir(&logs).unwrap();
+        let log = logs.join("leak.log");
+        let mut cmd = Command::new(&program);
+        cmd.env("LD_PRELOAD", shim())
+            .env("MALLOCSPY_OPTIONS", format!("log_path={}", log.display()))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = with_ending_signals_at_default(&mut cmd, None).spawn().unwrap();
+        let mut ready = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut ready).unwrap();
+        assert_eq!(ready, "ready\n");
+        if remove_dir {
+            std::fs::remove_dir_all(&logs).unwrap()
+        } else {
+            std::fs::remove_file(&log).unwrap()
+        }
+        // SAFETY: kill has no memory preconditions; the pid is our child's, not yet reaped.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let out = output_within(child, std::time::Duration::from_secs(20));
+        let stderr = text(&out.stderr);
+        if remove_dir {
+            assert!(
+                stderr.starts_with(
+                    "mallocspy: the log file was deleted and cannot be made again; the report goes to stderr\n"
+                ) && stderr.contains("4,096 bytes in 1 blocks are definitely lost"),
+                "{stderr}"
+            );
+        } else {
+            assert_eq!(stderr, "");
+            let report = std::fs::read_to_string(&log).unwrap();
+            assert!(report.contains("4,096 bytes in 1 blocks are definitely lost"), "{report}");
+        }
+    }
+}
+
 /// Names in a report come from the program's files and may hold anything: a newline in the
 /// program's path or a source file's forged lines of the report (review helper 106). They are
 /// escaped, as in the options' errors.
