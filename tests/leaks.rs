@@ -2451,6 +2451,21 @@ fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
     );
 }
 
+/// Where `/proc` is not mounted (a container's, a chroot's), `run` finds its shim by `argv[0]`:
+/// it said it could not find it beside itself (review helper 107).
+#[test]
+fn run_finds_its_shim_without_proc() {
+    let script = format!("umount -l /proc && exec {} run -- sh -c 'echo ran'", mallocspy().display());
+    let out = Command::new("unshare").args(["-m", "sh", "-c", &script]).output().unwrap();
+    let stderr = text(&out.stderr);
+    if stderr.contains("unshare") || stderr.contains("umount") {
+        eprintln!("mount namespaces skipped: {stderr}");
+        return;
+    }
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ran\n"), "{stderr}");
+    assert!(!stderr.contains("cannot find libmallocspy_preload.so"), "{stderr}");
+}
+
 /// A log file deleted while the program runs (`logrotate` without `copytruncate`, a cleanup of
 /// its directory): the report was written into the deleted file, and nothing said so (review
 /// helper 105). It is made again at its path, or, with its directory gone, the report goes to

@@ -122,10 +122,21 @@ pub fn fail(message: &str, code: u8) -> ExitCode {
     ExitCode::from(code)
 }
 
+/// The shim beside this executable: found by `/proc/self/exe`, or where `/proc` is not mounted
+/// (a container's or a chroot's) by `argv[0]`, as the shell found it (review helper 107).
 fn default_shim() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
+    let exe = std::env::current_exe().ok().or_else(exe_by_argv0)?;
     let shim = exe.parent()?.join("libmallocspy_preload.so");
     shim.exists().then_some(shim)
+}
+
+/// This executable as `argv[0]` names it: a path, or a name found in `PATH`.
+fn exe_by_argv0() -> Option<PathBuf> {
+    let arg0 = PathBuf::from(std::env::args_os().next()?);
+    if arg0.components().count() > 1 {
+        return Some(arg0);
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|dir| dir.join(&arg0)).find(|exe| exe.is_file())
 }
 
 /// Runs `program` (with its arguments) with the shim (`shim`, or the one next to this

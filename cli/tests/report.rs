@@ -88,6 +88,22 @@ fn stderr_lines(out: &Output) -> Vec<String> {
     String::from_utf8_lossy(&out.stderr).lines().map(str::to_owned).collect()
 }
 
+/// A trace whose writer read no memory map of the program (no /proc in its container) names
+/// its frames by bare addresses: said in a warning, not left for the reader to guess.
+#[test]
+fn a_trace_without_modules_is_said_to_have_bare_addresses() {
+    let dir = tempfile::tempdir().unwrap();
+    let events: Vec<Event> = events().into_iter().filter(|e| !matches!(e, Event::ModuleLoad { .. })).collect();
+    let path = write(dir.path(), "no-modules.trace", &trace(&events));
+    let out = mallocspy(&[path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let warning = format!(
+        "mallocspy report: warning: {} names no loaded module (its writer could not read the program's memory map: was /proc mounted?): its frames are bare addresses",
+        path.display()
+    );
+    assert_eq!(stderr_lines(&out), vec![warning]);
+}
+
 #[test]
 fn the_text_report_names_this_tests_functions() {
     let dir = tempfile::tempdir().unwrap();

@@ -190,6 +190,13 @@ fn run(args: &ReportArgs) -> Result<(), String> {
             "mallocspy report: warning: {shown} has no end record: the program did not exit normally (killed, or replaced by exec); reporting the events it has"
         );
     }
+    if profile.modules.is_empty() && !profile.stacks.is_empty() {
+        // Its writer read no map of the program: a container's or a chroot's without /proc
+        // (review helper 107). Said, not left to bare addresses to tell.
+        say!(
+            "mallocspy report: warning: {shown} names no loaded module (its writer could not read the program's memory map: was /proc mounted?): its frames are bare addresses"
+        );
+    }
     for (file, why) in symbols.changed_files() {
         say!("mallocspy report: warning: {} is {why}: its frames are named by offset", path_shown(Path::new(file)));
     }
