@@ -2451,6 +2451,27 @@ fn run_refuses_a_log_it_cannot_write_before_the_program_runs() {
     );
 }
 
+/// A program the dynamic loader runs as a command (`ld.so ./prog`) is spied: `run` warned that
+/// the loader was statically linked, and the report was headed with the loader's name (review
+/// helper 107).
+#[test]
+fn a_program_run_by_the_loader_as_a_command_is_named_and_not_warned_about() {
+    let program = c_program("ending_signal.c");
+    let out = Command::new(mallocspy())
+        .args(["run", "--", "/lib64/ld-linux-x86-64.so.2"])
+        .arg(&program)
+        .arg("query")
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("statically linked"), "{stderr}");
+    let header =
+        stderr.lines().find(|l| l.contains("mallocspy leak report for ")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(header.ends_with(&format!("for {}", program.display())), "{header}");
+    assert!(stderr.contains("4,096 bytes in 1 blocks are definitely lost"), "{stderr}");
+}
+
 /// Where `/proc` is not mounted (a container's, a chroot's), `run` finds its shim by `argv[0]`:
 /// it said it could not find it beside itself (review helper 107).
 #[test]

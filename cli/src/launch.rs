@@ -364,8 +364,21 @@ fn out_of_reach(program: &Path) -> Option<&'static str> {
     }
     let mut head = Vec::with_capacity(64 << 10);
     std::fs::File::open(&path).ok()?.take(64 << 10).read_to_end(&mut head).ok()?;
-    (elf_interpreter(&head) == Some(false))
+    // The dynamic loader names no interpreter either: run as a command (`ld.so ./prog`), it
+    // loads the program and the shim with it (review helper 107).
+    (elf_interpreter(&head) == Some(false) && !is_dynamic_loader(&path))
         .then_some("is statically linked, so no LD_PRELOAD library reaches its malloc")
+}
+
+/// Whether `path` names a dynamic loader (glibc's `ld-linux-*.so.*`, `ld.so`, musl's
+/// `ld-musl-*.so.*`), by its name or the name of the file it links to.
+fn is_dynamic_loader(path: &Path) -> bool {
+    let named = |p: &Path| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n == "ld.so" || (n.starts_with("ld-") && n.contains(".so")))
+    };
+    named(path) || std::fs::canonicalize(path).is_ok_and(|p| named(&p))
 }
 
 /// Whether the file at `path` carries capabilities (`security.capability`).
@@ -448,5 +461,7 @@ mod tests {
         assert_eq!(elf_interpreter(&own), Some(true));
         assert_eq!(elf_interpreter(b"#!/bin/sh\n"), None);
         assert_eq!(elf_interpreter(&own[..0x40]), None, "program headers cut off");
+        assert!(is_dynamic_loader(Path::new("/lib64/ld-linux-x86-64.so.2")));
+        assert!(!is_dynamic_loader(Path::new("/usr/bin/ldd")) && !is_dynamic_loader(&std::env::current_exe().unwrap()));
     }
 }

@@ -53,9 +53,16 @@ pub(crate) fn map() -> Option<i32> {
 
 /// The program's path: `/proc/self/exe` now (what valgrind answers with its client's path),
 /// `/proc/thread-self/exe` (once the main thread has exited), or else what it was at the start.
+/// A program the dynamic loader ran as a command (`ld.so ./prog`) has the loader for its
+/// executable: then the program is the file the loader mapped first.
 pub(crate) fn program() -> String {
-    std::fs::read_link("/proc/self/exe")
+    let exe = std::fs::read_link("/proc/self/exe")
         .or_else(|_| std::fs::read_link("/proc/thread-self/exe"))
         .map(|p| p.display().to_string())
-        .unwrap_or_else(|_| PROGRAM.get().cloned().unwrap_or_default())
+        .unwrap_or_else(|_| PROGRAM.get().cloned().unwrap_or_default());
+    let base = exe.rsplit('/').next().unwrap_or(&exe);
+    if base.starts_with("ld-") && base.contains(".so") {
+        return super::symbols::program_file().unwrap_or(exe);
+    }
+    exe
 }

@@ -253,6 +253,11 @@ fn program() -> &'static Option<(u64, String)> {
     })
 }
 
+/// The program's file, as the kernel maps it.
+pub(super) fn program_file() -> Option<String> {
+    program().as_ref().map(|(_, file)| file.clone())
+}
+
 /// The file mapped at `addr`, as the kernel's map names it (" (deleted)" included). The map of
 /// this thread: `/proc/self/maps` reads empty once the main thread has called `pthread_exit`.
 pub(super) fn mapped_file(addr: u64) -> Option<String> {
