@@ -47,6 +47,9 @@ static TEMPLATE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 /// The log file of this process (`log_path` expanded), to open again if the program closes
 /// its descriptor. Made when the file is first opened, so that reopening does not allocate.
 static PATH: std::sync::Mutex<Option<CString>> = std::sync::Mutex::new(None);
+/// Whether the log file had a name when it was opened: one that never had (a memfd or an
+/// `O_TMPFILE` file behind `log_path=/dev/stdout`) is not taken for one deleted since.
+static NAMED: AtomicBool = AtomicBool::new(false);
 
 /// Opens `path` for writing at a high descriptor number: appending, or truncating it.
 pub(crate) fn open_path(path: &str, append: bool) -> Result<i32, String> {
@@ -94,6 +97,7 @@ fn use_log_file(path: String) -> Result<(), String> {
     };
     let c = CString::new(path).map_err(|_| "the path contains a NUL byte".to_string())?;
     let fd = open_c(&c, true).ok_or_else(|| open_error(&c))?;
+    NAMED.store(!os::is_unlinked(fd), Ordering::Relaxed);
     let old = REPORT.keep(fd);
     if old >= 0 && old != fd {
         // SAFETY: the report descriptor was ours (a fork's child inherits the parent's).
@@ -111,6 +115,7 @@ fn use_log_file(path: String) -> Result<(), String> {
 fn reopen_log_file() -> bool {
     let Ok(path) = PATH.try_lock() else { return false };
     let Some(fd) = path.as_ref().and_then(|c| open_c(c, true)) else { return false };
+    NAMED.store(!os::is_unlinked(fd), Ordering::Relaxed);
     REPORT.keep(fd);
     true
 }
@@ -316,7 +321,7 @@ pub(crate) fn after_fork_child() {
 
 /// Whether `fd`, the report descriptor, is a log file that has no name left.
 fn log_file_deleted(fd: i32) -> bool {
-    os::is_unlinked(fd) && PATH.try_lock().is_ok_and(|p| p.is_some())
+    NAMED.load(Ordering::Relaxed) && os::is_unlinked(fd) && PATH.try_lock().is_ok_and(|p| p.is_some())
 }
 
 /// Writes one report (whole lines) to the report descriptor. Never allocates.

@@ -482,6 +482,29 @@ fn a_subreaper_that_reaps_every_child_does_not_wait_for_the_writer() {
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "reaped 0\n"), "{}", text(&out.stderr));
 }
 
+/// The init of a PID namespace (a container's) is where orphans go, as a subreaper is: one that
+/// reaps every child waited for its writer forever (review helper 108).
+#[test]
+fn the_init_of_a_pid_namespace_that_reaps_every_child_does_not_wait_for_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc"])
+        .arg(c_program("subreaper.c"))
+        .args(["wait", "0"])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", dir.path().join("t.%p.trace").display()))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(child, std::time::Duration::from_secs(30));
+    if text(&out.stderr).starts_with("unshare") {
+        eprintln!("PID namespaces skipped: {}", text(&out.stderr));
+        return;
+    }
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "reaped 0\n"), "{}", text(&out.stderr));
+}
+
 /// The writer's socket stays out of the program's way under a low descriptor limit, as the copy
 /// of stderr does: the program's first file is still descriptor 3.
 #[test]

@@ -130,13 +130,15 @@ fn default_shim() -> Option<PathBuf> {
     shim.exists().then_some(shim)
 }
 
-/// This executable as `argv[0]` names it: a path, or a name found in `PATH`.
+/// This executable as `argv[0]` names it (a path, or a name found in `PATH`), links followed.
 fn exe_by_argv0() -> Option<PathBuf> {
     let arg0 = PathBuf::from(std::env::args_os().next()?);
-    if arg0.components().count() > 1 {
-        return Some(arg0);
-    }
-    std::env::split_paths(&std::env::var_os("PATH")?).map(|dir| dir.join(&arg0)).find(|exe| exe.is_file())
+    let named = if arg0.components().count() > 1 {
+        arg0
+    } else {
+        std::env::split_paths(&std::env::var_os("PATH")?).map(|dir| dir.join(&arg0)).find(|exe| exe.is_file())?
+    };
+    std::fs::canonicalize(named).ok()
 }
 
 /// Runs `program` (with its arguments) with the shim (`shim`, or the one next to this

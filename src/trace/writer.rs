@@ -651,11 +651,12 @@ impl Writer {
         // Shared with the writer process for as long as this process lives (unmapped by
         // nothing, not even should the fork below fail).
         let ring: &'static Ring = Box::leak(Box::new(ring));
-        // A process orphaned by the middle one goes to the nearest child subreaper, with
-        // SIGCHLD as its exit signal again: a subreaper's own writer then is its child for
-        // `wait`, and one that reaps until it has no child left waited for it forever. Its
-        // writer is forked once, and stays its child with no exit signal.
-        let subreaper = {
+        // A process orphaned by the middle one goes to the nearest child subreaper (or the
+        // init of the PID namespace), with SIGCHLD as its exit signal again: a subreaper's own
+        // writer then is its child for `wait`, and one that reaps until it has no child left
+        // waited for it forever (a container's init too: review helper 108). Its writer is
+        // forked once, and stays its child with no exit signal.
+        let subreaper = os::getpid() == 1 || {
             let mut flag: libc::c_int = 0;
             // SAFETY: PR_GET_CHILD_SUBREAPER writes one int.
             unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut flag) == 0 && flag != 0 }
