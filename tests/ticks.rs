@@ -1237,6 +1237,34 @@ fn a_writer_that_cannot_start_leaves_no_trace_and_the_summary_comes() {
     assert!(!trace.exists(), "no empty trace left behind");
 }
 
+/// A trace truncated while it is written (logrotate's `copytruncate`) is appended to from its
+/// new end: it no longer starts with its header, and nothing said so (review helper 105).
+#[test]
+fn a_trace_truncated_while_it_is_written_is_said_at_exit() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let mut child = Command::new(c_program("ending_signal.c"))
+        .arg("handler")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:sample_interval=1:trace={}", trace.display()))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.ends_with("ready\n") && stdout.read_line(&mut line).unwrap() > 0 {}
+    assert!(line.ends_with("ready\n"), "{line}");
+    std::fs::OpenOptions::new().write(true).open(&trace).unwrap().set_len(0).unwrap();
+    // SAFETY: kill has no memory preconditions; the pid is our child's, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = output_within(child, std::time::Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("mallocspy: the trace file was truncated while it was written"), "{stderr}");
+}
+
 /// At the user's process limit the writer's second fork of two fails alone: the middle
 /// process said nothing of it, and the program waited 10 s at exit for a writer that never
 /// was, then left an empty trace (review helper 107). It now gives up the trace as when the

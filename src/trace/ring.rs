@@ -53,6 +53,9 @@ struct Control {
     nudges: AtomicU32,
     /// 1 once the consumer found the trace file deleted (its directory removed) at the end.
     unlinked: AtomicU32,
+    /// 1 once the consumer found the trace file shorter than it wrote at the end (truncated
+    /// under it: logrotate's `copytruncate`).
+    cut: AtomicU32,
     /// Messages dropped in all, for the program to say at exit (`dropped` is the consumer's
     /// to take).
     dropped_total: AtomicU64,
@@ -320,6 +323,16 @@ impl Ring {
     /// Producer: whether the consumer found the trace file deleted.
     pub(crate) fn unlinked(&self) -> bool {
         self.control().unlinked.load(Ordering::Acquire) != 0
+    }
+
+    /// Consumer: the trace file is shorter than what was written to it.
+    pub(crate) fn note_cut(&self) {
+        self.control().cut.store(1, Ordering::Release);
+    }
+
+    /// Producer: whether the consumer found the trace file shorter than it wrote.
+    pub(crate) fn cut(&self) -> bool {
+        self.control().cut.load(Ordering::Acquire) != 0
     }
 
     /// Producer: the messages dropped for want of room, in all.

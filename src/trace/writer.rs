@@ -497,6 +497,12 @@ impl Writer {
                 if st.fd >= 0 && os::is_unlinked(st.fd) {
                     ring.note_unlinked();
                 }
+                // A regular file only: a device (`trace=/dev/null`) or a FIFO has no size.
+                let regular_and_short =
+                    |f: libc::stat| f.st_mode & libc::S_IFMT == libc::S_IFREG && (f.st_size as u64) < st.written;
+                if st.fd >= 0 && os::fstat(st.fd).is_some_and(regular_and_short) {
+                    ring.note_cut();
+                }
             }
             ring.mark_done();
             words.clear();
@@ -739,6 +745,13 @@ impl Writer {
             );
         } else if ring.unlinked() {
             sink::write(b"mallocspy: the trace file was deleted while it was written (its directory removed?)\n");
+        } else if ring.cut() {
+            // Appended to after the cut, it starts mid-stream: no report reads it (review
+            // helper 105).
+            sink::write(
+                b"mallocspy: the trace file was truncated while it was written (logrotate's copytruncate?): \
+                  it no longer starts with its header, and cannot be read\n",
+            );
         }
         true
     }
