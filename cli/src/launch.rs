@@ -372,14 +372,9 @@ fn out_of_reach(program: &Path) -> Option<&'static str> {
         .then_some("is statically linked, so no LD_PRELOAD library reaches its malloc")
 }
 
-/// Whether `path` names a dynamic loader (glibc's `ld-linux-*.so.*`, `ld.so`, musl's
-/// `ld-musl-*.so.*`), by its name or the name of the file it links to.
+/// Whether `path` names a dynamic loader, by its name or the name of the file it links to.
 fn is_dynamic_loader(path: &Path) -> bool {
-    let named = |p: &Path| {
-        p.file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n == "ld.so" || (n.starts_with("ld-") && n.contains(".so")))
-    };
+    let named = |p: &Path| p.file_name().and_then(|n| n.to_str()).is_some_and(mallocspy::leaks::is_dynamic_loader_name);
     named(path) || std::fs::canonicalize(path).is_ok_and(|p| named(&p))
 }
 

@@ -60,8 +60,7 @@ pub(crate) fn program() -> String {
         .or_else(|_| std::fs::read_link("/proc/thread-self/exe"))
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| PROGRAM.get().cloned().unwrap_or_default());
-    let base = exe.rsplit('/').next().unwrap_or(&exe);
-    if base.starts_with("ld-") && base.contains(".so") {
+    if super::is_dynamic_loader_name(exe.rsplit('/').next().unwrap_or(&exe)) {
         return super::symbols::program_file().unwrap_or(exe);
     }
     exe

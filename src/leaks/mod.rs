@@ -34,6 +34,13 @@ use symbols::Symbolizer;
 /// stacks go through to the code a signal interrupted: as gdb names it.
 pub const SIGNAL_FRAME: &str = crate::unwind::SIGNAL_FRAME;
 
+/// Whether a file's name is a dynamic loader's (glibc's `ld-linux-*.so.*` and `ld.so`, musl's
+/// `ld-musl-*.so.*`): run as a command (`ld.so ./prog`), it is the process's executable, and
+/// the program is the file it loads.
+pub fn is_dynamic_loader_name(file_name: &str) -> bool {
+    file_name == "ld.so" || (file_name.starts_with("ld-") && file_name.contains(".so"))
+}
+
 /// Whether file address `address` of an ELF file lies in a signal trampoline, by the file's
 /// `.eh_frame_hdr` and `.eh_frame` sections, each given with its file address.
 pub fn is_signal_trampoline_in(eh_frame_hdr: (&[u8], u64), eh_frame: (&[u8], u64), address: u64) -> bool {
