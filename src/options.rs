@@ -7,7 +7,7 @@
 //! | `report_format` | `text`, `json` | `text` | the leak report's format |
 //! | `show_reachable` | `0`, `1` | `0` | list still-reachable records in the text report (JSON always has them) |
 //! | `show_below_main` | `0`, `1` | `0` | keep the frames below `main` (the C library's start-up) in reported stacks |
-//! | `report_on_signal` | `0`, `1` | `1` | write the reports when `HUP`, `INT`, `QUIT` or `TERM` ends the process by its default action |
+//! | `report_on_signal` | `0`, `1` | `1` | write the reports when `HUP`, `INT`, `PIPE`, `QUIT` or `TERM` ends the process by its default action |
 //! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
 //! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23), or the guard found misuse; 0 leaves the status alone |
 //! | `stack_depth` | 1-128 | 32 | frames recorded per allocation |
