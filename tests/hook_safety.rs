@@ -261,6 +261,37 @@ fn guard_checks_the_blocks_still_live_at_exit() {
     );
 }
 
+/// With the leak tracker beside the guard (`MALLOCSPY_OPTIONS=spy=guard mallocspy run`), a
+/// block found damaged at exit is named by the call that allocated it, and its stack is listed
+/// (review helper 109: an address and a size were all the guard said).
+#[test]
+fn a_block_damaged_and_live_at_exit_is_named_by_its_allocation_with_the_leak_tracker() {
+    let program = c_program("guard_live_damage.c");
+    let out = run(Mode::Shim("spy=leaks,guard"), &mut Command::new(&program));
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = text(&out.stderr);
+    let source =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/guard_live_damage.c")).unwrap();
+    let line_of = |call: &str| 1 + source.lines().position(|l| l.contains(call)).expect(call);
+    for (what, detail, call) in [
+        ("heap-buffer-overflow", "size 10: trailer canary damaged", "over = malloc(10)"),
+        ("heap-buffer-underflow", "header canary damaged", "under = malloc(32)"),
+    ] {
+        let said = stderr.lines().find(|l| l.starts_with(&format!("mallocspy: guard: {what} at 0x"))).expect(&stderr);
+        assert!(
+            said.contains(&format!("{detail} (in a block still live at exit, allocated from guard_live_damage+0x")),
+            "{said}"
+        );
+        let site = format!("mallocspy: guard: {what} in a block still live at exit (1 time), allocated at:\n");
+        let (_, frames) = stderr.split_once(&site).expect(&stderr);
+        let first = frames.lines().next().unwrap();
+        assert!(
+            first.contains(" in main ") && first.ends_with(&format!("/guard_live_damage.c:{}", line_of(call))),
+            "{first}"
+        );
+    }
+}
+
 /// Each finding is one line, naming the module and offset of the call; at exit each distinct
 /// call stack of a finding is listed, named (before, a finding said only the entry point).
 #[test]

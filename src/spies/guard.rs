@@ -72,6 +72,10 @@ enum Finding {
     InvalidFree,
 }
 
+/// The bit of a site's kind that says its stack is the allocation of a block found damaged
+/// at exit, not the call at which a finding was made.
+const LIVE_AT_EXIT: u32 = 1 << 8;
+
 /// What each [`Finding`] is, as its lines and the summary of its sites name it.
 const FINDING_NAMES: [&str; 4] = ["heap-buffer-overflow", "heap-buffer-underflow", "double-free", "invalid-free"];
 
@@ -348,9 +352,15 @@ impl GuardSpy {
 
     /// Checks the canaries of the blocks still live at exit, whose caller pointers
     /// `each_live` lists: an overrun of a block never freed was never seen (review helper 81).
-    /// One line per damaged block, counted in the summary; with no call stack, the writes being
-    /// long past.
-    pub(crate) fn check_live_blocks(&self, each_live: impl FnOnce(&mut dyn FnMut(usize))) {
+    /// One line per damaged block, counted in the summary. The writes are long past; what
+    /// names the block is the stack that allocated it, which `allocated_at` gives when another
+    /// spy kept it (the leak tracker's): the line says its call, and the sites report lists it
+    /// (review helper 109: an address and a size alone were nothing to act on).
+    pub(crate) fn check_live_blocks(
+        &self,
+        each_live: impl FnOnce(&mut dyn FnMut(usize)),
+        allocated_at: &dyn Fn(usize) -> Option<&'static [u64]>,
+    ) {
         each_live(&mut |p| {
             // SAFETY: the dispatcher lists the blocks laid out under the guard (the only
             // built-in spy that moves pointers) and still live, each not freed while listed.
@@ -362,9 +372,19 @@ impl GuardSpy {
                 }
                 Some(_) => return,
             };
+            let order = self.findings();
             self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
             let mut line = finding_line(finding, p, size);
-            let _ = writeln!(line, "{detail} (in a block still live at exit)");
+            let _ = write!(line, "{detail} (in a block still live at exit");
+            if let Some(frames) = allocated_at(p).filter(|f| !f.is_empty()) {
+                let frames = &frames[..frames.len().min(finding_sites::DEPTH)];
+                let mut modules = [(0, 0); finding_sites::DEPTH];
+                modules_of(frames, &mut modules[..frames.len()]);
+                self.sites.record(finding as u32 | LIVE_AT_EXIT, frames, &modules[..frames.len()], order);
+                let _ = write!(line, ", allocated from ");
+                write_code_place(&mut line, frames[0]);
+            }
+            let _ = writeln!(line, ")");
             sink::write(line.as_bytes());
         });
     }
@@ -410,8 +430,12 @@ impl GuardSpy {
         let loaded = loaded_modules();
         for site in &sites {
             let times = if site.count == 1 { "1 time".to_owned() } else { format!("{} times", site.count) };
-            let what = FINDING_NAMES.get(site.kind as usize).copied().unwrap_or("finding");
-            let _ = writeln!(out, "{prefix} {what} ({times})");
+            let what = FINDING_NAMES.get((site.kind & !LIVE_AT_EXIT) as usize).copied().unwrap_or("finding");
+            if site.kind & LIVE_AT_EXIT != 0 {
+                let _ = writeln!(out, "{prefix} {what} in a block still live at exit ({times}), allocated at:");
+            } else {
+                let _ = writeln!(out, "{prefix} {what} ({times})");
+            }
             if site.frames.is_empty() {
                 let _ = writeln!(
                     out,

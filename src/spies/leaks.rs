@@ -389,6 +389,12 @@ impl LeakTracker {
         }
     }
 
+    /// The frames of the stack that allocated the live block at `ptr`, if it is tracked.
+    pub(crate) fn allocation_stack(&'static self, ptr: usize) -> Option<&'static [u64]> {
+        let record = self.live.get(ptr)?;
+        Some(self.stacks.frames(record.stack))
+    }
+
     /// Every live block: address and record.
     pub(crate) fn snapshot(&self) -> Vec<(u64, Record)> {
         self.apply_all_pending();
