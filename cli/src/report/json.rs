@@ -28,6 +28,7 @@ struct Json<'a> {
     /// Where the file is cut inside a record, if it is.
     truncated_at: Option<u64>,
     lost_events: u64,
+    /// Threads seen starting (fewer than ran when their events were among the lost).
     threads: u64,
     ticks: u64,
     frees: u64,

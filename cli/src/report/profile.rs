@@ -118,6 +118,8 @@ pub struct Profile {
     pub unmatched_frees: u64,
     /// Events the writer dropped.
     pub lost_events: u64,
+    /// When the writer said it had dropped some (each time after the drops it counts).
+    pub lost_at_ns: Vec<u64>,
     /// Threads that started.
     pub threads: u64,
     /// The `End` record's time, if the trace has one.
@@ -357,7 +359,10 @@ impl Aggregator {
             Event::HeapStats(stats) => self.profile.heap_stats.push(stats),
             Event::ThreadStart { .. } => self.profile.threads += 1,
             Event::ThreadExit { .. } => {}
-            Event::Lost { events, .. } => self.profile.lost_events = self.profile.lost_events.saturating_add(events),
+            Event::Lost { time_ns, events } => {
+                self.profile.lost_events = self.profile.lost_events.saturating_add(events);
+                self.profile.lost_at_ns.push(time_ns);
+            }
             Event::End { time_ns } => self.profile.end_ns = Some(time_ns),
         }
     }

@@ -369,6 +369,31 @@ fn with_events_lost_the_live_heap_comes_from_the_programs_own_estimates() {
     assert!(svg.contains(">peak 2.93 KiB by 25.0 ms</text>"), "{svg}");
 }
 
+/// With events lost, a stretch without heap statistics in which the writer said it dropped
+/// some is hatched as unknown: the chart joined across it, or began late as if the program had
+/// had no heap before (review helper 110: a run's first 0.7 s left blank). A stretch as long
+/// without a loss in it (a program that stopped allocating) is drawn as before.
+#[test]
+fn a_stretch_of_the_timeline_whose_events_were_lost_is_drawn_as_unknown() {
+    let whole = testing::events(&testing::this_executable());
+    let plain = text(&trace_of(&whole), Format::Timeline);
+    assert!(!plain.contains("class=\"lost\"") && !plain.contains("events lost"), "{plain}");
+    let mut events = whole;
+    let at = events.iter().position(|e| matches!(e, Event::HeapStats(s) if s.time_ns == 1_500_000_000)).unwrap();
+    events.insert(at, Event::Lost { time_ns: 1_000_000_000, events: 5 });
+    let svg = text(&trace_of(&events), Format::Timeline);
+    assert_eq!(svg.matches("<rect class=\"lost\"").count(), 1, "{svg}");
+    assert!(svg.contains("<title>events lost: the heap from 25.0 ms to 1.50 s is unknown</title>"), "{svg}");
+    assert!(svg.contains(">events lost: heap unknown</text>"), "{svg}");
+    // Lost before the first statistics: from the start.
+    let mut events = testing::events(&testing::this_executable());
+    let first = events.iter().position(|e| matches!(e, Event::HeapStats(_))).unwrap();
+    events.insert(first, Event::Lost { time_ns: 20, events: 1 });
+    events.retain(|e| !matches!(e, Event::HeapStats(s) if s.time_ns == 25_000_000));
+    let svg = text(&trace_of(&events), Format::Timeline);
+    assert!(svg.contains("<title>events lost: the heap from the start to 1.50 s is unknown</title>"), "{svg}");
+}
+
 /// A trace without an end (the program was killed): its last statistics are exact as of
 /// their time only, not the program's totals (review helper 40: "counted 401 calls (exact)" of a
 /// program that made 501).

@@ -203,6 +203,34 @@ fn allocator_runs(points: &[Point], stats_interval_ms: u64) -> Vec<Vec<&Point>> 
     runs
 }
 
+/// The stretches of a trace with events lost where the chart cannot know the heap, `(from,
+/// to)` in nanoseconds: each gap longer than two `stats_interval_ms` between two heap
+/// statistics events (or the run's start or end) in which the writer said it dropped events.
+/// Its drops came after the last event it had written, and the next event queued comes after
+/// them. Undrawn, such a gap read as a heap that was not there (a run's first 0.7 s left
+/// blank, review helper 110) or as one that grew steadily across it.
+fn unknown_stretches(profile: &Profile) -> Vec<(u64, u64)> {
+    if profile.lost_events == 0 || profile.heap_stats.is_empty() {
+        return Vec::new();
+    }
+    let longest_gap_ns = profile.header.stats_interval_ms.saturating_mul(2_000_000);
+    let mut times: Vec<u64> = profile.heap_stats.iter().map(|s| s.time_ns).collect();
+    times.sort_unstable();
+    let bounds = std::iter::once(0).chain(times).chain(std::iter::once(profile.duration_ns()));
+    let mut stretches = Vec::new();
+    let mut from = None;
+    for to in bounds {
+        if let Some(from) = from
+            && to.saturating_sub(from) > longest_gap_ns
+            && profile.lost_at_ns.iter().any(|&t| from < t && t <= to)
+        {
+            stretches.push((from, to));
+        }
+        from = Some(to);
+    }
+    stretches
+}
+
 /// Writes the chart.
 ///
 /// # Errors
@@ -224,6 +252,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         _ => (top.time_ns, top.total(), false),
     };
     let allocator_known = points.iter().any(|p| p.allocator.is_some());
+    let unknown = unknown_stretches(p);
     let last_seconds = points.last().map_or(0.0, |p| p.seconds);
     let time = Axis::new(last_seconds.max(p.duration_ns() as f64 / 1e9).max(1e-3), 8.0, 1.0, "");
     let bytes_max = points.iter().map(|p| p.total().max(p.allocator.unwrap_or(0))).max().unwrap_or(0).max(peak_total);
@@ -338,6 +367,23 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             }
         }
     }
+    if !unknown.is_empty() {
+        let _ = writeln!(
+            svg,
+            r##"<defs><pattern id="lost" width="8" height="8" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="3" height="8" fill="#777777" fill-opacity="0.45"/></pattern></defs>"##
+        );
+        for &(from, to) in &unknown {
+            let (x0, x1) = (x(from as f64 / 1e9), x(to as f64 / 1e9));
+            let _ = writeln!(
+                svg,
+                r##"<rect class="lost" x="{x0:.1}" y="{TOP}" width="{:.1}" height="{}" fill="url(#lost)" stroke="none"><title>events lost: the heap from {} to {} is unknown</title></rect>"##,
+                (x1 - x0).max(1.0),
+                BOTTOM - TOP,
+                if from == 0 { "the start".to_owned() } else { units::duration(from) },
+                units::duration(to)
+            );
+        }
+    }
     let _ = writeln!(
         svg,
         r##"<rect x="{LEFT}" y="{TOP}" width="{}" height="{}" fill="none" stroke="#888888"/>"##,
@@ -368,6 +414,15 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             lx + 14.0,
             ly - 4.0,
             lx + 19.0
+        );
+        lx += 19.0 + 7.0 * "allocator: in use + mmapped".len() as f64 + 24.0;
+    }
+    if !unknown.is_empty() {
+        let _ = writeln!(
+            svg,
+            r##"<rect x="{lx}" y="{}" width="14" height="10" fill="url(#lost)" stroke="#777777" stroke-width="0.5"/><text x="{}" y="{ly}">events lost: heap unknown</text>"##,
+            ly - 9.0,
+            lx + 19.0,
         );
     }
 
