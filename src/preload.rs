@@ -585,7 +585,7 @@ fn write_reports(caller: Caller) {
     // Not once the program revoked the guard: the blocks listed may then be another spy's.
     if let Some(guard) = b.guard.filter(|_| !GLOBAL.builtin_revoked()) {
         // With the leak tracker, a damaged block is named by the stack that allocated it.
-        let allocated_at = |p: usize| b.leaks.and_then(|tracker| tracker.allocation_stack(p));
+        let allocated_at = |p: usize| b.leaks.and_then(|tracker| tracker.allocation(p));
         guard.check_live_blocks(|f| GLOBAL.each_spied_block(f), &allocated_at);
     }
     if let Some(mut summary) = b.guard.and_then(|g| g.report_summary()) {

@@ -292,6 +292,20 @@ fn a_block_damaged_and_live_at_exit_is_named_by_its_allocation_with_the_leak_tra
     }
 }
 
+/// A block the leak tracker did not record (its thread got no record: `max_memory`) is not
+/// named by the record of the block that was at its address before (review helper 112: "allocated
+/// from" the earlier block's call).
+#[test]
+fn a_damaged_block_the_tracker_did_not_record_is_not_named_by_an_earlier_one() {
+    let program = c_program("freed_by_an_untracked_thread.c");
+    let out = run(Mode::Shim("spy=leaks,guard:max_memory=4m"), Command::new(&program).args(["30000", "overrun"]));
+    assert_eq!(text(&out.stdout), "same address: yes\nkept 30000 blocks\n");
+    let stderr = text(&out.stderr);
+    let finding = stderr.lines().find(|l| l.starts_with("mallocspy: guard: heap-buffer-overflow at")).expect(&stderr);
+    assert!(finding.ends_with("size 24: trailer canary damaged (in a block still live at exit)"), "{finding}");
+    assert!(!stderr.contains("allocate_first"), "{stderr}");
+}
+
 /// Each finding is one line, naming the module and offset of the call; at exit each distinct
 /// call stack of a finding is listed, named (before, a finding said only the entry point).
 #[test]

@@ -1092,6 +1092,28 @@ fn blocks_reachable_only_through_untracked_ones_are_not_called_lost() {
     assert_eq!(out.status.code(), Some(23), "the lost block fails the run");
 }
 
+/// A free by a thread that got no record (`max_memory` reached) was dropped: the block's
+/// record outlived it, a leak in the report ("0 frees"; review helper 112). It is now applied
+/// at once.
+#[test]
+fn a_block_freed_by_a_thread_without_a_record_is_not_called_lost() {
+    let program = c_program("freed_by_an_untracked_thread.c");
+    let out = run(Mode::Shim("report_format=json:max_memory=4m"), Command::new(&program).arg("30000"));
+    assert_eq!(text(&out.stdout), "kept 30000 blocks\n");
+    let report = json_report(&out);
+    let notes: Vec<&str> = report["notes"].as_array().unwrap().iter().flat_map(|n| n.as_str()).collect();
+    assert!(notes.iter().any(|n| n.contains("allocation(s) were not tracked")), "{report}");
+    let at_first: Vec<_> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["stack"][0]["function"] == "allocate_first")
+        .map(|r| r["kind"].as_str().unwrap())
+        .collect();
+    assert!(at_first.is_empty(), "the freed block is reported: {at_first:?}\n{report}");
+    assert_eq!(report["summary"]["total_frees"], 1, "{report}");
+}
+
 /// Under an address-space limit the tracker took the program's room: a program whose
 /// allocations fit natively got NULL from `malloc` (here it dies of it). By default mallocspy
 /// now keeps to a quarter of the limit, and says so when it reaches that (review helper 91).

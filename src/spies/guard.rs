@@ -353,13 +353,14 @@ impl GuardSpy {
     /// Checks the canaries of the blocks still live at exit, whose caller pointers
     /// `each_live` lists: an overrun of a block never freed was never seen (review helper 81).
     /// One line per damaged block, counted in the summary. The writes are long past; what
-    /// names the block is the stack that allocated it, which `allocated_at` gives when another
-    /// spy kept it (the leak tracker's): the line says its call, and the sites report lists it
-    /// (review helper 109: an address and a size alone were nothing to act on).
+    /// names the block is the stack that allocated it, which `allocated_at` gives with the
+    /// block's size when another spy kept it (the leak tracker's): the line says its call, and
+    /// the sites report lists it (review helper 109: an address and a size alone were nothing
+    /// to act on). A size other than the block's is another block's record, not named.
     pub(crate) fn check_live_blocks(
         &self,
         each_live: impl FnOnce(&mut dyn FnMut(usize)),
-        allocated_at: &dyn Fn(usize) -> Option<&'static [u64]>,
+        allocated_at: &dyn Fn(usize) -> Option<(u64, &'static [u64])>,
     ) {
         each_live(&mut |p| {
             // SAFETY: the dispatcher lists the blocks laid out under the guard (the only
@@ -376,7 +377,9 @@ impl GuardSpy {
             self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
             let mut line = finding_line(finding, p, size);
             let _ = write!(line, "{detail} (in a block still live at exit");
-            if let Some(frames) = allocated_at(p).filter(|f| !f.is_empty()) {
+            let allocation = allocated_at(p)
+                .filter(|&(recorded, frames)| !frames.is_empty() && size.is_none_or(|size| recorded == size as u64));
+            if let Some((_, frames)) = allocation {
                 let frames = &frames[..frames.len().min(finding_sites::DEPTH)];
                 let mut modules = [(0, 0); finding_sites::DEPTH];
                 modules_of(frames, &mut modules[..frames.len()]);

@@ -304,6 +304,17 @@ impl LeakTracker {
         t.pending[i].store(ptr, Ordering::Release);
     }
 
+    /// The free of `ptr` by a thread without a record (`max_memory` was reached), which has no
+    /// queue: at once. Ignored, the block's record outlived it, a leak in the report, and the
+    /// allocation the guard named for the next block at its address (review helper 112).
+    fn free_now(&self, ptr: usize) {
+        if let Some(r) = self.live.remove(ptr) {
+            // Straight into the process-wide figures, as `apply_all_pending` does.
+            self.applied_frees.fetch_add(1, Ordering::Relaxed);
+            self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
+        }
+    }
+
     /// Removes the record of `ptr`, queued in `slot`, unless someone else claimed it first.
     fn apply_pending(&self, slot: &AtomicUsize, ptr: usize) -> Option<Record> {
         let claim = || slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok();
@@ -389,10 +400,10 @@ impl LeakTracker {
         }
     }
 
-    /// The frames of the stack that allocated the live block at `ptr`, if it is tracked.
-    pub(crate) fn allocation_stack(&'static self, ptr: usize) -> Option<&'static [u64]> {
+    /// The size and the stack's frames of the live block at `ptr`, if it is tracked.
+    pub(crate) fn allocation(&'static self, ptr: usize) -> Option<(u64, &'static [u64])> {
         let record = self.live.get(ptr)?;
-        Some(self.stacks.frames(record.stack))
+        Some((record.size(), self.stacks.frames(record.stack)))
     }
 
     /// Every live block: address and record.
@@ -421,8 +432,9 @@ impl MallocSpy for LeakTracker {
     fn before_release(&self, entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
         crate::leaks::wait_while_a_check_starts();
         if entry == Entry::Free {
-            if let Some(t) = self.mine() {
-                self.free_later(ptr as usize, t);
+            match self.mine() {
+                Some(t) => self.free_later(ptr as usize, t),
+                None => self.free_now(ptr as usize),
             }
             return;
         }
