@@ -205,15 +205,20 @@ fn allocator_runs(points: &[Point], stats_interval_ms: u64) -> Vec<Vec<&Point>> 
 
 /// The stretches of a trace with events lost where the chart cannot know the heap, `(from,
 /// to)` in nanoseconds: each gap longer than two `stats_interval_ms` between two heap
-/// statistics events (or the run's start or end) in which the writer said it dropped events.
-/// Its drops came after the last event it had written, and the next event queued comes after
-/// them. Undrawn, such a gap read as a heap that was not there (a run's first 0.7 s left
-/// blank, review helper 110) or as one that grew steadily across it.
+/// statistics events (or the run's start or end) that meets the time before a `Lost` record
+/// in which its drops happened. The writer stamps the record when it drains the queue, after
+/// the drops it counts and after the events it drained, some of which may have come after
+/// the drops; it drains at least every `stats_interval_ms`, so the drops lie within two of
+/// them before the stamp (review helper 112). Undrawn, such a gap read as a heap that was not
+/// there (a run's first 0.7 s left blank, review helper 110) or as one that grew steadily
+/// across it. A damaged header's interval of 0 makes every gap with a stamp in it one.
 fn unknown_stretches(profile: &Profile) -> Vec<(u64, u64)> {
     if profile.lost_events == 0 || profile.heap_stats.is_empty() {
         return Vec::new();
     }
-    let longest_gap_ns = profile.header.stats_interval_ms.saturating_mul(2_000_000);
+    let two_intervals_ns = profile.header.stats_interval_ms.saturating_mul(2_000_000);
+    let mut lost = profile.lost_at_ns.clone();
+    lost.sort_unstable();
     let mut times: Vec<u64> = profile.heap_stats.iter().map(|s| s.time_ns).collect();
     times.sort_unstable();
     let bounds = std::iter::once(0).chain(times).chain(std::iter::once(profile.duration_ns()));
@@ -221,8 +226,9 @@ fn unknown_stretches(profile: &Profile) -> Vec<(u64, u64)> {
     let mut from = None;
     for to in bounds {
         if let Some(from) = from
-            && to.saturating_sub(from) > longest_gap_ns
-            && profile.lost_at_ns.iter().any(|&t| from < t && t <= to)
+            && to.saturating_sub(from) > two_intervals_ns
+            // The first stamp after the gap's start, if the drops before it may lie in the gap.
+            && lost.get(lost.partition_point(|&t| t <= from)).is_some_and(|&t| t - two_intervals_ns.min(t) <= to)
         {
             stretches.push((from, to));
         }
@@ -420,7 +426,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     if !unknown.is_empty() {
         let _ = writeln!(
             svg,
-            r##"<rect x="{lx}" y="{}" width="14" height="10" fill="url(#lost)" stroke="#777777" stroke-width="0.5"/><text x="{}" y="{ly}">events lost: heap unknown</text>"##,
+            r##"<rect x="{lx}" y="{}" width="14" height="10" fill="url(#lost)" stroke="#777777" stroke-width="0.5"/><text x="{}" y="{ly}">events lost</text>"##,
             ly - 9.0,
             lx + 19.0,
         );
