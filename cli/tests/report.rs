@@ -241,6 +241,23 @@ fn random_bytes_and_missing_files_are_one_error_line_and_status_1() {
         )]
     );
 
+    // A leak report of `run`, text or JSON, is said to be one (review helper 111).
+    for (name, report) in
+        [("leaks.txt", "==4242== mallocspy leak report for ./prog\n"), ("leaks.json", "{\"pid\":4242}\n")]
+    {
+        let file = write(dir.path(), name, report.as_bytes());
+        let out = mallocspy(&[file.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(
+            stderr_lines(&out),
+            [format!(
+                "mallocspy report: {}: not a readable mallocspy trace: no mallocspy-trace signature at offset 0 (it is \
+                 a report of `mallocspy run`; `mallocspy record` writes the traces `report` reads)",
+                file.display()
+            )]
+        );
+    }
+
     // A valid start, then a record whose fields are nonsense: an error, not a partial report.
     let mut damaged = trace(&events()[..1]);
     damaged.extend_from_slice(&[5, 3, 0xff, 0xff, 0xff]);

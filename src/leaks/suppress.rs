@@ -52,6 +52,16 @@ impl Suppressions {
                         message: format!("unknown kind '{kind}' (only leak: is supported)"),
                     });
                 }
+                // valgrind's blocks (`{`, a name, `Memcheck:Leak`, `fun:` lines, `}`) match
+                // frame by frame; said, not left to "not kind:pattern" (review helper 111).
+                None if line == "{" => {
+                    return Err(SuppressionError {
+                        line: i + 1,
+                        message: "a valgrind suppression block: mallocspy reads LeakSanitizer's format, a \
+                                  leak:PATTERN line each (a function, file or module name; * wildcards)"
+                            .into(),
+                    });
+                }
                 None => return Err(SuppressionError { line: i + 1, message: format!("'{line}' is not kind:pattern") }),
             }
         }
@@ -123,6 +133,13 @@ mod tests {
             "line 2: unknown kind 'race' (only leak: is supported)"
         );
         assert_eq!(Suppressions::parse("oops\n").unwrap_err().to_string(), "line 1: 'oops' is not kind:pattern");
+        let valgrind = "# from --gen-suppressions\n{\n   zlib\n   Memcheck:Leak\n   fun:malloc\n}\n";
+        assert!(
+            Suppressions::parse(valgrind)
+                .unwrap_err()
+                .to_string()
+                .starts_with("line 2: a valgrind suppression block: mallocspy reads LeakSanitizer's format")
+        );
         assert_eq!(Suppressions::parse("leak:\n").unwrap_err().to_string(), "line 1: empty pattern");
     }
 }

@@ -18,6 +18,21 @@ mod profile;
 mod progress;
 mod sites;
 mod symbolize;
+/// What a file that is no trace is, when it is another output of mallocspy's: a leak report
+/// given to `report` was refused as having "no mallocspy-trace signature", which did not say
+/// what to do (review helper 111).
+fn not_a_trace_but(bytes: &[u8]) -> Option<&'static str> {
+    let start = bytes.get(..bytes.len().min(64))?;
+    let text = String::from_utf8_lossy(start);
+    let leak_text = text
+        .strip_prefix("==")
+        .and_then(|t| t.split_once("=="))
+        .is_some_and(|(pid, _)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
+    let leak_json = text.starts_with("{\"pid\":");
+    (leak_text || leak_json || text.starts_with("mallocspy: "))
+        .then_some(" (it is a report of `mallocspy run`; `mallocspy record` writes the traces `report` reads)")
+}
+
 #[cfg(test)]
 mod testing;
 #[cfg(test)]
@@ -173,7 +188,8 @@ fn run(args: &ReportArgs) -> Result<(), String> {
     let output = output.map(Output::prepare).transpose()?;
     let input = input::load(path).map_err(|e| failed(&e))?;
     let mut progress = Progress::new();
-    let profile = profile::read(&input.bytes, &mut progress).map_err(|e| failed(&e))?;
+    let profile = profile::read(&input.bytes, &mut progress)
+        .map_err(|e| failed(&format!("{e}{}", not_a_trace_but(&input.bytes).unwrap_or_default())))?;
     drop(input.bytes);
     // The timeline needs no symbols, and symbolizing may be the slow part.
     let symbols =
