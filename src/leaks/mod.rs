@@ -550,7 +550,8 @@ pub(crate) fn check(
         .enumerate()
         .map(|(i, ((_, r), kind))| {
             let suppressed_by = scratch.suppressed_by(i).map(|by| blocks[by].1.stack);
-            Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind, suppressed_by }
+            let group_leader = scratch.group_leader(i).map(|leader| blocks[leader].1.stack);
+            Classified { size: r.size(), stack: r.stack, entry: r.entry(), kind, suppressed_by, group_leader }
         })
         .collect();
     // The other threads ran on between the snapshot and their stop, and again once resumed: a

@@ -182,8 +182,10 @@ pub(crate) struct Scratch {
     state: Vec<u8>,
     todo: Vec<usize>,
     leader: Vec<bool>,
-    /// For a reachable block: the block whose word first made it so, or [`ROOT`]. For a
-    /// suppressed one: the suppressed leak it was found from ([`suppress`]).
+    /// For a reachable block: the block whose word first made it so, or [`ROOT`]. For an
+    /// indirectly lost one: the leader of the group that claimed it (a leader absorbed into a
+    /// later group points at that group's). For a suppressed one: the suppressed leak it was
+    /// found from ([`suppress`]).
     parent: Vec<u32>,
     /// ... and that word's address (0 for a register).
     via: Vec<u64>,
@@ -236,6 +238,17 @@ impl Scratch {
     /// one of those).
     pub(crate) fn suppressed_by(&self, index: usize) -> Option<usize> {
         (self.state.get(index) == Some(&SUPPRESSED)).then(|| self.parent[index] as usize)
+    }
+
+    /// For an indirectly lost block: the definitely lost block whose group holds it (memcheck's
+    /// "232 (16 direct, 216 indirect) bytes" counts a leak's group with it).
+    pub(crate) fn group_leader(&self, index: usize) -> Option<usize> {
+        let mut at = index;
+        // Absorbed leaders point at later ones: the chain ends at a leader still lost.
+        while self.state.get(at) == Some(&INDIRECT) {
+            at = *self.parent.get(at)? as usize;
+        }
+        (at != index && self.state.get(at) == Some(&UNREACHED)).then_some(at)
     }
 
     /// Takes block `index` for one already freed, before [`classify`]: glibc's memory that
@@ -366,6 +379,7 @@ pub(crate) fn classify(
                 return false;
             }
             state[k] = INDIRECT;
+            parent[k] = l as u32;
             // An earlier leader's group is already claimed: it joins this one.
             !leader[k]
         });
@@ -668,6 +682,24 @@ mod tests {
         let mem = std::collections::BTreeMap::from([(0x2000, 0x1000)]);
         let kinds = run(&blocks, &[], &[], &Toy(mem));
         assert_eq!(kinds, [LeakKind::IndirectlyLost, LeakKind::DefinitelyLost]);
+    }
+
+    #[test]
+    fn each_indirectly_lost_block_belongs_to_the_group_of_one_definitely_lost_block() {
+        // 0x1000 leads 0x1100 (lost list); 0x3000 points to 0x1000, absorbing its group, and
+        // to 0x3100; 0x5000 leads nothing; 0x6000 is reachable from a global.
+        let blocks = [(0x1000, 16), (0x1100, 16), (0x3000, 16), (0x3100, 16), (0x5000, 16), (0x6000, 16)];
+        let mem =
+            std::collections::BTreeMap::from([(0x100, 0x6000), (0x1000, 0x1100), (0x3000, 0x1000), (0x3008, 0x3100)]);
+        let s = scan(&blocks, &[(0x100, 0x108)], &[], &Toy(mem));
+        use LeakKind::*;
+        let kinds: Vec<LeakKind> = s.kinds().collect();
+        assert_eq!(
+            kinds,
+            [IndirectlyLost, IndirectlyLost, DefinitelyLost, IndirectlyLost, DefinitelyLost, StillReachable]
+        );
+        let leaders: Vec<Option<usize>> = (0..blocks.len()).map(|i| s.group_leader(i)).collect();
+        assert_eq!(leaders, [Some(2), Some(2), None, Some(2), None, None]);
     }
 
     #[test]
