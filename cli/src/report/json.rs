@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::Report;
 use super::profile::{Figures, RawFrame, StackStats};
-use super::sites::{Site, top_live_at_peak};
+use super::sites::{Site, top_live_at_end, top_live_at_peak};
 use super::symbolize::SymFrame;
 
 #[derive(Serialize)]
@@ -48,6 +48,7 @@ struct Json<'a> {
     inherited: Option<JsonInherited>,
     top_by_bytes_allocated: Vec<JsonSite<'a>>,
     top_by_live_at_peak: Vec<JsonSite<'a>>,
+    top_by_live_at_end: Vec<JsonSite<'a>>,
 }
 
 #[derive(Serialize)]
@@ -318,6 +319,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             .map(|s| site(report, s))
             .collect(),
         top_by_live_at_peak: top_live_at_peak(&sites, report.top).into_iter().map(|s| site(report, s)).collect(),
+        top_by_live_at_end: top_live_at_end(&sites, report.top).into_iter().map(|s| site(report, s)).collect(),
     };
     serde_json::to_writer(&mut *out, &json)?;
     writeln!(out)

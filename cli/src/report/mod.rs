@@ -71,7 +71,7 @@ Symbols come from the program's files as they are now, found by the paths in the
 /// The report's form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
-    /// Top allocation sites by bytes allocated and by live bytes at the peak.
+    /// Top allocation sites by bytes allocated, by live bytes at the peak and left at the end.
     Text,
     /// The text report's data as one JSON object, with full stacks per site.
     Json,

@@ -287,8 +287,18 @@ pub fn sites<'a>(profile: &Profile, symbols: &'a Symbols) -> Vec<Site<'a>> {
 
 /// The `n` sites with the most bytes live at the peak (none with nothing live then).
 pub fn top_live_at_peak<'s, 'a>(sites: &'s [Site<'a>], n: usize) -> Vec<&'s Site<'a>> {
-    let mut live: Vec<&Site<'a>> = sites.iter().filter(|s| s.live_at_peak.bytes > 0).collect();
-    live.sort_by(|a, b| b.live_at_peak.bytes.cmp(&a.live_at_peak.bytes).then_with(|| a.label.cmp(&b.label)));
+    top_live(sites, n, |s| s.live_at_peak.bytes)
+}
+
+/// The `n` sites holding the most estimated live bytes at the trace's end, most first: what a
+/// program that ended normally left unfreed (heaptrack's "leaked" list).
+pub fn top_live_at_end<'s, 'a>(sites: &'s [Site<'a>], n: usize) -> Vec<&'s Site<'a>> {
+    top_live(sites, n, |s| s.live_at_end.bytes)
+}
+
+fn top_live<'s, 'a>(sites: &'s [Site<'a>], n: usize, bytes: impl Fn(&Site<'a>) -> u64) -> Vec<&'s Site<'a>> {
+    let mut live: Vec<&Site<'a>> = sites.iter().filter(|s| bytes(s) > 0).collect();
+    live.sort_by(|a, b| bytes(b).cmp(&bytes(a)).then_with(|| a.label.cmp(&b.label)));
     live.truncate(n);
     live
 }

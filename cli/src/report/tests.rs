@@ -84,6 +84,12 @@ fn the_text_report_ranks_sites_by_bytes_allocated_and_by_live_bytes_at_peak() {
     assert_eq!(row[..7], ["1", "1.95", "KiB", "66.7%", "4", "1", two], "{report}");
     let row: Vec<&str> = live[1].split_whitespace().collect();
     assert_eq!(row[..7], ["2", "1000", "B", "33.3%", "10", "1", one], "{report}");
+
+    // What was left at the end: stack 1's two samples alone.
+    let left = table_rows(&report, "Top allocation sites by live bytes at end (1.95 KiB)");
+    assert_eq!(left.len(), 1, "{report}");
+    let row: Vec<&str> = left[0].split_whitespace().collect();
+    assert_eq!(row[..7], ["1", "1.95", "KiB", "100.0%", "20", "2", one], "{report}");
 }
 
 #[test]
@@ -95,6 +101,9 @@ fn json_carries_the_figures_and_full_stacks() {
     assert_eq!(json["allocated"]["bytes"], 5000);
     assert_eq!(json["peak"], serde_json::json!({"live_bytes": 3000, "time_ns": 20}));
     assert_eq!(json["live_at_end"]["bytes"], 2000);
+    assert_eq!(json["top_by_live_at_end"].as_array().map(Vec::len), Some(1));
+    assert_eq!(json["top_by_live_at_end"][0]["function"], type_name_of_val(&site_one));
+    assert_eq!(json["top_by_live_at_end"][0]["live_at_end"]["bytes"], 2000);
     let first = &json["top_by_bytes_allocated"][0];
     assert_eq!(first["function"], type_name_of_val(&site_one));
     assert_eq!(first["allocated"], serde_json::json!({"bytes": 3000, "objects": 30.0, "samples": 3}));
