@@ -308,11 +308,26 @@ impl LeakTracker {
     /// queue: at once. Ignored, the block's record outlived it, a leak in the report, and the
     /// allocation the guard named for the next block at its address (review helper 112).
     fn free_now(&self, ptr: usize) {
-        if let Some(r) = self.live.remove(ptr) {
+        if let Some(r) = self.remove_untracked(ptr) {
             // Straight into the process-wide figures, as `apply_all_pending` does.
             self.applied_frees.fetch_add(1, Ordering::Relaxed);
             self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
         }
+    }
+
+    /// Removes the record of `ptr` for a thread without a record, taking back any free of
+    /// `ptr` another thread queued: such a free was of the block this record is for, which
+    /// came back to the untracked thread unrecorded; left queued, it would later remove the
+    /// record of the next block at `ptr` (review helper 113). Under the shard's lock, as every
+    /// claim of a queued free. Not for tracked threads: their new records take such frees back
+    /// ([`LeakTracker::withdraw_elsewhere`]), and this reads every thread's queue.
+    fn remove_untracked(&self, ptr: usize) -> Option<Record> {
+        self.live.remove_if(ptr, || {
+            self.all_threads().for_each(|t| {
+                Self::withdraw_queued(t, ptr);
+            });
+            true
+        })
     }
 
     /// Removes the record of `ptr`, queued in `slot`, unless someone else claimed it first.
@@ -438,7 +453,10 @@ impl MallocSpy for LeakTracker {
             }
             return;
         }
-        let removed = self.live.remove(ptr as usize);
+        let removed = match self.mine() {
+            Some(_) => self.live.remove(ptr as usize),
+            None => self.remove_untracked(ptr as usize),
+        };
         // realloc: the outcome decides whether the block was freed.
         CallScratch::set(S_HAD_RECORD, removed.is_some() as u64);
         if let Some(r) = removed {
