@@ -7,6 +7,7 @@ use mallocspy::trace::Sampling;
 
 use super::Report;
 use super::input::STDIN;
+use super::profile::Figures;
 use super::sites::{Site, top_live_at_end, top_live_at_peak};
 use super::units;
 
@@ -227,7 +228,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     let total = p.allocated.bytes;
     let top: Vec<&Site<'_>> = sites.iter().filter(|s| s.allocated.samples > 0).take(report.top).collect();
     writeln!(out, "Top allocation sites by estimated bytes allocated")?;
-    table(out, &top, total, |s| s.allocated.bytes, |s| (s.allocated.objects, s.allocated.samples))?;
+    table(out, &top, total, |s| &s.allocated)?;
     writeln!(out)?;
 
     let live = top_live_at_peak(&sites, report.top);
@@ -241,52 +242,39 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
             units::duration(p.peak.time_ns)
         )?;
     }
-    table(
-        out,
-        &live,
-        p.peak.live_bytes,
-        |s| s.live_at_peak.bytes,
-        |s| (s.live_at_peak.objects, s.live_at_peak.samples),
-    )?;
+    table(out, &live, p.peak.live_bytes, |s| &s.live_at_peak)?;
 
     // What the program left unfreed, by site (review helper 111: heaptrack lists its leaks;
     // this report gave only their total).
     if p.live_at_end.bytes > 0 {
         writeln!(out)?;
         writeln!(out, "Top allocation sites by live bytes at end ({})", units::bytes(p.live_at_end.bytes))?;
-        let left = top_live_at_end(&sites, report.top);
-        table(
-            out,
-            &left,
-            p.live_at_end.bytes,
-            |s| s.live_at_end.bytes,
-            |s| (s.live_at_end.objects, s.live_at_end.samples),
-        )?;
+        table(out, &top_live_at_end(&sites, report.top), p.live_at_end.bytes, |s| &s.live_at_end)?;
     }
     Ok(())
 }
 
+/// A table of `sites` by the figures `of` each, as shares of `total` bytes.
 fn table(
     out: &mut dyn Write,
     sites: &[&Site<'_>],
     total: u64,
-    bytes: impl Fn(&Site<'_>) -> u64,
-    objects_samples: impl Fn(&Site<'_>) -> (f64, u64),
+    of: impl for<'s> Fn(&'s Site<'_>) -> &'s Figures,
 ) -> io::Result<()> {
     if sites.is_empty() {
         return writeln!(out, "  (none)");
     }
     writeln!(out, "  {:>4}  {:>10}  {:>6}  {:>14}  {:>9}  site", "rank", "bytes", "%", "est. objects", "samples")?;
     for (rank, site) in sites.iter().enumerate() {
-        let (objects, samples) = objects_samples(site);
+        let figures = of(site);
         writeln!(
             out,
             "  {:>4}  {:>10}  {:>6}  {:>14}  {:>9}  {}",
             rank + 1,
-            units::bytes(bytes(site)),
-            units::percent(bytes(site), total),
-            units::objects(objects),
-            units::count(samples),
+            units::bytes(figures.bytes),
+            units::percent(figures.bytes, total),
+            units::objects(figures.objects),
+            units::count(figures.samples),
             site.label
         )?;
     }
