@@ -198,6 +198,23 @@ fn a_trace_without_its_end_record_gives_a_warning_and_a_report() {
     let text = String::from_utf8(mallocspy(&[path.to_str().unwrap()]).stdout).unwrap();
     assert!(text.contains("  incomplete   no end record: the program did not exit normally (killed, or replaced by exec), or still runs;"), "{text}");
 
+    // Kept by `record` of an image that `exec` replaced: said so (review helper 110).
+    for name in ["app.trace.before-exec", "app.trace.before-exec.3"] {
+        let kept = write(dir.path(), name, &trace(&events));
+        let out = mallocspy(&[kept.to_str().unwrap()]);
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            stderr_lines(&out),
+            [format!(
+                "mallocspy report: warning: {} is the trace of an image replaced by exec: it has no end record nor exit \
+                 statistics; reporting the events it has",
+                kept.display()
+            )]
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains("  incomplete   an image replaced by exec: no end record; the figures go"), "{text}");
+    }
+
     // While its writer holds the file (an exclusive flock, as mallocspy's writer keeps one
     // until it closes the trace), the program is still running: no end record yet is no news.
     let writer = std::fs::File::open(&path).unwrap();

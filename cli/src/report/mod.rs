@@ -18,6 +18,14 @@ mod profile;
 mod progress;
 mod sites;
 mod symbolize;
+/// Whether `path` names a trace `record` kept of an image replaced by `exec`: `.before-exec`,
+/// or `.before-exec.N` (see `src/trace/writer.rs`).
+fn is_kept_before_exec(path: &Path) -> bool {
+    let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+    let name = name.trim_end_matches(|c: char| c.is_ascii_digit());
+    name.ends_with(".before-exec") || name.ends_with(".before-exec.")
+}
+
 /// What a file that is no trace is, when it is another output of mallocspy's: a leak report
 /// given to `report` was refused as having "no mallocspy-trace signature", which did not say
 /// what to do (review helper 111).
@@ -120,6 +128,13 @@ impl<'a> Report<'a> {
         Report { trace, profile, symbols, top }
     }
 
+    /// Whether the trace is one `record` kept of an image that `exec` replaced
+    /// (`PATH.before-exec`, `.before-exec.2`, ...): one without an end record nor exit
+    /// statistics, which had read as a killed program (review helper 110).
+    pub fn replaced_by_exec(&self) -> bool {
+        is_kept_before_exec(self.trace)
+    }
+
     /// Every allocation site, most bytes allocated first.
     pub fn sites(&self) -> Vec<Site<'a>> {
         sites::sites(self.profile, self.symbols)
@@ -201,6 +216,10 @@ fn run(args: &ReportArgs) -> Result<(), String> {
         );
     } else if let Some(offset) = profile.truncated_at {
         say!("mallocspy report: warning: {shown} is cut at offset {offset}; reporting the events before it");
+    } else if profile.end_ns.is_none() && is_kept_before_exec(path) {
+        say!(
+            "mallocspy report: warning: {shown} is the trace of an image replaced by exec: it has no end record nor exit statistics; reporting the events it has"
+        );
     } else if profile.end_ns.is_none() {
         say!(
             "mallocspy report: warning: {shown} has no end record: the program did not exit normally (killed, or replaced by exec); reporting the events it has"

@@ -1,4 +1,5 @@
-//! The text report: what ran, the estimates, and two tables of allocation sites.
+//! The text report: what ran, the estimates, and tables of allocation sites (by bytes allocated,
+//! live at the peak, left at the end).
 
 use std::io::{self, Write};
 use std::path::Path;
@@ -128,6 +129,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
     if p.end_ns.is_none() {
         let why = match p.truncated_at {
             Some(offset) => format!("the trace is cut at offset {offset}"),
+            None if report.replaced_by_exec() => "an image replaced by exec: no end record".to_string(),
             None => "no end record: the program did not exit normally (killed, or replaced by exec), or still runs"
                 .to_string(),
         };
