@@ -51,7 +51,7 @@ fn frames_resolve_to_this_binarys_functions_and_lines() {
 }
 
 #[test]
-fn the_text_report_ranks_sites_by_bytes_allocated_and_by_live_bytes_at_peak() {
+fn the_text_report_ranks_sites_by_bytes_allocated_live_at_peak_and_left_at_end() {
     let report = text(&testing::trace(), Format::Text);
     assert!(report.contains("  program      ./sites --fast\n"), "{report}");
     assert!(report.contains("  pid          4242\n"), "{report}");
