@@ -1116,6 +1116,59 @@ fn a_block_freed_by_a_thread_without_a_record_is_not_called_lost() {
     assert_eq!(report["summary"]["total_frees"], 1, "{report}");
 }
 
+/// A stripped program whose `.gnu_debuglink` names a debug file left from an earlier build
+/// (no build id to tell them apart): its lines named every frame, silently wrong, in the leak
+/// report and in `report` of a trace (review helper 114). The link's CRC is checked, as gdb
+/// does; the frames are then named from the program's own symbols, without lines.
+#[test]
+fn a_debug_file_of_another_build_is_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let built = c_program_variant("debuglink_leak.c", "no-build-id", &["-Wl,--build-id=none"]);
+    let earlier = c_program_variant("debuglink_leak.c", "earlier", &["-DEARLIER", "-Wl,--build-id=none"]);
+    let program = dir.path().join("app");
+    std::fs::copy(&built, &program).unwrap();
+    let tool = |args: &[&std::ffi::OsStr]| {
+        let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    };
+    let debug = dir.path().join("app.debug");
+    tool(&["objcopy".as_ref(), "--only-keep-debug".as_ref(), program.as_ref(), debug.as_ref()]);
+    tool(&["strip".as_ref(), "--strip-debug".as_ref(), program.as_ref()]);
+    let link = format!("--add-gnu-debuglink={}", debug.display());
+    tool(&["objcopy".as_ref(), link.as_ref(), program.as_ref()]);
+    let leak_frame = |stderr: &str| -> String {
+        let at = stderr.find("4,242 bytes in 1 blocks are definitely lost").unwrap_or_else(|| panic!("{stderr}"));
+        stderr[at..].lines().nth(1).unwrap().to_owned()
+    };
+    let line_of =
+        |needle: &str| 1 + include_str!("fixtures/debuglink_leak.c").lines().position(|l| l.contains(needle)).unwrap();
+    // The right debug file: the call's line.
+    let out = run(Mode::Shim("spy=leaks"), &mut Command::new(&program));
+    let frame = leak_frame(&text(&out.stderr));
+    assert!(frame.ends_with(&format!("debuglink_leak.c:{}", line_of("kept = malloc(4242)"))), "{frame}");
+    // The earlier build's debug file in its place: no line rather than its lines.
+    tool(&["objcopy".as_ref(), "--only-keep-debug".as_ref(), earlier.as_ref(), debug.as_ref()]);
+    let out = run(Mode::Shim("spy=leaks"), &mut Command::new(&program));
+    let frame = leak_frame(&text(&out.stderr));
+    assert!(frame.ends_with(&format!("in leak_it ({})", program.display())), "{frame}");
+    // The same in `report` of a trace.
+    let trace = dir.path().join("app.trace");
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "1", "-o", trace.to_str().unwrap(), "--", program.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out =
+        Command::new(mallocspy()).args(["report", "--format", "folded", trace.to_str().unwrap()]).output().unwrap();
+    let folded = text(&out.stdout);
+    assert!(folded.contains(";main;leak_it ") && !folded.contains("debuglink_leak.c"), "{folded}");
+    let json =
+        Command::new(mallocspy()).args(["report", "--format", "json", trace.to_str().unwrap()]).output().unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let site = &json["top_by_bytes_allocated"][0];
+    assert_eq!((site["function"].as_str(), site["line"].as_u64()), (Some("leak_it"), None), "{site}");
+}
+
 /// Under an address-space limit the tracker took the program's room: a program whose
 /// allocations fit natively got NULL from `malloc` (here it dies of it). By default mallocspy
 /// now keeps to a quarter of the limit, and says so when it reaches that (review helper 91).

@@ -3,6 +3,7 @@
 //! holds the other threads still (with ptrace: `tracer`), `report` aggregates and renders.
 
 mod dead_tls;
+pub mod debuglink;
 pub(crate) mod kept;
 pub(crate) mod report;
 mod restart;

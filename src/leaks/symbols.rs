@@ -157,6 +157,8 @@ pub(crate) struct Symbolizer {
     data_symbols: HashMap<String, Vec<(u64, u64, String)>>,
     /// The program's file, once asked for (see `program_file`).
     program_file: Option<Option<addr2line::Loader>>,
+    /// Whether each module's debuglink names a debug file of another build, once asked.
+    stale_debuglinks: HashMap<String, bool>,
 }
 
 /// The data symbols (objects with a size) of the ELF file at `path`, from its full symbol
@@ -509,8 +511,15 @@ impl Symbolizer {
             return vec![frame];
         }
         let mut frames = Vec::new();
-        // A return address points after the call; the call's line is one byte earlier.
+        let stale = module.as_deref().is_some_and(|path| {
+            *self.stale_debuglinks.entry(path.to_owned()).or_insert_with(|| super::debuglink::links_a_stale_file(path))
+        });
+        // A return address points after the call; the call's line is one byte earlier. Not
+        // from a debug file of another build: from the module's own file, below.
         backtrace::resolve((addr - 1) as *mut core::ffi::c_void, |sym| {
+            if stale {
+                return;
+            }
             frames.push(Frame {
                 address: format!("{addr:#x}"),
                 // `{:#}`: demangled, without the hash suffix of Rust symbols.
@@ -531,7 +540,7 @@ impl Symbolizer {
             outermost.function = Some(full);
         }
         if frames.is_empty()
-            && let (Some(offset), Some(file)) = (offset, self.file_behind(&module, addr))
+            && let (Some(offset), Some(file)) = (offset, self.file_behind(&module, addr, stale))
         {
             let frame = |function, file, line| Frame {
                 address: format!("{addr:#x}"),
@@ -566,10 +575,11 @@ impl Symbolizer {
     /// The file to read the frames of `addr` in `module` from where `backtrace` found none: a
     /// library's that the loader names by a relative path, by the path of the kernel's map
     /// (`module`'s: the relative one opens nothing after a `chdir`), or the program's own
-    /// ([`Symbolizer::program_file`]).
-    fn file_behind(&mut self, module: &Option<String>, addr: u64) -> Option<&addr2line::Loader> {
+    /// ([`Symbolizer::program_file`]), or any module's whose debuglink is `stale` (names a
+    /// debug file of another build, which `backtrace` was not let read).
+    fn file_behind(&mut self, module: &Option<String>, addr: u64, stale: bool) -> Option<&addr2line::Loader> {
         match module.as_deref() {
-            Some(path) if path.starts_with('/') && loaded_by_relative_path(addr) => {
+            Some(path) if stale || (path.starts_with('/') && loaded_by_relative_path(addr)) => {
                 self.files.entry(path.to_owned()).or_insert_with(|| addr2line::Loader::new(path).ok()).as_ref()
             }
             _ => self.program_file(module),

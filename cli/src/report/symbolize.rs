@@ -14,6 +14,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use addr2line::Loader;
+use mallocspy::leaks::debuglink;
 use mallocspy::leaks::{SIGNAL_FRAME, is_signal_trampoline_in};
 use mallocspy::trace::Module;
 use object::{Object, ObjectSection, ObjectSegment};
@@ -21,9 +22,6 @@ use object::{Object, ObjectSection, ObjectSegment};
 use super::profile::{Profile, RawFrame};
 use super::progress::Progress;
 use super::text::printable;
-
-/// Where distributions install separate debug files.
-const DEBUG_ROOT: &str = "/usr/lib/debug";
 
 /// One function of a resolved address: the address's own, or one inlined into it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -228,7 +226,8 @@ impl UnwindTables {
 /// What the ELF file says about where its debug information is.
 struct ElfFacts {
     build_id: Option<Vec<u8>>,
-    debuglink: Option<Vec<u8>>,
+    /// The debug file's name and CRC-32.
+    debuglink: Option<(Vec<u8>, u32)>,
     altlink: Option<(Vec<u8>, Vec<u8>)>,
     has_dwarf: bool,
     /// The loaded segments: file address, size in memory, offset in the file.
@@ -258,7 +257,7 @@ impl ElfFacts {
         let has_dwarf = file.section_by_name(".debug_info").is_some_and(|s| s.file_range().is_some_and(|r| r.1 > 0));
         Some(ElfFacts {
             build_id: file.build_id().ok().flatten().map(<[u8]>::to_vec),
-            debuglink: file.gnu_debuglink().ok().flatten().map(|(name, _crc)| name.to_vec()),
+            debuglink: file.gnu_debuglink().ok().flatten().map(|(name, crc)| (name.to_vec(), crc)),
             altlink: file.gnu_debugaltlink().ok().flatten().map(|(name, id)| (name.to_vec(), id.to_vec())),
             has_dwarf,
             segments: file.segments().map(|s| (s.address(), s.size(), s.file_range().0)).collect(),
@@ -299,16 +298,6 @@ pub(crate) fn file_offset(module: &Module, address: u64, started_unix_ns: u64) -
         .unwrap_or(file_address)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// `/usr/lib/debug/.build-id/ab/cdef....debug`.
-fn by_build_id(id: &[u8]) -> Option<PathBuf> {
-    let hex = hex(id);
-    (hex.len() > 2).then(|| Path::new(DEBUG_ROOT).join(format!(".build-id/{}/{}.debug", &hex[..2], &hex[2..])))
-}
-
 fn os_path(bytes: &[u8]) -> PathBuf {
     use std::os::unix::ffi::OsStrExt;
     PathBuf::from(std::ffi::OsStr::from_bytes(bytes))
@@ -334,8 +323,8 @@ impl DebugInfo {
             Some(f) => f.build_id.clone(),
             None => None,
         };
-        let debuglink = facts.and_then(|f| f.debuglink).filter(|_| current);
-        let dwarf = find_debug_file(path, build_id.as_deref(), debuglink.as_deref()).and_then(|d| open_debug_file(&d));
+        let link = facts.and_then(|f| f.debuglink).filter(|_| current);
+        let dwarf = find_debug_file(path, build_id.as_deref(), link.as_ref()).and_then(|d| open_debug_file(&d));
         let symbols = if current { Loader::new(path).ok() } else { None };
         DebugInfo { dwarf, symbols, file, unwind_tables, changed }
     }
@@ -391,30 +380,30 @@ impl DebugInfo {
 }
 
 /// The separate debug file of the module at `path`: by build id, then by debuglink next to
-/// the module, in its `.debug` folder, and under the debug root (gdb's order). A debuglink
-/// candidate must carry the module's build id when there is one (standing in for the link's
-/// CRC, which would mean reading the whole file).
-fn find_debug_file(path: &Path, build_id: Option<&[u8]>, debuglink: Option<&[u8]>) -> Option<PathBuf> {
-    if let Some(candidate) = build_id.and_then(by_build_id)
+/// the module, in its `.debug` folder, and under the debug root (gdb's order). The file a
+/// debuglink names must carry the module's build id when there is one, else the link's CRC
+/// (read whole, as gdb does): a debug file left from an earlier build gave that build's lines
+/// without a word (review helper 114).
+fn find_debug_file(path: &Path, build_id: Option<&[u8]>, debuglink: Option<&(Vec<u8>, u32)>) -> Option<PathBuf> {
+    if let Some(candidate) = build_id.and_then(debuglink::by_build_id)
         && candidate.is_file()
     {
         return Some(candidate);
     }
-    let name = os_path(debuglink?);
-    let dir = path.parent()?;
-    let under_root = Path::new(DEBUG_ROOT).join(dir.strip_prefix("/").unwrap_or(dir)).join(&name);
-    [dir.join(&name), dir.join(".debug").join(&name), under_root].into_iter().find(|candidate| {
-        candidate != path
-            && candidate.is_file()
-            && build_id.is_none_or(|id| ElfFacts::read(candidate).and_then(|f| f.build_id).as_deref() == Some(id))
-    })
+    let (name, crc) = debuglink?;
+    let candidate = debuglink::locate(path, name)?;
+    let same_build = match build_id {
+        Some(id) => ElfFacts::read(&candidate).and_then(|f| f.build_id).as_deref() == Some(id),
+        None => debuglink::crc_matches(&candidate, *crc),
+    };
+    same_build.then_some(candidate)
 }
 
 /// A loader for a debug file, with the supplementary file `dwz` moved shared DWARF into.
 fn open_debug_file(debug: &Path) -> Option<Loader> {
     let sup = ElfFacts::read(debug).and_then(|f| f.altlink).and_then(|(name, id)| {
         let named = debug.parent().map_or_else(|| os_path(&name), |dir| dir.join(os_path(&name)));
-        [Some(named), by_build_id(&id)].into_iter().flatten().find(|p| p.is_file())
+        [Some(named), debuglink::by_build_id(&id)].into_iter().flatten().find(|p| p.is_file())
     });
     match sup {
         Some(sup) => Loader::new_with_sup(debug, Some(&sup)).or_else(|_| Loader::new(debug)).ok(),
