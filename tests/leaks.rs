@@ -1169,6 +1169,25 @@ fn a_debug_file_of_another_build_is_not_read() {
     assert_eq!((site["function"].as_str(), site["line"].as_u64()), (Some("leak_it"), None), "{site}");
 }
 
+/// Debug sections compressed with zstd (`-gz=zstd`, `objcopy --compress-debug-sections=zstd`,
+/// as distributions begin to ship them) gave the leak report no lines nor inlined frames,
+/// where `report` of a trace had both (review helper 114); zlib's were read.
+#[test]
+fn debug_sections_compressed_with_zstd_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let program = dir.path().join("app");
+    std::fs::copy(c_program("debuglink_leak.c"), &program).unwrap();
+    let out = Command::new("objcopy").arg("--compress-debug-sections=zstd").arg(&program).output().unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(Mode::Shim("spy=leaks"), &mut Command::new(&program));
+    let stderr = text(&out.stderr);
+    let at = stderr.find("4,242 bytes in 1 blocks are definitely lost").unwrap_or_else(|| panic!("{stderr}"));
+    let frame = stderr[at..].lines().nth(1).unwrap();
+    let line =
+        1 + include_str!("fixtures/debuglink_leak.c").lines().position(|l| l.contains("kept = malloc(4242)")).unwrap();
+    assert!(frame.contains(" in leak_it ") && frame.ends_with(&format!("debuglink_leak.c:{line}")), "{frame}");
+}
+
 /// Under an address-space limit the tracker took the program's room: a program whose
 /// allocations fit natively got NULL from `malloc` (here it dies of it). By default mallocspy
 /// now keeps to a quarter of the limit, and says so when it reaches that (review helper 91).
