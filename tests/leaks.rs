@@ -1923,6 +1923,42 @@ fn heap_stats_and_on_demand_leak_check_from_an_own_interposer() {
     );
 }
 
+/// A stripped plugin, unloaded before the report, whose lines are in the debug file its
+/// debuglink names: the report read its file alone, and its frames had no line, where those
+/// of the same library still loaded had one (review helper 114).
+#[test]
+fn an_unloaded_stripped_library_is_named_from_its_separate_debug_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = dir.path().join("libplugin.so");
+    std::fs::copy(c_library("unload_leaky.c"), &plugin).unwrap();
+    let other = c_library("unload_other.c");
+    let program = c_program_with("unload_main.c", &["-ldl"]);
+    let debug = dir.path().join("libplugin.so.debug");
+    for args in [
+        vec![
+            "objcopy".into(),
+            "--only-keep-debug".into(),
+            plugin.clone().into_os_string(),
+            debug.clone().into_os_string(),
+        ],
+        vec!["strip".into(), "--strip-debug".into(), plugin.clone().into_os_string()],
+        vec![
+            "objcopy".into(),
+            format!("--add-gnu-debuglink={}", debug.display()).into(),
+            plugin.clone().into_os_string(),
+        ],
+    ] {
+        let out = Command::new(&args[0]).args(&args[1..]).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+    let out = run(JSON_REPORT, Command::new(&program).args([&plugin, &other]));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let first = &record_of(&report, 111)["stack"][0];
+    assert_eq!((first["function"].as_str(), first["line"].as_u64()), (Some("plugin_leak"), Some(6)), "{first}");
+    assert_eq!(first["unloaded"], true, "{first}");
+}
+
 #[test]
 fn blocks_of_an_unloaded_library_are_named_from_its_file() {
     // The report is symbolized at exit: a plugin dlclose'd before then has left its range to

@@ -66,6 +66,38 @@ pub(crate) fn links_a_stale_file(path: &str) -> bool {
     locate(&real, name).is_some_and(|debug| !crc_matches(&debug, crc))
 }
 
+/// The separate debug file to read the frames of the module at `path` from, when the module
+/// has no DWARF of its own: by its build id, else by its debuglink (a file carrying the same
+/// build id, or the link's CRC). The leak report reads a library unloaded before it from
+/// its file, where `addr2line` follows no link: a stripped library's frames had no lines
+/// (review helper 114).
+pub(crate) fn separate_file(path: &str) -> Option<PathBuf> {
+    use object::{Object, ObjectSection};
+    let module_file = File::open(path).ok()?;
+    let cache = object::ReadCache::new(module_file);
+    let module = object::File::parse(&cache).ok()?;
+    // A separate debug file keeps the sections' headers with no contents: DWARF is there
+    // only when the section has bytes in the file.
+    if module.section_by_name(".debug_info").is_some_and(|s| s.file_range().is_some_and(|r| r.1 > 0)) {
+        return None;
+    }
+    let id = module.build_id().ok().flatten();
+    if let Some(debug) = id.and_then(by_build_id).filter(|d| d.is_file()) {
+        return Some(debug);
+    }
+    let (name, crc) = module.gnu_debuglink().ok().flatten()?;
+    let candidate = locate(&std::fs::canonicalize(path).ok()?, name)?;
+    let same_build = match id {
+        Some(id) => {
+            let file = File::open(&candidate).ok()?;
+            let cache = object::ReadCache::new(file);
+            object::File::parse(&cache).ok()?.build_id().ok().flatten() == Some(id)
+        }
+        None => crc_matches(&candidate, crc),
+    };
+    same_build.then_some(candidate)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -475,8 +475,11 @@ impl Symbolizer {
 
     fn unloaded_frames(&mut self, library: &super::unloaded::Unloaded, addr: u64) -> &[Frame] {
         let probe = addr - library.bias - 1;
-        let loader =
-            self.files.entry(library.path.to_string()).or_insert_with(|| addr2line::Loader::new(&*library.path).ok());
+        let loader = self.files.entry(library.path.to_string()).or_insert_with(|| {
+            // A stripped library's lines are in its separate debug file.
+            let file = super::debuglink::separate_file(&library.path);
+            file.map_or_else(|| addr2line::Loader::new(&*library.path), addr2line::Loader::new).ok()
+        });
         self.unloaded_cache.entry((library.path.to_string(), probe)).or_insert_with(|| {
             let module = Some(library.path.to_string());
             let frame = |function: Option<String>, file: Option<String>, line: Option<u32>| Frame {
