@@ -175,14 +175,12 @@ fn read_data_symbols(path: &str) -> Vec<(u64, u64, String)> {
     let mut out: Vec<(u64, u64, String)> =
         file.symbols().chain(file.dynamic_symbols()).filter_map(|s| data(&s)).collect();
     // A stripped library's static data is named in its separate debug file (Debian's -dbg packages).
-    if let Ok(Some(id)) = file.build_id().map(|id| id.filter(|id| id.len() > 1)) {
-        let hex: String = id.iter().map(|b| format!("{b:02x}")).collect();
-        let debug = format!("/usr/lib/debug/.build-id/{}/{}.debug", &hex[..2], &hex[2..]);
-        if let Ok(bytes) = std::fs::read(debug)
-            && let Ok(file) = object::File::parse(&*bytes)
-        {
-            out.extend(file.symbols().filter_map(|s| data(&s)));
-        }
+    if let Ok(Some(id)) = file.build_id()
+        && let Some(debug) = super::debuglink::by_build_id(id)
+        && let Ok(bytes) = std::fs::read(debug)
+        && let Ok(file) = object::File::parse(&*bytes)
+    {
+        out.extend(file.symbols().filter_map(|s| data(&s)));
     }
     out.sort_unstable();
     out.dedup_by(|a, b| a.0 == b.0);
