@@ -82,20 +82,31 @@ pub(crate) fn separate_file(path: &str) -> Option<PathBuf> {
         return None;
     }
     let id = module.build_id().ok().flatten();
+    let link = module.gnu_debuglink().ok().flatten();
+    find(&std::fs::canonicalize(path).ok()?, id, link)
+}
+
+/// The separate debug file of the module at `path` whose build id is `id` and whose
+/// debuglink is `link` (name, CRC): by build id under [`DEBUG_ROOT`], else the linked file if
+/// it carries that build id or, without one, the link's CRC.
+pub fn find(path: &Path, id: Option<&[u8]>, link: Option<(&[u8], u32)>) -> Option<PathBuf> {
     if let Some(debug) = id.and_then(by_build_id).filter(|d| d.is_file()) {
         return Some(debug);
     }
-    let (name, crc) = module.gnu_debuglink().ok().flatten()?;
-    let candidate = locate(&std::fs::canonicalize(path).ok()?, name)?;
+    let (name, crc) = link?;
+    let candidate = locate(path, name)?;
     let same_build = match id {
-        Some(id) => {
-            let file = File::open(&candidate).ok()?;
-            let cache = object::ReadCache::new(file);
-            object::File::parse(&cache).ok()?.build_id().ok().flatten() == Some(id)
-        }
+        Some(id) => build_id_of(&candidate).as_deref() == Some(id),
         None => crc_matches(&candidate, crc),
     };
     same_build.then_some(candidate)
+}
+
+/// The build id of the ELF file at `path`, reading only its headers and notes.
+fn build_id_of(path: &Path) -> Option<Vec<u8>> {
+    use object::Object;
+    let cache = object::ReadCache::new(File::open(path).ok()?);
+    object::File::parse(&cache).ok()?.build_id().ok().flatten().map(<[u8]>::to_vec)
 }
 
 #[cfg(test)]

@@ -324,7 +324,10 @@ impl DebugInfo {
             None => None,
         };
         let link = facts.and_then(|f| f.debuglink).filter(|_| current);
-        let dwarf = find_debug_file(path, build_id.as_deref(), link.as_ref()).and_then(|d| open_debug_file(&d));
+        // A debug file left from an earlier build gave that build's lines without a word
+        // (review helper 114): the linked one must carry the build id, or the link's CRC.
+        let link = link.as_ref().map(|(name, crc)| (name.as_slice(), *crc));
+        let dwarf = debuglink::find(path, build_id.as_deref(), link).and_then(|d| open_debug_file(&d));
         let symbols = if current { Loader::new(path).ok() } else { None };
         DebugInfo { dwarf, symbols, file, unwind_tables, changed }
     }
@@ -377,26 +380,6 @@ impl DebugInfo {
         }
         out
     }
-}
-
-/// The separate debug file of the module at `path`: by build id, then by debuglink next to
-/// the module, in its `.debug` folder, and under the debug root (gdb's order). The file a
-/// debuglink names must carry the module's build id when there is one, else the link's CRC
-/// (read whole, as gdb does): a debug file left from an earlier build gave that build's lines
-/// without a word (review helper 114).
-fn find_debug_file(path: &Path, build_id: Option<&[u8]>, debuglink: Option<&(Vec<u8>, u32)>) -> Option<PathBuf> {
-    if let Some(candidate) = build_id.and_then(debuglink::by_build_id)
-        && candidate.is_file()
-    {
-        return Some(candidate);
-    }
-    let (name, crc) = debuglink?;
-    let candidate = debuglink::locate(path, name)?;
-    let same_build = match build_id {
-        Some(id) => ElfFacts::read(&candidate).and_then(|f| f.build_id).as_deref() == Some(id),
-        None => debuglink::crc_matches(&candidate, *crc),
-    };
-    same_build.then_some(candidate)
 }
 
 /// A loader for a debug file, with the supplementary file `dwz` moved shared DWARF into.
