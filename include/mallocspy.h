@@ -66,7 +66,11 @@ enum mallocspy_entry {
     MALLOCSPY_VALLOC,
     MALLOCSPY_PVALLOC,
     MALLOCSPY_MALLOC_USABLE_SIZE,
-    MALLOCSPY_MALLOC_TRIM
+    MALLOCSPY_MALLOC_TRIM,
+    MALLOCSPY_OPERATOR_NEW,       /* C++, every form (nothrow, aligned) */
+    MALLOCSPY_OPERATOR_NEW_ARRAY,
+    MALLOCSPY_OPERATOR_DELETE,    /* C++, every form (sized, nothrow, aligned) */
+    MALLOCSPY_OPERATOR_DELETE_ARRAY
 };
 
 /* One completed call, as the caller saw it (after_call). */
@@ -140,7 +144,7 @@ struct mallocspy_allocation_tick {
     uint64_t time_ns;         /* since the spy started */
     uint32_t thread;          /* the allocating thread's index (the heap index) */
     uint8_t kind;             /* 0 small, 1 large (>= 128 KiB), 2 aligned (memalign family) */
-    uint8_t entry;            /* 0 malloc, 1 calloc, 2 realloc, 3 reallocarray, 5.. the aligned family */
+    uint8_t entry;            /* enum mallocspy_entry: an allocating one */
     uint64_t size;            /* bytes asked for */
     uint64_t address;         /* the block */
     uint64_t weight;          /* bytes this sample stands for: sums estimate true totals */

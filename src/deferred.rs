@@ -5,9 +5,18 @@
 //! that has no slot must not run spy code. Such frees are parked here, lock-free, and the next
 //! spied hook on any thread finishes them. When the ring is full the block is leaked, which is
 //! safe; the count of such leaks is kept for the report.
+//!
+//! Each parked pointer keeps the function that gave it back (`free`, `realloc`, `operator
+//! delete`: the guard checks that it matches the block's allocation) in its top byte, which
+//! no user-space address of x86-64 uses.
 
 use core::ffi::c_void;
 use core::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::spy::Entry;
+
+/// Where a slot keeps the entry point of its release.
+const ENTRY_AT: u32 = 56;
 
 const CAPACITY: usize = 256;
 
@@ -31,9 +40,11 @@ impl DeferredFrees {
         }
     }
 
-    /// Parks `ptr`; false (and the block counted as leaked) when the ring is full.
-    pub(crate) fn push(&self, ptr: *mut c_void) -> bool {
-        let value = ptr as usize;
+    /// Parks `ptr`, given back by `entry`; false (and the block counted as leaked) when the
+    /// ring is full.
+    pub(crate) fn push(&self, ptr: *mut c_void, entry: Entry) -> bool {
+        debug_assert!(ptr as usize >> ENTRY_AT == 0);
+        let value = ptr as usize | (entry as usize) << ENTRY_AT;
         for slot in &self.slots {
             if slot.compare_exchange(0, value, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                 self.pending.fetch_add(1, Ordering::Release);
@@ -51,12 +62,12 @@ impl DeferredFrees {
     }
 
     /// Takes every parked pointer out and hands it to `f`.
-    pub(crate) fn drain(&self, mut f: impl FnMut(*mut c_void)) {
+    pub(crate) fn drain(&self, mut f: impl FnMut(*mut c_void, Entry)) {
         for slot in &self.slots {
             let value = slot.swap(0, Ordering::AcqRel);
             if value != 0 {
                 self.pending.fetch_sub(1, Ordering::AcqRel);
-                f(value as *mut c_void);
+                f((value & ((1 << ENTRY_AT) - 1)) as *mut c_void, Entry::from_index((value >> ENTRY_AT) as u8));
             }
         }
     }
@@ -76,14 +87,17 @@ mod tests {
         let d = DeferredFrees::new();
         assert!(!d.has_pending());
         for i in 1..=CAPACITY + 3 {
-            d.push((i * 16) as *mut c_void);
+            let entry = if i % 2 == 0 { Entry::Free } else { Entry::OperatorDeleteArray };
+            d.push((0x7fff_ffff_f000 + i * 16) as *mut c_void, entry);
         }
         assert!(d.has_pending());
         assert_eq!(d.leaked(), 3);
         let mut got = Vec::new();
-        d.drain(|p| got.push(p as usize));
-        got.sort();
-        assert_eq!(got, (1..=CAPACITY).map(|i| i * 16).collect::<Vec<_>>());
+        d.drain(|p, entry| got.push((p as usize, entry)));
+        got.sort_by_key(|&(p, _)| p);
+        let parked = (1..=CAPACITY)
+            .map(|i| (0x7fff_ffff_f000 + i * 16, if i % 2 == 0 { Entry::Free } else { Entry::OperatorDeleteArray }));
+        assert_eq!(got, parked.collect::<Vec<_>>());
         assert!(!d.has_pending());
     }
 }

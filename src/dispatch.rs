@@ -355,9 +355,54 @@ impl<H: Heap> Interposer<H> {
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
     #[inline(never)]
     pub(crate) unsafe extern "C" fn free_slow(&self, ptr: *mut c_void) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.release_as(Entry::Free, ptr) }
+    }
+
+    /// C++'s `operator new` (`entry`: [`Entry::OperatorNew`] or [`Entry::OperatorNewArray`])
+    /// in every form: `malloc`'s steps, or `memalign`'s for a non-zero `align`, under the
+    /// operator's name. NULL when out of memory: the caller (`interpose.rs`) leaves that to
+    /// the C++ runtime's own operator, which calls the new-handler and throws.
+    #[inline]
+    pub(crate) fn operator_new(&self, entry: Entry, size: usize, align: usize) -> *mut c_void {
+        if self.registry.is_empty() {
+            return self.heap.operator_new(entry, size, align);
+        }
+        if align == 0 {
+            if self.gate.pass_small(size) {
+                return self.heap.malloc(size);
+            }
+            return self.alloc(AllocRequest { entry, kind: Kind::Malloc, size, asked: size, align: 0 }).ptr;
+        }
+        if self.gate.pass_alloc(size, gate::ALIGNED) {
+            return self.unless_failed(self.heap.memalign(align, size), size);
+        }
+        self.alloc(AllocRequest { entry, kind: Kind::Memalign, size, asked: size, align }).ptr
+    }
+
+    /// C++'s `operator delete` (`entry`: [`Entry::OperatorDelete`] or
+    /// [`Entry::OperatorDeleteArray`]) in every form: `free`'s steps under the operator's name.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator, dead afterwards.
+    #[inline]
+    pub(crate) unsafe fn operator_delete(&self, entry: Entry, ptr: *mut c_void) {
+        if self.registry.is_empty() || self.gate.pass_free(ptr as usize) {
+            // SAFETY: the caller's guarantee; a block the gate passes is a real block.
+            return unsafe { self.heap.free(ptr) };
+        }
+        // SAFETY: the caller's guarantee.
+        unsafe { self.release_as(entry, ptr) }
+    }
+
+    /// A release by `entry` (`free` or `operator delete`) through the spy, `errno` kept.
+    ///
+    /// # Safety
+    /// `ptr` is NULL or a live block of this allocator, dead afterwards.
+    unsafe fn release_as(&self, entry: Entry, ptr: *mut c_void) {
         let saved = os::errno();
         // SAFETY: the caller's guarantee.
-        unsafe { self.free_spied(ptr) };
+        unsafe { self.free_spied(entry, ptr) };
         os::set_errno(saved);
     }
 
@@ -710,12 +755,12 @@ impl<H: Heap> Interposer<H> {
     /// Finishes frees that were parked by nested calls.
     #[cold]
     fn drain_deferred(&self, scope: &Scope) {
-        self.deferred.drain(|ptr| {
+        self.deferred.drain(|ptr, entry| {
             // Looked up for each block: releasing the last one may have retired the spy.
             let cell = self.registry.current();
             let spied = self.take_spied(cell, ptr).is_some();
             // SAFETY: parked pointers are blocks a caller freed; they are still live until now.
-            unsafe { self.release(scope, cell, Entry::Free, ptr, spied, false) }
+            unsafe { self.release(scope, cell, entry, ptr, spied, false) }
         });
     }
 
@@ -875,8 +920,10 @@ impl<H: Heap> Interposer<H> {
         // The alignment the block gets: glibc's memalign rounds the caller's up to a power of
         // two (and posix_memalign and aligned_alloc refuse one that is not).
         let align = align_pow2(req.align);
-        let pre =
-            cell.call(|spy| if aligned { spy.pre_alloc_aligned(req.size, align) } else { spy.pre_alloc(req.size) });
+        let pre = cell.call(|spy| {
+            spy.before_alloc(req.entry);
+            if aligned { spy.pre_alloc_aligned(req.size, align) } else { spy.pre_alloc(req.size) }
+        });
         let Ok(size) = pre else {
             self.disable(cell, scope);
             return self.alloc_unspied(req, saved);
@@ -939,14 +986,15 @@ impl<H: Heap> Interposer<H> {
         }
     }
 
-    /// `free` while a spy may be registered. errno is restored by the caller.
+    /// `free` (or `operator delete`: `entry`) while a spy may be registered. errno is restored
+    /// by the caller.
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator.
-    unsafe fn free_spied(&self, ptr: *mut c_void) {
+    unsafe fn free_spied(&self, entry: Entry, ptr: *mut c_void) {
         let Some(scope) = Scope::enter() else {
             // SAFETY: the caller's guarantee.
-            return unsafe { self.free_nested(ptr) };
+            return unsafe { self.free_nested(entry, ptr) };
         };
         if self.deferred.has_pending() {
             self.drain_deferred(&scope);
@@ -960,7 +1008,7 @@ impl<H: Heap> Interposer<H> {
         #[cfg(test)]
         tests::after_taking(ptr);
         // SAFETY: the caller's guarantee.
-        unsafe { self.release(&scope, cell, Entry::Free, ptr, spied, true) }
+        unsafe { self.release(&scope, cell, entry, ptr, spied, true) }
     }
 
     /// Returns `ptr`, already removed from the spied table of `cell` (the spy current before
@@ -1025,7 +1073,7 @@ impl<H: Heap> Interposer<H> {
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator.
-    unsafe fn free_nested(&self, ptr: *mut c_void) {
+    unsafe fn free_nested(&self, entry: Entry, ptr: *mut c_void) {
         if ptr.is_null() {
             return;
         }
@@ -1036,7 +1084,7 @@ impl<H: Heap> Interposer<H> {
                 unsafe { self.heap.free(ptr) }
             }
             Lookup::Found(_) | Lookup::Busy => {
-                self.deferred.push(ptr);
+                self.deferred.push(ptr, entry);
             }
         }
     }
@@ -1249,7 +1297,7 @@ impl<H: Heap> Interposer<H> {
             }
             Lookup::Found(old) => {
                 if size == 0 && self.heap.realloc_zero_frees() {
-                    self.deferred.push(ptr);
+                    self.deferred.push(ptr, Entry::Free);
                     return null();
                 }
                 let new = self.heap.malloc(size);
@@ -1257,7 +1305,7 @@ impl<H: Heap> Interposer<H> {
                     self.note_unseen(size);
                     // SAFETY: the old block holds `old` caller bytes, the new one `size`.
                     unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
-                    self.deferred.push(ptr);
+                    self.deferred.push(ptr, Entry::Free);
                 }
                 new
             }

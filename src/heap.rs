@@ -13,7 +13,7 @@
 
 use core::cell::UnsafeCell;
 use core::ffi::{CStr, c_int, c_void};
-use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering, fence};
+use core::sync::atomic::{AtomicPtr, AtomicU8, AtomicUsize, Ordering, fence};
 
 use crate::spy::Entry;
 use crate::tls::in_real_allocator;
@@ -46,6 +46,12 @@ pub(crate) unsafe trait Heap: Sync {
     /// `ptr` is NULL or a live block of this heap.
     unsafe fn usable_size(&self, ptr: *mut c_void) -> usize;
     fn trim(&self, pad: usize) -> c_int;
+    /// C++'s `operator new` (`entry`) with no spy registered: `malloc`, or `memalign` for a
+    /// non-zero `align`.
+    fn operator_new(&self, entry: Entry, size: usize, align: usize) -> *mut c_void {
+        let _ = entry;
+        if align == 0 { self.malloc(size) } else { self.memalign(align, size) }
+    }
     /// Whether `realloc(p, 0)` frees `p` and returns NULL (glibc's choice) rather than
     /// returning a minimum-size block.
     fn realloc_zero_frees(&self) -> bool;
@@ -208,6 +214,11 @@ fn resolve() -> Option<Fns> {
         return None;
     }
     let memalign = same_module(if prefix_libc { c"__libc_memalign" } else { c"memalign" });
+    if !same_module(c"_Znwm").is_null() {
+        let (low, high) = os::module_span(malloc);
+        ALLOCATOR_WITH_OPERATORS[0].store(low, Ordering::Relaxed);
+        ALLOCATOR_WITH_OPERATORS[1].store(high, Ordering::Relaxed);
+    }
     // SAFETY: each pointer is the address of the C function of that name, whose C signature
     // is the target type; null pointers become None.
     let fns = unsafe {
@@ -228,6 +239,22 @@ fn resolve() -> Option<Fns> {
         }
     };
     Some(fns)
+}
+
+/// Where the next allocator's module lies, when it defines C++'s operators too (tcmalloc,
+/// jemalloc): `[low, high)`, else empty.
+static ALLOCATOR_WITH_OPERATORS: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// Whether `code` is the next allocator's, when that allocator defines C++'s operators too.
+/// Its own calls of `operator new` then go to its own operator, unseen, as they did before
+/// the shim exported one: tcmalloc's start-up `new`s a default `MallocExtension` that it
+/// overwrites, a leak of its own in every program's report.
+pub(crate) fn is_code_of_an_allocator_with_operators(code: u64) -> bool {
+    // Resolved first: the allocator's first call may be its own `new`.
+    let _ = next_heap().fns();
+    let code = code as usize;
+    ALLOCATOR_WITH_OPERATORS[0].load(Ordering::Relaxed) <= code
+        && code < ALLOCATOR_WITH_OPERATORS[1].load(Ordering::Relaxed)
 }
 
 /// Asks the allocator what `realloc(p, 0)` does, so that a spied `realloc(p, 0)` does the same.
@@ -549,6 +576,22 @@ unsafe impl Heap for NextHeap {
 
     fn memalign(&self, align: usize, size: usize) -> *mut c_void {
         noted(in_real_allocator(|| self.memalign_raw(align, size)), size, Entry::Memalign, early::caller_of_hook)
+    }
+
+    /// Before a spy, the block is noted as the operator's, allocated by the caller its
+    /// trampoline noted (`malloc_first` takes the return address on top of the stack, which
+    /// from here is mallocspy's own).
+    fn operator_new(&self, entry: Entry, size: usize, align: usize) -> *mut c_void {
+        if !early::recording() {
+            return if align == 0 { self.malloc(size) } else { self.memalign(align, size) };
+        }
+        let block =
+            in_real_allocator(
+                || {
+                    if align == 0 { self.malloc_unresolved(size) } else { self.memalign_raw(align, size) }
+                },
+            );
+        noted(block, size, entry, early::caller_of_hook)
     }
 
     fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {

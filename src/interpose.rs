@@ -11,6 +11,7 @@ use core::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::global::GLOBAL;
 use crate::heap::Heap;
+use crate::spy::Entry;
 
 /// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` and
 /// `__cxa_at_quick_exit` (so that exit reports are written), `pthread_create` (so that a new thread notes its stack before its
@@ -86,6 +87,31 @@ macro_rules! export_interposer {
         $crate::__jump!(daemon, $crate::interpose::daemon, (nochdir: ::core::ffi::c_int, noclose: ::core::ffi::c_int) -> ::core::ffi::c_int);
         // What `at_quick_exit` calls: the exit reports' handler is registered first, to run
         // after every other.
+        // C++'s operators: the blocks they give are named as theirs, and a mismatched release
+        // (`free` of a `new` block, `delete` of a `new[]` one) is one of the guard's findings.
+        // `new` unwinds: out of memory, the C++ runtime's own operator throws `bad_alloc`.
+        // Every `delete` is `free` under its name: the size, alignment or `nothrow` argument
+        // after the pointer is not needed.
+        $crate::__cxx_trampoline!("C-unwind", _Znwm, $crate::interpose::operator_new, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _Znam, $crate::interpose::operator_new_array, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _ZnwmRKSt9nothrow_t, $crate::interpose::operator_new_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _ZnamRKSt9nothrow_t, $crate::interpose::operator_new_array_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _ZnwmSt11align_val_t, $crate::interpose::operator_new_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _ZnamSt11align_val_t, $crate::interpose::operator_new_array_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _ZnwmSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C-unwind", _ZnamSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_array_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__cxx_trampoline!("C", _ZdlPv, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdlPvm, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdlPvRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdlPvSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdlPvmSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdaPv, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdaPvm, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdaPvRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdaPvSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdaPvmSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__cxx_trampoline!("C", _ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
         $crate::__jump!(__cxa_at_quick_exit, $crate::interpose::cxa_at_quick_exit, (f: Option<extern "C" fn()>, dso: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
         /// The C API of this interposer (`include/mallocspy.h`).
         #[unsafe(no_mangle)]
@@ -102,6 +128,32 @@ macro_rules! __trampoline {
         #[unsafe(naked)]
         #[unsafe(no_mangle)]
         pub extern "C" fn $name($($arg: $ty),*) -> $ret {
+            ::core::arch::naked_asm!(
+                $crate::__cfi_start!(),
+                "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
+                "mov qword ptr fs:[rax + {sp}], rsp",
+                "mov qword ptr fs:[rax + {bp}], rbp",
+                $crate::__jump_aligned!(),
+                sp = const $crate::interpose::ENTRY_SP_OFFSET,
+                bp = const $crate::interpose::ENTRY_BP_OFFSET,
+                target = sym $target,
+            )
+        }
+    };
+}
+
+/// One C++ operator of [`export_interposer!`]: a [`__trampoline!`](crate::__trampoline) under
+/// the operator's mangled name (Itanium C++ ABI, `size_t` as `unsigned long`), in the ABI its
+/// target unwinds by.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __cxx_trampoline {
+    ($abi:literal, $name:ident, $target:path, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        /// The C++ operator of this mangled name (see `export_interposer!`).
+        #[unsafe(naked)]
+        #[unsafe(no_mangle)]
+        #[allow(non_snake_case)]
+        pub extern $abi fn $name($($arg: $ty),*) -> $ret {
             ::core::arch::naked_asm!(
                 $crate::__cfi_start!(),
                 "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
@@ -251,6 +303,89 @@ pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usiz
     }
     // SAFETY: the caller's guarantee.
     unsafe { GLOBAL.reallocarray(ptr, nmemb, size) }
+}
+
+/// Defines the Rust side of one form of C++'s `operator new`: the block from
+/// [`Interposer::operator_new`](crate::dispatch::Interposer::operator_new), or, out of memory,
+/// the answer of the definition the C++ runtime gives under the same mangled name (the next
+/// one after ours in the process's lookup order): it calls the new-handler, retries, and
+/// throws `bad_alloc` (or returns NULL for `nothrow`), which C++ callers rely on and Rust
+/// cannot do. A block it then gets, through our `malloc`, is named as `malloc`'s. A call from
+/// an allocator that defines the operators itself goes to its own, unseen
+/// ([`crate::heap::is_code_of_an_allocator_with_operators`]).
+macro_rules! operator_new {
+    ($name:ident, $symbol:literal, $entry:ident, ($($arg:ident: $ty:ty),*), $align:expr) => {
+        #[doc(hidden)]
+        pub extern "C-unwind" fn $name(size: usize $(, $arg: $ty)*) -> *mut c_void {
+            static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+            let own = crate::heap::is_code_of_an_allocator_with_operators(crate::early::caller_of_hook());
+            let block = if own { core::ptr::null_mut() } else { GLOBAL.operator_new(Entry::$entry, size, $align) };
+            if !block.is_null() {
+                return block;
+            }
+            let next = next_definition(&NEXT, $symbol);
+            if next.is_null() {
+                return block;
+            }
+            // SAFETY: the C++ runtime's definition of this operator: the same signature.
+            let next: extern "C-unwind" fn(usize $(, $ty)*) -> *mut c_void = unsafe { core::mem::transmute(next) };
+            next(size $(, $arg)*)
+        }
+    };
+}
+
+operator_new!(operator_new, c"_Znwm", OperatorNew, (), 0);
+operator_new!(operator_new_array, c"_Znam", OperatorNewArray, (), 0);
+operator_new!(operator_new_nothrow, c"_ZnwmRKSt9nothrow_t", OperatorNew, (nothrow: *const c_void), 0);
+operator_new!(operator_new_array_nothrow, c"_ZnamRKSt9nothrow_t", OperatorNewArray, (nothrow: *const c_void), 0);
+operator_new!(operator_new_aligned, c"_ZnwmSt11align_val_t", OperatorNew, (align: usize), align);
+operator_new!(operator_new_array_aligned, c"_ZnamSt11align_val_t", OperatorNewArray, (align: usize), align);
+operator_new!(
+    operator_new_aligned_nothrow,
+    c"_ZnwmSt11align_val_tRKSt9nothrow_t",
+    OperatorNew,
+    (align: usize, nothrow: *const c_void),
+    align
+);
+operator_new!(
+    operator_new_array_aligned_nothrow,
+    c"_ZnamSt11align_val_tRKSt9nothrow_t",
+    OperatorNewArray,
+    (align: usize, nothrow: *const c_void),
+    align
+);
+
+/// The definition of `symbol` after ours in the process's lookup order (the C++ runtime's),
+/// looked up once; NULL when there is none.
+fn next_definition(cache: &AtomicPtr<c_void>, symbol: &core::ffi::CStr) -> *mut c_void {
+    let mut next = cache.load(Ordering::Relaxed);
+    if next.is_null() {
+        // SAFETY: a NUL-terminated name. Outside any hook: a failing lookup's `dlerror`
+        // allocation comes back through the allocator, as any call.
+        next = unsafe { libc::dlsym(libc::RTLD_NEXT, symbol.as_ptr()) };
+        cache.store(next, Ordering::Relaxed);
+    }
+    next
+}
+
+/// C++'s `operator delete`, every form.
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+pub unsafe extern "C" fn operator_delete(ptr: *mut c_void) {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.operator_delete(Entry::OperatorDelete, ptr) }
+}
+
+/// C++'s `operator delete[]`, every form.
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+pub unsafe extern "C" fn operator_delete_array(ptr: *mut c_void) {
+    // SAFETY: the caller's guarantee.
+    unsafe { GLOBAL.operator_delete(Entry::OperatorDeleteArray, ptr) }
 }
 
 #[doc(hidden)]

@@ -768,6 +768,22 @@ pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
     lowest as usize
 }
 
+/// The lowest and highest mapped addresses of the module that contains `addr`, or `(0, 0)`.
+pub(crate) fn module_span(addr: *const core::ffi::c_void) -> (usize, usize) {
+    let addr = addr as u64;
+    let mut span = (0, 0);
+    each_module(|m| {
+        if !m.segments(0).any(|(start, end)| start <= addr && addr < end) {
+            return false;
+        }
+        let low = m.segments(0).map(|(start, _)| start).min().unwrap_or(m.bias);
+        let high = m.segments(0).map(|(_, end)| end).max().unwrap_or(m.bias);
+        span = (low as usize, high as usize);
+        true
+    });
+    span
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

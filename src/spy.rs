@@ -33,11 +33,19 @@ pub enum Entry {
     MallocUsableSize,
     /// `malloc_trim`
     MallocTrim,
+    /// C++'s `operator new(size_t)`, and its `nothrow` and aligned (`std::align_val_t`) forms
+    OperatorNew,
+    /// C++'s `operator new[](size_t)`, and its `nothrow` and aligned forms
+    OperatorNewArray,
+    /// C++'s `operator delete(void*)`, and its sized, `nothrow` and aligned forms
+    OperatorDelete,
+    /// C++'s `operator delete[](void*)`, and its sized, `nothrow` and aligned forms
+    OperatorDeleteArray,
 }
 
 impl Entry {
     /// Every entry point, in export order.
-    pub const ALL: [Entry; 12] = [
+    pub const ALL: [Entry; 16] = [
         Entry::Malloc,
         Entry::Calloc,
         Entry::Realloc,
@@ -50,9 +58,13 @@ impl Entry {
         Entry::Pvalloc,
         Entry::MallocUsableSize,
         Entry::MallocTrim,
+        Entry::OperatorNew,
+        Entry::OperatorNewArray,
+        Entry::OperatorDelete,
+        Entry::OperatorDeleteArray,
     ];
 
-    /// The C name of the function.
+    /// The function's name in C (C++ for the operators).
     pub const fn name(self) -> &'static str {
         match self {
             Entry::Malloc => "malloc",
@@ -67,7 +79,16 @@ impl Entry {
             Entry::Pvalloc => "pvalloc",
             Entry::MallocUsableSize => "malloc_usable_size",
             Entry::MallocTrim => "malloc_trim",
+            Entry::OperatorNew => "operator new",
+            Entry::OperatorNewArray => "operator new[]",
+            Entry::OperatorDelete => "operator delete",
+            Entry::OperatorDeleteArray => "operator delete[]",
         }
+    }
+
+    /// Whether the function only gives a block back: `free` and `operator delete`.
+    pub const fn only_releases(self) -> bool {
+        matches!(self, Entry::Free | Entry::OperatorDelete | Entry::OperatorDeleteArray)
     }
 
     pub(crate) fn from_index(i: u8) -> Entry {
@@ -249,9 +270,9 @@ pub enum Role {
 ///
 /// | entry points | Pre | real call | Post |
 /// |---|---|---|---|
-/// | `malloc`, `calloc`, `realloc(NULL, n)` | [`pre_alloc`](Self::pre_alloc) | `malloc`/`calloc` | [`post_alloc`](Self::post_alloc) |
-/// | `memalign`, `aligned_alloc`, `posix_memalign`, `valloc`, `pvalloc` | [`pre_alloc_aligned`](Self::pre_alloc_aligned) | the same function | [`post_alloc_aligned`](Self::post_alloc_aligned) |
-/// | `free`, `realloc(p, 0)` | [`pre_free`](Self::pre_free) | `free` | [`post_free`](Self::post_free) |
+/// | `malloc`, `calloc`, `realloc(NULL, n)`, `operator new` | [`pre_alloc`](Self::pre_alloc) | `malloc`/`calloc` | [`post_alloc`](Self::post_alloc) |
+/// | `memalign`, `aligned_alloc`, `posix_memalign`, `valloc`, `pvalloc`, aligned `operator new` | [`pre_alloc_aligned`](Self::pre_alloc_aligned) | the same function | [`post_alloc_aligned`](Self::post_alloc_aligned) |
+/// | `free`, `realloc(p, 0)`, `operator delete` | [`pre_free`](Self::pre_free) | `free` | [`post_free`](Self::post_free) |
 /// | `realloc`, `reallocarray` | [`pre_realloc`](Self::pre_realloc) | `realloc` | [`post_realloc`](Self::post_realloc) |
 /// | `malloc_usable_size` | [`pre_get_size`](Self::pre_get_size) | `malloc_usable_size` | [`post_get_size`](Self::post_get_size) |
 /// | [`crate::did_alloc`] | [`pre_did_alloc`](Self::pre_did_alloc) | live-block lookup | [`post_did_alloc`](Self::post_did_alloc) |
@@ -378,8 +399,14 @@ pub trait MallocSpy: Send + Sync {
         Role::Interpose
     }
 
-    /// A block the caller had is about to go back to the real allocator (by `free`, or by
-    /// `realloc` before it runs). `ptr` is the caller's pointer.
+    /// An allocating call of `entry` is about to run [`pre_alloc`](Self::pre_alloc) or
+    /// [`pre_alloc_aligned`](Self::pre_alloc_aligned) (not for an observing spy). IMallocSpy's
+    /// Pre methods do not say which function allocates; a spy that tells C++'s `new` from
+    /// `malloc` notes it here.
+    fn before_alloc(&self, entry: Entry) {}
+
+    /// A block the caller had is about to go back to the real allocator (by `free`,
+    /// `operator delete`, or by `realloc` before it runs). `ptr` is the caller's pointer.
     fn before_release(&self, entry: Entry, ptr: *mut c_void, spied: bool) {}
 
     /// A call of an entry point completed (or failed), as the caller saw it.

@@ -209,3 +209,27 @@ fn a_wrapper_preloaded_after_the_shim_and_ended_before_its_reports_is_not_called
     }
     assert!(std::fs::metadata(&trace).unwrap().len() > 0);
 }
+
+/// A C++ program's leaks over jemalloc and tcmalloc are its leaks over glibc: both define
+/// C++'s operators, which served the program's `new` unseen before the shim exported its own
+/// (no leak at all was found). Their own calls of `new` stay theirs: tcmalloc's start-up leaks
+/// a `MallocExtension` of 8 bytes, which is not the program's.
+#[test]
+fn cxx_leaks_are_found_over_allocators_that_define_the_operators() {
+    let program = c_program("cxx_leaks.cpp");
+    let lost = |preload: String| {
+        let out = Command::new(&program)
+            .env("LD_PRELOAD", preload)
+            .env("MALLOCSPY_OPTIONS", "report_format=json")
+            .output()
+            .unwrap();
+        assert_eq!(text(&out.stdout), "0 0 0 1\n");
+        json_report(&out)["summary"]["definitely_lost"].clone()
+    };
+    let native = lost(shim().display().to_string());
+    assert_eq!((native["blocks"].as_u64(), native["bytes"].as_u64()), (Some(4), Some(100 + 40 + 64 + 77)));
+    for allocator in [JEMALLOC, TCMALLOC] {
+        require(allocator);
+        assert_eq!(lost(format!("{} {allocator}", shim().display())), native, "over {allocator}");
+    }
+}

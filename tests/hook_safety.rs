@@ -255,7 +255,8 @@ fn guard_checks_the_blocks_still_live_at_exit() {
                 "mallocspy: guard: heap-buffer-underflow at {}: header canary damaged (in a block still live at exit)",
                 blocks[1]
             ),
-            "mallocspy: guard: 2 finding(s): 1 overflow, 1 underflow, 0 double-free, 0 invalid-free".to_owned(),
+            "mallocspy: guard: 2 finding(s): 1 overflow, 1 underflow, 0 double-free, 0 invalid-free, 0 alloc-dealloc-mismatch"
+                .to_owned(),
         ],
         "{stderr}"
     );
@@ -350,7 +351,11 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
             "{line:?} should report {what} {place}"
         );
     }
-    assert!(findings[expect.len()].ends_with("16 finding(s): 2 overflow, 4 underflow, 6 double-free, 4 invalid-free"));
+    assert!(
+        findings[expect.len()].ends_with(
+            "16 finding(s): 2 overflow, 4 underflow, 6 double-free, 4 invalid-free, 0 alloc-dealloc-mismatch"
+        )
+    );
     // Each site: its finding, then its frames, each naming a line of the fixture that frees.
     let source =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/guard_findings.c")).unwrap();
@@ -641,4 +646,67 @@ fn a_handler_allocating_on_a_small_alternate_stack_runs_as_natively() {
             }
         }
     }
+}
+
+/// C++'s operators are the shim's: a block given back by a function of another family than the
+/// one that allocated it (`delete` of `new[]`'s, `free` and `realloc` of `new`'s, `delete` of
+/// `malloc`'s, `delete[]` of an aligned `new`'s) is a finding naming both, at the line of the
+/// release, and is freed all the same; matching pairs (`nothrow` and aligned forms among them)
+/// are none. Before, the operators were the C++ runtime's, and their blocks `malloc`'s.
+#[test]
+fn the_guard_finds_blocks_given_back_by_another_family_than_the_one_that_allocated_them() {
+    let program = c_program("cxx_mismatch.cpp");
+    let native = run(Mode::Native, &mut Command::new(&program));
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!((text(&out.stdout), out.status.code()), (text(&native.stdout), Some(3)));
+    let stderr = text(&out.stderr);
+    let findings: Vec<&str> =
+        stderr.lines().filter(|l| l.starts_with("mallocspy: guard: alloc-dealloc-mismatch at 0x")).collect();
+    let expect = [
+        ("size 100: allocated by operator new[]", "operator delete"),
+        ("size 4: allocated by operator new", "free"),
+        ("size 10: allocated by malloc", "operator delete"),
+        ("size 4: allocated by operator new", "realloc"),
+        ("size 128: allocated by operator new", "operator delete[]"),
+    ];
+    assert_eq!(findings.len(), expect.len(), "{stderr}");
+    for (line, (what, place)) in findings.iter().zip(expect) {
+        assert!(
+            line.contains(&format!(", {what} (in {place}, called from cxx_mismatch+0x")),
+            "{line:?}: {what} in {place}"
+        );
+    }
+    assert!(
+        stderr
+            .contains("5 finding(s): 0 overflow, 0 underflow, 0 double-free, 0 invalid-free, 5 alloc-dealloc-mismatch"),
+        "{stderr}"
+    );
+    // Each site's innermost frame is the line that releases, marked in the source.
+    let source =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/cxx_mismatch.cpp")).unwrap();
+    let source: Vec<&str> = source.lines().collect();
+    let marked: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("mallocspy: guard:    #0 "))
+        .map(|l| {
+            let n: usize = l.rsplit_once("cxx_mismatch.cpp:").expect(l).1.parse().expect(l);
+            source[n - 1].split_once("// MISMATCH ").expect(source[n - 1]).1
+        })
+        .collect();
+    assert_eq!(marked, ["new[] delete", "new free", "malloc delete", "new realloc", "new delete[]"], "{stderr}");
+}
+
+/// C++'s answers to an allocation that cannot be served are kept under every spy: `new`
+/// throws `bad_alloc` through the shim's operator (after the program's new-handler), `nothrow`
+/// gives NULL, and the aligned forms give aligned blocks.
+#[test]
+fn cxx_new_still_throws_bad_alloc_and_calls_the_new_handler() {
+    let program = c_program("cxx_out_of_memory.cpp");
+    let outputs = same_in_every_mode("cxx_out_of_memory", || Command::new(&program));
+    assert_eq!(
+        text(&outputs[0].1.stdout),
+        "new[]: bad_alloc caught\nnew: bad_alloc caught\nnothrow new[]: NULL\n\
+         new[]: bad_alloc caught after the new-handler ran 1 time(s)\naligned new: 0 bytes off 256\n\
+         aligned nothrow new[]: 0 bytes off 256\n"
+    );
 }

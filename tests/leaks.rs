@@ -2973,3 +2973,26 @@ fn an_exit_with_little_stack_left_reports_and_keeps_its_status() {
         assert!(report.contains(" in lose_one "), "{place}: {report}");
     }
 }
+
+/// A C++ program's blocks are named by the operator that allocated them, and their stacks
+/// start at the program's call: before, every block was `malloc`'s, under a frame of the C++
+/// runtime's `operator new` (and an aligned one's `aligned_alloc`).
+#[test]
+fn cxx_blocks_are_named_by_their_operator_from_the_programs_call() {
+    let out = run(JSON_REPORT, &mut Command::new(c_program("cxx_leaks.cpp")));
+    assert_eq!(text(&out.stdout), "0 0 0 1\n");
+    let report = json_report(&out);
+    for (bytes, entry, function) in [
+        (100, "operator new[]", "make_array()"),
+        (40, "operator new", "make_node()"),
+        (64, "operator new", "make_line()"),
+        (77, "operator new[]", "make_nothrow()"),
+    ] {
+        let record = record_of(&report, bytes);
+        assert_eq!(record["kind"], "definitely_lost", "{record}");
+        assert_eq!(record["entry"], entry, "{record}");
+        let functions = functions_of(record);
+        assert_eq!(functions.first(), Some(&function), "{bytes}: {functions:?}");
+        assert!(functions.contains(&"main"), "{bytes}: {functions:?}");
+    }
+}

@@ -283,3 +283,35 @@ fn under_valgrind_the_report_says_it_saw_nothing() {
     assert!(notes.contains("malloc resolves to valgrind's replacements"), "{report}");
     assert!(report["program"].as_str().is_some_and(|p| p.ends_with("/lose_one")), "{report}");
 }
+
+/// The guard's alloc-dealloc-mismatch findings are memcheck's "Mismatched free() / delete /
+/// delete []" errors, release for release.
+#[test]
+fn mismatched_releases_are_memchecks() {
+    let program = c_program("cxx_mismatch.cpp");
+    let memcheck = Command::new("valgrind").args(["-q", "--leak-check=no"]).arg(&program).output().unwrap();
+    assert_eq!(memcheck.status.code(), Some(3), "{}", text(&memcheck.stderr));
+    let memcheck = text(&memcheck.stderr);
+    let guard =
+        Command::new(&program).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", "spy=guard").output().unwrap();
+    assert_eq!(guard.status.code(), Some(3));
+    let guard = text(&guard.stderr);
+    // Where each was released: memcheck's first frame below the release, the guard's site.
+    let lines = |report: &str, error: &str, frame: &str| -> Vec<String> {
+        let mut found = Vec::new();
+        let mut after_error = false;
+        for line in report.lines() {
+            if line.contains(error) {
+                after_error = true;
+            } else if after_error && line.contains(frame) && line.contains("cxx_mismatch.cpp:") {
+                found.push(line.rsplit_once("cxx_mismatch.cpp:").unwrap().1.trim_end_matches(')').to_owned());
+                after_error = false;
+            }
+        }
+        found
+    };
+    let by_memcheck = lines(&memcheck, "Mismatched free() / delete / delete []", "by 0x");
+    let by_guard = lines(&guard, "guard: alloc-dealloc-mismatch (", "#0 ");
+    assert_eq!(by_memcheck.len(), 5, "{memcheck}");
+    assert_eq!(by_guard, by_memcheck, "{guard}\n{memcheck}");
+}

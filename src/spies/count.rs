@@ -13,12 +13,25 @@ use crate::spy::{Call, Entry, MallocSpy, Role};
 use crate::thread_records::bump;
 use crate::threads::{self, MAX_THREADS};
 
+/// A thread's calls per entry point: two lines, and 2 MiB for all the slots (with the bytes
+/// and failures beside them, 16 entry points made it 3 MiB, which the pool rounds up to 4).
 #[repr(C, align(64))]
-struct Counters {
-    calls: [AtomicU64; Entry::ALL.len()],
+struct Calls([AtomicU64; Entry::ALL.len()]);
+
+/// A thread's bytes requested and failed calls.
+#[repr(C)]
+struct Amounts {
     bytes: AtomicU64,
     failed: AtomicU64,
 }
+
+/// One thread's counters.
+struct Counters<'a> {
+    calls: &'a Calls,
+    amounts: &'a Amounts,
+}
+
+const _: () = assert!(core::mem::size_of::<Calls>() == 128);
 
 /// Totals over all threads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,11 +43,13 @@ pub(crate) struct Totals {
 
 /// The counting spy.
 pub(crate) struct CountSpy {
-    /// `[Counters; MAX_THREADS]` in an anonymous mapping, indexed by thread slot.
-    per_thread: NonNull<Counters>,
+    /// `[Calls; MAX_THREADS]` in an anonymous mapping, indexed by thread slot.
+    calls: NonNull<Calls>,
+    /// `[Amounts; MAX_THREADS]`, likewise.
+    amounts: NonNull<Amounts>,
     /// For calls from a thread that has no slot of this module (never the case for the
     /// built-in spy of the shim; kept so the spy is correct anywhere).
-    shared: Counters,
+    shared: (Calls, Amounts),
     /// The calls that had gone unspied for want of a thread slot when counting began (at the
     /// start, or in a forked child): more at the end, and the counts are not complete.
     unspied_before: AtomicU64,
@@ -46,51 +61,61 @@ unsafe impl Send for CountSpy {}
 // SAFETY: as above.
 unsafe impl Sync for CountSpy {}
 
-const fn zeroed() -> Counters {
-    Counters {
-        calls: [const { AtomicU64::new(0) }; Entry::ALL.len()],
-        bytes: AtomicU64::new(0),
-        failed: AtomicU64::new(0),
-    }
+const fn zeroed() -> (Calls, Amounts) {
+    (
+        Calls([const { AtomicU64::new(0) }; Entry::ALL.len()]),
+        Amounts { bytes: AtomicU64::new(0), failed: AtomicU64::new(0) },
+    )
 }
 
 impl CountSpy {
     /// A spy with zeroed counters; `None` if the counter table cannot be mapped.
     pub(crate) fn new() -> Option<Self> {
         Some(Self {
-            per_thread: threads::map_per_thread::<Counters>()?,
+            calls: threads::map_per_thread::<Calls>()?,
+            amounts: threads::map_per_thread::<Amounts>()?,
             shared: zeroed(),
             unspied_before: AtomicU64::new(threads::unspied_calls()),
         })
     }
 
-    fn slot(&self, index: u32) -> &Counters {
+    fn slot(&self, index: u32) -> Counters<'_> {
         debug_assert!((index as usize) < MAX_THREADS);
-        // SAFETY: index < MAX_THREADS, the mapping's length; zeroed memory is valid atomics.
-        unsafe { &*self.per_thread.as_ptr().add(index as usize) }
+        // SAFETY: index < MAX_THREADS, the mappings' length; zeroed memory is valid atomics.
+        unsafe {
+            Counters {
+                calls: &*self.calls.as_ptr().add(index as usize),
+                amounts: &*self.amounts.as_ptr().add(index as usize),
+            }
+        }
+    }
+
+    fn shared(&self) -> Counters<'_> {
+        Counters { calls: &self.shared.0, amounts: &self.shared.1 }
     }
 
     /// Sums every thread's counters (approximate while other threads still count).
     pub(crate) fn totals(&self) -> Totals {
         let mut t = Totals::default();
-        let mut add = |c: &Counters| {
-            for (sum, n) in t.calls.iter_mut().zip(&c.calls) {
+        let mut add = |c: Counters| {
+            for (sum, n) in t.calls.iter_mut().zip(&c.calls.0) {
                 *sum += n.load(Ordering::Relaxed);
             }
-            t.bytes_requested = t.bytes_requested.saturating_add(c.bytes.load(Ordering::Relaxed));
-            t.failed += c.failed.load(Ordering::Relaxed);
+            t.bytes_requested = t.bytes_requested.saturating_add(c.amounts.bytes.load(Ordering::Relaxed));
+            t.failed += c.amounts.failed.load(Ordering::Relaxed);
         };
         for index in 0..threads::high_water() as u32 {
             add(self.slot(index));
         }
-        add(&self.shared);
+        add(self.shared());
         t
     }
 
     /// Child side of `fork`: the child counts its own calls.
     pub(crate) fn reset(&self) {
-        for c in (0..threads::high_water() as u32).map(|index| self.slot(index)).chain([&self.shared]) {
-            c.calls.iter().chain([&c.bytes, &c.failed]).for_each(|n| n.store(0, Ordering::Relaxed));
+        for c in (0..threads::high_water() as u32).map(|index| self.slot(index)).chain([self.shared()]) {
+            let amounts = [&c.amounts.bytes, &c.amounts.failed];
+            c.calls.0.iter().chain(amounts).for_each(|n| n.store(0, Ordering::Relaxed));
         }
         self.unspied_before.store(threads::unspied_calls(), Ordering::Relaxed);
     }
@@ -123,16 +148,17 @@ impl MallocSpy for CountSpy {
         match threads::current_index() {
             Some(index) => {
                 let c = self.slot(index);
-                bump(&c.calls[call.entry as usize], 1);
-                bump(&c.bytes, bytes);
+                bump(&c.calls.0[call.entry as usize], 1);
+                bump(&c.amounts.bytes, bytes);
                 if call.failed {
-                    bump(&c.failed, 1);
+                    bump(&c.amounts.failed, 1);
                 }
             }
             None => {
-                self.shared.calls[call.entry as usize].fetch_add(1, Ordering::Relaxed);
-                self.shared.bytes.fetch_add(bytes, Ordering::Relaxed);
-                self.shared.failed.fetch_add(call.failed as u64, Ordering::Relaxed);
+                let (calls, amounts) = &self.shared;
+                calls.0[call.entry as usize].fetch_add(1, Ordering::Relaxed);
+                amounts.bytes.fetch_add(bytes, Ordering::Relaxed);
+                amounts.failed.fetch_add(call.failed as u64, Ordering::Relaxed);
             }
         }
     }

@@ -5,7 +5,10 @@
 //! stack, or unmapped) are caught before the real allocator sees them; any other pointer the
 //! guard did not lay out may be a block of the real heap allocated before it, and goes to the
 //! real allocator's own checks, unless it is where the real block under one of the guard's
-//! starts (`free(p - 16)`).
+//! starts (`free(p - 16)`). A block given back by a function of another family than the one
+//! that allocated it (`free` or `realloc` of a block from C++'s `new`, `delete` of one from
+//! `new[]` or `malloc`) is a finding too, as valgrind's "Mismatched free() / delete / delete
+//! []" and AddressSanitizer's alloc-dealloc-mismatch are; it is then freed all the same.
 //!
 //! Layout of a block (caller's pointer `p`, `size` bytes asked for):
 //!
@@ -15,7 +18,8 @@
 //! ```
 //!
 //! The size word also holds, in its top bits, log2 of the header's offset from the real block
-//! (16, or the alignment for aligned blocks); `tag` is a hash of `p` and the size word. A
+//! (16, or the alignment for aligned blocks), and below them the [`Family`] of the function
+//! that allocated it; `tag` is a hash of `p` and the size word. A
 //! change to any byte of either word is seen (a zero written just before the block, as
 //! `s[strlen(s) - 1] = 0` on an empty string does, included), the size is trusted only once
 //! the tag vouches for it, and a header copied elsewhere does not validate. Every byte of the
@@ -62,6 +66,48 @@ const S_OLD_SIZE: usize = 4;
 const UNKNOWN_SIZE: usize = usize::MAX;
 /// The entry point of a release (a free, or a realloc to 0 that frees), for the findings.
 const S_ENTRY: usize = 5;
+/// The [`Family`] of the allocating call in progress.
+const S_FAMILY: usize = 6;
+
+/// The functions that allocate and release blocks of one kind: a block is given back by the
+/// family that gave it out, or the C++ standard says the behaviour is undefined.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Family {
+    /// `malloc`, `calloc`, `realloc`, the aligned functions: `free` and `realloc`.
+    Malloc = 0,
+    /// `operator new`: `operator delete`.
+    New,
+    /// `operator new[]`: `operator delete[]`.
+    NewArray,
+}
+
+impl Family {
+    /// The family that `entry` allocates in, or gives blocks back to.
+    fn of(entry: Entry) -> Family {
+        match entry {
+            Entry::OperatorNew | Entry::OperatorDelete => Family::New,
+            Entry::OperatorNewArray | Entry::OperatorDeleteArray => Family::NewArray,
+            _ => Family::Malloc,
+        }
+    }
+
+    fn from_bits(bits: u64) -> Family {
+        match bits {
+            1 => Family::New,
+            2 => Family::NewArray,
+            _ => Family::Malloc,
+        }
+    }
+
+    /// What the finding of a block of this family given back by another says.
+    const fn allocated_by(self) -> &'static str {
+        match self {
+            Family::Malloc => ": allocated by malloc",
+            Family::New => ": allocated by operator new",
+            Family::NewArray => ": allocated by operator new[]",
+        }
+    }
+}
 
 /// What kind of misuse a finding is.
 #[derive(Clone, Copy)]
@@ -70,19 +116,25 @@ enum Finding {
     Underflow,
     DoubleFree,
     InvalidFree,
+    Mismatch,
 }
+
+/// The number of kinds of [`Finding`].
+const FINDINGS: usize = 5;
 
 /// The bit of a site's kind that says its stack is the allocation of a block found damaged
 /// at exit, not the call at which a finding was made.
 const LIVE_AT_EXIT: u32 = 1 << 8;
 
 /// What each [`Finding`] is, as its lines and the summary of its sites name it.
-const FINDING_NAMES: [&str; 4] = ["heap-buffer-overflow", "heap-buffer-underflow", "double-free", "invalid-free"];
+const FINDING_NAMES: [&str; FINDINGS] =
+    ["heap-buffer-overflow", "heap-buffer-underflow", "double-free", "invalid-free", "alloc-dealloc-mismatch"];
 
 /// What each [`Finding`]'s line says after the block's address and size. ("header canary
 /// damaged, block leaked at 0x..." read as if the address were where a leak was.)
-const FINDING_DETAILS: [&str; 4] =
-    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block"];
+/// (A mismatch's says which function allocated the block: [`Family::allocated_by`].)
+const FINDING_DETAILS: [&str; FINDINGS] =
+    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block", ""];
 
 /// A recently freed block: its size, and its position in the eviction ring.
 #[derive(Clone, Copy)]
@@ -99,7 +151,7 @@ pub(crate) struct GuardSpy {
     ring: NonNull<AtomicUsize>,
     /// The sequence number of the next free: its slot in the ring is `ring_next % RECENT`.
     ring_next: AtomicUsize,
-    findings: [AtomicU64; 4],
+    findings: [AtomicU64; FINDINGS],
     /// Where the findings were made.
     sites: FindingSites,
     /// The real allocator is glibc's, whose chunk headers a foreign pointer is checked by
@@ -116,15 +168,18 @@ unsafe impl Sync for GuardSpy {}
 struct Header {
     size: usize,
     offset: usize,
+    family: Family,
 }
 
-/// Where the size word keeps log2 of the header's offset (no block is 2^58 bytes long).
+/// Where the size word keeps log2 of the header's offset (no block is 2^56 bytes long), and
+/// below it the block's [`Family`].
 const SHIFT_AT: u32 = 58;
+const FAMILY_AT: u32 = 56;
 const _: () = assert!(MAX_OFFSET.trailing_zeros() < 1 << (64 - SHIFT_AT));
 
 /// The size word of a block of `size` bytes whose header is `offset` bytes into the real one.
-fn size_word(size: usize, offset: usize) -> u64 {
-    size as u64 | u64::from(offset.trailing_zeros()) << SHIFT_AT
+fn size_word(size: usize, offset: usize, family: Family) -> u64 {
+    size as u64 | (family as u64) << FAMILY_AT | u64::from(offset.trailing_zeros()) << SHIFT_AT
 }
 
 /// Bits set, and bits cleared, in every byte of a canary word: the top bit and the lowest.
@@ -162,11 +217,11 @@ fn trailer(p: usize) -> u64 {
 ///
 /// # Safety
 /// `[p - 16, p + size + 8)` is inside one live block of ours.
-unsafe fn lay_out(p: usize, size: usize, offset: usize) {
+unsafe fn lay_out(p: usize, size: usize, offset: usize, family: Family) {
     let p8 = p as *mut u8;
     // SAFETY: the caller's guarantee; p is 16-aligned, so the header words are aligned.
     unsafe {
-        let word = size_word(size, offset);
+        let word = size_word(size, offset, family);
         (p8.sub(HEADER) as *mut u64).write(word);
         (p8.sub(8) as *mut u64).write(tag(p, word));
         (p8.add(size) as *mut u64).write_unaligned(trailer(p));
@@ -189,7 +244,11 @@ fn header_of(p: usize, word: u64, tag_word: u64) -> Option<Header> {
     let shift = word >> SHIFT_AT;
     let valid = tag_word == tag(p, word)
         && (u64::from(HEADER.trailing_zeros())..=u64::from(MAX_OFFSET.trailing_zeros())).contains(&shift);
-    valid.then(|| Header { size: (word & ((1 << SHIFT_AT) - 1)) as usize, offset: 1 << shift })
+    valid.then(|| Header {
+        size: (word & ((1 << FAMILY_AT) - 1)) as usize,
+        offset: 1 << shift,
+        family: Family::from_bits(word >> FAMILY_AT & 3),
+    })
 }
 
 /// Whether the trailer after a block with an intact header is intact.
@@ -318,13 +377,18 @@ impl GuardSpy {
             recent: LiveTable::leased()?,
             ring,
             ring_next: AtomicUsize::new(0),
-            findings: [const { AtomicU64::new(0) }; 4],
+            findings: [const { AtomicU64::new(0) }; FINDINGS],
             sites: FindingSites::new()?,
             glibc,
         })
     }
 
     fn report(&self, finding: Finding, p: usize, size: Option<usize>, place: &str) {
+        self.report_saying(finding, p, size, FINDING_DETAILS[finding as usize], place);
+    }
+
+    /// [`Self::report`] with the line's `detail` (what follows the block's address and size).
+    fn report_saying(&self, finding: Finding, p: usize, size: Option<usize>, detail: &str, place: &str) {
         let order = self.findings();
         self.findings[finding as usize].fetch_add(1, Ordering::Relaxed);
         let mut frames = [0u64; finding_sites::DEPTH];
@@ -341,7 +405,7 @@ impl GuardSpy {
         }
         self.sites.record(finding as u32, &frames[..depth], &modules[..depth], order);
         let mut line = finding_line(finding, p, size);
-        let _ = write!(line, "{} (in {place}", FINDING_DETAILS[finding as usize]);
+        let _ = write!(line, "{detail} (in {place}");
         if depth > 0 {
             let _ = write!(line, ", called from ");
             write_code_place(&mut line, frames[0]);
@@ -407,11 +471,13 @@ impl GuardSpy {
         let mut line = Line::new();
         let _ = writeln!(
             line,
-            "mallocspy: guard: {total} finding(s): {} overflow, {} underflow, {} double-free, {} invalid-free",
+            "mallocspy: guard: {total} finding(s): {} overflow, {} underflow, {} double-free, {} invalid-free, {} \
+             alloc-dealloc-mismatch",
             n(Finding::Overflow),
             n(Finding::Underflow),
             n(Finding::DoubleFree),
-            n(Finding::InvalidFree)
+            n(Finding::InvalidFree),
+            n(Finding::Mismatch)
         );
         Some(line)
     }
@@ -527,6 +593,7 @@ impl GuardSpy {
 
     /// Validates a spied block before it goes back; `None` when its header is damaged.
     fn check_spied(&self, p: usize, place: &str) -> Option<Header> {
+        let releasing = Family::of(releasing_entry());
         // SAFETY: spied blocks were laid out by post_alloc/post_realloc of this spy.
         let Some(header) = (unsafe { read_header(p) }) else {
             self.report(Finding::Underflow, p, None, place);
@@ -535,6 +602,9 @@ impl GuardSpy {
         // SAFETY: the header is intact.
         if !unsafe { trailer_intact(p, header.size) } {
             self.report(Finding::Overflow, p, Some(header.size), place);
+        }
+        if header.family != releasing {
+            self.report_saying(Finding::Mismatch, p, Some(header.size), header.family.allocated_by(), place);
         }
         Some(header)
     }
@@ -546,9 +616,18 @@ impl GuardSpy {
         }
         let size = CallScratch::get(S_SIZE) as usize;
         let offset = CallScratch::get(S_OFFSET) as usize;
+        let family = Family::from_bits(CallScratch::get(S_FAMILY));
         let p = real as usize + offset;
         // SAFETY: the Pre method asked for offset + size + TRAILER bytes.
-        unsafe { lay_out(p, size, offset) };
+        unsafe { lay_out(p, size, offset, family) };
+        // A block laid out and then refused by the dispatcher goes back through `pre_free`
+        // without `before_release`: as it was allocated.
+        let release = match family {
+            Family::Malloc => Entry::Free,
+            Family::New => Entry::OperatorDelete,
+            Family::NewArray => Entry::OperatorDeleteArray,
+        };
+        CallScratch::set(S_ENTRY, release as u64);
         // The address is live again: it can no longer be a double free.
         self.recent.remove(p);
         p as *mut c_void
@@ -559,7 +638,7 @@ impl GuardSpy {
         CallScratch::set(S_OFFSET, offset as u64);
         // 0, a forced failure, for a size the size word cannot hold: the real allocator
         // would fail it too.
-        if (size as u64) >> SHIFT_AT != 0 {
+        if (size as u64) >> FAMILY_AT != 0 {
             return 0;
         }
         offset.checked_add(size).and_then(|n| n.checked_add(TRAILER)).unwrap_or(0)
@@ -583,6 +662,10 @@ impl MallocSpy for GuardSpy {
         self.finish(actual)
     }
 
+    fn before_alloc(&self, entry: Entry) {
+        CallScratch::set(S_FAMILY, Family::of(entry) as u64);
+    }
+
     fn before_release(&self, entry: Entry, _ptr: *mut c_void, _spied: bool) {
         CallScratch::set(S_ENTRY, entry as u64);
     }
@@ -603,6 +686,8 @@ impl MallocSpy for GuardSpy {
     }
 
     fn pre_realloc(&self, request: *mut c_void, size: usize, spied: bool) -> (*mut c_void, usize) {
+        // What `realloc` gives is `malloc`'s, whoever allocated the block before.
+        CallScratch::set(S_FAMILY, Family::Malloc as u64);
         let p = request as usize;
         let place = releasing_in();
         if !spied {
@@ -748,14 +833,17 @@ fn write_code_place(line: &mut Line<256>, pc: u64) {
     let _ = write!(line, "{}+{:#x}", crate::options::Escaped(module), pc.wrapping_sub(bias));
 }
 
-/// The entry point that is giving a block back, as findings name it ([`GuardSpy::before_release`]
-/// noted it).
-fn releasing_in() -> &'static str {
-    match CallScratch::get(S_ENTRY) {
-        e if e == Entry::Realloc as u64 => "realloc",
-        e if e == Entry::Reallocarray as u64 => "reallocarray",
-        _ => "free",
+/// The entry point that is giving a block back ([`GuardSpy::before_release`] noted it).
+fn releasing_entry() -> Entry {
+    match Entry::from_index(CallScratch::get(S_ENTRY) as u8) {
+        e @ (Entry::Realloc | Entry::Reallocarray | Entry::OperatorDelete | Entry::OperatorDeleteArray) => e,
+        _ => Entry::Free,
     }
+}
+
+/// The entry point that is giving a block back, as findings name it.
+fn releasing_in() -> &'static str {
+    releasing_entry().name()
 }
 
 #[cfg(test)]
@@ -780,9 +868,13 @@ mod tests {
         let p = buf.as_mut_ptr() as usize + 16;
         // SAFETY: buf holds 128 bytes: 16 before p, 48 + 8 after.
         unsafe {
-            lay_out(p, 40, 16);
+            lay_out(p, 40, 16, Family::Malloc);
             let h = read_header(p).unwrap();
-            assert_eq!((h.size, h.offset), (40, 16));
+            assert_eq!((h.size, h.offset, h.family), (40, 16, Family::Malloc));
+            lay_out(p, 40, 16, Family::NewArray);
+            let h = read_header(p).unwrap();
+            assert_eq!((h.size, h.offset, h.family), (40, 16, Family::NewArray));
+            lay_out(p, 40, 16, Family::Malloc);
             assert!(trailer_intact(p, 40));
             *(p as *mut u8).add(40) ^= 1;
             assert!(!trailer_intact(p, 40));
@@ -801,7 +893,8 @@ mod tests {
         for block in 0..20_000usize {
             // Addresses of blocks spread over the address space, as many as the hash sees.
             let p = (block.wrapping_mul(0x9E37_79B9_7F4A_7C15) & 0x7fff_ffff_fff0) | 0x10;
-            let (tag_bytes, trailer_bytes) = (tag(p, size_word(40, 16)).to_le_bytes(), trailer(p).to_le_bytes());
+            let (tag_bytes, trailer_bytes) =
+                (tag(p, size_word(40, 16, Family::Malloc)).to_le_bytes(), trailer(p).to_le_bytes());
             for value in (0..0x80u8).chain((0x81..=0xff).step_by(2)) {
                 assert!(!tag_bytes.contains(&value) && !trailer_bytes.contains(&value), "{value:#x} at {p:#x}");
             }
@@ -812,10 +905,10 @@ mod tests {
             // SAFETY: buf holds 512 bytes; p lies 16 to 24 bytes into it, and the block needs
             // 16 bytes before p and 48 after.
             unsafe {
-                lay_out(p, 40, 16);
+                lay_out(p, 40, 16, Family::Malloc);
                 *(p as *mut u8).add(40) = value;
                 assert!(!trailer_intact(p, 40), "{value:#x} after the block");
-                lay_out(p, 40, 16);
+                lay_out(p, 40, 16, Family::Malloc);
                 *(p as *mut u8).sub(1) = value;
                 assert!(read_header(p).is_none(), "{value:#x} before the block");
             }
@@ -835,7 +928,7 @@ mod tests {
                     // SAFETY: buf holds 12,288 bytes; p is at least `offset` and less than
                     // 2 * 4096 bytes into it, and the block needs 16 bytes before p and 48 after.
                     unsafe {
-                        lay_out(p, 40, offset);
+                        lay_out(p, 40, offset, Family::Malloc);
                         assert_eq!(read_header(p).map(|h| (h.size, h.offset)), Some((40, offset)));
                         let at = (p as *mut u8).sub(byte);
                         if *at == value {

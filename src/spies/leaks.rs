@@ -160,7 +160,7 @@ unsafe impl Send for LeakTracker {}
 unsafe impl Sync for LeakTracker {}
 
 fn is_allocation(entry: Entry) -> bool {
-    !matches!(entry, Entry::Free | Entry::MallocUsableSize | Entry::MallocTrim)
+    !(entry.only_releases() || matches!(entry, Entry::MallocUsableSize | Entry::MallocTrim))
 }
 
 impl LeakTracker {
@@ -446,7 +446,7 @@ impl MallocSpy for LeakTracker {
 
     fn before_release(&self, entry: Entry, ptr: *mut core::ffi::c_void, _spied: bool) {
         crate::leaks::wait_while_a_check_starts();
-        if entry == Entry::Free {
+        if entry.only_releases() {
             match self.mine() {
                 Some(t) => self.free_later(ptr as usize, t),
                 None => self.free_now(ptr as usize),

@@ -76,6 +76,9 @@ impl MallocSpy for SpyStack {
     fn role(&self) -> Role {
         if self.layers.iter().all(|l| l.role() == Role::Observe) { Role::Observe } else { Role::Interpose }
     }
+    fn before_alloc(&self, entry: Entry) {
+        self.layers.iter().for_each(|l| l.before_alloc(entry))
+    }
     fn before_release(&self, entry: Entry, ptr: *mut c_void, spied: bool) {
         self.layers.iter().for_each(|l| l.before_release(entry, ptr, spied))
     }
