@@ -306,53 +306,85 @@ pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, nmemb: usize, size: usiz
 }
 
 /// Defines the Rust side of one form of C++'s `operator new`: the block from
-/// [`Interposer::operator_new`](crate::dispatch::Interposer::operator_new), or, out of memory,
-/// the answer of the definition the C++ runtime gives under the same mangled name (the next
-/// one after ours in the process's lookup order): it calls the new-handler, retries, and
-/// throws `bad_alloc` (or returns NULL for `nothrow`), which C++ callers rely on and Rust
-/// cannot do. A block it then gets, through our `malloc`, is named as `malloc`'s. A call from
-/// an allocator that defines the operators itself goes to its own, unseen
+/// [`Interposer::operator_new`](crate::dispatch::Interposer::operator_new), with what C++
+/// callers rely on when there is none: while a new-handler is installed it is called and the
+/// allocation tried again; without one, `nothrow` gives NULL and the others throw `bad_alloc`,
+/// by the C++ runtime's own function. The loop runs here, not in the runtime's operator,
+/// whose retries go through our `malloc`: a block it got once the handler had freed memory was
+/// named `malloc`'s, and its `delete` was a mismatch. A `nothrow` form whose handler may throw
+/// goes to the runtime's, which catches (and calls our throwing form). A call from an
+/// allocator that defines the operators itself goes to its own, unseen
 /// ([`crate::heap::is_code_of_an_allocator_with_operators`]).
 macro_rules! operator_new {
-    ($name:ident, $symbol:literal, $entry:ident, ($($arg:ident: $ty:ty),*), $align:expr) => {
+    ($name:ident, $symbol:literal, $entry:ident, ($($arg:ident: $ty:ty),*), $align:expr, nothrow: $nothrow:literal) => {
         #[doc(hidden)]
         pub extern "C-unwind" fn $name(size: usize $(, $arg: $ty)*) -> *mut c_void {
             static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
-            let own = crate::heap::is_code_of_an_allocator_with_operators(crate::early::caller_of_hook());
-            let block = if own { core::ptr::null_mut() } else { GLOBAL.operator_new(Entry::$entry, size, $align) };
-            if !block.is_null() {
-                return block;
+            let next = || {
+                let next = next_definition(&NEXT, $symbol);
+                // SAFETY: the next definition of this operator: the same signature.
+                (!next.is_null()).then(|| unsafe {
+                    core::mem::transmute::<*mut c_void, extern "C-unwind" fn(usize $(, $ty)*) -> *mut c_void>(next)
+                })
+            };
+            if crate::heap::is_code_of_an_allocator_with_operators(crate::early::caller_of_hook()) {
+                return next().map_or(core::ptr::null_mut(), |next| next(size $(, $arg)*));
             }
-            let next = next_definition(&NEXT, $symbol);
-            if next.is_null() {
-                return block;
+            loop {
+                let block = GLOBAL.operator_new(Entry::$entry, size, $align);
+                if !block.is_null() {
+                    return block;
+                }
+                let Some(handler) = new_handler() else { break };
+                if $nothrow {
+                    return next().map_or(core::ptr::null_mut(), |next| next(size $(, $arg)*));
+                }
+                handler();
             }
-            // SAFETY: the C++ runtime's definition of this operator: the same signature.
-            let next: extern "C-unwind" fn(usize $(, $ty)*) -> *mut c_void = unsafe { core::mem::transmute(next) };
-            next(size $(, $arg)*)
+            if $nothrow {
+                return core::ptr::null_mut();
+            }
+            throw_bad_alloc();
+            next().map_or(core::ptr::null_mut(), |next| next(size $(, $arg)*))
         }
     };
 }
 
-operator_new!(operator_new, c"_Znwm", OperatorNew, (), 0);
-operator_new!(operator_new_array, c"_Znam", OperatorNewArray, (), 0);
-operator_new!(operator_new_nothrow, c"_ZnwmRKSt9nothrow_t", OperatorNew, (nothrow: *const c_void), 0);
-operator_new!(operator_new_array_nothrow, c"_ZnamRKSt9nothrow_t", OperatorNewArray, (nothrow: *const c_void), 0);
-operator_new!(operator_new_aligned, c"_ZnwmSt11align_val_t", OperatorNew, (align: usize), align);
-operator_new!(operator_new_array_aligned, c"_ZnamSt11align_val_t", OperatorNewArray, (align: usize), align);
+operator_new!(operator_new, c"_Znwm", OperatorNew, (), 0, nothrow: false);
+operator_new!(operator_new_array, c"_Znam", OperatorNewArray, (), 0, nothrow: false);
+operator_new!(operator_new_nothrow, c"_ZnwmRKSt9nothrow_t", OperatorNew, (nothrow: *const c_void), 0, nothrow: true);
+operator_new!(
+    operator_new_array_nothrow,
+    c"_ZnamRKSt9nothrow_t",
+    OperatorNewArray,
+    (nothrow: *const c_void),
+    0,
+    nothrow: true
+);
+operator_new!(operator_new_aligned, c"_ZnwmSt11align_val_t", OperatorNew, (align: usize), align, nothrow: false);
+operator_new!(
+    operator_new_array_aligned,
+    c"_ZnamSt11align_val_t",
+    OperatorNewArray,
+    (align: usize),
+    align,
+    nothrow: false
+);
 operator_new!(
     operator_new_aligned_nothrow,
     c"_ZnwmSt11align_val_tRKSt9nothrow_t",
     OperatorNew,
     (align: usize, nothrow: *const c_void),
-    align
+    align,
+    nothrow: true
 );
 operator_new!(
     operator_new_array_aligned_nothrow,
     c"_ZnamSt11align_val_tRKSt9nothrow_t",
     OperatorNewArray,
     (align: usize, nothrow: *const c_void),
-    align
+    align,
+    nothrow: true
 );
 
 /// The definition of `symbol` after ours in the process's lookup order (the C++ runtime's),
@@ -366,6 +398,34 @@ fn next_definition(cache: &AtomicPtr<c_void>, symbol: &core::ffi::CStr) -> *mut 
         cache.store(next, Ordering::Relaxed);
     }
     next
+}
+
+/// The program's new-handler (`std::get_new_handler()`, the same name in libstdc++ and
+/// libc++), if one is installed.
+fn new_handler() -> Option<extern "C-unwind" fn()> {
+    static GET: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+    let get = next_definition(&GET, c"_ZSt15get_new_handlerv");
+    if get.is_null() {
+        return None;
+    }
+    // SAFETY: `std::new_handler std::get_new_handler() noexcept`: a pointer to a function
+    // taking nothing and returning nothing (which may throw), or NULL.
+    let get = unsafe { core::mem::transmute::<*mut c_void, extern "C" fn() -> Option<extern "C-unwind" fn()>>(get) };
+    get()
+}
+
+/// Throws `std::bad_alloc` by the C++ runtime's own function (libstdc++'s, libc++'s); returns
+/// only when there is none, and the caller then leaves it to the runtime's operator.
+fn throw_bad_alloc() {
+    static THROW: [AtomicPtr<c_void>; 2] = [const { AtomicPtr::new(core::ptr::null_mut()) }; 2];
+    for (cache, symbol) in THROW.iter().zip([c"_ZSt17__throw_bad_allocv", c"_ZNSt3__117__throw_bad_allocEv"]) {
+        let throw = next_definition(cache, symbol);
+        if !throw.is_null() {
+            // SAFETY: `[[noreturn]] void std::__throw_bad_alloc()`.
+            let throw = unsafe { core::mem::transmute::<*mut c_void, extern "C-unwind" fn() -> !>(throw) };
+            throw();
+        }
+    }
 }
 
 /// C++'s `operator delete`, every form.

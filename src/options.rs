@@ -7,6 +7,7 @@
 //! | `report_format` | `text`, `json` | `text` | the leak report's format |
 //! | `show_reachable` | `0`, `1` | `0` | list still-reachable records in the text report (JSON always has them) |
 //! | `show_below_main` | `0`, `1` | `0` | keep the frames below `main` (the C library's start-up) in reported stacks |
+//! | `show_mismatched_frees` | `0`, `1` | `1` | the guard's alloc-dealloc-mismatch findings (valgrind's `--show-mismatched-frees`) |
 //! | `report_on_signal` | `0`, `1` | `1` | write the reports when `HUP`, `INT`, `PIPE`, `QUIT` or `TERM` ends the process by its default action |
 //! | `suppressions` | a file of `leak:PATTERN` lines | none | leaks to leave out of the report |
 //! | `exitcode` | 0-255 | none | exit with this status when definite or indirect leaks remain (LSan uses 23), or the guard found misuse; 0 leaves the status alone |
@@ -86,6 +87,11 @@ pub struct Options {
     pub show_reachable: bool,
     /// Keep the frames below `main` in reported stacks (valgrind's `--show-below-main`).
     pub show_below_main: bool,
+    /// The guard reports a block given back by another family than the one that allocated it
+    /// (valgrind's `--show-mismatched-frees`): not for a program whose own C++ operators,
+    /// linked in with `-static-libstdc++`, serve blocks that a library's `delete` gives back,
+    /// or the other way round (memcheck's false positives too).
+    pub show_mismatched_frees: bool,
     /// Write the reports when a signal's default action ends the process.
     pub report_on_signal: bool,
     /// Suppressions file.
@@ -124,6 +130,7 @@ impl Default for Options {
             report_format: ReportFormat::Text,
             show_reachable: false,
             show_below_main: false,
+            show_mismatched_frees: true,
             report_on_signal: true,
             suppressions: None,
             exitcode: None,
@@ -158,7 +165,8 @@ pub enum OptionsError {
     Malformed(String),
 }
 
-const KEYS: &str = "spy, log_path, report_format, show_reachable, show_below_main, report_on_signal, \
+const KEYS: &str = "spy, log_path, report_format, show_reachable, show_below_main, show_mismatched_frees, \
+                    report_on_signal, \
                     suppressions, exitcode, stack_depth, max_memory, sampling, sample_interval, sample_seed, \
                     trace, stats_interval_ms, stop_threads";
 
@@ -294,6 +302,13 @@ impl Options {
                         _ => return Err(bad("show_below_main", "0 or 1")),
                     }
                 }
+                "show_mismatched_frees" => {
+                    o.show_mismatched_frees = match value {
+                        "0" => false,
+                        "1" => true,
+                        _ => return Err(bad("show_mismatched_frees", "0 or 1")),
+                    }
+                }
                 "report_on_signal" => {
                     o.report_on_signal = match value {
                         "0" => false,
@@ -392,7 +407,7 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let o = Options::parse(
-            "spy=count,guard:log_path=/tmp/x.%p:report_format=json:show_reachable=1:show_below_main=1:report_on_signal=0:suppressions=s.txt:exitcode=23:stack_depth=8:max_memory=64m",
+            "spy=count,guard:log_path=/tmp/x.%p:report_format=json:show_reachable=1:show_below_main=1:show_mismatched_frees=0:report_on_signal=0:suppressions=s.txt:exitcode=23:stack_depth=8:max_memory=64m",
         )
         .unwrap();
         assert!(!o.report_on_signal && Options::default().report_on_signal);
@@ -401,6 +416,7 @@ mod tests {
         assert_eq!(o.report_format, ReportFormat::Json);
         assert!(o.show_reachable && !Options::default().show_below_main);
         assert!(o.show_below_main);
+        assert!(!o.show_mismatched_frees && Options::default().show_mismatched_frees);
         assert_eq!(o.suppressions.as_deref(), Some("s.txt"));
         assert_eq!(o.exitcode, Some(23));
         // LeakSanitizer's `exitcode=0`: report, and leave the status alone.

@@ -768,6 +768,20 @@ pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
     lowest as usize
 }
 
+/// The most address space the process may map, when limited: `ulimit -v`, and `ulimit -d`,
+/// which counts private writable mappings too.
+pub(crate) fn address_space_limit() -> Option<usize> {
+    [libc::RLIMIT_AS, libc::RLIMIT_DATA]
+        .into_iter()
+        .filter_map(|resource| {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: getrlimit writes the one struct it is given.
+            let known = unsafe { libc::getrlimit(resource, &mut limit) } == 0;
+            (known && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as usize)
+        })
+        .min()
+}
+
 /// The lowest and highest mapped addresses of the module that contains `addr`, or `(0, 0)`.
 pub(crate) fn module_span(addr: *const core::ffi::c_void) -> (usize, usize) {
     let addr = addr as u64;

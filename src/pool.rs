@@ -126,8 +126,13 @@ fn carve(size: usize) -> Option<NonNull<u8>> {
     // no memory until touched. Then every arena is only as large as its lease needs (or
     // SMALL_ARENA): failing mallocspy's own allocations aborted every process under
     // `ulimit -v 400000`, and reserving whatever the limit still allows would leave the
-    // program none.
+    // program none. So too under any limit: an arena the limit allowed took that much of
+    // the program's room (under `ulimit -v 1200000`, a program that allocates 100 MiB
+    // blocks until refused got one, where it gets eleven natively: review helper 115).
     let small = |size: usize| size.max(SMALL_ARENA);
+    if !SMALL_ARENAS.load(Ordering::Relaxed) && os::address_space_limit().is_some() {
+        SMALL_ARENAS.store(true, Ordering::Relaxed);
+    }
     let mut len = if SMALL_ARENAS.load(Ordering::Relaxed) { small(size) } else { size.max(ARENA) };
     let arena = match os::map(len) {
         Some(arena) => arena,

@@ -182,7 +182,12 @@ fn register_spies() {
     pool::set_limit(limit, from_rlimit);
     let (builtins, refused) = pool::unsaid(|| Builtins {
         count: options.spies.count.then(CountSpy::new).flatten().map(leak),
-        guard: options.spies.guard.then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc())).flatten().map(leak),
+        guard: options
+            .spies
+            .guard
+            .then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc(), options.show_mismatched_frees))
+            .flatten()
+            .map(leak),
         leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
         ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options))).flatten().map(leak),
         suppressions,
@@ -427,16 +432,7 @@ fn memory_limit(given: Option<usize>) -> (usize, bool) {
     if let Some(given) = given {
         return (given, false);
     }
-    let room = [libc::RLIMIT_AS, libc::RLIMIT_DATA]
-        .into_iter()
-        .filter_map(|resource| {
-            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            // SAFETY: getrlimit writes the one struct it is given.
-            let known = unsafe { libc::getrlimit(resource, &mut limit) } == 0;
-            (known && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as usize)
-        })
-        .min();
-    match room.map(|room| room / 4).filter(|&quarter| quarter < DEFAULT_MAX_MEMORY) {
+    match os::address_space_limit().map(|room| room / 4).filter(|&quarter| quarter < DEFAULT_MAX_MEMORY) {
         Some(quarter) => (quarter, true),
         None => (DEFAULT_MAX_MEMORY, false),
     }

@@ -694,6 +694,12 @@ fn the_guard_finds_blocks_given_back_by_another_family_than_the_one_that_allocat
         })
         .collect();
     assert_eq!(marked, ["new[] delete", "new free", "malloc delete", "new realloc", "new delete[]"], "{stderr}");
+    // As valgrind's `--show-mismatched-frees=no`.
+    let out = run(Mode::Shim("spy=guard:show_mismatched_frees=0"), &mut Command::new(&program));
+    assert_eq!(
+        (text(&out.stdout), out.status.code(), text(&out.stderr)),
+        (text(&native.stdout), Some(3), String::new())
+    );
 }
 
 /// C++'s answers to an allocation that cannot be served are kept under every spy: `new`
@@ -708,5 +714,24 @@ fn cxx_new_still_throws_bad_alloc_and_calls_the_new_handler() {
         "new[]: bad_alloc caught\nnew: bad_alloc caught\nnothrow new[]: NULL\n\
          new[]: bad_alloc caught after the new-handler ran 1 time(s)\naligned new: 0 bytes off 256\n\
          aligned nothrow new[]: 0 bytes off 256\n"
+    );
+}
+
+/// A new-handler that frees memory lets `new` succeed on its next try: the block is the
+/// operator's (before, the C++ runtime's operator retried through `malloc`, and the guard
+/// called the program's matching `delete` a mismatch), and the run is the native one under an
+/// address-space limit (before, the pool's 1 GiB arena took most of the program's room: it got
+/// one 100 MiB block where it gets eleven natively).
+#[test]
+fn a_new_handler_that_frees_memory_lets_new_succeed_as_natively() {
+    let program = c_program("cxx_new_handler.cpp");
+    let outputs = same_in_every_mode("cxx_new_handler under ulimit -v 1200000", || {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c").arg("ulimit -v 1200000 && exec \"$0\"").arg(&program);
+        cmd
+    });
+    assert_eq!(
+        text(&outputs[0].1.stdout),
+        "bad_alloc at the end: yes; blocks allocated after the handler freed memory: yes\n"
     );
 }

@@ -18,7 +18,7 @@ fn bad_options_are_one_line_and_the_program_runs_unspied() {
     for (options, message) in [
         (
             "spy=count:colour=blue",
-            "mallocspy: MALLOCSPY_OPTIONS: unknown key 'colour' (known: spy, log_path, report_format, show_reachable, show_below_main, report_on_signal, suppressions, exitcode, stack_depth, max_memory, sampling, sample_interval, sample_seed, trace, stats_interval_ms, stop_threads); running unspied\n",
+            "mallocspy: MALLOCSPY_OPTIONS: unknown key 'colour' (known: spy, log_path, report_format, show_reachable, show_below_main, show_mismatched_frees, report_on_signal, suppressions, exitcode, stack_depth, max_memory, sampling, sample_interval, sample_seed, trace, stats_interval_ms, stop_threads); running unspied\n",
         ),
         (
             "spy=cuont",

@@ -157,6 +157,8 @@ pub(crate) struct GuardSpy {
     /// The real allocator is glibc's, whose chunk headers a foreign pointer is checked by
     /// ([`glibc_would_take`]).
     glibc: bool,
+    /// Whether a block given back by another family than its own is a finding.
+    mismatches: bool,
 }
 
 // SAFETY: the ring is atomics; the rest is atomics and a Sync table.
@@ -370,8 +372,9 @@ fn offset_for(align: usize) -> usize {
 
 impl GuardSpy {
     /// A guard with an empty memory of freed blocks; `None` if it cannot be mapped. `glibc`:
-    /// whether the real allocator is glibc's.
-    pub(crate) fn new(glibc: bool) -> Option<Self> {
+    /// whether the real allocator is glibc's; `mismatches`: whether a block given back by
+    /// another family than its own is a finding.
+    pub(crate) fn new(glibc: bool, mismatches: bool) -> Option<Self> {
         let ring = pool::lease(RECENT * core::mem::size_of::<usize>())?.cast::<AtomicUsize>();
         Some(Self {
             recent: LiveTable::leased()?,
@@ -380,6 +383,7 @@ impl GuardSpy {
             findings: [const { AtomicU64::new(0) }; FINDINGS],
             sites: FindingSites::new()?,
             glibc,
+            mismatches,
         })
     }
 
@@ -603,7 +607,7 @@ impl GuardSpy {
         if !unsafe { trailer_intact(p, header.size) } {
             self.report(Finding::Overflow, p, Some(header.size), place);
         }
-        if header.family != releasing {
+        if header.family != releasing && self.mismatches {
             self.report_saying(Finding::Mismatch, p, Some(header.size), header.family.allocated_by(), place);
         }
         Some(header)
