@@ -13,7 +13,8 @@ use crate::global::GLOBAL;
 use crate::heap::Heap;
 use crate::spy::Entry;
 
-/// Defines the twelve C entry points of the malloc family, `_exit`/`_Exit` and
+/// Defines the twelve C entry points of the malloc family, C++'s twenty forms of `operator
+/// new` and `operator delete`, `_exit`/`_Exit` and
 /// `__cxa_at_quick_exit` (so that exit reports are written), `pthread_create` (so that a new thread notes its stack before its
 /// routine runs, see `thread_create.rs`), `dlclose` (so that a trace names an unloaded
 /// library's code, see `dl_close.rs`), `mmap`/`mmap64`/`munmap`/`mremap` (so that the leak
@@ -85,33 +86,34 @@ macro_rules! export_interposer {
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
         $crate::__jump!(_Exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
         $crate::__jump!(daemon, $crate::interpose::daemon, (nochdir: ::core::ffi::c_int, noclose: ::core::ffi::c_int) -> ::core::ffi::c_int);
-        // What `at_quick_exit` calls: the exit reports' handler is registered first, to run
-        // after every other.
-        // C++'s operators: the blocks they give are named as theirs, and a mismatched release
-        // (`free` of a `new` block, `delete` of a `new[]` one) is one of the guard's findings.
-        // `new` unwinds: out of memory, the C++ runtime's own operator throws `bad_alloc`.
+        // C++'s operators (Itanium C++ ABI names, `size_t` as `m`): the blocks they give are
+        // named as theirs, and a mismatched release (`free` of a `new` block, `delete` of a
+        // `new[]` one) is one of the guard's findings.
+        // `new` unwinds: out of memory, it throws `bad_alloc` by the C++ runtime's function.
         // Every `delete` is `free` under its name: the size, alignment or `nothrow` argument
         // after the pointer is not needed.
-        $crate::__cxx_trampoline!("C-unwind", _Znwm, $crate::interpose::operator_new, (size: usize) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _Znam, $crate::interpose::operator_new_array, (size: usize) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _ZnwmRKSt9nothrow_t, $crate::interpose::operator_new_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _ZnamRKSt9nothrow_t, $crate::interpose::operator_new_array_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _ZnwmSt11align_val_t, $crate::interpose::operator_new_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _ZnamSt11align_val_t, $crate::interpose::operator_new_array_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _ZnwmSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C-unwind", _ZnamSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_array_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
-        $crate::__cxx_trampoline!("C", _ZdlPv, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdlPvm, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdlPvRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdlPvSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdlPvmSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdaPv, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdaPvm, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdaPvRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdaPvSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdaPvmSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__cxx_trampoline!("C", _ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C-unwind", _Znwm, $crate::interpose::operator_new, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _Znam, $crate::interpose::operator_new_array, (size: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _ZnwmRKSt9nothrow_t, $crate::interpose::operator_new_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _ZnamRKSt9nothrow_t, $crate::interpose::operator_new_array_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _ZnwmSt11align_val_t, $crate::interpose::operator_new_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _ZnamSt11align_val_t, $crate::interpose::operator_new_array_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _ZnwmSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C-unwind", _ZnamSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_array_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
+        $crate::__trampoline!("C", _ZdlPv, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdlPvm, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdlPvRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdlPvSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdlPvmSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdaPv, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdaPvm, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdaPvRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdaPvSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdaPvmSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__trampoline!("C", _ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        // What `at_quick_exit` calls: the exit reports' handler is registered first, to run
+        // after every other.
         $crate::__jump!(__cxa_at_quick_exit, $crate::interpose::cxa_at_quick_exit, (f: Option<extern "C" fn()>, dso: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
         /// The C API of this interposer (`include/mallocspy.h`).
         #[unsafe(no_mangle)]
@@ -119,37 +121,16 @@ macro_rules! export_interposer {
     };
 }
 
-/// One naked trampoline of [`export_interposer!`].
+/// One naked trampoline of [`export_interposer!`], `extern "C"` unless an ABI comes first
+/// (C++'s `operator new`, whose target unwinds: `"C-unwind"`).
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __trampoline {
-    ($name:ident, $target:path, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
-        /// The C function of this name (see `export_interposer!`).
-        #[unsafe(naked)]
-        #[unsafe(no_mangle)]
-        pub extern "C" fn $name($($arg: $ty),*) -> $ret {
-            ::core::arch::naked_asm!(
-                $crate::__cfi_start!(),
-                "mov rax, qword ptr [rip + __mallocspy_thread_state@GOTTPOFF]",
-                "mov qword ptr fs:[rax + {sp}], rsp",
-                "mov qword ptr fs:[rax + {bp}], rbp",
-                $crate::__jump_aligned!(),
-                sp = const $crate::interpose::ENTRY_SP_OFFSET,
-                bp = const $crate::interpose::ENTRY_BP_OFFSET,
-                target = sym $target,
-            )
-        }
+    ($name:ident, $target:path, $($signature:tt)*) => {
+        $crate::__trampoline!("C", $name, $target, $($signature)*);
     };
-}
-
-/// One C++ operator of [`export_interposer!`]: a [`__trampoline!`](crate::__trampoline) under
-/// the operator's mangled name (Itanium C++ ABI, `size_t` as `unsigned long`), in the ABI its
-/// target unwinds by.
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __cxx_trampoline {
     ($abi:literal, $name:ident, $target:path, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
-        /// The C++ operator of this mangled name (see `export_interposer!`).
+        /// The function of this name (see `export_interposer!`).
         #[unsafe(naked)]
         #[unsafe(no_mangle)]
         #[allow(non_snake_case)]
@@ -339,7 +320,7 @@ macro_rules! operator_new {
                 if $nothrow {
                     return next().map_or(core::ptr::null_mut(), |next| next(size $(, $arg)*));
                 }
-                handler();
+                call_new_handler(handler);
             }
             if $nothrow {
                 return core::ptr::null_mut();
@@ -412,6 +393,17 @@ fn new_handler() -> Option<extern "C-unwind" fn()> {
     // taking nothing and returning nothing (which may throw), or NULL.
     let get = unsafe { core::mem::transmute::<*mut c_void, extern "C" fn() -> Option<extern "C-unwind" fn()>>(get) };
     get()
+}
+
+/// Calls the program's new-handler, keeping the notes of the caller's stack, which its own
+/// calls of the allocator (a `free` of memory kept in reserve) overwrite: the retry's stack
+/// was walked from a dead frame (review helper 116).
+fn call_new_handler(handler: extern "C-unwind" fn()) {
+    let state = crate::tls::state();
+    let (sp, bp) = (state.entry_sp.get(), state.entry_bp.get());
+    handler();
+    state.entry_sp.set(sp);
+    state.entry_bp.set(bp);
 }
 
 /// Throws `std::bad_alloc` by the C++ runtime's own function (libstdc++'s, libc++'s); returns

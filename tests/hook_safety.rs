@@ -734,4 +734,15 @@ fn a_new_handler_that_frees_memory_lets_new_succeed_as_natively() {
         text(&outputs[0].1.stdout),
         "bad_alloc at the end: yes; blocks allocated after the handler freed memory: yes\n"
     );
+    // The stack of a block allocated after the handler ran (whose `free`s noted their own
+    // stacks) is the program's: it was walked from a dead frame.
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c").arg("ulimit -v 1200000 && exec \"$0\" leak").arg(&program);
+    let report = json_report(&run(JSON_REPORT, &mut cmd));
+    let leaks = report["leaks"].as_array().unwrap();
+    let lost = leaks.iter().find(|r| r["kind"] == "definitely_lost").unwrap_or_else(|| panic!("{report}"));
+    assert_eq!(lost["bytes"], 100 << 20, "{report}");
+    let functions: Vec<&str> =
+        lost["stack"].as_array().unwrap().iter().filter_map(|f| f["function"].as_str()).collect();
+    assert!(functions.starts_with(&["allocate(int, unsigned long)", "main"]), "{functions:?}");
 }
