@@ -356,7 +356,7 @@ impl<H: Heap> Interposer<H> {
     #[inline(never)]
     pub(crate) unsafe extern "C" fn free_slow(&self, ptr: *mut c_void) {
         // SAFETY: the caller's guarantee.
-        unsafe { self.release_as(Entry::Free, ptr) }
+        unsafe { self.release_slow(Entry::Free, ptr) }
     }
 
     /// C++'s `operator new` (`entry`: [`Entry::OperatorNew`] or [`Entry::OperatorNewArray`])
@@ -380,26 +380,13 @@ impl<H: Heap> Interposer<H> {
         self.alloc(AllocRequest { entry, kind: Kind::Memalign, size, asked: size, align }).ptr
     }
 
-    /// C++'s `operator delete` (`entry`: [`Entry::OperatorDelete`] or
-    /// [`Entry::OperatorDeleteArray`]) in every form: `free`'s steps under the operator's name.
+    /// A release by `entry` (`free`, or C++'s `operator delete`, whose exports are `free`'s
+    /// assembly, [`crate::fast_path`]) through the spy, `errno` kept.
     ///
     /// # Safety
     /// `ptr` is NULL or a live block of this allocator, dead afterwards.
-    #[inline]
-    pub(crate) unsafe fn operator_delete(&self, entry: Entry, ptr: *mut c_void) {
-        if self.registry.is_empty() || self.gate.pass_free(ptr as usize) {
-            // SAFETY: the caller's guarantee; a block the gate passes is a real block.
-            return unsafe { self.heap.free(ptr) };
-        }
-        // SAFETY: the caller's guarantee.
-        unsafe { self.release_as(entry, ptr) }
-    }
-
-    /// A release by `entry` (`free` or `operator delete`) through the spy, `errno` kept.
-    ///
-    /// # Safety
-    /// `ptr` is NULL or a live block of this allocator, dead afterwards.
-    unsafe fn release_as(&self, entry: Entry, ptr: *mut c_void) {
+    #[inline(never)]
+    pub(crate) unsafe fn release_slow(&self, entry: Entry, ptr: *mut c_void) {
         let saved = os::errno();
         // SAFETY: the caller's guarantee.
         unsafe { self.free_spied(entry, ptr) };

@@ -234,8 +234,8 @@ impl Gate {
     }
 
     /// A free of `ptr`: `true` when it is only counted (NULL: not even counted). The
-    /// process's `free` takes these steps in assembly ([`crate::fast_path`]); `operator
-    /// delete` here.
+    /// process's interposer takes these steps in assembly ([`crate::fast_path`]).
+    #[cfg(test)]
     #[inline(always)]
     pub(crate) fn pass_free(&self, ptr: usize) -> bool {
         let Some((_, c)) = self.counters() else { return false };

@@ -248,13 +248,13 @@ static ALLOCATOR_WITH_OPERATORS: [AtomicUsize; 2] = [AtomicUsize::new(0), Atomic
 /// Whether `code` is the next allocator's, when that allocator defines C++'s operators too.
 /// Its own calls of `operator new` then go to its own operator, unseen, as they did before
 /// the shim exported one: tcmalloc's start-up `new`s a default `MallocExtension` that it
-/// overwrites, a leak of its own in every program's report.
-pub(crate) fn is_code_of_an_allocator_with_operators(code: u64) -> bool {
+/// overwrites, a leak of its own in every program's report. `code` is asked for only then.
+#[inline(always)]
+pub(crate) fn is_code_of_an_allocator_with_operators(code: impl FnOnce() -> u64) -> bool {
     // Resolved first: the allocator's first call may be its own `new`.
     let _ = next_heap().fns();
-    let code = code as usize;
-    ALLOCATOR_WITH_OPERATORS[0].load(Ordering::Relaxed) <= code
-        && code < ALLOCATOR_WITH_OPERATORS[1].load(Ordering::Relaxed)
+    let high = ALLOCATOR_WITH_OPERATORS[1].load(Ordering::Relaxed);
+    high != 0 && (ALLOCATOR_WITH_OPERATORS[0].load(Ordering::Relaxed)..high).contains(&(code() as usize))
 }
 
 /// Asks the allocator what `realloc(p, 0)` does, so that a spied `realloc(p, 0)` does the same.

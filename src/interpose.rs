@@ -90,8 +90,8 @@ macro_rules! export_interposer {
         // named as theirs, and a mismatched release (`free` of a `new` block, `delete` of a
         // `new[]` one) is one of the guard's findings.
         // `new` unwinds: out of memory, it throws `bad_alloc` by the C++ runtime's function.
-        // Every `delete` is `free` under its name: the size, alignment or `nothrow` argument
-        // after the pointer is not needed.
+        // Every `delete` is `free`'s assembly under its name: the size, alignment or `nothrow`
+        // argument after the pointer is not needed.
         $crate::__trampoline!("C-unwind", _Znwm, $crate::interpose::operator_new, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _Znam, $crate::interpose::operator_new_array, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _ZnwmRKSt9nothrow_t, $crate::interpose::operator_new_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
@@ -100,18 +100,18 @@ macro_rules! export_interposer {
         $crate::__trampoline!("C-unwind", _ZnamSt11align_val_t, $crate::interpose::operator_new_array_aligned, (size: usize, align: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _ZnwmSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _ZnamSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_array_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
-        $crate::__trampoline!("C", _ZdlPv, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdlPvm, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdlPvRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdlPvSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdlPvmSt11align_val_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdaPv, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdaPvm, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdaPvRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdaPvSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdaPvmSt11align_val_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
-        $crate::__trampoline!("C", _ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_delete_array, (ptr: *mut ::core::ffi::c_void) -> ());
+        $crate::__release_fast_path!(_ZdlPv, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvm, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvRKSt9nothrow_t, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvSt11align_val_t, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvmSt11align_val_t, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdaPv, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvm, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvRKSt9nothrow_t, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvSt11align_val_t, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvmSt11align_val_t, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::fast_path::delete_array_spied);
         // What `at_quick_exit` calls: the exit reports' handler is registered first, to run
         // after every other.
         $crate::__jump!(__cxa_at_quick_exit, $crate::interpose::cxa_at_quick_exit, (f: Option<extern "C" fn()>, dso: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
@@ -308,7 +308,7 @@ macro_rules! operator_new {
                     core::mem::transmute::<*mut c_void, extern "C-unwind" fn(usize $(, $ty)*) -> *mut c_void>(next)
                 })
             };
-            if crate::heap::is_code_of_an_allocator_with_operators(crate::early::caller_of_hook()) {
+            if crate::heap::is_code_of_an_allocator_with_operators(crate::early::caller_of_hook) {
                 return next().map_or(core::ptr::null_mut(), |next| next(size $(, $arg)*));
             }
             loop {
@@ -418,26 +418,6 @@ fn throw_bad_alloc() {
             throw();
         }
     }
-}
-
-/// C++'s `operator delete`, every form.
-///
-/// # Safety
-/// `ptr` is NULL or a live block of the malloc family.
-#[doc(hidden)]
-pub unsafe extern "C" fn operator_delete(ptr: *mut c_void) {
-    // SAFETY: the caller's guarantee.
-    unsafe { GLOBAL.operator_delete(Entry::OperatorDelete, ptr) }
-}
-
-/// C++'s `operator delete[]`, every form.
-///
-/// # Safety
-/// `ptr` is NULL or a live block of the malloc family.
-#[doc(hidden)]
-pub unsafe extern "C" fn operator_delete_array(ptr: *mut c_void) {
-    // SAFETY: the caller's guarantee.
-    unsafe { GLOBAL.operator_delete(Entry::OperatorDeleteArray, ptr) }
 }
 
 #[doc(hidden)]
