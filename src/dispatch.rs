@@ -361,8 +361,8 @@ impl<H: Heap> Interposer<H> {
 
     /// C++'s `operator new` (`entry`: [`Entry::OperatorNew`] or [`Entry::OperatorNewArray`])
     /// in every form: `malloc`'s steps, or `memalign`'s for a non-zero `align`, under the
-    /// operator's name. NULL when out of memory: the caller (`interpose.rs`) leaves that to
-    /// the C++ runtime's own operator, which calls the new-handler and throws.
+    /// operator's name. NULL when out of memory: the caller (`interpose.rs`) runs the
+    /// program's new-handler and tries again, or throws `bad_alloc`.
     #[inline]
     pub(crate) fn operator_new(&self, entry: Entry, size: usize, align: usize) -> *mut c_void {
         if self.registry.is_empty() {

@@ -48,8 +48,7 @@ pub(crate) unsafe trait Heap: Sync {
     fn trim(&self, pad: usize) -> c_int;
     /// C++'s `operator new` (`entry`) with no spy registered: `malloc`, or `memalign` for a
     /// non-zero `align`.
-    fn operator_new(&self, entry: Entry, size: usize, align: usize) -> *mut c_void {
-        let _ = entry;
+    fn operator_new(&self, _entry: Entry, size: usize, align: usize) -> *mut c_void {
         if align == 0 { self.malloc(size) } else { self.memalign(align, size) }
     }
     /// Whether `realloc(p, 0)` frees `p` and returns NULL (glibc's choice) rather than
@@ -585,13 +584,8 @@ unsafe impl Heap for NextHeap {
         if !early::recording() {
             return if align == 0 { self.malloc(size) } else { self.memalign(align, size) };
         }
-        let block =
-            in_real_allocator(
-                || {
-                    if align == 0 { self.malloc_unresolved(size) } else { self.memalign_raw(align, size) }
-                },
-            );
-        noted(block, size, entry, early::caller_of_hook)
+        let allocate = || if align == 0 { self.malloc_unresolved(size) } else { self.memalign_raw(align, size) };
+        noted(in_real_allocator(allocate), size, entry, early::caller_of_hook)
     }
 
     fn aligned_alloc(&self, align: usize, size: usize) -> *mut c_void {
