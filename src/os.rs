@@ -756,16 +756,7 @@ pub(crate) fn is_loaded(bias: u64, name: &core::ffi::CStr) -> bool {
 /// the nearest symbol: a linear search of the module's symbols, some 75,000 instructions in
 /// libc.
 pub(crate) fn module_of(addr: *const core::ffi::c_void) -> usize {
-    let addr = addr as u64;
-    let mut lowest = 0;
-    each_module(|m| {
-        if !m.segments(0).any(|(start, end)| start <= addr && addr < end) {
-            return false;
-        }
-        lowest = m.segments(0).map(|(start, _)| start).min().unwrap_or(m.bias) & !(page_size() as u64 - 1);
-        true
-    });
-    lowest as usize
+    module_span(addr).0 & !(page_size() - 1)
 }
 
 /// The most address space the process may map, when limited: `ulimit -v`, and `ulimit -d`,

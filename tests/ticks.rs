@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use mallocspy::trace::{Event, Reader};
 use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -799,16 +800,22 @@ fn an_exec_with_the_trace_in_a_fifo_does_not_hang() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("fifo");
     assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-    // The reader opens the FIFO at once but reads only once the exec'd image has made its own
-    // trace, `PATH.PID`: the first image's writer, its trace past the pipe's 64 KiB, still
-    // holds the path when the exec'd image starts. (A fixed 2 s before reading was not always
-    // enough on a loaded machine: the first image's trace was drained and the path free before
-    // the `exec`.) Should the exec'd image take the path instead, the reader gives up waiting.
+    // The reader reads the FIFO only once the exec'd image has made its own trace, `PATH.PID`:
+    // the first image's writer, its trace past the pipe's 64 KiB, still holds the path when
+    // the exec'd image starts. (A fixed 2 s before reading was not always enough on a loaded
+    // machine: the first image's trace was drained and the path free before the `exec`.)
+    // Should the exec'd image take the path instead, the reader gives up waiting. The read end
+    // is open before the program starts (without waiting for a writer, then read blocking):
+    // the program's open of a FIFO that nothing reads fails (ENXIO), and a reader thread not
+    // yet run on a loaded machine left the first image without a trace (CI, once).
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap();
+    // SAFETY: fcntl on a descriptor the test owns.
+    assert_eq!(unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_SETFL, 0) }, 0);
     let (send_pid, pid_of_child) = std::sync::mpsc::channel::<u32>();
     let reader = {
         let fifo = fifo.clone();
+        let mut file = file;
         std::thread::spawn(move || {
-            let mut file = std::fs::File::open(&fifo).unwrap();
             let own = format!("{}.{}", fifo.display(), pid_of_child.recv().unwrap());
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             while std::time::Instant::now() < deadline && !std::path::Path::new(&own).exists() {
