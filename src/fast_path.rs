@@ -169,20 +169,22 @@ macro_rules! __release_fast_path {
                 "jz 1f",
                 // The address's bit in the bitmap of sampled blocks: set, and the block may
                 // be one.
+                // (In registers that carry no argument: a sized or aligned `delete` takes
+                // its size and alignment, in rsi and rdx, to its spied path.)
                 "mov rcx, qword ptr [rip + __mallocspy_global + {bitmap}]",
-                "mov rsi, rdi",
-                "shr rsi, {fold_shift}",
-                "xor rsi, rdi",
-                "mov rdx, rsi",
-                "shr rdx, {word_shift}",
-                "and edx, {word_mask}",
-                "mov r8, rdi",
-                "shr r8, {part_word_shift}",
-                "and r8d, {part_word_mask}",
-                "or rdx, r8",
-                "mov rdx, qword ptr [rcx + 8 * rdx]",
-                "shr rsi, {line_shift}",
-                "bt rdx, rsi",
+                "mov r9, rdi",
+                "shr r9, {fold_shift}",
+                "xor r9, rdi",
+                "mov r10, r9",
+                "shr r10, {word_shift}",
+                "and r10d, {word_mask}",
+                "mov r11, rdi",
+                "shr r11, {part_word_shift}",
+                "and r11d, {part_word_mask}",
+                "or r10, r11",
+                "mov r10, qword ptr [rcx + 8 * r10]",
+                "shr r9, {line_shift}",
+                "bt r10, r9",
                 "jc 2f",
                 "mov rcx, qword ptr fs:[rax + {record}]",
                 "add qword ptr [rcx + {frees}], 1",
@@ -237,23 +239,58 @@ pub unsafe extern "C" fn free_spied(ptr: *mut c_void) {
     unsafe { release_spied(Entry::Free, ptr) }
 }
 
-/// An `operator delete` the assembly did not let through, with a spy registered.
-///
-/// # Safety
-/// `ptr` is NULL or a live block of the malloc family.
-pub unsafe extern "C" fn delete_spied(ptr: *mut c_void) {
-    // SAFETY: the caller's guarantee.
-    unsafe { release_spied(Entry::OperatorDelete, ptr) }
+/// Defines the spied path of `operator delete` forms: `$name(ptr, ...)` gives `ptr` back as
+/// `$entry`, with what the form says of the object (its size, its alignment; the plain forms
+/// say it is default-aligned) noted for the spy (see `delete_hint.rs`).
+macro_rules! told_delete {
+    ($(#[$doc:meta])* $name:ident, $entry:ident, ($($arg:ident),*), $size:expr, $align:expr) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// `ptr` is NULL or a live block of the malloc family.
+        pub unsafe extern "C" fn $name(ptr: *mut c_void, $($arg: usize),*) {
+            crate::delete_hint::while_told(ptr, $size, $align, || {
+                // SAFETY: the caller's guarantee.
+                unsafe { release_spied(Entry::$entry, ptr) }
+            })
+        }
+    };
 }
 
-/// An `operator delete[]` the assembly did not let through, with a spy registered.
-///
-/// # Safety
-/// `ptr` is NULL or a live block of the malloc family.
-pub unsafe extern "C" fn delete_array_spied(ptr: *mut c_void) {
-    // SAFETY: the caller's guarantee.
-    unsafe { release_spied(Entry::OperatorDeleteArray, ptr) }
-}
+told_delete!(
+    /// `operator delete(void*)` (and its `nothrow` form) the assembly did not let through.
+    delete_spied, OperatorDelete, (), None, None
+);
+told_delete!(
+    /// `operator delete[](void*)` (and its `nothrow` form) the assembly did not let through.
+    delete_array_spied, OperatorDeleteArray, (), None, None
+);
+told_delete!(
+    /// `operator delete(void*, size_t)` the assembly did not let through.
+    delete_sized_spied, OperatorDelete, (size), Some(size), None
+);
+told_delete!(
+    /// `operator delete[](void*, size_t)` the assembly did not let through.
+    delete_array_sized_spied, OperatorDeleteArray, (size), Some(size), None
+);
+told_delete!(
+    /// `operator delete(void*, align_val_t)` (and its `nothrow` form) the assembly did not let
+    /// through.
+    delete_aligned_spied, OperatorDelete, (align), None, Some(align)
+);
+told_delete!(
+    /// `operator delete[](void*, align_val_t)` (and its `nothrow` form) the assembly did not
+    /// let through.
+    delete_array_aligned_spied, OperatorDeleteArray, (align), None, Some(align)
+);
+told_delete!(
+    /// `operator delete(void*, size_t, align_val_t)` the assembly did not let through.
+    delete_sized_aligned_spied, OperatorDelete, (size, align), Some(size), Some(align)
+);
+told_delete!(
+    /// `operator delete[](void*, size_t, align_val_t)` the assembly did not let through.
+    delete_array_sized_aligned_spied, OperatorDeleteArray, (size, align), Some(size), Some(align)
+);
 
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.

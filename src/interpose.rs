@@ -90,8 +90,8 @@ macro_rules! export_interposer {
         // named as theirs, and a mismatched release (`free` of a `new` block, `delete` of a
         // `new[]` one) is one of the guard's findings.
         // `new` unwinds: out of memory, it throws `bad_alloc` by the C++ runtime's function.
-        // Every `delete` is `free`'s assembly under its name: the size, alignment or `nothrow`
-        // argument after the pointer is not needed.
+        // Every `delete` is `free`'s assembly under its name; on the spied path, the forms that
+        // say the object's size or alignment tell the spy (the guard checks them).
         $crate::__trampoline!("C-unwind", _Znwm, $crate::interpose::operator_new, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _Znam, $crate::interpose::operator_new_array, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _ZnwmRKSt9nothrow_t, $crate::interpose::operator_new_nothrow, (size: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
@@ -101,17 +101,17 @@ macro_rules! export_interposer {
         $crate::__trampoline!("C-unwind", _ZnwmSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!("C-unwind", _ZnamSt11align_val_tRKSt9nothrow_t, $crate::interpose::operator_new_array_aligned_nothrow, (size: usize, align: usize, nothrow: *const ::core::ffi::c_void) -> *mut ::core::ffi::c_void);
         $crate::__release_fast_path!(_ZdlPv, $crate::fast_path::delete_spied);
-        $crate::__release_fast_path!(_ZdlPvm, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvm, $crate::fast_path::delete_sized_spied);
         $crate::__release_fast_path!(_ZdlPvRKSt9nothrow_t, $crate::fast_path::delete_spied);
-        $crate::__release_fast_path!(_ZdlPvSt11align_val_t, $crate::fast_path::delete_spied);
-        $crate::__release_fast_path!(_ZdlPvmSt11align_val_t, $crate::fast_path::delete_spied);
-        $crate::__release_fast_path!(_ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::fast_path::delete_spied);
+        $crate::__release_fast_path!(_ZdlPvSt11align_val_t, $crate::fast_path::delete_aligned_spied);
+        $crate::__release_fast_path!(_ZdlPvmSt11align_val_t, $crate::fast_path::delete_sized_aligned_spied);
+        $crate::__release_fast_path!(_ZdlPvSt11align_val_tRKSt9nothrow_t, $crate::fast_path::delete_aligned_spied);
         $crate::__release_fast_path!(_ZdaPv, $crate::fast_path::delete_array_spied);
-        $crate::__release_fast_path!(_ZdaPvm, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvm, $crate::fast_path::delete_array_sized_spied);
         $crate::__release_fast_path!(_ZdaPvRKSt9nothrow_t, $crate::fast_path::delete_array_spied);
-        $crate::__release_fast_path!(_ZdaPvSt11align_val_t, $crate::fast_path::delete_array_spied);
-        $crate::__release_fast_path!(_ZdaPvmSt11align_val_t, $crate::fast_path::delete_array_spied);
-        $crate::__release_fast_path!(_ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::fast_path::delete_array_spied);
+        $crate::__release_fast_path!(_ZdaPvSt11align_val_t, $crate::fast_path::delete_array_aligned_spied);
+        $crate::__release_fast_path!(_ZdaPvmSt11align_val_t, $crate::fast_path::delete_array_sized_aligned_spied);
+        $crate::__release_fast_path!(_ZdaPvSt11align_val_tRKSt9nothrow_t, $crate::fast_path::delete_array_aligned_spied);
         // What `at_quick_exit` calls: the exit reports' handler is registered first, to run
         // after every other.
         $crate::__jump!(__cxa_at_quick_exit, $crate::interpose::cxa_at_quick_exit, (f: Option<extern "C" fn()>, dso: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);

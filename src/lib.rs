@@ -54,6 +54,7 @@ mod alt_stack;
 mod api;
 mod bootstrap;
 mod deferred;
+mod delete_hint;
 mod dispatch;
 mod dl_close;
 mod early;

@@ -13,7 +13,7 @@ use core::cell::Cell;
 
 /// Number of scratch words each thread gives the spy for the span of one call
 /// (see [`crate::CallScratch`]).
-pub(crate) const SCRATCH_WORDS: usize = 8;
+pub(crate) const SCRATCH_WORDS: usize = 12;
 
 /// The per-thread state. Zero is the initial state of every field.
 #[repr(C, align(64))]
@@ -85,6 +85,11 @@ pub(crate) struct ThreadState {
     /// if none (see [`crate::alt_stack`]).
     pub alt_stack_low: Cell<u64>,
     pub alt_stack_size: Cell<u64>,
+    /// The block a sized or aligned `operator delete` in progress gives back, and the size
+    /// and alignment its caller said (see [`crate::delete_hint`]).
+    pub delete_ptr: Cell<usize>,
+    pub delete_size: Cell<usize>,
+    pub delete_align: Cell<usize>,
 }
 
 /// Offset of `ThreadState::spare_from_sp` in the block (read in a stopped thread's block).
@@ -95,7 +100,7 @@ pub const ENTRY_SP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_sp);
 /// Offset of `ThreadState::entry_bp` in the block.
 pub const ENTRY_BP_OFFSET: usize = core::mem::offset_of!(ThreadState, entry_bp);
 
-const BLOCK_SIZE: usize = 256;
+const BLOCK_SIZE: usize = 320;
 const _: () = assert!(core::mem::size_of::<ThreadState>() <= BLOCK_SIZE);
 const _: () = assert!(core::mem::offset_of!(ThreadState, tick_until) + 24 <= 64);
 const _: () = assert!(core::mem::offset_of!(ThreadState, tick_seen) == 0);

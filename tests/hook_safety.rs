@@ -255,7 +255,8 @@ fn guard_checks_the_blocks_still_live_at_exit() {
                 "mallocspy: guard: heap-buffer-underflow at {}: header canary damaged (in a block still live at exit)",
                 blocks[1]
             ),
-            "mallocspy: guard: 2 finding(s): 1 overflow, 1 underflow, 0 double-free, 0 invalid-free, 0 alloc-dealloc-mismatch"
+            "mallocspy: guard: 2 finding(s): 1 overflow, 1 underflow, 0 double-free, 0 invalid-free, 0 alloc-dealloc-mismatch, \
+             0 new-delete-type-mismatch"
                 .to_owned(),
         ],
         "{stderr}"
@@ -351,11 +352,10 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
             "{line:?} should report {what} {place}"
         );
     }
-    assert!(
-        findings[expect.len()].ends_with(
-            "16 finding(s): 2 overflow, 4 underflow, 6 double-free, 4 invalid-free, 0 alloc-dealloc-mismatch"
-        )
-    );
+    assert!(findings[expect.len()].ends_with(
+        "16 finding(s): 2 overflow, 4 underflow, 6 double-free, 4 invalid-free, 0 alloc-dealloc-mismatch, \
+             0 new-delete-type-mismatch"
+    ));
     // Each site: its finding, then its frames, each naming a line of the fixture that frees.
     let source =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/guard_findings.c")).unwrap();
@@ -677,8 +677,10 @@ fn the_guard_finds_blocks_given_back_by_another_family_than_the_one_that_allocat
         );
     }
     assert!(
-        stderr
-            .contains("5 finding(s): 0 overflow, 0 underflow, 0 double-free, 0 invalid-free, 5 alloc-dealloc-mismatch"),
+        stderr.contains(
+            "5 finding(s): 0 overflow, 0 underflow, 0 double-free, 0 invalid-free, 5 alloc-dealloc-mismatch, \
+                       0 new-delete-type-mismatch"
+        ),
         "{stderr}"
     );
     // Each site's innermost frame is the line that releases, marked in the source.
@@ -700,6 +702,78 @@ fn the_guard_finds_blocks_given_back_by_another_family_than_the_one_that_allocat
         (text(&out.stdout), out.status.code(), text(&out.stderr)),
         (text(&native.stdout), Some(3), String::new())
     );
+}
+
+/// A sized or aligned `delete` that says another size or alignment than the block's
+/// allocation (a `Derived` deleted through a `Base*` whose destructor is not virtual, an
+/// aligned `new`'s block given to the plain `delete`...) is AddressSanitizer's
+/// new-delete-type-mismatch: the guard finds the same five, at the same lines, with the same
+/// sizes and alignments, and none among the matching pairs (aligned types, arrays with a
+/// count, virtual destructors, a vector of strings). `show_mismatched_frees=0` silences them.
+#[test]
+fn the_guard_finds_deletes_of_another_size_or_alignment_as_address_sanitizer_does() {
+    let program = c_program("cxx_type_mismatch.cpp");
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!((text(&out.stdout), out.status.code()), ("1000\n".to_string(), Some(0)));
+    let stderr = text(&out.stderr);
+    let findings: Vec<&str> =
+        stderr.lines().filter(|l| l.starts_with("mallocspy: guard: new-delete-type-mismatch at 0x")).collect();
+    let expect = [
+        ("size 64: deleted as an object of 8 bytes", "operator delete"),
+        ("size 100: allocated with alignment 64, deleted default-aligned", "operator delete"),
+        ("size 48: allocated default-aligned, deleted with alignment 64", "operator delete"),
+        ("size 80: deleted as an object of 40 bytes", "operator delete[]"),
+        ("size 64: allocated with alignment 128, deleted with alignment 256", "operator delete"),
+    ];
+    assert_eq!(findings.len(), expect.len(), "{stderr}");
+    for (line, (what, place)) in findings.iter().zip(expect) {
+        assert!(line.contains(&format!(", {what} (in {place}, called from cxx_type_mismatch+0x")), "{line:?}");
+    }
+    assert!(stderr.contains("0 alloc-dealloc-mismatch, 5 new-delete-type-mismatch"), "{stderr}");
+    let lines_after = |text: &str, header: &str, frame: &str| -> Vec<usize> {
+        text.split(header)
+            .skip(1)
+            .map(|report| {
+                let at = report.lines().find(|l| l.contains(frame)).expect(report);
+                at.rsplit_once("cxx_type_mismatch.cpp:").expect(at).1.trim().parse().expect(at)
+            })
+            .collect()
+    };
+    let ours = lines_after(&stderr, "guard: new-delete-type-mismatch (1 time)", "#0 ");
+    let asan =
+        c_program_variant("cxx_type_mismatch.cpp", "asan", &["-fsanitize=address", "-fsanitize-recover=address"]);
+    let by_asan = Command::new(&asan).env("ASAN_OPTIONS", "detect_leaks=0:halt_on_error=0").output().unwrap();
+    let asan_err = text(&by_asan.stderr);
+    // The release's line: the frame after the operator's own (#0).
+    let theirs = lines_after(&asan_err, "ERROR: AddressSanitizer: new-delete-type-mismatch", "#1 ");
+    assert_eq!(ours, theirs, "{stderr}\n{asan_err}");
+    let source =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/cxx_type_mismatch.cpp")).unwrap();
+    let marked = source.lines().enumerate().filter(|(_, l)| l.contains("// TYPE-MISMATCH ")).map(|(i, _)| i + 1);
+    assert_eq!(ours, marked.collect::<Vec<_>>());
+    let out = run(Mode::Shim("spy=guard:show_mismatched_frees=0"), &mut Command::new(&program));
+    assert_eq!((text(&out.stdout), text(&out.stderr)), ("1000\n".to_string(), String::new()));
+}
+
+/// The guard and the leak tracker side by side (`spy=guard,leaks`) keep their per-call words
+/// apart: they shared three, and every `realloc` went uncounted as a free (100 frees said of
+/// 1,100) while the guard read the tracker's record as the releasing function.
+#[test]
+fn the_guard_beside_the_leak_tracker_counts_every_realloc_as_the_tracker_alone_does() {
+    let program = c_program("realloc_chain.c");
+    let usage = |spies: &'static str| {
+        let out = run(Mode::Shim(spies), &mut Command::new(&program));
+        assert_eq!((text(&out.stdout), out.status.code()), ("done\n".to_string(), Some(0)));
+        let stderr = text(&out.stderr);
+        assert!(!stderr.contains("mallocspy: guard:"), "{stderr}");
+        let usage = stderr.lines().find(|l| l.contains("total heap usage:")).expect(&stderr);
+        usage.split_once("total heap usage:").unwrap().1.to_string()
+    };
+    let alone = usage("spy=leaks");
+    assert_eq!(alone, " 1,101 allocs, 1,100 frees, 419,346 bytes allocated");
+    for spies in ["spy=guard,leaks", "spy=leaks,guard"] {
+        assert_eq!(usage(spies), alone, "{spies}");
+    }
 }
 
 /// C++'s answers to an allocation that cannot be served are kept under every spy: `new`

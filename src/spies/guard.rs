@@ -8,7 +8,9 @@
 //! starts (`free(p - 16)`). A block given back by a function of another family than the one
 //! that allocated it (`free` or `realloc` of a block from C++'s `new`, `delete` of one from
 //! `new[]` or `malloc`) is a finding too, as valgrind's "Mismatched free() / delete / delete
-//! []" and AddressSanitizer's alloc-dealloc-mismatch are; it is then freed all the same.
+//! []" and AddressSanitizer's alloc-dealloc-mismatch are; it is then freed all the same. So is
+//! a `new` block that a sized or aligned `delete` gives back saying another size or alignment
+//! than the block's (AddressSanitizer's new-delete-type-mismatch; `delete_hint.rs`).
 //!
 //! Layout of a block (caller's pointer `p`, `size` bytes asked for):
 //!
@@ -18,8 +20,9 @@
 //! ```
 //!
 //! The size word also holds, in its top bits, log2 of the header's offset from the real block
-//! (16, or the alignment for aligned blocks), and below them the [`Family`] of the function
-//! that allocated it; `tag` is a hash of `p` and the size word. A
+//! (16, or the alignment for aligned blocks), below them the [`Family`] of the function that
+//! allocated it, and below that whether the function was an aligned one; `tag` is a hash of
+//! `p` and the size word. A
 //! change to any byte of either word is seen (a zero written just before the block, as
 //! `s[strlen(s) - 1] = 0` on an empty string does, included), the size is trusted only once
 //! the tag vouches for it, and a header copied elsewhere does not validate. Every byte of the
@@ -37,6 +40,7 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::finding_sites::{self, FindingSites};
+use crate::delete_hint::DeleteHint;
 use crate::leaks::report::{Namer, write_frame};
 use crate::leaks::{Frame, StackOptions, Suppressions};
 use crate::line::Line;
@@ -54,7 +58,8 @@ const MAX_OFFSET: usize = 1 << 47;
 /// Recently freed blocks remembered for double-free detection.
 const RECENT: usize = 1 << 16;
 
-// Scratch words, from a Pre method to its Post method.
+// Scratch words 0..7, from a Pre method to its Post method (the leak tracker, which may run
+// beside the guard, has 8..10).
 const S_SIZE: usize = 0;
 const S_OFFSET: usize = 1;
 const S_KEEP: usize = 2;
@@ -68,6 +73,9 @@ const UNKNOWN_SIZE: usize = usize::MAX;
 const S_ENTRY: usize = 5;
 /// The [`Family`] of the allocating call in progress.
 const S_FAMILY: usize = 6;
+/// Whether the allocating call in progress is one of the aligned functions (`memalign`, the
+/// aligned `operator new`...).
+const S_ALIGNED: usize = 7;
 
 /// The functions that allocate and release blocks of one kind: a block is given back by the
 /// family that gave it out, or the C++ standard says the behaviour is undefined.
@@ -117,24 +125,33 @@ enum Finding {
     DoubleFree,
     InvalidFree,
     Mismatch,
+    /// A sized or aligned `delete` told another size or alignment than the block's.
+    TypeMismatch,
 }
 
 /// The number of kinds of [`Finding`].
-const FINDINGS: usize = 5;
+const FINDINGS: usize = 6;
 
 /// The bit of a site's kind that says its stack is the allocation of a block found damaged
 /// at exit, not the call at which a finding was made.
 const LIVE_AT_EXIT: u32 = 1 << 8;
 
 /// What each [`Finding`] is, as its lines and the summary of its sites name it.
-const FINDING_NAMES: [&str; FINDINGS] =
-    ["heap-buffer-overflow", "heap-buffer-underflow", "double-free", "invalid-free", "alloc-dealloc-mismatch"];
+const FINDING_NAMES: [&str; FINDINGS] = [
+    "heap-buffer-overflow",
+    "heap-buffer-underflow",
+    "double-free",
+    "invalid-free",
+    "alloc-dealloc-mismatch",
+    "new-delete-type-mismatch",
+];
 
 /// What each [`Finding`]'s line says after the block's address and size. ("header canary
 /// damaged, block leaked at 0x..." read as if the address were where a leak was.)
-/// (A mismatch's says which function allocated the block: [`Family::allocated_by`].)
+/// (A mismatch's says which function allocated the block: [`Family::allocated_by`]; a type
+/// mismatch's what the `delete` told: [`type_mismatch`].)
 const FINDING_DETAILS: [&str; FINDINGS] =
-    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block", ""];
+    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block", "", ""];
 
 /// A recently freed block: its size, and its position in the eviction ring.
 #[derive(Clone, Copy)]
@@ -171,17 +188,23 @@ struct Header {
     size: usize,
     offset: usize,
     family: Family,
+    /// Allocated by an aligned function (its alignment, if above 16, is `offset`).
+    aligned: bool,
 }
 
-/// Where the size word keeps log2 of the header's offset (no block is 2^56 bytes long), and
-/// below it the block's [`Family`].
+/// Where the size word keeps log2 of the header's offset (no block is 2^55 bytes long), below
+/// it the block's [`Family`], and below that whether an aligned function allocated it.
 const SHIFT_AT: u32 = 58;
 const FAMILY_AT: u32 = 56;
+const ALIGNED_AT: u32 = 55;
 const _: () = assert!(MAX_OFFSET.trailing_zeros() < 1 << (64 - SHIFT_AT));
 
 /// The size word of a block of `size` bytes whose header is `offset` bytes into the real one.
-fn size_word(size: usize, offset: usize, family: Family) -> u64 {
-    size as u64 | (family as u64) << FAMILY_AT | u64::from(offset.trailing_zeros()) << SHIFT_AT
+fn size_word(size: usize, offset: usize, family: Family, aligned: bool) -> u64 {
+    size as u64
+        | u64::from(aligned) << ALIGNED_AT
+        | (family as u64) << FAMILY_AT
+        | u64::from(offset.trailing_zeros()) << SHIFT_AT
 }
 
 /// Bits set, and bits cleared, in every byte of a canary word: the top bit and the lowest.
@@ -219,11 +242,11 @@ fn trailer(p: usize) -> u64 {
 ///
 /// # Safety
 /// `[p - 16, p + size + 8)` is inside one live block of ours.
-unsafe fn lay_out(p: usize, size: usize, offset: usize, family: Family) {
+unsafe fn lay_out(p: usize, size: usize, offset: usize, family: Family, aligned: bool) {
     let p8 = p as *mut u8;
     // SAFETY: the caller's guarantee; p is 16-aligned, so the header words are aligned.
     unsafe {
-        let word = size_word(size, offset, family);
+        let word = size_word(size, offset, family, aligned);
         (p8.sub(HEADER) as *mut u64).write(word);
         (p8.sub(8) as *mut u64).write(tag(p, word));
         (p8.add(size) as *mut u64).write_unaligned(trailer(p));
@@ -247,9 +270,10 @@ fn header_of(p: usize, word: u64, tag_word: u64) -> Option<Header> {
     let valid = tag_word == tag(p, word)
         && (u64::from(HEADER.trailing_zeros())..=u64::from(MAX_OFFSET.trailing_zeros())).contains(&shift);
     valid.then(|| Header {
-        size: (word & ((1 << FAMILY_AT) - 1)) as usize,
+        size: (word & ((1 << ALIGNED_AT) - 1)) as usize,
         offset: 1 << shift,
         family: Family::from_bits(word >> FAMILY_AT & 3),
+        aligned: word >> ALIGNED_AT & 1 != 0,
     })
 }
 
@@ -476,12 +500,13 @@ impl GuardSpy {
         let _ = writeln!(
             line,
             "mallocspy: guard: {total} finding(s): {} overflow, {} underflow, {} double-free, {} invalid-free, {} \
-             alloc-dealloc-mismatch",
+             alloc-dealloc-mismatch, {} new-delete-type-mismatch",
             n(Finding::Overflow),
             n(Finding::Underflow),
             n(Finding::DoubleFree),
             n(Finding::InvalidFree),
-            n(Finding::Mismatch)
+            n(Finding::Mismatch),
+            n(Finding::TypeMismatch)
         );
         Some(line)
     }
@@ -609,6 +634,12 @@ impl GuardSpy {
         }
         if header.family != releasing && self.mismatches {
             self.report_saying(Finding::Mismatch, p, Some(header.size), header.family.allocated_by(), place);
+        } else if header.family != Family::Malloc && self.mismatches {
+            let told = DeleteHint::of(p as *mut c_void);
+            if let Some(mut detail) = told.and_then(|told| type_mismatch(&header, told)) {
+                let detail = core::str::from_utf8(detail.as_bytes()).unwrap_or("");
+                self.report_saying(Finding::TypeMismatch, p, Some(header.size), detail, place);
+            }
         }
         Some(header)
     }
@@ -621,9 +652,10 @@ impl GuardSpy {
         let size = CallScratch::get(S_SIZE) as usize;
         let offset = CallScratch::get(S_OFFSET) as usize;
         let family = Family::from_bits(CallScratch::get(S_FAMILY));
+        let aligned = CallScratch::get(S_ALIGNED) != 0;
         let p = real as usize + offset;
         // SAFETY: the Pre method asked for offset + size + TRAILER bytes.
-        unsafe { lay_out(p, size, offset, family) };
+        unsafe { lay_out(p, size, offset, family, aligned) };
         // A block laid out and then refused by the dispatcher goes back through `pre_free`
         // without `before_release`: as it was allocated.
         let release = match family {
@@ -637,12 +669,13 @@ impl GuardSpy {
         p as *mut c_void
     }
 
-    fn plan(&self, size: usize, offset: usize) -> usize {
+    fn plan(&self, size: usize, offset: usize, aligned: bool) -> usize {
         CallScratch::set(S_SIZE, size as u64);
         CallScratch::set(S_OFFSET, offset as u64);
+        CallScratch::set(S_ALIGNED, u64::from(aligned));
         // 0, a forced failure, for a size the size word cannot hold: the real allocator
         // would fail it too.
-        if (size as u64) >> FAMILY_AT != 0 {
+        if (size as u64) >> ALIGNED_AT != 0 {
             return 0;
         }
         offset.checked_add(size).and_then(|n| n.checked_add(TRAILER)).unwrap_or(0)
@@ -651,7 +684,7 @@ impl GuardSpy {
 
 impl MallocSpy for GuardSpy {
     fn pre_alloc(&self, size: usize) -> usize {
-        self.plan(size, HEADER)
+        self.plan(size, HEADER, false)
     }
 
     fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
@@ -659,7 +692,7 @@ impl MallocSpy for GuardSpy {
     }
 
     fn pre_alloc_aligned(&self, size: usize, align: usize) -> usize {
-        self.plan(size, offset_for(align))
+        self.plan(size, offset_for(align), true)
     }
 
     fn post_alloc_aligned(&self, actual: *mut c_void, _align: usize) -> *mut c_void {
@@ -706,7 +739,7 @@ impl MallocSpy for GuardSpy {
             CallScratch::set(S_KEEP, size as u64);
             CallScratch::set(S_OLD, p as u64);
             CallScratch::set(S_OLD_SIZE, UNKNOWN_SIZE as u64);
-            let total = self.plan(size, HEADER);
+            let total = self.plan(size, HEADER, false);
             CallScratch::set(S_OFFSET, 0);
             return (request, total);
         }
@@ -714,7 +747,7 @@ impl MallocSpy for GuardSpy {
         let keep = header.size.min(size);
         // offset + size + TRAILER bytes: room for the new layout, and the kept bytes, which
         // sit at `offset` in the old block, survive the real copy.
-        let total = self.plan(size, header.offset);
+        let total = self.plan(size, header.offset, false);
         CallScratch::set(S_KEEP, keep as u64);
         CallScratch::set(S_OLD, p as u64);
         CallScratch::set(S_OLD_SIZE, header.size as u64);
@@ -837,6 +870,31 @@ fn write_code_place(line: &mut Line<256>, pc: u64) {
     let _ = write!(line, "{}+{:#x}", crate::options::Escaped(module), pc.wrapping_sub(bias));
 }
 
+/// What a sized or aligned `delete` of a `new` block told that its allocation contradicts, as
+/// AddressSanitizer's new-delete-type-mismatch says it (the size first); `None` when they
+/// agree. The alignments compare as the guard lays them out: a request of 16 or less is 16.
+fn type_mismatch(header: &Header, told: DeleteHint) -> Option<Line<128>> {
+    let mut detail = Line::new();
+    if let Some(size) = told.size.filter(|&size| size != header.size) {
+        let _ = write!(detail, ": deleted as an object of {size} bytes");
+        return Some(detail);
+    }
+    let allocated = header.aligned.then_some(header.offset);
+    if allocated == told.align.map(offset_for) {
+        return None;
+    }
+    let _ = match allocated {
+        Some(HEADER) => write!(detail, ": allocated with alignment {HEADER} or less"),
+        Some(align) => write!(detail, ": allocated with alignment {align}"),
+        None => write!(detail, ": allocated default-aligned"),
+    };
+    let _ = match told.align {
+        Some(align) => write!(detail, ", deleted with alignment {align}"),
+        None => write!(detail, ", deleted default-aligned"),
+    };
+    Some(detail)
+}
+
 /// The entry point that is giving a block back ([`GuardSpy::before_release`] noted it).
 fn releasing_entry() -> Entry {
     match Entry::from_index(CallScratch::get(S_ENTRY) as u8) {
@@ -867,18 +925,52 @@ mod tests {
     }
 
     #[test]
+    fn a_delete_that_says_another_size_or_alignment_is_a_type_mismatch() {
+        let said = |size, offset, aligned, told| {
+            let header = Header { size, offset, family: Family::New, aligned };
+            type_mismatch(&header, told).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
+        };
+        let told = |size, align| DeleteHint { size, align };
+        assert_eq!(said(64, 16, false, told(Some(64), None)), None);
+        assert_eq!(said(64, 16, false, told(None, None)), None);
+        assert_eq!(said(64, 16, false, told(Some(8), None)).unwrap(), ": deleted as an object of 8 bytes");
+        // The size first, then the alignment.
+        assert_eq!(said(64, 128, true, told(Some(8), Some(256))).unwrap(), ": deleted as an object of 8 bytes");
+        assert_eq!(
+            said(64, 128, true, told(Some(64), Some(256))).unwrap(),
+            ": allocated with alignment 128, deleted with alignment 256"
+        );
+        assert_eq!(
+            said(100, 64, true, told(None, None)).unwrap(),
+            ": allocated with alignment 64, deleted default-aligned"
+        );
+        assert_eq!(
+            said(48, 16, false, told(None, Some(64))).unwrap(),
+            ": allocated default-aligned, deleted with alignment 64"
+        );
+        // Alignments of 16 and less are all laid out at 16: an aligned new of 8 deleted with 16 agrees.
+        assert_eq!(said(24, 16, true, told(None, Some(8))), None);
+        assert_eq!(said(24, 16, true, told(None, Some(16))), None);
+        assert_eq!(
+            said(24, 16, true, told(None, None)).unwrap(),
+            ": allocated with alignment 16 or less, deleted default-aligned"
+        );
+        assert_eq!(said(64, 64, true, told(Some(64), Some(64))), None);
+    }
+
+    #[test]
     fn header_round_trip_and_damage() {
         let mut buf = vec![0u64; 16];
         let p = buf.as_mut_ptr() as usize + 16;
         // SAFETY: buf holds 128 bytes: 16 before p, 48 + 8 after.
         unsafe {
-            lay_out(p, 40, 16, Family::Malloc);
+            lay_out(p, 40, 16, Family::Malloc, false);
             let h = read_header(p).unwrap();
             assert_eq!((h.size, h.offset, h.family), (40, 16, Family::Malloc));
-            lay_out(p, 40, 16, Family::NewArray);
+            lay_out(p, 40, 16, Family::NewArray, true);
             let h = read_header(p).unwrap();
-            assert_eq!((h.size, h.offset, h.family), (40, 16, Family::NewArray));
-            lay_out(p, 40, 16, Family::Malloc);
+            assert_eq!((h.size, h.offset, h.family, h.aligned), (40, 16, Family::NewArray, true));
+            lay_out(p, 40, 16, Family::Malloc, false);
             assert!(trailer_intact(p, 40));
             *(p as *mut u8).add(40) ^= 1;
             assert!(!trailer_intact(p, 40));
@@ -898,7 +990,7 @@ mod tests {
             // Addresses of blocks spread over the address space, as many as the hash sees.
             let p = (block.wrapping_mul(0x9E37_79B9_7F4A_7C15) & 0x7fff_ffff_fff0) | 0x10;
             let (tag_bytes, trailer_bytes) =
-                (tag(p, size_word(40, 16, Family::Malloc)).to_le_bytes(), trailer(p).to_le_bytes());
+                (tag(p, size_word(40, 16, Family::Malloc, false)).to_le_bytes(), trailer(p).to_le_bytes());
             for value in (0..0x80u8).chain((0x81..=0xff).step_by(2)) {
                 assert!(!tag_bytes.contains(&value) && !trailer_bytes.contains(&value), "{value:#x} at {p:#x}");
             }
@@ -909,10 +1001,10 @@ mod tests {
             // SAFETY: buf holds 512 bytes; p lies 16 to 24 bytes into it, and the block needs
             // 16 bytes before p and 48 after.
             unsafe {
-                lay_out(p, 40, 16, Family::Malloc);
+                lay_out(p, 40, 16, Family::Malloc, false);
                 *(p as *mut u8).add(40) = value;
                 assert!(!trailer_intact(p, 40), "{value:#x} after the block");
-                lay_out(p, 40, 16, Family::Malloc);
+                lay_out(p, 40, 16, Family::Malloc, false);
                 *(p as *mut u8).sub(1) = value;
                 assert!(read_header(p).is_none(), "{value:#x} before the block");
             }
@@ -932,7 +1024,7 @@ mod tests {
                     // SAFETY: buf holds 12,288 bytes; p is at least `offset` and less than
                     // 2 * 4096 bytes into it, and the block needs 16 bytes before p and 48 after.
                     unsafe {
-                        lay_out(p, 40, offset, Family::Malloc);
+                        lay_out(p, 40, offset, Family::Malloc, false);
                         assert_eq!(read_header(p).map(|h| (h.size, h.offset)), Some((40, offset)));
                         let at = (p as *mut u8).sub(byte);
                         if *at == value {

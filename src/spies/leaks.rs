@@ -30,11 +30,13 @@ const LIVE_FLUSH: i64 = 256 << 10;
 /// Frees a thread keeps queued before removing their records.
 const PENDING: usize = 4;
 
-// Scratch words (4..7; the guard spy uses 0..3): the record a realloc removed, kept until
-// the call's outcome is known.
-const S_SIZE_ENTRY: usize = 4;
-const S_STACK_SERIAL: usize = 5;
-const S_HAD_RECORD: usize = 6;
+// Scratch words (8..10; the guard spy, which runs beside the tracker under
+// `spy=guard,leaks`, uses 0..7): the record a realloc removed, kept until the call's outcome
+// is known. (They were 4..6 once, the guard's too: each realloc of such a run went
+// uncounted as a free, and the guard read the record's serial as its entry point.)
+const S_SIZE_ENTRY: usize = 8;
+const S_STACK_SERIAL: usize = 9;
+const S_HAD_RECORD: usize = 10;
 
 /// What is known of a live block.
 #[derive(Clone, Copy, PartialEq, Eq)]
