@@ -227,8 +227,18 @@ fn table() -> Option<&'static [Entry]> {
     Some(unsafe { core::slice::from_raw_parts(base as *const Entry, ENTRIES) })
 }
 
+/// Entries on one page of the table.
+const PAGE_ENTRIES: usize = 4096 / core::mem::size_of::<Entry>();
+
+/// The entry of `key`: a page of the table picked by a hash of the key's 1 KiB of code, and
+/// on that page the address's 8 bytes within it, so that the return addresses of one stretch
+/// of code share a page of the table (a hash of the whole address put every one on a page of
+/// its own: two page faults each on first use, a read and a write).
 fn slot(key: u64) -> usize {
-    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - ENTRIES.trailing_zeros())) as usize
+    const CODE_SHIFT: u32 = (PAGE_ENTRIES * 8).trailing_zeros();
+    let page = ((key >> CODE_SHIFT).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        >> (64 - (ENTRIES / PAGE_ENTRIES).trailing_zeros())) as usize;
+    page * PAGE_ENTRIES + (key as usize >> 3) % PAGE_ENTRIES
 }
 
 /// Sets of a thread's own cache of recent rules (two entries each).
