@@ -23,7 +23,7 @@
  *   - Aligned allocations call the _aligned pair (NULL members fall back to pre_alloc and
  *     post_alloc) with the caller's alignment rounded up to a power of two, as glibc's
  *     memalign rounds it; a spy that moves pointers must keep them aligned.
- *   - State between a Pre and a Post method goes in api->call_scratch() (8 words per thread).
+ *   - State between a Pre and a Post method goes in api->call_scratch() (12 words per thread).
  *   - Allocations made by the spy itself go straight to the real allocator.
  *   - Functions are called from any thread, concurrently; they must not block.
  *   - `release` is called once, when the spy is dropped: at revoke, or after the last free of
@@ -193,7 +193,7 @@ struct mallocspy_api {
     int32_t (*revoke_spy)(void);
     /* IMalloc::DidAlloc: 1 a live block, 0 not a block, -1 cannot tell. */
     int (*did_alloc)(void *ptr);
-    /* The calling thread's 8 scratch words, private from a Pre method to its Post method. */
+    /* The calling thread's 12 scratch words, private from a Pre method to its Post method. */
     uint64_t *(*call_scratch)(void);
     /* 1 when this interposer is the process's allocator. */
     int (*is_active)(void);

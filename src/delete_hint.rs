@@ -18,7 +18,8 @@ const UNSAID: usize = usize::MAX;
 /// The size and alignment a `delete` of one block was told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DeleteHint {
-    /// The size of the object's type (or, for `delete[]`, of the whole array with its cookie).
+    /// The size of the object's type (or, for `delete[]`, of the whole array with its cookie);
+    /// a size of 0 is taken as not said, as AddressSanitizer takes it.
     pub size: Option<usize>,
     /// The alignment the block was allocated with.
     pub align: Option<usize>,
@@ -34,7 +35,8 @@ impl DeleteHint {
             return None;
         }
         let said = |v: usize| (v != UNSAID).then_some(v);
-        Some(DeleteHint { size: said(ts.delete_size.get()), align: said(ts.delete_align.get()) })
+        let size = said(ts.delete_size.get()).filter(|&size| size != 0);
+        Some(DeleteHint { size, align: said(ts.delete_align.get()) })
     }
 }
 
@@ -57,4 +59,25 @@ pub(crate) fn while_told<R>(
     ts.delete_size.set(before.1);
     ts.delete_align.set(before.2);
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hint_is_its_blocks_alone_for_the_length_of_its_release() {
+        let (a, b) = (0x1000 as *mut c_void, 0x2000 as *mut c_void);
+        assert_eq!(DeleteHint::of(a), None);
+        let inner = while_told(a, Some(64), Some(128), || {
+            let outer = DeleteHint::of(a);
+            // A handler's delete of another block, inside this one's release.
+            let nested = while_told(b, Some(0), None, || (DeleteHint::of(b), DeleteHint::of(a)));
+            (outer, nested, DeleteHint::of(a))
+        });
+        let told = DeleteHint { size: Some(64), align: Some(128) };
+        // A size of 0 is taken as not said, as AddressSanitizer takes it.
+        assert_eq!(inner, (Some(told), (Some(DeleteHint { size: None, align: None }), None), Some(told)));
+        assert_eq!((DeleteHint::of(a), DeleteHint::of(b)), (None, None));
+    }
 }

@@ -160,6 +160,8 @@ pub(crate) fn give_up_a_hook_left_by_a_jump() -> bool {
     }
     threads::leave_abandoned_hook(ts);
     ts.depth.set(0);
+    // What an abandoned `delete` noted for its block is not put back by it.
+    ts.delete_ptr.set(0);
     true
 }
 
