@@ -95,7 +95,7 @@ pub(crate) struct Scope {
 
 impl Scope {
     /// Enters a top-level hook, or `None` for a nested call (or a thread without a slot).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn enter() -> Option<Scope> {
         let ts = tls::state();
         if ts.depth.get() != 0 && !give_up_a_hook_left_by_a_jump() {
