@@ -648,6 +648,20 @@ fn a_handler_allocating_on_a_small_alternate_stack_runs_as_natively() {
     }
 }
 
+/// The guard's `finding` lines in `stderr` are, in order, one per `(what, place)` of `expect`:
+/// what follows the address, and the function that released the block, called from `program`.
+fn assert_finding_lines(stderr: &str, finding: &str, program: &str, expect: &[(&str, &str)]) {
+    let start = format!("mallocspy: guard: {finding} at 0x");
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.starts_with(&start)).collect();
+    assert_eq!(lines.len(), expect.len(), "{stderr}");
+    for (line, (what, place)) in lines.iter().zip(expect) {
+        assert!(
+            line.contains(&format!(", {what} (in {place}, called from {program}+0x")),
+            "{line:?}: {what} in {place}"
+        );
+    }
+}
+
 /// C++'s operators are the shim's: a block given back by a function of another family than the
 /// one that allocated it (`delete` of `new[]`'s, `free` and `realloc` of `new`'s, `delete` of
 /// `malloc`'s, `delete[]` of an aligned `new`'s) is a finding naming both, at the line of the
@@ -660,8 +674,6 @@ fn the_guard_finds_blocks_given_back_by_another_family_than_the_one_that_allocat
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
     assert_eq!((text(&out.stdout), out.status.code()), (text(&native.stdout), Some(3)));
     let stderr = text(&out.stderr);
-    let findings: Vec<&str> =
-        stderr.lines().filter(|l| l.starts_with("mallocspy: guard: alloc-dealloc-mismatch at 0x")).collect();
     let expect = [
         ("size 100: allocated by operator new[]", "operator delete"),
         ("size 4: allocated by operator new", "free"),
@@ -669,13 +681,7 @@ fn the_guard_finds_blocks_given_back_by_another_family_than_the_one_that_allocat
         ("size 4: allocated by operator new", "realloc"),
         ("size 128: allocated by operator new", "operator delete[]"),
     ];
-    assert_eq!(findings.len(), expect.len(), "{stderr}");
-    for (line, (what, place)) in findings.iter().zip(expect) {
-        assert!(
-            line.contains(&format!(", {what} (in {place}, called from cxx_mismatch+0x")),
-            "{line:?}: {what} in {place}"
-        );
-    }
+    assert_finding_lines(&stderr, "alloc-dealloc-mismatch", "cxx_mismatch", &expect);
     assert!(
         stderr.contains(
             "5 finding(s): 0 overflow, 0 underflow, 0 double-free, 0 invalid-free, 5 alloc-dealloc-mismatch, \
@@ -716,8 +722,6 @@ fn the_guard_finds_deletes_of_another_size_or_alignment_as_address_sanitizer_doe
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
     assert_eq!((text(&out.stdout), out.status.code()), ("1000\n".to_string(), Some(0)));
     let stderr = text(&out.stderr);
-    let findings: Vec<&str> =
-        stderr.lines().filter(|l| l.starts_with("mallocspy: guard: new-delete-type-mismatch at 0x")).collect();
     let expect = [
         ("size 64: deleted as an object of 8 bytes", "operator delete"),
         ("size 100: allocated with alignment 64, deleted default-aligned", "operator delete"),
@@ -725,10 +729,7 @@ fn the_guard_finds_deletes_of_another_size_or_alignment_as_address_sanitizer_doe
         ("size 80: deleted as an object of 40 bytes", "operator delete[]"),
         ("size 64: allocated with alignment 128, deleted with alignment 256", "operator delete"),
     ];
-    assert_eq!(findings.len(), expect.len(), "{stderr}");
-    for (line, (what, place)) in findings.iter().zip(expect) {
-        assert!(line.contains(&format!(", {what} (in {place}, called from cxx_type_mismatch+0x")), "{line:?}");
-    }
+    assert_finding_lines(&stderr, "new-delete-type-mismatch", "cxx_type_mismatch", &expect);
     assert!(stderr.contains("0 alloc-dealloc-mismatch, 5 new-delete-type-mismatch"), "{stderr}");
     let lines_after = |text: &str, header: &str, frame: &str| -> Vec<usize> {
         text.split(header)
