@@ -1,4 +1,4 @@
-//! What the caller of a sized or aligned `operator delete` says of the block it gives back.
+//! What the caller of an `operator delete` says of the block it gives back.
 //!
 //! C++14's sized deallocation passes the size of the object's type (`delete p` of a `Derived`
 //! through a `Base*` whose destructor is not virtual passes `sizeof(Base)`), and C++17's
@@ -6,7 +6,9 @@
 //! with its allocation is undefined behaviour that AddressSanitizer reports as
 //! new-delete-type-mismatch; the guard does too. The release path carries only the pointer
 //! through the spy's methods, so the export's spied path notes the rest here, in the
-//! thread's state, for the block it releases and for the length of its call.
+//! thread's state, for the block it releases and for the length of its call. Every form
+//! notes: the plain ones say the block is default-aligned, and a block found without a note
+//! (a `delete` parked for a later hook) is not checked.
 
 use core::ffi::c_void;
 
@@ -21,14 +23,14 @@ pub(crate) struct DeleteHint {
     /// The size of the object's type (or, for `delete[]`, of the whole array with its cookie);
     /// a size of 0 is taken as not said, as AddressSanitizer takes it.
     pub size: Option<usize>,
-    /// The alignment the block was allocated with.
+    /// The alignment the block was allocated with (`None`: default-aligned).
     pub align: Option<usize>,
 }
 
 impl DeleteHint {
-    /// What the release in progress on this thread said of `ptr`, when it was a sized or
-    /// aligned `operator delete` of that very block (a free parked for later, which a
-    /// later hook finishes, or a signal handler's, is another block's release).
+    /// What the release in progress on this thread said of `ptr`, when it is an `operator
+    /// delete` of that very block (a free parked for later, which a later hook finishes, or a
+    /// signal handler's, is another block's release).
     pub(crate) fn of(ptr: *mut c_void) -> Option<DeleteHint> {
         let ts = tls::state();
         if ts.delete_ptr.get() != ptr as usize || ptr.is_null() {

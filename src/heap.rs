@@ -217,7 +217,7 @@ fn resolve() -> Option<Fns> {
     // does: asking for a name no module defines makes `dlsym` allocate its error's state, from
     // the bootstrap arena at this point, and then every `free` and `realloc` of the run went
     // through the arena's check (`free_first`: 13 instructions more per allocator call of
-    // churn, sqlite3 and python3 under `spy=ticks`, cachegrind; from 8d04ba0 to this line).
+    // churn, sqlite3 and python3 under `spy=ticks`, cachegrind; from 8d04ba0 until this check).
     let libc = os::module_of(libc::exit as *const c_void);
     if home != libc && !same_module(c"_Znwm").is_null() {
         let (low, high) = os::module_span(malloc);

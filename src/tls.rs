@@ -85,8 +85,8 @@ pub(crate) struct ThreadState {
     /// if none (see [`crate::alt_stack`]).
     pub alt_stack_low: Cell<u64>,
     pub alt_stack_size: Cell<u64>,
-    /// The block a sized or aligned `operator delete` in progress gives back, and the size
-    /// and alignment its caller said (see [`crate::delete_hint`]).
+    /// The block an `operator delete` in progress gives back, and the size and alignment its
+    /// caller said (see [`crate::delete_hint`]).
     pub delete_ptr: Cell<usize>,
     pub delete_size: Cell<usize>,
     pub delete_align: Cell<usize>,
