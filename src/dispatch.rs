@@ -1069,6 +1069,7 @@ impl<H: Heap> Interposer<H> {
         match self.spied.try_get(ptr as usize) {
             Lookup::Absent => {
                 crate::spies::ticks::released_unseen(ptr as usize);
+                crate::spies::leaks::released_unseen(ptr as usize);
                 // SAFETY: unspied: a real block.
                 unsafe { self.heap.free(ptr) }
             }
@@ -1274,10 +1275,13 @@ impl<H: Heap> Interposer<H> {
     unsafe fn realloc_nested(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
         match self.spied.try_get(ptr as usize) {
             Lookup::Absent => {
+                let record = crate::spies::leaks::released_unseen(ptr as usize);
                 // SAFETY: unspied: a real block.
                 let new = unsafe { self.heap.realloc(ptr, size) };
                 if !new.is_null() || size == 0 {
                     crate::spies::ticks::released_unseen(ptr as usize);
+                } else {
+                    crate::spies::leaks::restore_unseen(record);
                 }
                 if ptr.is_null() && !new.is_null() {
                     self.note_unseen(size);

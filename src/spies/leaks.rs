@@ -306,6 +306,25 @@ impl LeakTracker {
         t.pending[i].store(ptr, Ordering::Release);
     }
 
+    /// What a block given back where no spy sees it, by a tick callback, leaves of its record:
+    /// its free is applied at once, as [`Self::free_now`] applies a free by a thread without a
+    /// record; `None` when it had none. A `realloc` there takes the record before the real call
+    /// (once the block has moved, its address may be another thread's new block) and puts it
+    /// back with [`Self::restore_unseen`] when the call fails.
+    fn take_unseen(&self, ptr: usize) -> Option<Record> {
+        let r = self.remove_untracked(ptr)?;
+        self.applied_frees.fetch_add(1, Ordering::Relaxed);
+        self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
+        Some(r)
+    }
+
+    /// Puts back a record [`Self::take_unseen`] took for a `realloc` that failed.
+    fn restore_unseen(&self, ptr: usize, r: Record) {
+        self.applied_frees.fetch_sub(1, Ordering::Relaxed);
+        self.live_bytes.fetch_add(r.size() as i64, Ordering::Relaxed);
+        self.live.insert(ptr, r);
+    }
+
     /// The free of `ptr` by a thread without a record (`max_memory` was reached), which has no
     /// queue: at once. Ignored, the block's record outlived it, a leak in the report, and the
     /// allocation the guard named for the next block at its address (review helper 112).
@@ -508,6 +527,29 @@ static TRACKER: core::sync::atomic::AtomicPtr<LeakTracker> = core::sync::atomic:
 /// [`crate::leak_check`]): the newest one started.
 pub(crate) fn set_tracker(tracker: &'static LeakTracker) {
     TRACKER.store((tracker as *const LeakTracker).cast_mut(), Ordering::Release);
+}
+
+/// A block freed or moved by a tick callback (program code the ticks spy runs inside the
+/// allocator, where its calls are not spied): its record goes now, and its free counts. Else the
+/// record outlived the block: a callback's `realloc` of a block made the block's first
+/// `malloc` a definite leak, its `free`s went uncounted (`callback_frees.c` under
+/// `spy=ticks,leaks`). Only from a callback, which runs outside the tracker's tables'
+/// critical sections (a signal handler's free may interrupt one, which would wait on its own
+/// thread's lock). Returns what a failed `realloc` puts back ([`restore_unseen`]).
+#[inline]
+pub(crate) fn released_unseen(ptr: usize) -> Option<(usize, Record)> {
+    if tls::state().in_tick_callback.get() == 0 || ptr == 0 {
+        return None;
+    }
+    let r = tracker()?.take_unseen(ptr)?;
+    Some((ptr, r))
+}
+
+/// Puts back the record a callback's failed `realloc` took ([`released_unseen`]).
+pub(crate) fn restore_unseen(taken: Option<(usize, Record)>) {
+    if let (Some((ptr, r)), Some(t)) = (taken, tracker()) {
+        t.restore_unseen(ptr, r);
+    }
 }
 
 /// The process's leak tracker, if one was started in this module.
