@@ -306,34 +306,23 @@ impl LeakTracker {
         t.pending[i].store(ptr, Ordering::Release);
     }
 
-    /// What a block given back where no spy sees it, by a tick callback, leaves of its record:
-    /// its free is applied at once, as [`Self::free_now`] applies a free by a thread without a
-    /// record; `None` when it had none. A `realloc` there takes the record before the real call
-    /// (once the block has moved, its address may be another thread's new block) and puts it
-    /// back with [`Self::restore_unseen`] when the call fails.
-    fn take_unseen(&self, ptr: usize) -> Option<Record> {
-        let r = self.remove_untracked(ptr)?;
-        self.applied_frees.fetch_add(1, Ordering::Relaxed);
-        self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
-        Some(r)
-    }
-
-    /// Puts back a record [`Self::take_unseen`] took for a `realloc` that failed.
+    /// Puts back a record [`Self::free_now`] took for a tick callback's `realloc` that failed.
     fn restore_unseen(&self, ptr: usize, r: Record) {
         self.applied_frees.fetch_sub(1, Ordering::Relaxed);
         self.live_bytes.fetch_add(r.size() as i64, Ordering::Relaxed);
         self.live.insert(ptr, r);
     }
 
-    /// The free of `ptr` by a thread without a record (`max_memory` was reached), which has no
-    /// queue: at once. Ignored, the block's record outlived it, a leak in the report, and the
-    /// allocation the guard named for the next block at its address (review helper 112).
-    fn free_now(&self, ptr: usize) {
-        if let Some(r) = self.remove_untracked(ptr) {
-            // Straight into the process-wide figures, as `apply_all_pending` does.
-            self.applied_frees.fetch_add(1, Ordering::Relaxed);
-            self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
-        }
+    /// The free of `ptr` applied at once, with no queue: by a thread without a record
+    /// (`max_memory` was reached), or by a tick callback ([`released_unseen`]). Ignored, the
+    /// block's record outlived it, a leak in the report, and the allocation the guard named for
+    /// the next block at its address (review helper 112). The record taken, if there was one.
+    fn free_now(&self, ptr: usize) -> Option<Record> {
+        let r = self.remove_untracked(ptr)?;
+        // Straight into the process-wide figures, as `apply_all_pending` does.
+        self.applied_frees.fetch_add(1, Ordering::Relaxed);
+        self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
+        Some(r)
     }
 
     /// Removes the record of `ptr` for a thread without a record, taking back any free of
@@ -470,7 +459,9 @@ impl MallocSpy for LeakTracker {
         if entry.only_releases() {
             match self.mine() {
                 Some(t) => self.free_later(ptr as usize, t),
-                None => self.free_now(ptr as usize),
+                None => {
+                    self.free_now(ptr as usize);
+                }
             }
             return;
         }
@@ -535,13 +526,15 @@ pub(crate) fn set_tracker(tracker: &'static LeakTracker) {
 /// `malloc` a definite leak, its `free`s went uncounted (`callback_frees.c` under
 /// `spy=ticks,leaks`). Only from a callback, which runs outside the tracker's tables'
 /// critical sections (a signal handler's free may interrupt one, which would wait on its own
-/// thread's lock). Returns what a failed `realloc` puts back ([`restore_unseen`]).
+/// thread's lock). Returns what a failed `realloc` puts back ([`restore_unseen`]): a
+/// `realloc` there takes the record before the real call, as once the block has moved its
+/// address may be another thread's new block.
 #[inline]
 pub(crate) fn released_unseen(ptr: usize) -> Option<(usize, Record)> {
     if tls::state().in_tick_callback.get() == 0 || ptr == 0 {
         return None;
     }
-    let r = tracker()?.take_unseen(ptr)?;
+    let r = tracker()?.free_now(ptr)?;
     Some((ptr, r))
 }
 
