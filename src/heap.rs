@@ -188,6 +188,11 @@ fn next_symbol(name: &CStr) -> *mut c_void {
     unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) }
 }
 
+/// The C library's module: the one of its `exit` (0 if unknown). Asks the loader.
+fn libc_module() -> usize {
+    os::module_of(libc::exit as *const c_void)
+}
+
 /// Resolves the allocator after ours, keeping to the module that provides `malloc`.
 fn resolve() -> Option<Fns> {
     let mut malloc = next_symbol(c"malloc");
@@ -218,8 +223,7 @@ fn resolve() -> Option<Fns> {
     // the bootstrap arena at this point, and then every `free` and `realloc` of the run went
     // through the arena's check (`free_first`: 13 instructions more per allocator call of
     // churn, sqlite3 and python3 under `spy=ticks`, cachegrind; from 8d04ba0 until this check).
-    let libc = os::module_of(libc::exit as *const c_void);
-    if home != libc && !same_module(c"_Znwm").is_null() {
+    if home != libc_module() && !same_module(c"_Znwm").is_null() {
         let (low, high) = os::module_span(malloc);
         ALLOCATOR_WITH_OPERATORS[0].store(low, Ordering::Relaxed);
         ALLOCATOR_WITH_OPERATORS[1].store(high, Ordering::Relaxed);
@@ -305,7 +309,7 @@ impl NextHeap {
     /// Whether the real allocator is glibc's: its `malloc` lies in the module of the C
     /// library's `exit`. Asks the loader: not from a hook.
     pub(crate) fn is_glibc(&self) -> bool {
-        let libc = os::module_of(libc::exit as *const c_void);
+        let libc = libc_module();
         self.real_malloc().is_some_and(|malloc| libc != 0 && os::module_of(malloc) == libc)
     }
 
