@@ -648,6 +648,31 @@ fn a_handler_allocating_on_a_small_alternate_stack_runs_as_natively() {
     }
 }
 
+/// Blocks a handler frees or moves on an alternate stack with little room left, where
+/// mallocspy runs no spy code, are parked until the next hook: the leak tracker's records and
+/// the ticks spy's samples end with them. Freed at once, 43 of the 64 blocks were reported
+/// definitely lost and 64 samples stayed live to the end.
+#[test]
+fn blocks_released_on_a_small_alternate_stack_leave_no_record_behind() {
+    let program = c_program("released_on_small_altstack.c");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    for how in ["free", "realloc"] {
+        let out = run(JSON_REPORT, Command::new(&program).arg(how));
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ok\n"), "{how}: {}", text(&out.stderr));
+        let report = json_report(&out);
+        assert_eq!(report["summary"]["definitely_lost"]["blocks"], 0, "{how}: {report}");
+        let options = format!("spy=ticks:sample_interval=1:trace={}", trace.display());
+        let out = Command::new(&program).arg(how).env("LD_PRELOAD", shim()).env("MALLOCSPY_OPTIONS", &options).output();
+        let out = out.unwrap();
+        assert_eq!(out.status.code(), Some(0), "{how}: {}", text(&out.stderr));
+        let out = Command::new(mallocspy()).args(["report", "--format", "json"]).arg(&trace).output().unwrap();
+        let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        // stdout's buffer alone.
+        assert_eq!(report["live_at_end"]["samples"], 1, "{how}: {report}");
+    }
+}
+
 /// The guard's `finding` lines in `stderr` are, in order, one per `(what, place)` of `expect`:
 /// what follows the address, and the function that released the block, called from `program`.
 fn assert_finding_lines(stderr: &str, finding: &str, program: &str, expect: &[(&str, &str)]) {

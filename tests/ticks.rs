@@ -1552,6 +1552,26 @@ fn blocks_a_tick_callback_frees_leave_no_leak_record() {
     }
 }
 
+/// A signal handler's free that lands inside the leak tracker's removal of the record of a
+/// block a tick callback freed is parked: it waited for the lock its own thread held, and the
+/// program hung for good (review helper 122: 2 of 2 runs).
+#[test]
+fn a_handlers_free_inside_a_callbacks_free_does_not_hang_the_program() {
+    let program = c_program("callback_frees_under_signals.c");
+    let child = Command::new(&program)
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "spy=ticks,leaks:sample_interval=8k")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within(child, std::time::Duration::from_secs(120));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(text(&out.stdout).starts_with("done: "), "{stderr}");
+    assert!(stderr.contains("definitely lost: 0 bytes in 0 blocks"), "{stderr}");
+}
+
 /// Threads that take over one another's thread slot sample on streams of their own: each of
 /// 200 threads in a row, making the same 1000 allocations, replayed the gaps of the thread
 /// whose slot it took and sampled the very allocations that one had, so that their samples,
