@@ -134,6 +134,27 @@ pub(crate) fn read_own_bytes(addr: usize, bytes: &mut [u8]) -> bool {
     read == len as isize
 }
 
+/// Reads the two words at each of `places` of this process's memory into `out` (as many as
+/// `places`), with one `process_vm_readv`, which stops at the first place nothing readable
+/// is: returns how many places were read, from the first.
+pub(crate) fn read_own_pairs(places: &[usize], out: &mut [[u64; 2]]) -> usize {
+    const MOST: usize = 16;
+    let n = places.len().min(out.len()).min(MOST);
+    let remote: [libc::iovec; MOST] = core::array::from_fn(|i| libc::iovec {
+        iov_base: places.get(i).map_or(core::ptr::null_mut(), |&a| a as *mut c_void),
+        iov_len: 16,
+    });
+    let local = libc::iovec { iov_base: out.as_mut_ptr().cast(), iov_len: 16 * n };
+    // SAFETY: the kernel writes at most 16 * n bytes into `out` and only reads at `places`.
+    let read = unsafe {
+        raw_syscall(
+            libc::SYS_process_vm_readv,
+            [getpid() as usize, &raw const local as usize, 1, remote.as_ptr() as usize, n, 0],
+        )
+    };
+    if read < 0 { 0 } else { read as usize / 16 }
+}
+
 /// Whether the process runs on valgrind's synthetic CPU: valgrind's `RUNNING_ON_VALGRIND`
 /// client request, the instruction sequence `valgrind.h` defines, which a real CPU runs as
 /// rotations that leave `rdi` as it was and an exchange of `rbx` with itself (the default

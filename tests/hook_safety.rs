@@ -781,6 +781,20 @@ fn the_guard_finds_deletes_of_another_size_or_alignment_as_address_sanitizer_doe
     assert_eq!((text(&out.stdout), text(&out.stderr)), ("1000\n".to_string(), String::new()));
 }
 
+/// Blocks the guard cannot lay out (its table full at `max_memory`) are the real allocator's,
+/// and their frees raise no finding, wherever they lie: a header of one of the guard's freed
+/// blocks, left in memory given back to the top of the heap, made 290 of them invalid frees
+/// (review helper 121).
+#[test]
+fn frees_of_blocks_the_guard_could_not_lay_out_raise_no_finding() {
+    let program = c_program("guard_table_full.c");
+    let out = run(Mode::Shim("spy=guard:max_memory=6m:exitcode=9"), &mut Command::new(&program));
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "ok\n"), "{stderr}");
+    assert!(stderr.contains("no room left for the live-block table"), "the table never filled: {stderr}");
+    assert!(!stderr.contains("mallocspy: guard:"), "{stderr}");
+}
+
 /// The guard and the leak tracker side by side (`spy=guard,leaks`) keep their per-call words
 /// apart: they shared three, and every `realloc` went uncounted as a free (100 frees said of
 /// 1,100) while the guard read the tracker's record as the releasing function.
