@@ -55,6 +55,12 @@ static MISSED: AtomicUsize = AtomicUsize::new(0);
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 static BYTES: AtomicU64 = AtomicU64::new(0);
 static FREES: AtomicU64 = AtomicU64::new(0);
+/// The calls noted by entry point (a `free` of a noted block is one too), and the allocations
+/// and their bytes by the ticks spy's kinds (small, large, aligned): `spy=count`'s and the
+/// ticks spy's exact totals start from them, as the leak tracker's do.
+static ENTRY_CALLS: [AtomicU64; Entry::ALL.len()] = [const { AtomicU64::new(0) }; Entry::ALL.len()];
+static KIND_ALLOCS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+static KIND_BYTES: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
 
 /// Whether calls are still noted.
 #[inline]
@@ -126,7 +132,18 @@ pub(crate) fn allocated(ptr: *mut core::ffi::c_void, size: usize, entry: Entry, 
     }
     ALLOCS.fetch_add(1, Ordering::Relaxed);
     BYTES.fetch_add(size as u64, Ordering::Relaxed);
+    ENTRY_CALLS[entry as usize].fetch_add(1, Ordering::Relaxed);
+    let aligned =
+        matches!(entry, Entry::PosixMemalign | Entry::AlignedAlloc | Entry::Memalign | Entry::Valloc | Entry::Pvalloc);
+    let kind = if aligned { crate::gate::ALIGNED } else { crate::gate::kind_of(size) };
+    KIND_ALLOCS[kind].fetch_add(1, Ordering::Relaxed);
+    KIND_BYTES[kind].fetch_add(size as u64, Ordering::Relaxed);
     note(addr, (size as u64) << 8 | entry as u64, caller);
+}
+
+/// Counts a `free` of a block [`freed`] forgot (a `realloc`'s frees are its own call).
+pub(crate) fn freed_by_free() {
+    ENTRY_CALLS[Entry::Free as usize].fetch_add(1, Ordering::Relaxed);
 }
 
 fn note(addr: u64, size_entry: u64, caller: u64) {
@@ -225,6 +242,19 @@ impl Live {
     /// Allocations, bytes allocated and frees of noted blocks, those freed included.
     pub(crate) fn totals(&self) -> (u64, u64, u64) {
         (ALLOCS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed), FREES.load(Ordering::Relaxed))
+    }
+
+    /// The calls noted, by entry point (indexed as [`Entry::ALL`]).
+    pub(crate) fn calls(&self) -> [u64; Entry::ALL.len()] {
+        ENTRY_CALLS.each_ref().map(|n| n.load(Ordering::Relaxed))
+    }
+
+    /// The allocations noted and their bytes, by the ticks spy's kinds (small, large, aligned).
+    pub(crate) fn kinds(&self) -> ([u64; 3], [u64; 3]) {
+        (
+            KIND_ALLOCS.each_ref().map(|n| n.load(Ordering::Relaxed)),
+            KIND_BYTES.each_ref().map(|n| n.load(Ordering::Relaxed)),
+        )
     }
 }
 

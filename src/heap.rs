@@ -163,7 +163,9 @@ unsafe extern "C" fn realloc_first(ptr: *mut c_void, size: usize) -> *mut c_void
 /// # Safety
 /// `ptr` is NULL or a live block of the next heap (or of the arena), dead afterwards.
 unsafe extern "C" fn free_first(ptr: *mut c_void) {
-    let _ = early::freed(ptr);
+    if early::freed(ptr).is_some() {
+        early::freed_by_free();
+    }
     // SAFETY: the caller's guarantee.
     unsafe { next_heap().free_unresolved(ptr) }
 }

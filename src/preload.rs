@@ -270,8 +270,16 @@ fn register_spies() {
     if BUILTINS.get().is_some_and(|b| b.options.report_on_signal) {
         crate::ending_signals::enable();
     }
-    if let (Some(live), Some(tracker)) = (crate::early::stop(), BUILTINS.get().and_then(|b| b.leaks)) {
-        tracker.adopt(&live);
+    if let (Some(live), Some(b)) = (crate::early::stop(), BUILTINS.get()) {
+        if let Some(tracker) = b.leaks {
+            tracker.adopt(&live);
+        }
+        if let Some(count) = b.count {
+            count.count_before(&live);
+        }
+        if let Some(ticks) = b.ticks {
+            ticks.count_before(&live);
+        }
     }
     let alone = layers.len() == 1;
     let spy: &'static dyn MallocSpy = if alone { layers[0] } else { leak(SpyStack::new(layers)) };

@@ -94,6 +94,18 @@ impl CountSpy {
         Counters { calls: &self.shared.0, amounts: &self.shared.1 }
     }
 
+    /// Counts the calls made before any spy was registered (the constructors of the program's
+    /// libraries run before the shim's: curl makes 1,300 of its 4,606 calls there), as the leak
+    /// tracker's totals do: the one allocation of libstdc++'s constructor (72,704 bytes) was
+    /// missing from a C++ program's.
+    pub(crate) fn count_before(&self, live: &crate::early::Live) {
+        let (calls, amounts) = &self.shared;
+        for (sum, n) in calls.0.iter().zip(live.calls()) {
+            sum.fetch_add(n, Ordering::Relaxed);
+        }
+        amounts.bytes.fetch_add(live.totals().1, Ordering::Relaxed);
+    }
+
     /// Sums every thread's counters (approximate while other threads still count).
     pub(crate) fn totals(&self) -> Totals {
         let mut t = Totals::default();

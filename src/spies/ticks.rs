@@ -242,6 +242,10 @@ pub(crate) struct TickSpy {
     /// Frees of threads without a record (none inside the shim's hooks), and their share of
     /// the live estimates.
     frees_elsewhere: AtomicU64,
+    /// Allocations and their bytes by kind made before any spy was registered
+    /// ([`TickSpy::count_before`]).
+    allocs_before: [AtomicU64; 3],
+    bytes_before: [AtomicU64; 3],
     live_elsewhere: LiveShare,
     /// Allocations of threads that got a slot but no record (past `max_memory`): in no total,
     /// and said so at exit rather than lost without a word. (A thread with no slot never
@@ -327,6 +331,8 @@ impl TickSpy {
             stacks: Stacks::new()?,
             estimates: Estimates::default(),
             frees_elsewhere: AtomicU64::new(0),
+            allocs_before: [const { AtomicU64::new(0) }; 3],
+            bytes_before: [const { AtomicU64::new(0) }; 3],
             live_elsewhere: LiveShare::default(),
             uncounted: AtomicU64::new(0),
             ring: AtomicPtr::new(core::ptr::null_mut()),
@@ -619,6 +625,18 @@ impl TickSpy {
         self.stats_callback.store(f.map_or(0, |f| f as usize), Ordering::Release);
     }
 
+    /// Counts the calls made before any spy was registered in the exact totals, as `spy=count`
+    /// does ([`crate::spies::count::CountSpy::count_before`]). Not sampled: no stack could be
+    /// walked then.
+    pub(crate) fn count_before(&self, live: &crate::early::Live) {
+        let (allocs, bytes) = live.kinds();
+        for k in 0..3 {
+            self.allocs_before[k].fetch_add(allocs[k], Ordering::Relaxed);
+            self.bytes_before[k].fetch_add(bytes[k], Ordering::Relaxed);
+        }
+        self.frees_elsewhere.fetch_add(live.totals().2, Ordering::Relaxed);
+    }
+
     /// The heap's state now, with its time and the peak so far (the allocator's own view maybe
     /// as last taken).
     pub(crate) fn stats_now(&self) -> trace::HeapStats {
@@ -671,6 +689,10 @@ impl TickSpy {
             s.frees += c.frees.load(Ordering::Relaxed);
         }
         s.frees += self.frees_elsewhere.load(Ordering::Relaxed);
+        for (k, stats) in s.kinds.iter_mut().enumerate() {
+            stats.allocs += self.allocs_before[k].load(Ordering::Relaxed);
+            stats.bytes += self.bytes_before[k].load(Ordering::Relaxed);
+        }
         let (bytes, blocks) = self.live_sums();
         for (k, stats) in s.kinds.iter_mut().enumerate() {
             stats.live_bytes = at_least_zero(bytes[k]);
@@ -730,6 +752,7 @@ impl TickSpy {
             unsafe { t.own.get() }.unflushed = Unflushed::default();
         }
         self.frees_elsewhere.store(0, Ordering::Relaxed);
+        self.allocs_before.iter().chain(&self.bytes_before).for_each(|n| n.store(0, Ordering::Relaxed));
         self.uncounted.store(0, Ordering::Relaxed);
         let live = at_least_zero(self.live_sums().0.into_iter().fold(0, u64::wrapping_add));
         self.estimates.live.store(live, Ordering::Relaxed);
