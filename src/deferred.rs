@@ -43,16 +43,6 @@ impl DeferredFrees {
     /// Parks `ptr`, given back by `entry`; false (and the block counted as leaked) when the
     /// ring is full.
     pub(crate) fn push(&self, ptr: *mut c_void, entry: Entry) -> bool {
-        let parked = self.try_push(ptr, entry);
-        if !parked {
-            self.leaked.fetch_add(1, Ordering::Relaxed);
-        }
-        parked
-    }
-
-    /// Parks `ptr`, given back by `entry`, if the ring has room: for a real block the caller
-    /// can still free at once when it has not.
-    pub(crate) fn try_push(&self, ptr: *mut c_void, entry: Entry) -> bool {
         debug_assert!(ptr as usize >> ENTRY_AT == 0);
         let value = ptr as usize | (entry as usize) << ENTRY_AT;
         for slot in &self.slots {
@@ -61,6 +51,7 @@ impl DeferredFrees {
                 return true;
             }
         }
+        self.leaked.fetch_add(1, Ordering::Relaxed);
         false
     }
 

@@ -83,6 +83,33 @@ impl Drop for Depth {
     }
 }
 
+/// Runs `f`, in which a spy takes its tables' locks to follow a release made where no spy code
+/// ran: by a tick callback (program code the ticks spy runs inside a hook, outside its tables'
+/// critical sections), or outside any hook (on an alternate signal stack with little room left,
+/// by a thread without a slot: the leak tracker reported such a block lost, the ticks spy kept
+/// its sample live). Meanwhile the thread counts as inside a hook and no callback, so that a
+/// signal handler's release interrupting `f` leaves the tables alone (one waited for its own
+/// thread's lock for good: review helper 122). `None` inside a hook otherwise: a signal handler
+/// that interrupted one, whose tables may be mid-change (its release is not followed; parking
+/// it instead moved the real free out of the handler, into code the handler may interrupt, and
+/// broke a program whose handler and main loop keep to separate bins of glibc's cache).
+pub(crate) fn following_unseen<T>(f: impl FnOnce() -> T) -> Option<T> {
+    let ts = tls::state();
+    let (in_callback, depth) = (ts.in_tick_callback.get(), ts.depth.get());
+    if in_callback == 0 && depth != 0 {
+        return None;
+    }
+    ts.in_tick_callback.set(0);
+    ts.depth.set(depth.max(1));
+    let r = f();
+    ts.depth.set(depth);
+    ts.in_tick_callback.set(in_callback);
+    if depth == 0 {
+        crate::ending_signals::after_hook();
+    }
+    Some(r)
+}
+
 /// Proof that the calling thread is inside a top-level hook: its nested allocator calls go
 /// straight to the real allocator, and spy code it runs is waited for before a spy is dropped.
 pub(crate) struct Scope {
@@ -667,17 +694,6 @@ impl<H: Heap> Interposer<H> {
         self.spied.for_each(|p, _| f(p));
     }
 
-    /// Finishes the releases parked so far: at exit, before the reports, for one parked by
-    /// the program's last calls, which no hook came after to finish (its block's record would
-    /// be reported lost).
-    pub(crate) fn finish_parked(&self) {
-        if self.deferred.has_pending()
-            && let Some(scope) = Scope::enter()
-        {
-            self.drain_deferred(&scope);
-        }
-    }
-
     /// Blocks leaked because their free could not be deferred (the parking ring was full).
     pub(crate) fn leaked_frees(&self) -> usize {
         self.deferred.leaked()
@@ -1078,44 +1094,16 @@ impl<H: Heap> Interposer<H> {
             return;
         }
         match self.spied.try_get(ptr as usize) {
-            Lookup::Absent if !self.followed_unseen(ptr as usize) => {
+            Lookup::Absent => {
                 crate::spies::ticks::released_unseen(ptr as usize);
                 crate::spies::leaks::released_unseen(ptr as usize);
                 // SAFETY: unspied: a real block.
                 unsafe { self.heap.free(ptr) }
             }
-            // SAFETY: unspied: a real block.
-            Lookup::Absent => unsafe { self.park(ptr, entry, true) },
-            // SAFETY: spied (or unknown): not freed here.
-            Lookup::Found(_) | Lookup::Busy => unsafe { self.park(ptr, entry, false) },
+            Lookup::Found(_) | Lookup::Busy => {
+                self.deferred.push(ptr, entry);
+            }
         }
-    }
-
-    /// Parks the release of `ptr` by `entry` for the next hook. When the ring is full, a real
-    /// block (`real`) is freed at once (a watching spy's record of it then outlives it, the
-    /// lesser harm), and a spied one is leaked (only its spy knows where its real block starts).
-    ///
-    /// # Safety
-    /// `ptr` is a live block of this allocator; a real block if `real`.
-    unsafe fn park(&self, ptr: *mut c_void, entry: Entry, real: bool) {
-        if !real {
-            self.deferred.push(ptr, entry);
-        } else if !self.deferred.try_push(ptr, entry) {
-            // SAFETY: the caller's guarantee.
-            unsafe { self.heap.free(ptr) }
-        }
-    }
-
-    /// Whether a spy that only watches (the leak tracker, the ticks spy) may follow the block
-    /// at `ptr`, released where no spy code may run: by a signal handler that interrupted a
-    /// hook, on an alternate signal stack with little room left, by a thread without a slot.
-    /// Its release is then parked for the next hook: made at once, it left the spy's record of
-    /// the block behind (the leak tracker reported a block freed on a small alternate stack as
-    /// lost; the ticks spy kept its sample live). Not from a tick callback, whose releases
-    /// reach both spies at once ([`crate::spies::leaks::released_unseen`]).
-    fn followed_unseen(&self, ptr: usize) -> bool {
-        tls::state().in_tick_callback.get() == 0
-            && ((self.gate.is_open() && self.gate.maybe_sampled(ptr)) || crate::spies::leaks::may_know(ptr))
     }
 
     /// `realloc`/`reallocarray` while a spy may be registered.
@@ -1307,19 +1295,12 @@ impl<H: Heap> Interposer<H> {
     }
 
     /// `realloc` from inside a hook or a thread without a slot: no spy code may run, so a
-    /// spied block, or one a watching spy follows ([`Self::followed_unseen`]), is copied into
-    /// an unspied one and its free is parked.
+    /// spied block is copied into an unspied one and its free is parked.
     ///
     /// # Safety
     /// `ptr` is a live block of this allocator.
     unsafe fn realloc_nested(&self, ptr: *mut c_void, size: usize) -> *mut c_void {
         match self.spied.try_get(ptr as usize) {
-            Lookup::Absent if !ptr.is_null() && self.followed_unseen(ptr as usize) => {
-                // SAFETY: unspied: a real block, all of whose usable bytes may be read.
-                let old = unsafe { self.heap.usable_size(ptr) };
-                // SAFETY: as above.
-                unsafe { self.move_and_park(ptr, old, size, true) }
-            }
             Lookup::Absent => {
                 let record = crate::spies::leaks::released_unseen(ptr as usize);
                 // SAFETY: unspied: a real block.
@@ -1334,36 +1315,25 @@ impl<H: Heap> Interposer<H> {
                 }
                 new
             }
-            // SAFETY: the caller's guarantee.
-            Lookup::Found(old) => unsafe { self.move_and_park(ptr, old, size, false) },
+            Lookup::Found(old) => {
+                if size == 0 && self.heap.realloc_zero_frees() {
+                    self.deferred.push(ptr, Entry::Free);
+                    return null();
+                }
+                let new = self.heap.malloc(size);
+                if !new.is_null() {
+                    self.note_unseen(size);
+                    // SAFETY: the old block holds `old` caller bytes, the new one `size`.
+                    unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
+                    self.deferred.push(ptr, Entry::Free);
+                }
+                new
+            }
             Lookup::Busy => {
                 os::set_errno(libc::ENOMEM);
                 null()
             }
         }
-    }
-
-    /// A nested `realloc` of `ptr`, `old` bytes of which are the caller's, to `size`: its bytes
-    /// go to an unspied block and its free is parked ([`Self::park`]; `real`: `ptr` is a real
-    /// block).
-    ///
-    /// # Safety
-    /// `ptr` is a live block of this allocator with at least `old` readable bytes.
-    unsafe fn move_and_park(&self, ptr: *mut c_void, old: usize, size: usize, real: bool) -> *mut c_void {
-        if size == 0 && self.heap.realloc_zero_frees() {
-            // SAFETY: the caller's guarantee.
-            unsafe { self.park(ptr, Entry::Free, real) };
-            return null();
-        }
-        let new = self.heap.malloc(size);
-        if !new.is_null() {
-            self.note_unseen(size);
-            // SAFETY: the old block holds `old` caller bytes, the new one `size`.
-            unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
-            // SAFETY: the caller's guarantee.
-            unsafe { self.park(ptr, Entry::Free, real) };
-        }
-        new
     }
 
     /// `malloc_usable_size` while a spy may be registered.

@@ -574,10 +574,6 @@ fn write_reports(caller: Caller) {
         );
         return;
     }
-    if ENDING_SIGNAL.load(Ordering::Relaxed) == 0 {
-        // Not in a process a signal is ending: its heap may be what broke.
-        GLOBAL.finish_parked();
-    }
     let leaked = GLOBAL.leaked_frees();
     if leaked > 0 {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));

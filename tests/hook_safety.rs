@@ -649,9 +649,8 @@ fn a_handler_allocating_on_a_small_alternate_stack_runs_as_natively() {
 }
 
 /// Blocks a handler frees or moves on an alternate stack with little room left, where
-/// mallocspy runs no spy code, are parked until the next hook: the leak tracker's records and
-/// the ticks spy's samples end with them. Freed at once, 43 of the 64 blocks were reported
-/// definitely lost and 64 samples stayed live to the end.
+/// mallocspy runs no hook, still end the leak tracker's records and the ticks spy's samples:
+/// 43 of the 64 blocks were reported definitely lost and 64 samples stayed live to the end.
 #[test]
 fn blocks_released_on_a_small_alternate_stack_leave_no_record_behind() {
     let program = c_program("released_on_small_altstack.c");

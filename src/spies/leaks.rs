@@ -17,7 +17,7 @@
 
 use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
-use crate::live_table::{LiveTable, Lookup};
+use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
@@ -520,47 +520,30 @@ pub(crate) fn set_tracker(tracker: &'static LeakTracker) {
     TRACKER.store((tracker as *const LeakTracker).cast_mut(), Ordering::Release);
 }
 
-/// A block freed or moved by a tick callback (program code the ticks spy runs inside the
-/// allocator, where its calls are not spied): its record goes now, and its free counts. Else the
-/// record outlived the block: a callback's `realloc` of a block made the block's first
-/// `malloc` a definite leak, its `free`s went uncounted (`callback_frees.c` under
-/// `spy=ticks,leaks`). Only from a callback, which runs outside the tracker's tables'
-/// critical sections (a signal handler's free may interrupt one, which would wait on its own
-/// thread's lock). Returns what a failed `realloc` puts back ([`restore_unseen`]): a
-/// `realloc` there takes the record before the real call, as once the block has moved its
-/// address may be another thread's new block.
+/// A block freed or moved where no spy code ran, by a tick callback (program code the ticks spy
+/// runs inside the allocator) or outside any hook (a nearly full alternate signal stack, a
+/// thread without a slot): its record goes now, and its free counts. Else the record outlived
+/// the block: a callback's `realloc` of a block made the block's first `malloc` a definite
+/// leak, its `free`s went uncounted (`callback_frees.c` under `spy=ticks,leaks`). Not from a
+/// signal handler that interrupted a hook ([`crate::dispatch::following_unseen`]). Returns
+/// what a failed `realloc` puts back ([`restore_unseen`]): a `realloc` there takes the record
+/// before the real call, as once the block has moved its address may be another thread's new
+/// block.
 #[inline]
 pub(crate) fn released_unseen(ptr: usize) -> Option<(usize, Record)> {
-    let ts = tls::state();
-    if ts.in_tick_callback.get() == 0 || ptr == 0 {
+    if ptr == 0 {
         return None;
     }
     let t = tracker()?;
-    // Down while the record goes, as the ticks spy's mark is while a sample ends: a signal
-    // handler's free interrupting the table's critical section waited for its own thread's
-    // lock for good (review helper 122); now it finds the lock its own and parks its free.
-    ts.in_tick_callback.set(0);
-    let r = t.free_now(ptr);
-    ts.in_tick_callback.set(1);
-    Some((ptr, r?))
-}
-
-/// Whether the process's leak tracker may hold a record of `ptr` (it does, or its shard is
-/// held by the calling thread itself: a signal handler that interrupted the tracker), for a
-/// release no spy code may run for (see `Interposer::followed_unseen`). Waits for another
-/// thread's hold of the shard, as every operation of the table does.
-pub(crate) fn may_know(ptr: usize) -> bool {
-    tracker().is_some_and(|t| !matches!(t.live.try_get(ptr), Lookup::Absent))
+    let r = crate::dispatch::following_unseen(|| t.free_now(ptr))??;
+    Some((ptr, r))
 }
 
 /// Puts back the record a callback's failed `realloc` took ([`released_unseen`]).
 pub(crate) fn restore_unseen(taken: Option<(usize, Record)>) {
     if let (Some((ptr, r)), Some(t)) = (taken, tracker()) {
-        // As in `released_unseen`.
-        let ts = tls::state();
-        ts.in_tick_callback.set(0);
-        t.restore_unseen(ptr, r);
-        ts.in_tick_callback.set(1);
+        // Where `released_unseen` took it: the same answer.
+        crate::dispatch::following_unseen(|| t.restore_unseen(ptr, r));
     }
 }
 

@@ -932,23 +932,24 @@ fn in_callback(call: impl FnOnce()) {
 /// callback's 1000, review helper 67), and if it was sampled, its sample ends here, or it
 /// stayed live in the estimates for good.
 ///
-/// Only from a callback, which runs outside the sampled set's operations: a signal handler's
-/// free may have interrupted one that holds the very lock the sample's end takes (a program
-/// whose handler frees hung for good, spinning on its own lock). The mark is down while the
-/// sample ends, so that a handler's free interrupting this one is skipped too. Frees of
-/// threads without a slot, which also come this way, are not followed.
+/// Also a block freed outside any hook (on a nearly full alternate signal stack, by a thread
+/// without a slot): its sample ends, and its free is not counted, as that thread's allocations
+/// there are not. Not from a signal handler that interrupted a hook, which may hold the very
+/// lock the sample's end takes (a program whose handler frees hung for good, spinning on its
+/// own lock): see [`crate::dispatch::following_unseen`].
 #[inline]
 pub(crate) fn released_unseen(ptr: usize) {
-    let ts = tls::state();
-    if ts.in_tick_callback.get() == 0 || ptr == 0 {
+    if ptr == 0 {
         return;
     }
-    if let Some(spy) = spy() {
-        spy.frees_elsewhere.fetch_add(1, Ordering::Relaxed);
-        ts.in_tick_callback.set(0);
+    let Some(spy) = spy() else { return };
+    let in_callback = tls::state().in_tick_callback.get() != 0;
+    crate::dispatch::following_unseen(|| {
+        if in_callback {
+            spy.frees_elsewhere.fetch_add(1, Ordering::Relaxed);
+        }
         spy.released(ptr, None);
-        ts.in_tick_callback.set(1);
-    }
+    });
 }
 
 /// Asks for the line where the process's ticks spy would keep `ptr`: for a free the gate
