@@ -258,7 +258,7 @@ unsafe fn lay_out(p: usize, size: usize, offset: usize, family: Family, aligned:
 /// block merged into the top of the heap), and a header left there made a block of the real
 /// heap later handed out at that place, unspied (the live-block table full, `max_memory`
 /// reached), look like a guarded block's start: its free was an invalid-free (review helper
-/// 121: a correct program, 200 findings).
+/// 121: a correct program, hundreds of findings).
 ///
 /// # Safety
 /// `p` is the caller pointer of a live block this spy laid out.
