@@ -91,8 +91,9 @@ impl Drop for Depth {
 /// signal handler's release interrupting `f` leaves the tables alone (one waited for its own
 /// thread's lock for good: review helper 122). `None` inside a hook otherwise: a signal handler
 /// that interrupted one, whose tables may be mid-change (its release is not followed; parking
-/// it instead moved the real free out of the handler, into code the handler may interrupt, and
-/// broke a program whose handler and main loop keep to separate bins of glibc's cache).
+/// it instead moves the real free out of the handler, into code the handler may interrupt,
+/// which can break a program whose handler and main loop keep to separate bins of glibc's
+/// cache, as `signal_frees.c` does).
 pub(crate) fn following_unseen<T>(f: impl FnOnce() -> T) -> Option<T> {
     let ts = tls::state();
     let (in_callback, depth) = (ts.in_tick_callback.get(), ts.depth.get());
