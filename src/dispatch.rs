@@ -869,6 +869,10 @@ impl<H: Heap> Interposer<H> {
     /// one on a thread without a slot: [`crate::threads::unspied_calls`] counts those).
     fn note_unseen(&self, size: usize) {
         let ts = tls::state();
+        if ts.depth.get() == tls::UNSPIED {
+            // Looking for a signal frame makes system calls, which kill this thread.
+            return;
+        }
         // Above every frame of the hook: the caller's stack pointer at the export, if known.
         let hook_sp = match ts.scope_sp.get() {
             0 => 0,

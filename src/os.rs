@@ -412,8 +412,25 @@ static VDSO_CLOCK_GETTIME: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mu
 /// glibc's calls, found in the image the kernel maps (no `dlopen`, whose block of the loader's
 /// the leak report counted as the program's, and which a child forked during another thread's
 /// `dlopen` must not make).
+/// Not when the thread may not read the time-stamp counter, which the vDSO's clocks read: then
+/// the system call. Again when the program changes that (`prctl(PR_SET_TSC)`): another thread
+/// may have been created since, and a global switch to the system call costs only the clocks'
+/// readings, a sample's and a statistics event's.
 pub(crate) fn warm_up_clock() {
-    VDSO_CLOCK_GETTIME.store(vdso_symbol(b"__vdso_clock_gettime"), Ordering::Release);
+    let vdso = if tsc_readable() { vdso_symbol(b"__vdso_clock_gettime") } else { core::ptr::null_mut() };
+    VDSO_CLOCK_GETTIME.store(vdso, Ordering::Release);
+}
+
+/// Whether the calling thread may read the time-stamp counter: not after `prctl(PR_SET_TSC,
+/// PR_TSC_SIGSEGV)` (record-and-replay tools and timing sandboxes use it; a forked child and
+/// an `exec`ed image keep it), where reading it raises `SIGSEGV`: every spy's exit killed such
+/// a program, in the vDSO's `clock_gettime` (review helper 124).
+fn tsc_readable() -> bool {
+    let mut state: c_int = 0;
+    // SAFETY: PR_GET_TSC writes an int through its pointer; the system call, not the wrapped
+    // `prctl`.
+    let r = unsafe { libc::syscall(libc::SYS_prctl, libc::PR_GET_TSC, &mut state as *mut c_int) };
+    r != 0 || state != libc::PR_TSC_SIGSEGV
 }
 
 /// The address of the vDSO's symbol `name`, or null. Read in place, allocating nothing (a

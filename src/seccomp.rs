@@ -15,7 +15,7 @@
 use core::ffi::{c_int, c_ulong, c_void};
 use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
-use crate::os;
+use crate::{os, tls};
 
 /// Whether a filter that may kill the process on an unexpected call was installed.
 static MAY_KILL: AtomicBool = AtomicBool::new(false);
@@ -59,11 +59,23 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
     }
     // SAFETY: the caller's guarantee covers the arguments.
     let r = unsafe { next(option, a2, a3, a4, a5) };
+    let errno = os::errno();
     if gives_up && r != 0 {
-        let errno = os::errno();
         take_back(errno);
-        os::set_errno(errno);
     }
+    if r == 0 && option == libc::PR_SET_SECCOMP && a2 == libc::SECCOMP_MODE_STRICT as c_ulong {
+        // This thread may make no system call but `read`, `write`, `exit` and `sigreturn`
+        // from now on, nor read the time-stamp counter: a sample's clock raised SIGSEGV, its
+        // thread's first record a `gettid` that killed it (review helper 124).
+        let ts = tls::state();
+        if ts.depth.get() == 0 {
+            ts.depth.set(tls::UNSPIED);
+        }
+    }
+    if r == 0 && option == libc::PR_SET_TSC {
+        os::warm_up_clock();
+    }
+    os::set_errno(errno);
     r
 }
 

@@ -202,6 +202,11 @@ pub(crate) fn tid() -> u32 {
 /// holds no lock of its own.
 pub(crate) const IN_REAL_ALLOCATOR: u32 = 2;
 
+/// [`ThreadState::depth`] of a thread in seccomp's strict mode, for good: its calls go straight
+/// to the real allocator, as a hook's own do (the spies make system calls, which kill it there,
+/// and read clocks through the time-stamp counter, which it may not read).
+pub(crate) const UNSPIED: u32 = 3;
+
 /// Runs `f`, a call of the real allocator, with a top-level hook in progress on this thread
 /// marked as in it: a signal handler that interrupts it there and leaves by `siglongjmp`
 /// leaves no lock of mallocspy's held, and the hook may be given up.

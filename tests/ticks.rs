@@ -2006,3 +2006,34 @@ fn a_max_memory_too_small_is_said_and_the_allocations_it_leaves_out_are_named() 
     assert!(said > 0, "the sweep reaches the limit");
     assert!(named > 0, "the sweep meets a thread with a slot and no record");
 }
+
+/// A program that may not read the time-stamp counter (`prctl(PR_SET_TSC, PR_TSC_SIGSEGV)`)
+/// died of SIGSEGV under every spy at its exit, where mallocspy read a clock through the
+/// vDSO, which reads the counter; one in seccomp's strict mode (which allows four system
+/// calls and disables the counter too) at its first sample (review helper 124). Now the first
+/// runs as natively, its leak found and its samples traced; the second's calls in strict mode
+/// go to the real allocator unseen.
+#[test]
+fn a_program_that_may_not_read_the_time_stamp_counter_runs_as_natively() {
+    let program = c_program("no_tsc.c");
+    same_in_every_mode("no_tsc", || Command::new(&program));
+    let out = run(JSON_REPORT, &mut Command::new(&program));
+    let lost = &json_report(&out)["summary"]["definitely_lost"];
+    assert_eq!(lost, &serde_json::json!({"blocks": 1, "bytes": 77}), "{}", text(&out.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    for args in [&["tsc"][..], &["strict"]] {
+        let out = record(dir.path(), &["--interval", "1k"], &[program.to_str().unwrap(), args[0]]);
+        let expected = if args[0] == "strict" { "ok\n" } else { "sum=20000\n" };
+        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), expected), "{}", text(&out.stderr));
+        let trace = traces(dir.path()).pop().unwrap();
+        let bytes = std::fs::read(&trace).unwrap();
+        let ticks = Reader::new(&bytes).unwrap().map(Result::unwrap).filter(|e| matches!(e, Event::Tick(_))).count();
+        // About 3 MB sampled every KiB.
+        if args[0] == "tsc" {
+            assert!(ticks > 1000, "{args:?}: {ticks} ticks");
+        } else {
+            assert_eq!(ticks, 0);
+        }
+        std::fs::remove_file(trace).unwrap();
+    }
+}
