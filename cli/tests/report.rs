@@ -147,6 +147,35 @@ fn a_cut_trace_gives_a_warning_and_the_report_of_what_is_before_the_cut() {
     assert!(report.contains(&said), "{report}");
 }
 
+/// A tick whose tag lost a bit reads as a record of an unknown tag, skipped: said, in a warning
+/// and in the report, where its bytes went missing from the estimates with no sign (review
+/// helper 123: one changed bit in each of 1000 ticks took 98 of a site's 306 MiB).
+#[test]
+fn records_of_unknown_tags_are_said_to_be_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = events();
+    let before_tick: Vec<Event> = events.iter().take_while(|e| !matches!(e, Event::Tick(_))).cloned().collect();
+    let tick_at = trace(&before_tick).len();
+    let mut file = trace(&events);
+    file[tick_at] |= 0x80;
+    let path = write(dir.path(), "flipped.trace", &file);
+    let out = mallocspy(&[path.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let warning = format!(
+        "mallocspy report: warning: {} has 1 record(s) of unknown tags, the first at offset {tick_at}, skipped: damage, or written by a later mallocspy",
+        path.display()
+    );
+    assert_eq!(stderr_lines(&out), [warning]);
+    let report = String::from_utf8(out.stdout).unwrap();
+    let said = format!(
+        "  skipped      1 record of unknown tags, the first at offset {tick_at}: damage, or written by a later mallocspy\n"
+    );
+    assert!(report.contains(&said), "{report}");
+    let out = mallocspy(&["--format", "json", path.to_str().unwrap()]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((json["skipped_records"].as_u64(), json["ticks"].as_u64()), (Some(1), Some(2)), "{json}");
+}
+
 /// A trace whose last blocks are zeros (the file system gave the file room the writer never
 /// filled: a crash of the machine) is cut where the zeros start. Before, each zero byte read
 /// as a record of an unknown tag, skipped: a gigabyte of them took a minute and the report

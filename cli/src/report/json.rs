@@ -27,6 +27,8 @@ struct Json<'a> {
     complete: bool,
     /// Where the file is cut inside a record, if it is.
     truncated_at: Option<u64>,
+    /// Records of tags this mallocspy does not know, skipped (a later version's, or damage).
+    skipped_records: u64,
     lost_events: u64,
     /// Threads seen starting (fewer than ran when their events were among the lost).
     threads: u64,
@@ -296,6 +298,7 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         duration_ns: p.duration_ns(),
         complete: p.end_ns.is_some(),
         truncated_at: p.truncated_at,
+        skipped_records: p.skipped_records.0,
         lost_events: p.lost_events,
         threads: p.threads,
         ticks: p.allocated.samples,

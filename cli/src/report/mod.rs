@@ -225,6 +225,11 @@ fn run(args: &ReportArgs) -> Result<(), String> {
             "mallocspy report: warning: {shown} has no end record: the program did not exit normally (killed, or replaced by exec); reporting the events it has"
         );
     }
+    if let (skipped @ 1.., Some(first)) = profile.skipped_records {
+        say!(
+            "mallocspy report: warning: {shown} has {skipped} record(s) of unknown tags, the first at offset {first}, skipped: damage, or written by a later mallocspy"
+        );
+    }
     if profile.modules.is_empty() && !profile.stacks.is_empty() {
         // Its writer read no map of the program: a container's or a chroot's without /proc
         // (review helper 107). Said, not left to bare addresses to tell.

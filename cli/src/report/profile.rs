@@ -128,6 +128,9 @@ pub struct Profile {
     pub last_time_ns: u64,
     /// Where the file is cut inside a record, if it is.
     pub truncated_at: Option<u64>,
+    /// Records of tags this mallocspy does not know, skipped: how many, and where the first
+    /// starts (a later version's, or damage).
+    pub skipped_records: (u64, Option<u64>),
     /// The trace of a forked child: its parent's pid and the pseudo-stack (an index into
     /// [`Profile::stacks`], without frames) of the sampled blocks it inherited, live here too.
     pub inherited: Option<Inherited>,
@@ -219,6 +222,7 @@ pub fn read(bytes: &[u8], progress: &mut Progress) -> Result<Profile, TraceError
     progress.set(reader.offset());
     let mut profile = aggregator.finish();
     profile.truncated_at = reader.truncated();
+    profile.skipped_records = reader.skipped();
     Ok(profile)
 }
 
@@ -687,7 +691,7 @@ mod tests {
     #[test]
     fn a_cut_file_reads_up_to_the_cut_and_says_where() {
         let mut file = Vec::new();
-        write_header(&mut file, &Header { pid: 3, ..Header::default() });
+        write_header(&mut file, &Header { pid: 3, interval: 100, ..Header::default() });
         write_event(&mut file, &Event::Stack { id: 1, frames: vec![0x1000] });
         write_event(&mut file, &tick(1, 0xa0, 10, 100, 1));
         let whole = file.len();

@@ -585,8 +585,9 @@ fn damaged_numbers_and_names_make_sound_reports() {
         Event::ModuleLoad { time_ns: 0, module: hostile },
         Event::Stack { id: 1, frames: vec![0x7f00_0000_1235] },
         Event::Stack { id: 2, frames: vec![0x7f00_0000_2235] },
-        testing::tick(1, 0xa0, 10, 1 << 63, 1),
-        testing::tick(2, 0xb0, 10, 1 << 63, 2),
+        // As large as a tick can weigh: the sums saturate.
+        testing::tick(1, 0xa0, 1 << 62, 1 << 63, 1),
+        testing::tick(2, 0xb0, 1 << 62, 1 << 63, 2),
         Event::HeapStats(HeapStats { time_ns: 3, kinds, ..HeapStats::default() }),
     ];
     let command = vec!["prog\u{fffe}".to_string(), "\u{1b}[2J".to_string(), "\u{2067}txt.exe".to_string()];

@@ -135,6 +135,14 @@ pub fn write(report: &Report<'_>, out: &mut dyn Write) -> io::Result<()> {
         };
         writeln!(out, "  incomplete   {why}; the figures go up to its last whole event")?;
     }
+    if let (skipped @ 1.., Some(first)) = p.skipped_records {
+        writeln!(
+            out,
+            "  skipped      {} record{} of unknown tags, the first at offset {first}: damage, or written by a later mallocspy",
+            units::count(skipped),
+            if skipped == 1 { "" } else { "s" }
+        )?;
+    }
     writeln!(out, "  sampling     {}", sampling(report))?;
     let inherited =
         p.inherited.map_or(String::new(), |i| format!(" and {} inherited", units::count(i.at_fork.samples)));
