@@ -688,6 +688,7 @@ fn the_output_is_checked_first_and_written_in_place() {
     for (output, why) in [
         (dir.path().join("no such directory/report.txt"), "No such file or directory (os error 2)".to_string()),
         (dir.path().to_path_buf(), "it is a directory".to_string()),
+        (dir.path().join("no such directory/"), "it is a directory".to_string()),
         (not_a_trace.join("report.txt"), "Not a directory (os error 20)".to_string()),
     ] {
         // The trace is not one at all: the output is what is said.

@@ -27,6 +27,11 @@ impl Output {
     /// One line for the user.
     pub fn prepare(file: &Path) -> Result<Output, String> {
         let shown = path_shown(file);
+        // A name ending in `/` is a directory's, existing or not (`open` says EISDIR): asked
+        // after the trace was read, where this took its parent for the file's (review helper 123).
+        if file.as_os_str().as_encoded_bytes().ends_with(b"/") {
+            return Err(format!("{shown}: it is a directory"));
+        }
         match std::fs::metadata(file) {
             Ok(m) if m.is_dir() => return Err(format!("{shown}: it is a directory")),
             Ok(m) if m.is_file() => {
