@@ -181,6 +181,7 @@ fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
     }
     // SAFETY: truncating a file we opened for writing.
     unsafe { libc::ftruncate(fd, 0) };
+    forget_earlier_images(&path);
     Ok((fd, path))
 }
 
@@ -269,6 +270,9 @@ fn replace(path: String) -> Result<(i32, String), String> {
 
 /// [`replace`], told whether `path` holds an earlier image's trace (`open` read it already).
 fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String> {
+    if !earlier {
+        forget_earlier_images(&path);
+    }
     if let Ok(c) = std::ffi::CString::new(path.as_str()) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
@@ -288,6 +292,25 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
     // A new file: the lock is ours, for the next process to find.
     locked_by_another(fd);
     Ok((fd, path))
+}
+
+/// Removes the traces kept beside `path` (see [`keep_beside`]) by an earlier run, whose trace
+/// this run's replaces: this run's images before an `exec` are kept under the same names,
+/// from the first free one, and a run that `exec`d once after two that had left
+/// `PATH.before-exec` and `.2` left its own as `.3`, the first name its parent's (review
+/// helper 123). Only traces: the names stop at the first that is not one.
+fn forget_earlier_images(path: &str) {
+    use std::io::Read;
+    for n in 1..=100 {
+        let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
+        let mut magic = [0u8; super::MAGIC.len()];
+        let is_trace = std::fs::symlink_metadata(&name).is_ok_and(|m| m.file_type().is_file())
+            && std::fs::File::open(&name).and_then(|mut f| f.read_exact(&mut magic)).is_ok()
+            && &magic == super::MAGIC;
+        if !is_trace || std::fs::remove_file(&name).is_err() {
+            return;
+        }
+    }
 }
 
 /// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...;
@@ -1055,6 +1078,22 @@ mod tests {
             assert_eq!(command(&format!("{path}.before-exec")), ["worker"]);
             assert!(std::fs::read(format!("{path}.before-exec")).unwrap().ends_with(b"+"));
             assert_eq!(command(&format!("{path}.before-exec.2")), ["sh"]);
+            // The next run (this one's trace ended) replaces the chain: kept, the earlier
+            // images' traces took the names of its own.
+            let mut end = Vec::new();
+            write_event(&mut end, &Event::End { time_ns: 1 });
+            std::io::Write::write_all(&mut std::fs::OpenOptions::new().append(true).open(&path).unwrap(), &end)
+                .unwrap();
+            let not_a_trace = format!("{path}.before-exec.3");
+            std::fs::write(&not_a_trace, b"notes").unwrap();
+            let (next, _, _) = create(template, false, &header("next-run")).unwrap();
+            close(next);
+            assert_eq!(command(&path), ["next-run"]);
+            for kept in [format!("{path}.before-exec"), format!("{path}.before-exec.2")] {
+                assert!(!std::path::Path::new(&kept).exists(), "{kept} left");
+            }
+            assert_eq!(std::fs::read(&not_a_trace).unwrap(), b"notes");
+            std::fs::remove_file(not_a_trace).unwrap();
         }
         // A trace with this pid that started before this process is an earlier run's (pid 1
         // of a container each time): replaced.
