@@ -215,8 +215,25 @@ fn register_spies() {
         for (i, (_, name)) in not_made.iter().filter(|(missing, _)| *missing).enumerate() {
             let _ = write!(line, "{}{name}", if i == 0 { " spy=" } else { "," });
         }
-        let _ = writeln!(line, " needs; running unspied");
-        return sink::to_stderr(line.as_bytes());
+        // The others run: one spy's need turned them all off (`spy=leaks,guard,ticks:
+        // max_memory=1m` ran with no leak check, where `spy=leaks,guard` tracked up to the
+        // bound: review helper 121).
+        let made =
+            [builtins.leaks.is_some(), builtins.ticks.is_some(), builtins.count.is_some(), builtins.guard.is_some()];
+        let unspied = !made.contains(&true);
+        let missing = not_made.iter().filter(|(missing, _)| *missing).count();
+        let running = if unspied {
+            "unspied"
+        } else if missing == 1 {
+            "without it"
+        } else {
+            "without them"
+        };
+        let _ = writeln!(line, " needs; running {running}");
+        sink::to_stderr(line.as_bytes());
+        if unspied {
+            return;
+        }
     }
     if refused {
         // Made, with less than they asked for: said as any later refusal is.
@@ -243,7 +260,7 @@ fn register_spies() {
         say("this is a Go program, which leaves by the exit system call, past C's exit: its reports and its \
              trace's end are written only if a signal ends it or it calls C's exit (from cgo)");
     }
-    if builtins.ticks.is_none() && builtins.options.trace.is_some() {
+    if !s.ticks && builtins.options.trace.is_some() {
         // Asked for and silently not made, the trace looked lost.
         say("trace is written by spy=ticks only, which is not among the spies; no trace");
     }

@@ -186,9 +186,28 @@ fn a_count_that_max_memory_cut_short_says_so() {
 
 /// A `max_memory` too small to make the spies at all: one line that says so, and the program
 /// runs unspied. It was two, the limit "reached" and then "cannot map memory for the spies",
-/// which read as the kernel refusing memory.
+/// which read as the kernel refusing memory. The spies that fit run: one that did not turned
+/// them all off (review helper 121).
 #[test]
 fn spies_that_do_not_fit_in_max_memory_are_one_line() {
+    for (spies, named, running) in [("leaks,ticks", "ticks", "it"), ("leaks,guard,ticks", "leaks,ticks", "them")] {
+        let out = run(Mode::Shim(format!("spy={spies}:max_memory=1m").leak()), &mut ls());
+        assert!(out.status.success());
+        let stderr = text(&out.stderr);
+        let said = format!(
+            "mallocspy: max_memory (1048576 bytes) is less than spy={named} needs; running without {running}\n"
+        );
+        assert!(stderr.starts_with(&said), "{stderr}");
+        // The guard, or the leak tracker up to the bound.
+        assert!(
+            stderr.contains(if spies == "leaks,ticks" {
+                "LEAK SUMMARY:"
+            } else {
+                "max_memory (1048576 bytes) reached"
+            }),
+            "{stderr}"
+        );
+    }
     for (spies, named) in [("ticks", "ticks"), ("count,ticks", "ticks,count")] {
         let out = run(Mode::Shim(format!("spy={spies}:max_memory=1m").leak()), &mut ls());
         assert!(out.status.success());
