@@ -204,7 +204,9 @@ struct mallocspy_api {
     int32_t (*tracker_memory)(struct mallocspy_tracker_memory *out);
     /* The ticks spy (spy=ticks): calls `callback` for every sampled allocation, inside the
      * allocator (its allocations go straight to the real allocator, neither sampled nor
-     * counted; a sampled block it frees ends its sample; it must not block).
+     * counted; a sampled block it frees ends its sample; it must not block, and it must
+     * return: left by longjmp or an exception, the hook it ran in is abandoned half done,
+     * and its thread's calls go unspied from then on, the process's exit without a report).
      * NULL clears it. S_OK, or E_OBJNOTREG when no ticks spy runs. The library holding
      * `callback` stays loaded until the process ends. */
     int32_t (*on_allocation_tick)(void (*callback)(const struct mallocspy_allocation_tick *tick));

@@ -183,7 +183,9 @@ fn api_table() -> Result<&'static ffi::Api, SpyError> {
 /// nor counted in the totals, no recursion), and a sampled block it frees or reallocates ends
 /// its sample as any free does. It must not block, and it must be quick (it runs once per
 /// ~interval bytes allocated). It must not panic either: a panic cannot leave an `extern "C"`
-/// function, and aborts the process. The frames it is shown are valid only during the call.
+/// function, and aborts the process. Nor may it leave by a jump (`longjmp` from C): the hook
+/// it runs in, abandoned half done, may hold mallocspy's state, so its thread's calls go
+/// unspied from then on, and the process exits without its reports. The frames it is shown are valid only during the call.
 /// The library holding it stays loaded until the process ends: another thread may be calling
 /// it at any time.
 ///

@@ -579,6 +579,9 @@ fn write_reports(caller: Caller) {
         // would hang the exit. Nothing that allocates or locks may run here.
         if ENDING_SIGNAL.load(Ordering::Relaxed) != 0 {
             no_report("the signal ending the process interrupted mallocspy; no report");
+        } else if tls::state().in_tick_callback.get() != 0 {
+            // The program's callback called `exit`, or left its hook by a jump earlier.
+            no_report("the process exited inside (or after a jump out of) a tick or statistics callback; no report");
         } else {
             no_report("the process exited from a signal handler that interrupted mallocspy; no report");
         }
