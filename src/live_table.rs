@@ -259,10 +259,27 @@ impl<V: Copy> LiveTable<V> {
         let h = hash(key);
         let shard = self.shard(h);
         let _guard = shard.lock.lock();
+        Self::remove_locked(shard, key, h, claim)
+    }
+
+    /// [`Self::remove_if`], or `Err` when the calling thread holds the shard's lock (a signal
+    /// handler that interrupted it there), where waiting would deadlock.
+    pub(crate) fn try_remove_if(&self, key: usize, claim: impl FnOnce() -> bool) -> Result<Option<V>, SelfHeld> {
+        let h = hash(key);
+        let shard = self.shard(h);
+        if shard.len.load(Ordering::Relaxed) == 0 {
+            return Ok(None);
+        }
+        let _guard = shard.lock.try_lock()?;
+        Ok(Self::remove_locked(shard, key, h, claim))
+    }
+
+    /// The removal of [`Self::remove_if`], with `shard`'s lock held by the caller.
+    fn remove_locked(shard: &Shard<V>, key: usize, h: u64, claim: impl FnOnce() -> bool) -> Option<V> {
         if !claim() {
             return None;
         }
-        // SAFETY: the shard lock is held.
+        // SAFETY: the caller holds the shard lock.
         let array = unsafe { &mut *shard.array.get() };
         if array.capacity == 0 {
             return None;

@@ -20,6 +20,7 @@ use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use crate::live_table::LiveTable;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
+use crate::sync::SelfHeld;
 use crate::thread_records::{Owned, ThreadRecords, Zeroed, bump};
 use crate::threads;
 use crate::tls;
@@ -29,6 +30,10 @@ pub(crate) use crate::stacks::{DEFAULT_DEPTH, MAX_DEPTH};
 const LIVE_FLUSH: i64 = 256 << 10;
 /// Frees a thread keeps queued before removing their records.
 const PENDING: usize = 4;
+/// Frees made by signal handlers that interrupted one of the thread's hooks while it held the
+/// lock of the block's shard, queued after the ring for the thread's next free (or a report)
+/// to apply: see [`LeakTracker::free_in_handler`].
+const HANDLER_SLOTS: usize = 4;
 
 // Scratch words (8..10; the guard spy, which runs beside the tracker under
 // `spy=guard,leaks`, uses 0..7): the record a realloc removed, kept until the call's outcome
@@ -83,8 +88,9 @@ struct PerThread {
     /// Net live bytes not yet added to `LeakTracker::live_bytes` (below `LIVE_FLUSH`).
     unflushed: AtomicI64,
     /// Addresses freed (or about to be) whose records are still in the table; 0 when empty.
-    /// Whoever swaps one to 0, under the lock of its shard, removes the record.
-    pending: [AtomicUsize; PENDING],
+    /// Whoever swaps one to 0, under the lock of its shard, removes the record. The ring of
+    /// the thread's own frees, then the [`HANDLER_SLOTS`].
+    pending: [AtomicUsize; PENDING + HANDLER_SLOTS],
     own: Owned<Own>,
 }
 
@@ -304,6 +310,12 @@ impl LeakTracker {
         }
         // Stored before the real free, so an allocation that gets `ptr` back sees it.
         t.pending[i].store(ptr, Ordering::Release);
+        for slot in &t.pending[PENDING..] {
+            let queued = slot.load(Ordering::Relaxed);
+            if let Some(r) = (queued != 0).then(|| self.apply_pending(slot, queued)).flatten() {
+                self.forget(&r, t);
+            }
+        }
     }
 
     /// Puts back a record [`Self::free_now`] took for a tick callback's `realloc` that failed.
@@ -323,6 +335,37 @@ impl LeakTracker {
         self.applied_frees.fetch_add(1, Ordering::Relaxed);
         self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
         Some(r)
+    }
+
+    /// The free of `ptr` by a signal handler that interrupted a hook of the calling thread,
+    /// applied at once as [`Self::free_now`] does: the hook may be anywhere in the tracker,
+    /// and the removal touches only `ptr`'s shard, under its lock, and atomics. Unless the
+    /// hook holds that lock (waiting for it would never end): then it is queued in one of the
+    /// thread's [`HANDLER_SLOTS`] (before the real free, as [`Self::free_later`] queues), for
+    /// the thread's next free; with every slot taken the record stays. Left to the hook, every
+    /// such record made a false leak (`handler_frees.c`: about 300 of the 400 blocks a handler
+    /// freed were reported definitely lost).
+    fn free_in_handler(&'static self, ptr: usize) -> Option<Unseen> {
+        let withdraw_everywhere = || {
+            self.all_threads().for_each(|t| {
+                Self::withdraw_queued(t, ptr);
+            });
+            true
+        };
+        match self.live.try_remove_if(ptr, withdraw_everywhere) {
+            Ok(r) => {
+                let r = r?;
+                self.applied_frees.fetch_add(1, Ordering::Relaxed);
+                self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
+                Some(Unseen::Taken(ptr, r))
+            }
+            Err(SelfHeld) => {
+                let t = self.per_thread.get(threads::current_index()?)?;
+                let free =
+                    |slot: &&AtomicUsize| slot.compare_exchange(0, ptr, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+                t.pending[PENDING..].iter().find(free).map(|slot| Unseen::Queued(slot, ptr))
+            }
+        }
     }
 
     /// Removes the record of `ptr` for a thread without a record, taking back any free of
@@ -524,26 +567,46 @@ pub(crate) fn set_tracker(tracker: &'static LeakTracker) {
 /// runs inside the allocator) or outside any hook (a nearly full alternate signal stack, a
 /// thread without a slot): its record goes now, and its free counts. Else the record outlived
 /// the block: a callback's `realloc` of a block made the block's first `malloc` a definite
-/// leak, its `free`s went uncounted (`callback_frees.c` under `spy=ticks,leaks`). Not from a
-/// signal handler that interrupted a hook ([`crate::dispatch::following_unseen`]). Returns
-/// what a failed `realloc` puts back ([`restore_unseen`]): a `realloc` there takes the record
-/// before the real call, as once the block has moved its address may be another thread's new
-/// block.
+/// leak, its `free`s went uncounted (`callback_frees.c` under `spy=ticks,leaks`). From a
+/// signal handler that interrupted a hook ([`crate::dispatch::following_unseen`]), which may
+/// hold the lock the removal takes, only if it does not ([`LeakTracker::free_in_handler`]).
+/// Returns what a failed `realloc` puts back ([`restore_unseen`]): a `realloc` there takes the
+/// record before the real call, as once the block has moved its address may be another
+/// thread's new block (a handler's failed one does not get it back: its block goes untracked).
 #[inline]
-pub(crate) fn released_unseen(ptr: usize) -> Option<(usize, Record)> {
+pub(crate) fn released_unseen(ptr: usize) -> Option<Unseen> {
     if ptr == 0 {
         return None;
     }
     let t = tracker()?;
-    let r = crate::dispatch::following_unseen(|| t.free_now(ptr))??;
-    Some((ptr, r))
+    match crate::dispatch::following_unseen(|| t.free_now(ptr)) {
+        Some(taken) => Some(Unseen::Taken(ptr, taken?)),
+        None => t.free_in_handler(ptr),
+    }
 }
 
-/// Puts back the record a callback's failed `realloc` took ([`released_unseen`]).
-pub(crate) fn restore_unseen(taken: Option<(usize, Record)>) {
-    if let (Some((ptr, r)), Some(t)) = (taken, tracker()) {
-        // Where `released_unseen` took it: the same answer.
-        crate::dispatch::following_unseen(|| t.restore_unseen(ptr, r));
+/// What [`released_unseen`] did with a block's record.
+pub(crate) enum Unseen {
+    /// Took it out of the table.
+    Taken(usize, Record),
+    /// Queued its removal in one of the thread's [`HANDLER_SLOTS`].
+    Queued(&'static AtomicUsize, usize),
+}
+
+/// Puts back the record a failed `realloc` took, or withdraws the removal it queued
+/// ([`released_unseen`]).
+pub(crate) fn restore_unseen(taken: Option<Unseen>) {
+    match (taken, tracker()) {
+        (Some(Unseen::Taken(ptr, r)), Some(t)) => {
+            // Where `released_unseen` took it: the same answer (a signal handler's stays
+            // taken, its block untracked from then on).
+            crate::dispatch::following_unseen(|| t.restore_unseen(ptr, r));
+        }
+        (Some(Unseen::Queued(slot, ptr)), _) => {
+            // The block lives on, and its record, unless a report applied the queue meanwhile.
+            let _ = slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+        _ => {}
     }
 }
 
