@@ -646,9 +646,11 @@ impl<H: Heap> Interposer<H> {
         }
         if tls::state().depth.get() != 0 {
             // From inside a spy method: not waiting for ourselves, and leaving the spy to the
-            // hook's end (`retire`), since its Post method may follow.
+            // hook's end (`retire`), since its Post method may follow and the hook may add a
+            // block. (A thread without a slot runs no spy method.)
+            let Some(me) = threads::current_index() else { return Err(SpyError::AccessDenied) };
             // SAFETY: as above.
-            Registry::settle_then(unsafe { &*cell }, threads::current_index(), || ());
+            Registry::settle_at_hook_end(unsafe { &*cell }, me);
             if live() != 0 {
                 return Err(SpyError::AccessDenied);
             }
@@ -735,7 +737,7 @@ impl<H: Heap> Interposer<H> {
     /// Revokes `cell` after one of its methods panicked. The caller ends with [`Self::retire`].
     #[cold]
     fn disable(&self, cell: &SpyCell, scope: &Scope) {
-        self.registry.disable(cell, Some(scope.slot()));
+        self.registry.disable(cell, scope.slot());
     }
 
     /// Drops `cell` if it is revoked and none of its blocks is live. Must be the caller's
@@ -747,6 +749,8 @@ impl<H: Heap> Interposer<H> {
         if unsafe { (*cell).is_active() } {
             return;
         }
+        // SAFETY: as above.
+        unsafe { (*cell).settle_if_hook_ends(scope.slot()) };
         self.registry.retire_if_unused(cell, &|| self.live_blocks(), Some(scope.slot()), ());
     }
 

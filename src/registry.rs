@@ -14,7 +14,7 @@
 //! [`Registry::retire_if_unused`]).
 
 use core::panic::AssertUnwindSafe;
-use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
 
 use crate::pins::Pins;
 use crate::spy::{MallocSpy, Role, SpyError};
@@ -44,6 +44,10 @@ pub(crate) struct SpyCell {
     /// The revoke's grace period is over: every allocation that could still add a spied block
     /// has finished, so a live count of zero is final.
     settled: AtomicBool,
+    /// The slot (plus one; 0: none) of the thread whose hook revoked the spy (or whose spy
+    /// failed in it): that hook may still add a block, so the cell is settled at its end
+    /// ([`SpyCell::settle_if_hook_ends`]).
+    settles_at_end_of: AtomicU32,
     /// Set once by whoever drops the cell.
     retiring: AtomicBool,
     panic_reported: AtomicBool,
@@ -124,6 +128,15 @@ impl SpyCell {
         }
     }
 
+    /// Settles the cell if the hook of slot `me`, which is ending, revoked it (or disabled it):
+    /// the block that hook was allocating is in the table now.
+    pub(crate) fn settle_if_hook_ends(&self, me: u32) {
+        if self.settles_at_end_of.load(Ordering::Relaxed) == me + 1 {
+            self.settles_at_end_of.store(0, Ordering::Relaxed);
+            self.settled.store(true, Ordering::SeqCst);
+        }
+    }
+
     /// Reports once that the spy returned a pointer weaker aligned than the caller is owed.
     pub(crate) fn report_misaligned(&self) {
         if !self.misalign_reported.swap(true, Ordering::Relaxed) {
@@ -194,6 +207,7 @@ impl Registry {
             _pins: pins,
             revoked: AtomicBool::new(false),
             settled: AtomicBool::new(false),
+            settles_at_end_of: AtomicU32::new(0),
             retiring: AtomicBool::new(false),
             panic_reported: AtomicBool::new(false),
             misalign_reported: AtomicBool::new(false),
@@ -218,12 +232,24 @@ impl Registry {
         Ok(cell)
     }
 
-    /// Stops new calls from using `cell` and waits for those in flight. Used after a panic; the
-    /// caller then calls [`Registry::retire_if_unused`] once it no longer uses `cell`.
-    pub(crate) fn disable(&self, cell: &SpyCell, me: Option<u32>) {
+    /// Stops new calls from using `cell` and waits for those in flight. Used after a panic,
+    /// inside the hook of slot `me`; the caller then calls [`Registry::retire_if_unused`] once
+    /// it no longer uses `cell`.
+    pub(crate) fn disable(&self, cell: &SpyCell, me: u32) {
         if !cell.revoked.swap(true, Ordering::SeqCst) {
-            Self::settle_then(cell, me, || ());
+            Self::settle_at_hook_end(cell, me);
         }
+    }
+
+    /// [`Registry::settle_then`] for a revoke (or a failure) inside the hook of slot `me`:
+    /// waits for the other threads' allocations, but not for that hook's own, which may still
+    /// add a block (a spy's `pre_alloc` that revokes it): the cell is settled when that hook
+    /// ends ([`SpyCell::settle_if_hook_ends`]). Settled at once, it was retired by another
+    /// thread's free of the spy's last block while the hook went on to add one, whose header
+    /// then reached the real allocator (review helper 125: SIGSEGV in `_int_free`).
+    pub(crate) fn settle_at_hook_end(cell: &SpyCell, me: u32) {
+        threads::quiesce(Some(me));
+        cell.settles_at_end_of.store(me + 1, Ordering::Relaxed);
     }
 
     /// Waits for the allocations that saw `cell` active before it was revoked, which may still

@@ -226,6 +226,25 @@ fn a_pending_revoke_ends_while_another_thread_reallocates() {
     assert_eq!(text(&out.stdout), "rounds that left the spy unreleased: 0 of 100\n", "{}", text(&out.stderr));
 }
 
+/// A spy that revokes itself from its `pre_alloc` while another thread frees its other block:
+/// that free found the revoke settled and no block live, and released the spy while the
+/// allocation went on to return a block with the spy's header, whose free then reached glibc
+/// past it (SIGSEGV), or reached the next spy registered as the first one's (review helper 125).
+#[test]
+fn a_spy_that_revokes_itself_in_pre_alloc_lives_until_that_allocations_block_is_freed() {
+    let program = c_program("revoke_in_pre_alloc.c");
+    let out = run(PASS_THROUGH, &mut Command::new(&program));
+    assert_eq!(
+        text(&out.stdout),
+        "start\nbefore its free: revoke pending 1, header 1, released 0, live 1, another refused 1\n\
+         after: spied frees 2, released 1, another registered 1\n",
+        "{:?} {}",
+        out.status,
+        text(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(0));
+}
+
 #[test]
 fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
