@@ -7,7 +7,7 @@
 //! (plus one: 0 means "no stack").
 
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
 use crate::pool;
@@ -262,6 +262,17 @@ const CHUNK_WORDS: usize = 1 << 16;
 /// Most chunks (so at most 64 Mi words: far beyond any program's distinct stacks).
 const MAX_CHUNKS: usize = 1024;
 
+/// A store had no room left for a new stack (its [`MAX_CHUNKS`], not `max_memory`): said once
+/// then, and by the leak report's note. Stacks are kept for the whole run; a program with
+/// millions of distinct ones (generated recursion) filled it, and its later blocks went
+/// untracked with only a note blaming `max_memory` (review helper 126).
+static FULL: AtomicBool = AtomicBool::new(false);
+
+/// Whether a store was full (see [`FULL`]).
+pub(crate) fn was_full() -> bool {
+    FULL.load(Ordering::Relaxed)
+}
+
 /// The table of interned stacks.
 pub(crate) struct Stacks {
     by_hash: &'static LiveTable<u32>,
@@ -357,7 +368,16 @@ impl Stacks {
         let mut used = self.used.load(Ordering::Relaxed);
         if used + 1 + len > CHUNK_WORDS {
             let count = self.chunk_count.load(Ordering::Relaxed);
-            let Some(chunk) = (count < MAX_CHUNKS).then(|| pool::lease(CHUNK_WORDS * 8)).flatten() else { return 0 };
+            if count == MAX_CHUNKS {
+                if !FULL.swap(true, Ordering::Relaxed) {
+                    crate::sink::write(
+                        b"mallocspy: the store of call stacks is full (512 MiB of distinct stacks): what is allocated \
+                          at a new stack from here on goes untracked\n",
+                    );
+                }
+                return 0;
+            }
+            let Some(chunk) = pool::lease(CHUNK_WORDS * 8) else { return 0 };
             // SAFETY: count < MAX_CHUNKS, the chunk table's length; the lock is held.
             unsafe { *(self.chunks.load(Ordering::Relaxed) as *mut usize).add(count) = chunk.as_ptr() as usize };
             self.chunk_count.store(count + 1, Ordering::Release);

@@ -528,9 +528,12 @@ pub(crate) fn check(
         ));
     }
     if untracked > 0 {
-        notes.push(format!(
-            "{untracked} allocation(s) were not tracked: mallocspy's memory limit (max_memory) was reached"
-        ));
+        let why = if crate::stacks::was_full() {
+            "mallocspy's store of call stacks was full (512 MiB of distinct stacks), or its memory limit (max_memory) was reached"
+        } else {
+            "mallocspy's memory limit (max_memory) was reached"
+        };
+        notes.push(format!("{untracked} allocation(s) were not tracked: {why}"));
     }
     if unspied > 0 {
         notes.push(format!(
