@@ -645,12 +645,17 @@ impl<H: Heap> Interposer<H> {
             self.builtin_revoked.store(true, Ordering::Relaxed);
         }
         if tls::state().depth.get() != 0 {
-            // From inside a spy method: not waiting for ourselves, and leaving the spy to the
-            // hook's end (`retire`), since its Post method may follow and the hook may add a
-            // block. (A thread without a slot runs no spy method.)
-            let Some(me) = threads::current_index() else { return Err(SpyError::AccessDenied) };
-            // SAFETY: as above.
-            Registry::settle_at_hook_end(unsafe { &*cell }, me);
+            // From inside a hook: not waiting for ourselves, and leaving the spy to the hook's
+            // end (`retire`), since its Post method may follow; from one of its own methods,
+            // settled only then, as that hook may add a block.
+            let me = threads::current_index();
+            let in_its_method = tls::state().calling_cell.get() == cell as usize;
+            match me.filter(|_| in_its_method) {
+                // SAFETY: as above.
+                Some(me) => Registry::settle_at_hook_end(unsafe { &*cell }, me),
+                // SAFETY: as above.
+                None => Registry::settle_then(unsafe { &*cell }, me, || ()),
+            }
             if live() != 0 {
                 return Err(SpyError::AccessDenied);
             }

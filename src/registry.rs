@@ -91,17 +91,25 @@ impl SpyCell {
     pub(crate) fn call<R>(&self, f: impl FnOnce(&dyn MallocSpy) -> R) -> Result<R, Panicked> {
         // SAFETY: the spy lives as long as the cell (static, or freed by the cell's drop).
         let spy = unsafe { &*self.spy };
-        if self.owned {
+        let ts = tls::state();
+        let outer = if self.owned {
             // Only a failure said during this call counts: one said outside any spy method (or
             // in a `release`) would otherwise blame the next call, of this spy or the next one.
-            tls::state().spy_failed.set(0);
-        }
+            ts.spy_failed.set(0);
+            ts.calling_cell.replace(self as *const SpyCell as usize)
+        } else {
+            0
+        };
         // A registered spy's code may make a cancellation point (a `write`, a `printf`): a
         // cancellation pending on the thread would start there, unwind through the hook and
         // abort the process, where natively `malloc` is no cancellation point. It waits for the
         // thread's next one, outside the hook.
         let _uncancellable = self.owned.then(os::Uncancellable::new);
-        match std::panic::catch_unwind(AssertUnwindSafe(|| f(spy))) {
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(spy)));
+        if self.owned {
+            ts.calling_cell.set(outer);
+        }
+        match result {
             // A spy behind the C ABI (a Rust one in another module included, whose panic was
             // caught there) says it failed through the API: as a panic, its answer is unusable.
             // Only a registered spy can: the built-in ones never touch that line of the TLS
@@ -241,12 +249,16 @@ impl Registry {
         }
     }
 
-    /// [`Registry::settle_then`] for a revoke (or a failure) inside the hook of slot `me`:
-    /// waits for the other threads' allocations, but not for that hook's own, which may still
-    /// add a block (a spy's `pre_alloc` that revokes it): the cell is settled when that hook
-    /// ends ([`SpyCell::settle_if_hook_ends`]). Settled at once, it was retired by another
-    /// thread's free of the spy's last block while the hook went on to add one, whose header
-    /// then reached the real allocator (review helper 125: SIGSEGV in `_int_free`).
+    /// [`Registry::settle_then`] for a revoke from a method of `cell`'s spy (or its failure)
+    /// inside the hook of slot `me`: waits for the other threads' allocations, but not for
+    /// that hook's own, which may still add a block (a spy's `pre_alloc` that revokes it): the
+    /// cell is settled when that hook ends with its `retire`, as every hook that ran a method
+    /// of the spy does ([`SpyCell::settle_if_hook_ends`]). Settled at once, it was retired by
+    /// another thread's free of the spy's last block while the hook went on to add one, whose
+    /// header then reached the real allocator (review helper 125: SIGSEGV in `_int_free`).
+    /// Not for a revoke from elsewhere in a hook (a `release` that registers a successor and
+    /// revokes it): no `retire` of that cell follows there, and it was never settled, every
+    /// later registration refused (review helper 127).
     pub(crate) fn settle_at_hook_end(cell: &SpyCell, me: u32) {
         threads::quiesce(Some(me));
         cell.settles_at_end_of.store(me + 1, Ordering::Relaxed);

@@ -73,6 +73,9 @@ pub(crate) struct ThreadState {
     /// Set (1) by a spy's method that could not do its work (`mallocspy_api.spy_failed`),
     /// taken by the dispatcher when the method returns.
     pub spy_failed: Cell<u32>,
+    /// The cell of the registered spy whose method this thread runs (0: none), for a revoke
+    /// made from it (see `registry::Registry::settle_at_hook_end`).
+    pub calling_cell: Cell<usize>,
     /// 1 while a callback of the ticks spy runs on this thread (see
     /// `spies::ticks::released_unseen`).
     pub in_tick_callback: Cell<u32>,

@@ -245,6 +245,23 @@ fn a_spy_that_revokes_itself_in_pre_alloc_lives_until_that_allocations_block_is_
     assert_eq!(out.status.code(), Some(0));
 }
 
+/// A spy's `release` that registers a successor and revokes it: the revoke, made inside a
+/// hook but not from a method of the successor, settles it at once, and the successor is
+/// released. Left to a hook end that never retires it, it stayed registered for good, every
+/// later registration refused (review helper 127).
+#[test]
+fn a_successor_registered_and_revoked_by_a_release_is_released() {
+    let program = c_program("release_registers_and_revokes.c");
+    let out = run(PASS_THROUGH, &mut Command::new(&program));
+    assert_eq!(
+        text(&out.stdout),
+        "start\nrevoke pending 1, first released 1, successor registered 0 revoked 0 released 1, last registered 1\n",
+        "{:?} {}",
+        out.status,
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn a_second_preloaded_library_registers_the_spy_the_interposer_calls() {
     let host = c_program("plugin_host.c");
