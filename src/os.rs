@@ -413,12 +413,20 @@ static VDSO_CLOCK_GETTIME: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mu
 /// the leak report counted as the program's, and which a child forked during another thread's
 /// `dlopen` must not make).
 /// Not when the thread may not read the time-stamp counter, which the vDSO's clocks read: then
-/// the system call. Again when the program changes that (`prctl(PR_SET_TSC)`): another thread
-/// may have been created since, and a global switch to the system call costs only the clocks'
-/// readings, a sample's and a statistics event's.
+/// the system call.
 pub(crate) fn warm_up_clock() {
     let vdso = if tsc_readable() { vdso_symbol(b"__vdso_clock_gettime") } else { core::ptr::null_mut() };
     VDSO_CLOCK_GETTIME.store(vdso, Ordering::Release);
+}
+
+/// The program made the time-stamp counter unreadable on a thread (`prctl(PR_SET_TSC,
+/// PR_TSC_SIGSEGV)`): the clocks are read by the system call from now on, in every thread and
+/// for good. The setting is per thread and inherited by the threads it creates: a thread that
+/// turned it back on for itself switched the vDSO back in for the others too, and the next
+/// sample of a thread it had created died of SIGSEGV (review helper 127). The system call
+/// costs only the clocks' readings, a sample's and a statistics event's.
+pub(crate) fn clocks_without_tsc() {
+    VDSO_CLOCK_GETTIME.store(core::ptr::null_mut(), Ordering::Release);
 }
 
 /// Whether the calling thread may read the time-stamp counter: not after `prctl(PR_SET_TSC,
