@@ -51,9 +51,9 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
         os::set_errno(libc::ENOSYS);
         return -1;
     };
-    // Not in a `vfork` child: the state is its parent's.
     let strict = option == libc::PR_SET_SECCOMP && a2 == libc::SECCOMP_MODE_STRICT as c_ulong;
-    // Asked first: in strict mode the question's `getpid` would kill the thread.
+    // Not in a `vfork` child: the state is its parent's. Asked before the call: in strict mode
+    // the question's `getpid` would kill the thread.
     let owns_the_reports = option == libc::PR_SET_SECCOMP && crate::preload::owns_the_reports();
     let gives_up = option == libc::PR_SET_SECCOMP && !may_kill() && owns_the_reports && would_kill(next, a2, a3);
     if gives_up {
@@ -65,8 +65,8 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
     if gives_up && r != 0 {
         take_back(errno);
     }
-    // Not in a `vfork` child, whose thread state is its parent's: the parent went unspied,
-    // its exit without a report (review helper 127).
+    // Not in a `vfork` child, whose thread state is its parent's (the parent went unspied,
+    // its exit without a report: review helper 127).
     if r == 0 && strict && owns_the_reports {
         // This thread may make no system call but `read`, `write`, `exit` and `sigreturn`
         // from now on, nor read the time-stamp counter: a sample's clock raised SIGSEGV, its
