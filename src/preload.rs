@@ -212,16 +212,16 @@ fn register_spies() {
             (s.count && builtins.count.is_none(), "count"),
             (s.guard && builtins.guard.is_none(), "guard"),
         ];
-        for (i, (_, name)) in not_made.iter().filter(|(missing, _)| *missing).enumerate() {
-            let _ = write!(line, "{}{name}", if i == 0 { " spy=" } else { "," });
+        let mut missing = 0;
+        for (_, name) in not_made.iter().filter(|(missing, _)| *missing) {
+            let _ = write!(line, "{}{name}", if missing == 0 { " spy=" } else { "," });
+            missing += 1;
         }
         // The others run: one spy's need turned them all off (`spy=leaks,guard,ticks:
         // max_memory=1m` ran with no leak check, where `spy=leaks,guard` tracked up to the
         // bound: review helper 121).
-        let made =
-            [builtins.leaks.is_some(), builtins.ticks.is_some(), builtins.count.is_some(), builtins.guard.is_some()];
-        let unspied = !made.contains(&true);
-        let missing = not_made.iter().filter(|(missing, _)| *missing).count();
+        let asked = [s.leaks, s.ticks, s.count, s.guard].into_iter().filter(|&asked| asked).count();
+        let unspied = missing == asked;
         let running = if unspied {
             "unspied"
         } else if missing == 1 {

@@ -331,10 +331,15 @@ impl LeakTracker {
     /// the next block at its address (review helper 112). The record taken, if there was one.
     fn free_now(&self, ptr: usize) -> Option<Record> {
         let r = self.remove_untracked(ptr)?;
-        // Straight into the process-wide figures, as `apply_all_pending` does.
+        self.count_applied(&r);
+        Some(r)
+    }
+
+    /// Counts the free of `r`'s block, applied with no queue, straight into the process-wide
+    /// figures, as `apply_all_pending` does.
+    fn count_applied(&self, r: &Record) {
         self.applied_frees.fetch_add(1, Ordering::Relaxed);
         self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
-        Some(r)
     }
 
     /// The free of `ptr` by a signal handler that interrupted a hook of the calling thread,
@@ -346,17 +351,10 @@ impl LeakTracker {
     /// such record made a false leak (`handler_frees.c`: about 300 of the 400 blocks a handler
     /// freed were reported definitely lost).
     fn free_in_handler(&'static self, ptr: usize) -> Option<Unseen> {
-        let withdraw_everywhere = || {
-            self.all_threads().for_each(|t| {
-                Self::withdraw_queued(t, ptr);
-            });
-            true
-        };
-        match self.live.try_remove_if(ptr, withdraw_everywhere) {
+        match self.live.try_remove_if(ptr, || self.withdraw_everywhere(ptr)) {
             Ok(r) => {
                 let r = r?;
-                self.applied_frees.fetch_add(1, Ordering::Relaxed);
-                self.live_bytes.fetch_sub(r.size() as i64, Ordering::Relaxed);
+                self.count_applied(&r);
                 Some(Unseen::Taken(ptr, r))
             }
             Err(SelfHeld) => {
@@ -375,12 +373,16 @@ impl LeakTracker {
     /// claim of a queued free. Not for tracked threads: their new records take such frees back
     /// ([`LeakTracker::withdraw_elsewhere`]), and this reads every thread's queue.
     fn remove_untracked(&self, ptr: usize) -> Option<Record> {
-        self.live.remove_if(ptr, || {
-            self.all_threads().for_each(|t| {
-                Self::withdraw_queued(t, ptr);
-            });
-            true
-        })
+        self.live.remove_if(ptr, || self.withdraw_everywhere(ptr))
+    }
+
+    /// Takes back every thread's queued free of `ptr`, as the claim of a removal under `ptr`'s
+    /// shard lock (always granted).
+    fn withdraw_everywhere(&self, ptr: usize) -> bool {
+        self.all_threads().for_each(|t| {
+            Self::withdraw_queued(t, ptr);
+        });
+        true
     }
 
     /// Removes the record of `ptr`, queued in `slot`, unless someone else claimed it first.
