@@ -819,6 +819,62 @@ pub(crate) fn address_space_limit() -> Option<usize> {
         .min()
 }
 
+/// glibc's `_dl_find_object` (2.35 and later), once [`look_up_objects_later`] found it.
+static FIND_OBJECT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// glibc's `struct dl_find_object`, with room to spare: its reserved words are part of it.
+#[repr(C)]
+struct FoundObject {
+    flags: u64,
+    map_start: u64,
+    map_end: u64,
+    link_map: *const u64,
+    reserved: [u64; 12],
+}
+
+/// Looks up what [`object_at`] calls, where `dlsym` may run (the `dlclose` wrapper).
+pub(crate) fn look_up_objects_later() {
+    next_symbol_cached(&FIND_OBJECT, c"_dl_find_object");
+}
+
+/// The loaded object whose mapping holds `addr`: its extent, and a hash of which object it is
+/// (its load bias, extent and name: the same file loaded again at the same place hashes the
+/// same). `None` before [`look_up_objects_later`], under a C library without the lookup, or
+/// where no object is mapped. glibc's lookup for unwinders: no lock, no allocation, safe in
+/// a signal handler and in a library's constructor, so the hook path may ask.
+pub(crate) fn object_at(addr: u64) -> Option<(u64, u64, u64)> {
+    type FindObject = unsafe extern "C" fn(*const c_void, *mut FoundObject) -> c_int;
+    let f = FIND_OBJECT.load(Ordering::Acquire);
+    if f.is_null() {
+        return None;
+    }
+    let mut found = FoundObject { flags: 0, map_start: 0, map_end: 0, link_map: core::ptr::null(), reserved: [0; 12] };
+    // SAFETY: `f` is glibc's `_dl_find_object`, which writes its result into `found` (larger
+    // than its structure) and reads nothing else of ours.
+    if unsafe { core::mem::transmute::<*mut c_void, FindObject>(f)(addr as *const c_void, &mut found) } != 0
+        || found.link_map.is_null()
+    {
+        return None;
+    }
+    // SAFETY: glibc's `link_map` starts with `l_addr` (the load bias) and `l_name`, a
+    // NUL-terminated string the loader keeps while the object is loaded, as it is: it holds
+    // `addr`, which is in a frame of the calling thread's stack.
+    let (bias, name) = unsafe { (*found.link_map, *(found.link_map.add(1)) as *const u8) };
+    let mut hash = 0xCBF2_9CE4_8422_2325u64 ^ bias ^ found.map_start.rotate_left(21) ^ found.map_end.rotate_left(42);
+    if !name.is_null() {
+        // FNV-1a over the name, bounded in case the loader's string is not what we think.
+        for i in 0..4096 {
+            // SAFETY: within the NUL-terminated name (the loop ends at its NUL).
+            let byte = unsafe { *name.add(i) };
+            if byte == 0 {
+                break;
+            }
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01B3);
+        }
+    }
+    Some((found.map_start, found.map_end, hash))
+}
+
 /// The lowest and highest mapped addresses of the module that contains `addr`, or `(0, 0)`.
 pub(crate) fn module_span(addr: *const core::ffi::c_void) -> (usize, usize) {
     let addr = addr as u64;

@@ -10,9 +10,9 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
-use crate::pool;
 use crate::sync::SpinLock;
 use crate::unwind::{self, WalkCache, WalkWords};
+use crate::{os, pool};
 
 /// Deepest stack the option `stack_depth` may ask for.
 pub(crate) const MAX_DEPTH: usize = 128;
@@ -60,11 +60,13 @@ static UNLOADS: AtomicU64 = AtomicU64::new(0);
 
 /// Unloads by granule of the address space (64 KiB), in an open-addressed table: a granule's
 /// slot counts the unloads that unmapped code in it ([`UNLOADS_ANYWHERE`], those whose code
-/// was not known). A stack's frames fold their granules' counts into its hash: a library
-/// loaded where an unloaded one was may have code at the same addresses, and the same return
-/// addresses then stand for other functions. Its stacks get ids of their own, which the trace
-/// and the leak report name after the modules loaded then (they were given the unloaded
-/// library's stacks, and its names). Stacks through code that stayed keep their ids: when
+/// was not known). A stack's frames in such a granule fold which object is there now (or,
+/// where no object is known, the granule's count) into its hash: a library loaded where an
+/// unloaded one was may have code at the same addresses, and the same return addresses then
+/// stand for other functions. Its stacks get ids of their own, which the trace and the leak
+/// report name after the modules loaded then (they were given the unloaded library's stacks,
+/// and its names); the same library loaded there again has its own stacks again, whose names
+/// are the same. Stacks through code that stayed keep their ids: when
 /// every unload gave every later stack a new one, a program reloading a plugin in a loop
 /// interned the loader's stacks and its own again each round (1.1 KB a round, 43 MB in 40,000
 /// rounds). Granules are told apart by their tags: with 4 KiB pages hashed onto counters, a
@@ -130,6 +132,8 @@ fn count_unload_in(granule: u64) -> bool {
 /// `None` when they are not known. Stacks captured from now on through that code are interned
 /// apart from earlier ones with the same frames (see [`GRANULE_TAGS`]).
 pub(crate) fn after_unload(unmapped: Option<&[(u64, u64)]>) {
+    // Before the count that has frames salted: `unload_salt` asks for it from then on.
+    os::look_up_objects_later();
     let counted = unmapped.is_some_and(|extents| {
         let mut all = true;
         for &(start, end) in extents.iter().filter(|(start, end)| start < end) {
@@ -155,16 +159,26 @@ fn unload_salt(frames: &[u64]) -> u64 {
         return 0;
     }
     let mut salt = u64::from(UNLOADS_ANYWHERE.load(Ordering::Relaxed)).wrapping_mul(K);
-    // Neighbouring frames are mostly in one granule: looked up once.
+    // Neighbouring frames are mostly in one granule, and in one object: each looked up once.
     let (mut last, mut unloads) = (u64::MAX, 0);
+    let mut object = (0, 0, 0);
     for &frame in frames {
         let granule = frame >> GRANULE_SHIFT;
         if granule != last {
             (last, unloads) = (granule, unloads_in(granule));
         }
-        if unloads != 0 {
-            salt = salt.wrapping_add((u64::from(unloads) << 32 ^ granule).wrapping_mul(K));
+        if unloads == 0 {
+            continue;
         }
+        // Where an unload was, the object there now: a plugin reloaded in a loop, mapped where
+        // it was each time, has the same stacks each time (a stack of its own a round, 370
+        // bytes a round for good, when the number of unloads salted its frames: review helper
+        // 126), and another library there has stacks of its own. Code no object holds (or no
+        // lookup of objects) is salted by the count.
+        if !(object.0 <= frame && frame < object.1) {
+            object = os::object_at(frame).unwrap_or((0, 0, u64::from(unloads) << 32 ^ granule));
+        }
+        salt = salt.wrapping_add(object.2.wrapping_mul(K));
     }
     salt
 }

@@ -2127,8 +2127,9 @@ fn a_library_loaded_where_an_unloaded_one_was_has_stacks_of_its_own() {
 /// captured after it a new id, the loader's and the program's own included, and the tracker's
 /// memory grew by 1.1 KB a round (43 MB in 40,000 rounds of `dlopen("libz.so.1")`) until
 /// `max_memory` stopped it; past 4,096 unloads, the library's leaks read as `??` (helper 34).
-/// Only stacks through the unloaded code are new now, and the library unloaded from one place
-/// again and again is remembered once.
+/// Only stacks through the unloaded code were new then, one a round (370 bytes a round for
+/// good, review helper 126), and now not even those: the library is loaded where it was each
+/// time. The library unloaded from one place again and again is remembered once.
 #[test]
 fn reloading_a_library_in_a_loop_does_not_grow_the_stacks() {
     let twin_a = c_library("twin_a.c");
@@ -2139,8 +2140,8 @@ fn reloading_a_library_in_a_loop_does_not_grow_the_stacks() {
     let said = text(&out.stdout);
     let counts: Vec<u64> = said.split(|c: char| !c.is_ascii_digit()).filter_map(|n| n.parse().ok()).collect();
     let [_, after_10, _, after_all] = counts[..] else { panic!("{said}") };
-    // The library's own stack is new in each round: one a round at most.
-    assert!(after_all - after_10 <= 4990 + 20, "{said}");
+    // The library's own stacks were new in each round (4,990 more).
+    assert!(after_all - after_10 <= 20, "{said}");
     let report = json_report(&out);
     let lost: Vec<(&serde_json::Value, &serde_json::Value)> = report["leaks"]
         .as_array()
