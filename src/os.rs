@@ -138,7 +138,8 @@ pub(crate) fn read_own_bytes(addr: usize, bytes: &mut [u8]) -> bool {
 /// `places`), with one `process_vm_readv`, which stops at the first place nothing readable
 /// is: returns how many places were read, from the first.
 pub(crate) fn read_own_pairs(places: &[usize], out: &mut [[u64; 2]]) -> usize {
-    const MOST: usize = 16;
+    // The guard's places of a header under a block: one per alignment, 16 bytes to 2^47.
+    const MOST: usize = 44;
     let n = places.len().min(out.len()).min(MOST);
     let remote: [libc::iovec; MOST] = core::array::from_fn(|i| libc::iovec {
         iov_base: places.get(i).map_or(core::ptr::null_mut(), |&a| a as *mut c_void),

@@ -365,20 +365,18 @@ unsafe fn glibc_would_take(p: usize) -> bool {
     os::is_mapped(next as usize + 8) && unsafe { read_word(next + 8) } & PREV_INUSE != 0
 }
 
-/// Largest header offset [`begins_a_guarded_block`] looks for: a page (`valloc`'s alignment).
-const MAX_CHECKED_OFFSET: usize = 4096;
-
 /// Whether `p` is where the real allocator's block under a live block of the guard's starts:
 /// `free(q - 16)` of a block `q`, or `free(q - 64)` of a `memalign(64, ...)` one. glibc takes
 /// it (it is its block), and the caller's memory went back under the caller, to be handed out
 /// again (review helper 90). Told by the header the guard wrote `offset` bytes on, whose tag
 /// names that place (a block's header is unmade as it goes back, [`wipe_header`]: none is
-/// left in freed memory to be read as one). Offsets up to a page are looked for; the words
+/// left in freed memory to be read as one). Every offset is looked for (up to a page only, a
+/// `memalign(8192, ...)` block's memory went back under it: review helper 129); the words
 /// are read by the kernel, as what lies past `p` may not be mapped.
 fn begins_a_guarded_block(p: usize) -> bool {
     // Every header place at once: a free of an unspied block made one system call a place
     // (and one for the pid), 64% of a run whose blocks went unspied (review helper 121).
-    const PLACES: usize = (MAX_CHECKED_OFFSET / HEADER).trailing_zeros() as usize + 1;
+    const PLACES: usize = (MAX_OFFSET / HEADER).trailing_zeros() as usize + 1;
     let offset = |i: usize| HEADER << i;
     let mut places = [0usize; PLACES];
     let mut n = 0;
@@ -619,6 +617,26 @@ impl GuardSpy {
         self.recent.insert(p, Recent { size, seq });
     }
 
+    /// The record of the guarded block freed at `p`, unless the real allocator has handed out
+    /// a block there since, unspied: allocations the spy never sees (a tick callback's, a
+    /// signal handler's on a little alternate stack, inside the hooks) took addresses still
+    /// listed here, and their frees, `realloc`s and `malloc_usable_size` were double frees
+    /// (review helper 129: thousands of findings in a correct program, each `realloc`
+    /// refused, the blocks leaked). A freed guarded block leaves no chunk of glibc's at `p`:
+    /// its tag is wiped, then glibc writes its free list's words there; a live block of
+    /// glibc's starts there only if glibc handed it out, and its record is forgotten then.
+    fn freed_here(&self, p: usize) -> Option<Recent> {
+        let r = self.recent.get(p)?;
+        // SAFETY: `could_be_a_block` saw the 16 bytes before `p` mapped.
+        // Not the real start of a guarded block laid out there since: a double free of `p`
+        // would give that live block back under it.
+        if self.glibc && could_be_a_block(p) && unsafe { glibc_would_take(p) } && !begins_a_guarded_block(p) {
+            self.recent.remove(p);
+            return None;
+        }
+        Some(r)
+    }
+
     /// A pointer the dispatcher does not know as a live spied block: a double free, a
     /// pointer no block starts at, or a block of the real heap the guard did not lay out
     /// (allocated before it, or from inside a hook: passed through). Returns false when the
@@ -628,7 +646,7 @@ impl GuardSpy {
             self.report(Finding::InvalidFree, p, None, place);
             return false;
         }
-        if let Some(r) = self.recent.get(p) {
+        if let Some(r) = self.freed_here(p) {
             self.report(Finding::DoubleFree, p, Some(r.size), place);
             return false;
         }
@@ -818,7 +836,7 @@ impl MallocSpy for GuardSpy {
         if !spied {
             // A block of ours already freed: its real block's header is the guard's, which
             // the real allocator would take for a chunk size. Measured as NULL is: 0.
-            return if self.recent.get(request as usize).is_some() { core::ptr::null_mut() } else { request };
+            return if self.freed_here(request as usize).is_some() { core::ptr::null_mut() } else { request };
         }
         let p = request as usize;
         // SAFETY: spied blocks were laid out by this spy.
