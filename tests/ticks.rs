@@ -762,6 +762,44 @@ fn record_names_the_other_traces_of_its_run() {
     assert!(!Path::new(&format!("{t}.before-exec.2")).exists(), "{second}");
 }
 
+/// bash, whose own `putenv` kept the owner's mark in its table of variables: its children
+/// never saw it, so a child that outlived bash took the trace's path (bash's own trace gone,
+/// the path the run named holding `ls`'s), and bash's copy of the entry was a leak in its
+/// report (review helper 128).
+#[test]
+fn bashs_children_know_whose_trace_the_path_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("t.trace");
+    let script = "(sleep 0.3; ls / >/dev/null; echo > ls-done) & env | grep -c trace_owner=";
+    let out = Command::new(mallocspy())
+        .current_dir(dir.path())
+        .args(["record", "--output", output.to_str().unwrap(), "--", "bash", "-c", script])
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "1\n"), "{}", text(&out.stderr));
+    let done = dir.path().join("ls-done");
+    for _ in 0..100 {
+        if done.exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(done.exists());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let report =
+        Command::new(mallocspy()).args(["report", "--format", "json", output.to_str().unwrap()]).output().unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&report.stdout).unwrap();
+    assert_eq!(report["program"][0], "bash", "{}", report["program"]);
+    let leaks = Command::new("bash")
+        .args(["-c", "true"])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=leaks,ticks:trace={}", dir.path().join("leaks.trace").display()))
+        .output()
+        .unwrap();
+    let stderr = text(&leaks.stderr);
+    assert!(stderr.contains("definitely lost: 0 bytes in 0 blocks"), "{stderr}");
+}
+
 /// Two runs at once in one directory, with one template: each names only its own other
 /// traces. The one started first listed the other's as "of this run" (review helper 89).
 #[test]

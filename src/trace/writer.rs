@@ -355,12 +355,26 @@ fn locked_by_another(fd: i32) -> bool {
 /// inherit: they then write `PATH.PID` (see [`open`]). Called at start-up, before the
 /// program's code runs; the entry replaces the variable's in `environ` (no other variable is
 /// added, and the program sees one more key in a variable that is ours).
+///
+/// By the C library's `putenv`, not the one the program may export: bash's kept the entry in
+/// its table of variables (not yet read from `environ`, and then read over), so its children
+/// never saw the owner and the first one to start took the trace's path from bash's own
+/// trace; and its copy of the entry was a leak in bash's report (review helper 128).
 fn name_owner_for_descendants(pid: u32) {
+    static PUTENV: AtomicPtr<libc::c_void> = AtomicPtr::new(core::ptr::null_mut());
     let Ok(options) = std::env::var("MALLOCSPY_OPTIONS") else { return };
     let Ok(entry) = std::ffi::CString::new(format!("MALLOCSPY_OPTIONS={options}:trace_owner={pid}")) else { return };
-    // SAFETY: a NUL-terminated `name=value` string that is never freed (putenv keeps it);
-    // replacing an existing variable, glibc's putenv allocates nothing.
-    unsafe { libc::putenv(entry.into_raw()) };
+    let putenv = os::next_symbol_cached(&PUTENV, c"putenv");
+    if putenv.is_null() {
+        return;
+    }
+    // SAFETY: the C library's putenv, given a NUL-terminated `name=value` string that is
+    // never freed (putenv keeps it); replacing an existing variable, it allocates nothing.
+    unsafe {
+        core::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut libc::c_char) -> libc::c_int>(putenv)(
+            entry.into_raw(),
+        )
+    };
 }
 
 /// `fork` without the program's `pthread_atfork` handlers (ours included): the writer
