@@ -104,9 +104,13 @@ fn leak<T>(value: T) -> &'static T {
 /// Reads `MALLOCSPY_OPTIONS` and registers the spies it names. Called once by the shim's
 /// constructor. A malformed value is reported in one line and the program runs unspied.
 pub fn init() {
+    // The program's `errno` is its own: C has it 0 when `main` starts (the trace writer's
+    // start left EAGAIN there: review helper 128).
+    let errno = os::errno();
     register_spies();
     // Unspied, the blocks allocated so far are noted no more (see `early.rs`).
     drop(crate::early::stop());
+    os::set_errno(errno);
 }
 
 fn register_spies() {

@@ -800,6 +800,26 @@ fn bashs_children_know_whose_trace_the_path_is() {
     assert!(stderr.contains("definitely lost: 0 bytes in 0 blocks"), "{stderr}");
 }
 
+/// `main` finds `errno` 0, as C says, under every spy and with a trace (the trace writer's
+/// start left EAGAIN: review helper 128).
+#[test]
+fn main_finds_errno_zero() {
+    let program = c_program("errno_at_start.c");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = format!("spy=leaks,guard,ticks:trace={}", dir.path().join("t.trace").display());
+    let modes = Mode::ALL.into_iter().chain([Mode::Shim(Box::leak(trace.into_boxed_str()))]);
+    for mode in modes {
+        let out = run(mode, &mut Command::new(&program));
+        assert_eq!(text(&out.stdout), "errno at start: 0\n", "{mode:?}: {}", text(&out.stderr));
+    }
+    let out = Command::new(mallocspy())
+        .args(["record", "--output", dir.path().join("r.trace").to_str().unwrap(), "--"])
+        .arg(&program)
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "errno at start: 0\n", "{}", text(&out.stderr));
+}
+
 /// Two runs at once in one directory, with one template: each names only its own other
 /// traces. The one started first listed the other's as "of this run" (review helper 89).
 #[test]
