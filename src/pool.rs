@@ -33,11 +33,18 @@ struct Class {
 
 static FREE: [Class; CLASSES] = [const { Class { lock: SpinLock::new(), free: AtomicUsize::new(0) } }; CLASSES];
 
-/// Size of an arena (a region larger than this gets an arena of its own).
-const ARENA: usize = 1 << 30;
+/// Size of the first arena; each next one is twice the last, up to [`MAX_ARENA`] (a region
+/// larger than its arena gets an arena of its own). What is reserved and not yet carved is
+/// then about as much as what is carved at most: a limit the program sets on its address space or data while it runs
+/// (`setrlimit`, `ulimit -v` in a forked shell) counts the reservations, and one of 1 GiB
+/// left the program no room under any limit below about 1.1 GB (review helper 128: python3
+/// limited to 1 GiB raised `MemoryError` at once).
+const FIRST_ARENA: usize = 4 << 20;
+/// Largest arena.
+const MAX_ARENA: usize = 1 << 30;
 /// Size of an arena once the address space is limited (see [`carve`]).
 pub(crate) const SMALL_ARENA: usize = 2 << 20;
-/// Set once the kernel refused an arena of [`ARENA`] bytes.
+/// Set once the kernel refused an arena (see [`carve`]).
 static SMALL_ARENAS: AtomicBool = AtomicBool::new(false);
 const MAX_ARENAS: usize = 1024;
 
@@ -133,7 +140,8 @@ fn carve(size: usize) -> Option<NonNull<u8>> {
     if !SMALL_ARENAS.load(Ordering::Relaxed) && os::address_space_limit().is_some() {
         SMALL_ARENAS.store(true, Ordering::Relaxed);
     }
-    let mut len = if SMALL_ARENAS.load(Ordering::Relaxed) { small(size) } else { size.max(ARENA) };
+    let next = FIRST_ARENA << n.min(MAX_ARENA.trailing_zeros() as usize - FIRST_ARENA.trailing_zeros() as usize);
+    let mut len = if SMALL_ARENAS.load(Ordering::Relaxed) { small(size) } else { size.max(next) };
     let arena = match os::map(len) {
         Some(arena) => arena,
         None if len > small(size) => {
