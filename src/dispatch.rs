@@ -990,6 +990,11 @@ impl<H: Heap> Interposer<H> {
             if !unspied.ptr.is_null() && cell.call(|spy| spy.served_unspied(unspied.ptr)).is_err() {
                 self.disable(cell, scope);
             }
+            // As the caller saw it, as a `realloc` served so is: `after_call` saw the block's
+            // free and not its allocation (review helper 129).
+            let err = os::errno();
+            self.observe(cell, scope, call(unspied.ptr, unspied.ptr.is_null()));
+            os::set_errno(err);
             return unspied;
         }
         self.observe(cell, scope, call(ptr, false));

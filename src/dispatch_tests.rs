@@ -1046,6 +1046,44 @@ fn a_realloc_whose_pre_realloc_panics_still_succeeds() {
     assert!(ip.registry.is_empty(), "the spy is revoked, and gone with its last block");
 }
 
+/// A spy that lays out aligned blocks as any other (a 16-byte header): misaligned past 16.
+struct IgnoresAlignment(HeaderSpy);
+
+impl MallocSpy for IgnoresAlignment {
+    fn pre_alloc(&self, size: usize) -> usize {
+        self.0.pre_alloc(size)
+    }
+    fn post_alloc(&self, actual: *mut c_void) -> *mut c_void {
+        self.0.post_alloc(actual)
+    }
+    fn pre_free(&self, request: *mut c_void, spied: bool) -> *mut c_void {
+        self.0.pre_free(request, spied)
+    }
+    fn after_call(&self, call: &Call) {
+        self.0.after_call(call)
+    }
+}
+
+/// An aligned allocation the spy laid out misaligned goes to the caller unspied, and the spy's
+/// `after_call` sees it, as it sees its free (it saw the free alone: review helper 129).
+#[test]
+fn an_allocation_served_unspied_is_seen_by_after_call() {
+    let _serial = serial();
+    let log = Arc::new(Log::default());
+    let ip = fresh();
+    ip.register(|| Box::new(IgnoresAlignment(HeaderSpy::new(&log)))).unwrap();
+    let mut q = core::ptr::null_mut();
+    // SAFETY: q is a local out-pointer.
+    assert_eq!(unsafe { ip.posix_memalign(&mut q, 64, 10) }, 0);
+    assert_eq!(q as usize % 64, 0);
+    assert_eq!(log.calls.load(Ordering::SeqCst), 1, "after_call saw the allocation");
+    // SAFETY: a live block.
+    unsafe { ip.free(q) };
+    assert_eq!(log.calls.load(Ordering::SeqCst), 2, "and its free");
+    assert_eq!(log.spied_frees.load(Ordering::SeqCst), 1, "only the spy's own misaligned block was spied");
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 /// A misaligned block from `post_realloc` is not given out: the caller gets an aligned, unspied
 /// copy, and the spy's block goes back through the spy (it was handed over misaligned, though
 /// the message said such allocations were served unspied; review helper 78).
