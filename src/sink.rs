@@ -127,7 +127,20 @@ fn note_stderr() {
         Some(id) => {
             // SAFETY: fcntl on fd 2, which is open.
             let copy = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 0) };
-            let old = STDERR_COPY.keep_as(if copy >= 0 { move_high(copy) } else { -1 }, id);
+            // Under a limit with no room high up (`ulimit -n 5`), none: a copy low down took
+            // the program's first descriptor (review helper 128: it could open no file under
+            // `ulimit -n 4`), and reports go to descriptor 2 while it is this stderr.
+            let kept = match copy {
+                -1 => -1,
+                copy => match move_high(copy) {
+                    moved if moved == copy => {
+                        os::close(copy);
+                        -1
+                    }
+                    moved => moved,
+                },
+            };
+            let old = STDERR_COPY.keep_as(kept, id);
             STDERR.store(STDERR_OPEN, Ordering::Release);
             old
         }

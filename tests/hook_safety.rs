@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use std::process::Command;
+use std::process::{Command, Output};
 
 #[test]
 fn a_spy_that_allocates_in_every_hook_neither_recurses_nor_deadlocks() {
@@ -576,6 +576,29 @@ fn exit_from_a_signal_handler_that_interrupts_the_allocator() {
         }
     }
     assert!(skipped > 0, "the timer never interrupted a hook in 20 runs");
+}
+
+/// Under a descriptor limit that leaves no room high up (`ulimit -n 5`), the copy of stderr
+/// took descriptor 3, the program's first: under `ulimit -n 4` it could open no file
+/// (review helper 128).
+#[test]
+fn under_a_tiny_descriptor_limit_the_program_gets_every_descriptor() {
+    let program = c_program("opens_until_refused.c");
+    for limit in [4, 5] {
+        let outputs: Vec<Output> =
+            [Mode::Native, PASS_THROUGH, Mode::Shim("spy=count"), Mode::Shim("spy=guard"), Mode::Shim("spy=ticks")]
+                .into_iter()
+                .map(|mode| {
+                    let mut cmd = Command::new("sh");
+                    cmd.arg("-c").arg(format!("ulimit -n {limit} && exec \"$0\"")).arg(&program);
+                    run(mode, &mut cmd)
+                })
+                .collect();
+        assert_eq!(text(&outputs[0].stdout), format!("first 3, {} in all\n", limit - 3));
+        for out in &outputs[1..] {
+            assert_eq!(out.stdout, outputs[0].stdout, "ulimit -n {limit}: {}", text(&out.stderr));
+        }
+    }
 }
 
 /// A program that limits its own address space and data while it runs: mallocspy's first
