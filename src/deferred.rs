@@ -1,4 +1,6 @@
-//! Frees that cannot run where they were asked for, kept until a hook can run them.
+//! Frees that cannot run where they were asked for, kept until a hook can run them (and
+//! blocks served where no spy code could run, for the spy to hear of: see
+//! `Interposer::served_unseen`).
 //!
 //! A `free` of a spied block needs the spy (its `pre_free` knows where the real block starts),
 //! but a call made from inside a hook, by a signal handler that interrupted one, or by a thread
@@ -43,6 +45,15 @@ impl DeferredFrees {
     /// Parks `ptr`, given back by `entry`; false (and the block counted as leaked) when the
     /// ring is full.
     pub(crate) fn push(&self, ptr: *mut c_void, entry: Entry) -> bool {
+        let parked = self.park(ptr, entry);
+        if !parked {
+            self.leaked.fetch_add(1, Ordering::Relaxed);
+        }
+        parked
+    }
+
+    /// Parks `ptr` under `entry`, not a release: false when the ring is full (nothing leaks).
+    pub(crate) fn park(&self, ptr: *mut c_void, entry: Entry) -> bool {
         debug_assert!(ptr as usize >> ENTRY_AT == 0);
         let value = ptr as usize | (entry as usize) << ENTRY_AT;
         for slot in &self.slots {
@@ -51,7 +62,6 @@ impl DeferredFrees {
                 return true;
             }
         }
-        self.leaked.fetch_add(1, Ordering::Relaxed);
         false
     }
 

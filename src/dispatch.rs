@@ -199,6 +199,10 @@ fn alignment_accepted(align: usize) -> bool {
     align.is_power_of_two() && align >= core::mem::size_of::<*mut c_void>()
 }
 
+/// The entry under which [`Interposer::served_unseen`] parks a block in the ring of deferred
+/// frees: no release is parked as a `malloc`.
+const SERVED_UNSEEN: Entry = Entry::Malloc;
+
 /// The malloc family over a real heap `H`, with an optional registered spy.
 ///
 /// `repr(C)`, fields in this order: what every call reads (the registry's pointer, the gate,
@@ -784,10 +788,33 @@ impl<H: Heap> Interposer<H> {
         self.deferred.drain(|ptr, entry| {
             // Looked up for each block: releasing the last one may have retired the spy.
             let cell = self.registry.current();
+            if entry == SERVED_UNSEEN {
+                if let Some(cell) = cell
+                    && cell.call(|spy| spy.served_unspied(ptr)).is_err()
+                {
+                    self.disable(cell, scope);
+                }
+                return;
+            }
             let spied = self.take_spied(cell, ptr).is_some();
             // SAFETY: parked pointers are blocks a caller freed; they are still live until now.
             unsafe { self.release(scope, cell, entry, ptr, spied, false) }
         });
+    }
+
+    /// A block the real allocator gave a caller where no spy code may run (inside a hook: a
+    /// tick callback's; a signal handler's on a little stack), for the spy's
+    /// [`MallocSpy::served_unspied`] at the next hook that runs one, before any call could
+    /// give the block back. The guard lists addresses of blocks freed under it, and the real
+    /// allocator hands them out again: the program's free, `realloc` and
+    /// `malloc_usable_size` of such a block were double frees (review helper 129: thousands
+    /// of findings in a correct program, each `realloc` refused, the blocks leaked). With
+    /// the ring full the spy is not told, as it is not of a block served before it was
+    /// registered.
+    fn served_unseen(&self, ptr: *mut c_void) {
+        if self.has_spy() {
+            self.deferred.park(ptr, SERVED_UNSEEN);
+        }
     }
 
     /// The real call behind an allocating request of `size` real bytes.
@@ -900,6 +927,7 @@ impl<H: Heap> Interposer<H> {
             let out = self.real_alloc(&req, req.size);
             if !out.ptr.is_null() {
                 self.note_unseen(req.size);
+                self.served_unseen(out.ptr);
             }
             return out;
         };
@@ -1332,6 +1360,9 @@ impl<H: Heap> Interposer<H> {
                 if ptr.is_null() && !new.is_null() {
                     self.note_unseen(size);
                 }
+                if !new.is_null() {
+                    self.served_unseen(new);
+                }
                 new
             }
             Lookup::Found(old) => {
@@ -1345,6 +1376,7 @@ impl<H: Heap> Interposer<H> {
                     // SAFETY: the old block holds `old` caller bytes, the new one `size`.
                     unsafe { core::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old.min(size)) };
                     self.deferred.push(ptr, Entry::Free);
+                    self.served_unseen(new);
                 }
                 new
             }
@@ -1368,6 +1400,10 @@ impl<H: Heap> Interposer<H> {
                 Lookup::Busy => 0,
             };
         };
+        if self.deferred.has_pending() {
+            // A block served where no spy could run may be the one measured.
+            self.drain_deferred(&scope);
+        }
         let recorded = if ptr.is_null() || !self.tracking() { None } else { self.spied.get(ptr as usize) };
         let spied = recorded.is_some();
         let Some(cell) = self.registry.current().filter(|c| spied || c.is_active()) else {

@@ -413,7 +413,9 @@ pub trait MallocSpy: Send + Sync {
     fn after_call(&self, call: &Call) {}
 
     /// The dispatcher gave the caller `ptr`, a block of the real allocator, without the spy
-    /// (it could not record one the spy laid out): a spy that keeps addresses of blocks freed
-    /// under it forgets this one, whose free is no double free.
+    /// (it could not record one the spy laid out; or no spy code could run where it was asked
+    /// for, inside a hook or a signal handler on a little stack: told at the next hook, before
+    /// the block can come back): a spy that keeps addresses of blocks freed under it forgets
+    /// this one, whose free is no double free.
     fn served_unspied(&self, ptr: *mut c_void) {}
 }

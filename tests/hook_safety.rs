@@ -233,6 +233,26 @@ fn blocks_the_guard_never_saw_are_freed_reallocated_and_measured_as_natively() {
     assert!(!stderr.contains("mallocspy: guard:"), "{stderr}");
 }
 
+/// A double free of an address where the real block under a later guarded block started,
+/// that block freed since: glibc's free lists hold a chunk there, and a first fix of the test
+/// above, which told a live unspied block by a chunk of glibc's starting at the address, gave
+/// this double free to glibc (review helper 130: an abort in tcache, a block handed out twice
+/// from a fastbin).
+#[test]
+fn a_double_free_where_the_real_heap_has_a_free_chunk_now_is_still_found() {
+    let program = c_program("double_free_after_reuse.c");
+    for (mode, args) in [("spy=guard", "tcache"), ("spy=leaks,guard", "fastbin"), ("spy=guard", "fastbin")] {
+        let out = run(Mode::Shim(mode), Command::new(&program).arg(args));
+        let stderr = text(&out.stderr);
+        assert_eq!(
+            (out.status.code(), text(&out.stdout).as_str()),
+            (Some(0), "blocks handed out twice: 0\n"),
+            "{stderr}"
+        );
+        assert_eq!(stderr.matches("mallocspy: guard: double-free at ").count(), 1, "{mode} {args}: {stderr}");
+    }
+}
+
 #[test]
 fn exitcode_fails_a_run_in_which_the_guard_found_misuse() {
     // As valgrind's --error-exitcode: a test suite run under the guard passed despite its

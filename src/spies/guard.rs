@@ -617,26 +617,6 @@ impl GuardSpy {
         self.recent.insert(p, Recent { size, seq });
     }
 
-    /// The record of the guarded block freed at `p`, unless the real allocator has handed out
-    /// a block there since, unspied: allocations the spy never sees (a tick callback's, a
-    /// signal handler's on a little alternate stack, inside the hooks) took addresses still
-    /// listed here, and their frees, `realloc`s and `malloc_usable_size` were double frees
-    /// (review helper 129: thousands of findings in a correct program, each `realloc`
-    /// refused, the blocks leaked). A freed guarded block leaves no chunk of glibc's at `p`:
-    /// its tag is wiped, then glibc writes its free list's words there; a live block of
-    /// glibc's starts there only if glibc handed it out, and its record is forgotten then.
-    fn freed_here(&self, p: usize) -> Option<Recent> {
-        let r = self.recent.get(p)?;
-        // SAFETY: `could_be_a_block` saw the 16 bytes before `p` mapped.
-        // Not the real start of a guarded block laid out there since: a double free of `p`
-        // would give that live block back under it.
-        if self.glibc && could_be_a_block(p) && unsafe { glibc_would_take(p) } && !begins_a_guarded_block(p) {
-            self.recent.remove(p);
-            return None;
-        }
-        Some(r)
-    }
-
     /// A pointer the dispatcher does not know as a live spied block: a double free, a
     /// pointer no block starts at, or a block of the real heap the guard did not lay out
     /// (allocated before it, or from inside a hook: passed through). Returns false when the
@@ -646,7 +626,7 @@ impl GuardSpy {
             self.report(Finding::InvalidFree, p, None, place);
             return false;
         }
-        if let Some(r) = self.freed_here(p) {
+        if let Some(r) = self.recent.get(p) {
             self.report(Finding::DoubleFree, p, Some(r.size), place);
             return false;
         }
@@ -836,7 +816,7 @@ impl MallocSpy for GuardSpy {
         if !spied {
             // A block of ours already freed: its real block's header is the guard's, which
             // the real allocator would take for a chunk size. Measured as NULL is: 0.
-            return if self.freed_here(request as usize).is_some() { core::ptr::null_mut() } else { request };
+            return if self.recent.get(request as usize).is_some() { core::ptr::null_mut() } else { request };
         }
         let p = request as usize;
         // SAFETY: spied blocks were laid out by this spy.
