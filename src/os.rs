@@ -6,7 +6,7 @@
 
 use core::ffi::{CStr, c_int, c_void};
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
 /// The calling thread's `errno`.
 #[inline]
@@ -833,15 +833,22 @@ struct FoundObject {
     reserved: [u64; 12],
 }
 
-/// Looks up what [`object_at`] calls, where `dlsym` may run (the `dlclose` wrapper).
+/// Looks up what [`object_at`] calls, where `dlsym` may run (the `dlclose` wrapper): once,
+/// found or not (a failed `dlsym` allocates, and leaves its message for the program's next
+/// `dlerror`).
 pub(crate) fn look_up_objects_later() {
-    next_symbol_cached(&FIND_OBJECT, c"_dl_find_object");
+    static LOOKED: AtomicBool = AtomicBool::new(false);
+    if !LOOKED.swap(true, Ordering::AcqRel) {
+        next_symbol_cached(&FIND_OBJECT, c"_dl_find_object");
+    }
 }
 
 /// The loaded object whose mapping holds `addr`: its extent, and a hash of which object it is
-/// (its load bias, extent and name: the same file loaded again at the same place hashes the
-/// same). `None` before [`look_up_objects_later`], under a C library without the lookup, or
-/// where no object is mapped. glibc's lookup for unwinders: no lock, no allocation, safe in
+/// (its load bias, extent and path: the same file loaded again at the same place hashes the
+/// same). `None` before [`look_up_objects_later`], under a C library without the lookup,
+/// where no object is mapped, and for an object the loader names by a relative path, which
+/// names another file from another directory (review helper 130: two `./plug.so` loaded in
+/// turn at one place had their stacks merged, and one's leaks named after the other). glibc's lookup for unwinders: no lock, no allocation, safe in
 /// a signal handler and in a library's constructor, so the hook path may ask.
 pub(crate) fn object_at(addr: u64) -> Option<(u64, u64, u64)> {
     type FindObject = unsafe extern "C" fn(*const c_void, *mut FoundObject) -> c_int;
@@ -861,17 +868,19 @@ pub(crate) fn object_at(addr: u64) -> Option<(u64, u64, u64)> {
     // NUL-terminated string the loader keeps while the object is loaded, as it is: it holds
     // `addr`, which is in a frame of the calling thread's stack.
     let (bias, name) = unsafe { (*found.link_map, *(found.link_map.add(1)) as *const u8) };
+    // SAFETY: the loader's name, NUL-terminated (its first byte at least is readable).
+    if name.is_null() || unsafe { *name } != b'/' {
+        return None;
+    }
     let mut hash = 0xCBF2_9CE4_8422_2325u64 ^ bias ^ found.map_start.rotate_left(21) ^ found.map_end.rotate_left(42);
-    if !name.is_null() {
-        // FNV-1a over the name, bounded in case the loader's string is not what we think.
-        for i in 0..4096 {
-            // SAFETY: within the NUL-terminated name (the loop ends at its NUL).
-            let byte = unsafe { *name.add(i) };
-            if byte == 0 {
-                break;
-            }
-            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01B3);
+    // FNV-1a over the name, bounded in case the loader's string is not what we think.
+    for i in 0..4096 {
+        // SAFETY: within the NUL-terminated name (the loop ends at its NUL).
+        let byte = unsafe { *name.add(i) };
+        if byte == 0 {
+            break;
         }
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01B3);
     }
     Some((found.map_start, found.map_end, hash))
 }

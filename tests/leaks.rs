@@ -2175,6 +2175,38 @@ fn reloading_a_library_in_a_loop_does_not_grow_the_stacks() {
     }
 }
 
+/// Two files loaded in turn at one place under one relative name (`./plug.so` from two
+/// directories): their stacks were merged, salted by the loader's name for them, and the
+/// second round of the first file's leaks was named after the other's function (review helper
+/// 130).
+#[test]
+fn two_files_of_one_relative_name_loaded_at_one_place_keep_their_names() {
+    let dir = tempfile::tempdir().unwrap();
+    for (sub, source) in [("d1", "twin_a.c"), ("d2", "twin_b.c")] {
+        std::fs::create_dir(dir.path().join(sub)).unwrap();
+        std::fs::copy(c_library(source), dir.path().join(sub).join("plug.so")).unwrap();
+    }
+    let program = c_program_with("relative_twins.c", &["-ldl"]);
+    let out = run(JSON_REPORT, Command::new(&program).current_dir(dir.path()));
+    assert_eq!(text(&out.stdout), "one place: 1\n", "{}", text(&out.stderr));
+    let report = json_report(&out);
+    let mut lost: Vec<(u64, u64, &str)> = report["leaks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "definitely_lost")
+        .map(|r| {
+            (
+                r["blocks"].as_u64().unwrap(),
+                r["bytes"].as_u64().unwrap(),
+                r["stack"][0]["function"].as_str().unwrap_or("??"),
+            )
+        })
+        .collect();
+    lost.sort();
+    assert_eq!(lost, [(15, 95_000, "twin_a_alloc"), (30, 270_000, "twin_b_alloc")], "{report}");
+}
+
 /// Two threads each reloading a library in a loop, each library loaded where the other's just
 /// was: a few blocks in 4,000 were named after the other library's code (review helper 35).
 /// The unloads were listed in the order their `dlclose` calls ended, and a library loaded at
