@@ -848,8 +848,9 @@ pub(crate) fn look_up_objects_later() {
 /// same). `None` before [`look_up_objects_later`], under a C library without the lookup,
 /// where no object is mapped, and for an object the loader names by a relative path, which
 /// names another file from another directory (review helper 130: two `./plug.so` loaded in
-/// turn at one place had their stacks merged, and one's leaks named after the other). glibc's lookup for unwinders: no lock, no allocation, safe in
-/// a signal handler and in a library's constructor, so the hook path may ask.
+/// turn at one place had their stacks merged, and one's leaks named after the other).
+/// glibc's lookup for unwinders: no lock, no allocation, safe in a signal handler and in a
+/// library's constructor, so the hook path may ask.
 pub(crate) fn object_at(addr: u64) -> Option<(u64, u64, u64)> {
     type FindObject = unsafe extern "C" fn(*const c_void, *mut FoundObject) -> c_int;
     let f = FIND_OBJECT.load(Ordering::Acquire);

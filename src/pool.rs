@@ -35,10 +35,10 @@ static FREE: [Class; CLASSES] = [const { Class { lock: SpinLock::new(), free: At
 
 /// Size of the first arena; each next one is twice the last, up to [`MAX_ARENA`] (a region
 /// larger than its arena gets an arena of its own). What is reserved and not yet carved is
-/// then about as much as what is carved at most: a limit the program sets on its address space or data while it runs
-/// (`setrlimit`, `ulimit -v` in a forked shell) counts the reservations, and one of 1 GiB
-/// left the program no room under any limit below about 1.1 GB (review helper 128: python3
-/// limited to 1 GiB raised `MemoryError` at once).
+/// then about as much as what is carved at most: a limit the program sets on its address
+/// space or data while it runs (`setrlimit`, `ulimit -v` in a forked shell) counts the
+/// reservations, and one of 1 GiB left the program no room under any limit below about
+/// 1.1 GB (review helper 128: python3 limited to 1 GiB raised `MemoryError` at once).
 const FIRST_ARENA: usize = 4 << 20;
 /// Largest arena.
 const MAX_ARENA: usize = 1 << 30;

@@ -65,7 +65,7 @@ static UNLOADS: AtomicU64 = AtomicU64::new(0);
 /// unloaded one was may have code at the same addresses, and the same return addresses then
 /// stand for other functions. Its stacks get ids of their own, which the trace and the leak
 /// report name after the modules loaded then (they were given the unloaded library's stacks,
-/// and its names); the same library loaded there again has its own stacks again, whose names
+/// and its names); the same file loaded there again gets the stacks it had there, whose names
 /// are the same. Stacks through code that stayed keep their ids: when
 /// every unload gave every later stack a new one, a program reloading a plugin in a loop
 /// interned the loader's stacks and its own again each round (1.1 KB a round, 43 MB in 40,000
@@ -174,7 +174,7 @@ fn unload_salt(frames: &[u64]) -> u64 {
         // it was each time, has the same stacks each time (a stack of its own a round, 370
         // bytes a round for good, when the number of unloads salted its frames: review helper
         // 126), and another library there has stacks of its own. Code no object holds (or no
-        // lookup of objects) is salted by the count.
+        // lookup of objects, or one named by a relative path) is salted by the count.
         if !(object.0 <= frame && frame < object.1) {
             object = os::object_at(frame).unwrap_or((0, 0, u64::from(unloads) << 32 ^ granule));
         }
