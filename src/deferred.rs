@@ -1,6 +1,6 @@
-//! Frees that cannot run where they were asked for, kept until a hook can run them (and
-//! blocks served where no spy code could run, for the spy to hear of: see
-//! `Interposer::served_unseen`).
+//! Frees that cannot run where they were asked for, kept until a hook can run them (and, in
+//! a ring of their own, blocks served where no spy code could run, for the spy to hear of:
+//! see `Interposer::served_unseen`).
 //!
 //! A `free` of a spied block needs the spy (its `pre_free` knows where the real block starts),
 //! but a call made from inside a hook, by a signal handler that interrupted one, or by a thread
@@ -22,24 +22,20 @@ const ENTRY_AT: u32 = 56;
 
 const CAPACITY: usize = 256;
 
-/// A fixed ring of parked pointers.
+/// A fixed ring of `N` parked pointers, filled from its first slot up.
 ///
 /// `repr(C)`, `pending` first: every spied `free` reads it, and the interposer keeps it on
 /// one of its first lines.
 #[repr(C)]
-pub(crate) struct DeferredFrees {
+pub(crate) struct DeferredFrees<const N: usize = CAPACITY> {
     pending: AtomicUsize,
     leaked: AtomicUsize,
-    slots: [AtomicUsize; CAPACITY],
+    slots: [AtomicUsize; N],
 }
 
-impl DeferredFrees {
+impl<const N: usize> DeferredFrees<N> {
     pub(crate) const fn new() -> Self {
-        Self {
-            pending: AtomicUsize::new(0),
-            leaked: AtomicUsize::new(0),
-            slots: [const { AtomicUsize::new(0) }; CAPACITY],
-        }
+        Self { pending: AtomicUsize::new(0), leaked: AtomicUsize::new(0), slots: [const { AtomicUsize::new(0) }; N] }
     }
 
     /// Parks `ptr`, given back by `entry`; false (and the block counted as leaked) when the
@@ -55,9 +51,14 @@ impl DeferredFrees {
     /// Parks `ptr` under `entry`, not a release: false when the ring is full (nothing leaks).
     pub(crate) fn park(&self, ptr: *mut c_void, entry: Entry) -> bool {
         debug_assert!(ptr as usize >> ENTRY_AT == 0);
+        if self.pending.load(Ordering::Relaxed) >= N {
+            return false;
+        }
         let value = ptr as usize | (entry as usize) << ENTRY_AT;
         for slot in &self.slots {
-            if slot.compare_exchange(0, value, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            if slot.load(Ordering::Relaxed) == 0
+                && slot.compare_exchange(0, value, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+            {
                 self.pending.fetch_add(1, Ordering::Release);
                 return true;
             }
@@ -71,9 +72,17 @@ impl DeferredFrees {
         self.pending.load(Ordering::Relaxed) != 0
     }
 
-    /// Takes every parked pointer out and hands it to `f`.
+    /// Takes every parked pointer out and hands it to `f`: up to the last one parked, as
+    /// slots fill from the first (a drain that swapped every slot of the ring cost each hook
+    /// after a tick callback's allocation 256 locked instructions: review helper 132).
     pub(crate) fn drain(&self, mut f: impl FnMut(*mut c_void, Entry)) {
         for slot in &self.slots {
+            if self.pending.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if slot.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
             let value = slot.swap(0, Ordering::AcqRel);
             if value != 0 {
                 self.pending.fetch_sub(1, Ordering::AcqRel);
@@ -94,7 +103,7 @@ mod tests {
 
     #[test]
     fn parks_drains_and_counts_overflow() {
-        let d = DeferredFrees::new();
+        let d = DeferredFrees::<CAPACITY>::new();
         assert!(!d.has_pending());
         for i in 1..=CAPACITY + 3 {
             let entry = if i % 2 == 0 { Entry::Free } else { Entry::OperatorDeleteArray };

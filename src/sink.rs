@@ -127,9 +127,9 @@ fn note_stderr() {
         Some(id) => {
             // SAFETY: fcntl on fd 2, which is open.
             let copy = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 0) };
-            // Under a limit with no room high up (`ulimit -n 5`), none: a copy low down took
-            // the program's first descriptor (review helper 128: it could open no file under
-            // `ulimit -n 4`), and reports go to descriptor 2 while it is this stderr.
+            // Under a limit with no room above the program's first free descriptor (`ulimit -n
+            // 4`), none: a copy there took it (review helper 128: the program could open no
+            // file), and reports go to descriptor 2 while it is this stderr.
             let kept = match copy {
                 -1 => -1,
                 copy => match move_high(copy) {
