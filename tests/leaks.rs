@@ -2855,20 +2855,27 @@ fn a_program_that_can_no_longer_open_proc_gets_its_report() {
         assert!(still_reachable_bytes(&report).contains(&100), "{args:?}: {report}");
         assert!(report["program"].as_str().is_some_and(|p| p.ends_with("/no_proc")), "{args:?}: {report}");
     }
-    // Under a `ulimit -n` that leaves no room for the kept descriptor: one line, and
-    // `exitcode` leaves the status alone.
+    // Under a `ulimit -n` of 20 the kept descriptor has room in the limit's top quarter (it
+    // had none below 33); under one that leaves no room above the program's first free
+    // descriptor, one line, and `exitcode` leaves the status alone.
     use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new(&program);
-    cmd.arg("files");
-    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
-    unsafe {
-        cmd.pre_exec(|| {
-            let few = libc::rlimit { rlim_cur: 20, rlim_max: 20 };
-            libc::setrlimit(libc::RLIMIT_NOFILE, &few);
-            Ok(())
-        })
+    let limited = |limit: u64| {
+        let mut cmd = Command::new(&program);
+        cmd.arg("files");
+        // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent's.
+        unsafe {
+            cmd.pre_exec(move || {
+                let few = libc::rlimit { rlim_cur: limit, rlim_max: limit };
+                libc::setrlimit(libc::RLIMIT_NOFILE, &few);
+                Ok(())
+            })
+        };
+        run(Mode::Shim("exitcode=23"), &mut cmd)
     };
-    let out = run(Mode::Shim("exitcode=23"), &mut cmd);
+    let out = limited(20);
+    assert_eq!(out.status.code(), Some(23), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("definitely lost: 55 bytes in 1 blocks"), "{}", text(&out.stderr));
+    let out = limited(4);
     assert_eq!(out.status.code(), Some(6), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stderr),
