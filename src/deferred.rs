@@ -49,20 +49,23 @@ impl<const N: usize> DeferredFrees<N> {
     }
 
     /// Parks `ptr` under `entry`, not a release: false when the ring is full (nothing leaks).
+    ///
+    /// Counted before a slot is taken, so that `pending` is never below the slots filled: a
+    /// drain that took a slot whose count was yet to come made it wrap below zero, and a full
+    /// ring was read then (review helper 133).
     pub(crate) fn park(&self, ptr: *mut c_void, entry: Entry) -> bool {
         debug_assert!(ptr as usize >> ENTRY_AT == 0);
-        if self.pending.load(Ordering::Relaxed) >= N {
-            return false;
-        }
-        let value = ptr as usize | (entry as usize) << ENTRY_AT;
-        for slot in &self.slots {
-            if slot.load(Ordering::Relaxed) == 0
-                && slot.compare_exchange(0, value, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-            {
-                self.pending.fetch_add(1, Ordering::Release);
-                return true;
+        if self.pending.fetch_add(1, Ordering::AcqRel) < N {
+            let value = ptr as usize | (entry as usize) << ENTRY_AT;
+            for slot in &self.slots {
+                if slot.load(Ordering::Relaxed) == 0
+                    && slot.compare_exchange(0, value, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+                {
+                    return true;
+                }
             }
         }
+        self.pending.fetch_sub(1, Ordering::AcqRel);
         false
     }
 

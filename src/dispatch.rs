@@ -243,6 +243,8 @@ pub(crate) struct Interposer<H: Heap> {
     /// ([`Self::served_unseen`]): a ring apart from `deferred`, whose frees they crowded out
     /// (review helper 132: 2,000 of 2,000 frees leaked under a callback allocating 300 blocks).
     served: DeferredFrees<SERVED_UNSEEN>,
+    /// Blocks `served` had no room for ([`Self::untold_blocks`]).
+    untold: AtomicUsize,
     /// Whether the spy registered last lays blocks out (an observer has no use for
     /// `served_unspied`: the blocks are not kept for it).
     spy_interposes: AtomicBool,
@@ -278,6 +280,7 @@ impl<H: Heap> Interposer<H> {
             reallocating: AtomicUsize::new(0),
             reallocs_done: AtomicUsize::new(0),
             served: DeferredFrees::new(),
+            untold: AtomicUsize::new(0),
             spy_interposes: AtomicBool::new(false),
         }
     }
@@ -841,9 +844,15 @@ impl<H: Heap> Interposer<H> {
     /// the ring full the spy is not told, as it is not of a block served before it was
     /// registered. Not for an observing spy, which keeps no block.
     fn served_unseen(&self, ptr: *mut c_void) {
-        if self.has_spy() && self.spy_interposes.load(Ordering::Relaxed) {
-            self.served.park(ptr, Entry::Malloc);
+        if self.has_spy() && self.spy_interposes.load(Ordering::Relaxed) && !self.served.park(ptr, Entry::Malloc) {
+            self.untold.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Blocks served where no spy code could run that the spy was not told of (the ring was
+    /// full): said at exit, as a guard's findings about them may be wrong.
+    pub(crate) fn untold_blocks(&self) -> usize {
+        self.untold.load(Ordering::Relaxed)
     }
 
     /// The real call behind an allocating request of `size` real bytes.

@@ -503,6 +503,7 @@ pub type SigAction = libc::sigaction;
 /// As `sigaction`.
 #[doc(hidden)]
 pub unsafe extern "C" fn sigaction(signal: c_int, act: *const libc::sigaction, old: *mut libc::sigaction) -> c_int {
+    crate::signal_frames::handlers_may_change();
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::sigaction(signal, act, old) }
 }
@@ -511,6 +512,7 @@ pub unsafe extern "C" fn sigaction(signal: c_int, act: *const libc::sigaction, o
 /// As `signal`.
 #[doc(hidden)]
 pub unsafe extern "C" fn signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    crate::signal_frames::handlers_may_change();
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::signal(signal, handler) }
 }
@@ -519,6 +521,7 @@ pub unsafe extern "C" fn signal(signal: c_int, handler: libc::sighandler_t) -> l
 /// As `sysv_signal`.
 #[doc(hidden)]
 pub unsafe extern "C" fn sysv_signal(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    crate::signal_frames::handlers_may_change();
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::sysv_signal(signal, handler) }
 }
@@ -527,6 +530,7 @@ pub unsafe extern "C" fn sysv_signal(signal: c_int, handler: libc::sighandler_t)
 /// As `sigset`.
 #[doc(hidden)]
 pub unsafe extern "C" fn sigset(signal: c_int, handler: libc::sighandler_t) -> libc::sighandler_t {
+    crate::signal_frames::handlers_may_change();
     // SAFETY: the caller's guarantee.
     unsafe { crate::ending_signals::sigset(signal, handler) }
 }

@@ -602,6 +602,13 @@ fn write_reports(caller: Caller) {
     if leaked > 0 {
         say(&format!("{leaked} free(s) made inside a hook could not be completed; their blocks were leaked"));
     }
+    let untold = GLOBAL.untold_blocks();
+    if untold > 0 {
+        say(&format!(
+            "{untold} block(s) allocated inside a hook (a tick callback's, say) were served while the spy could not \
+             be told: a double free the guard found at one of their addresses may be none"
+        ));
+    }
     let Some(b) = BUILTINS.get().filter(|_| BUILTINS_REGISTERED.load(Ordering::Acquire)) else { return };
     // A leak report carries these as notes (its JSON stays JSON); the other reports get a line.
     for note in bypassed_note().into_iter().chain(revoked_note()).filter(|_| b.leaks.is_none()) {
