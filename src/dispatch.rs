@@ -841,8 +841,8 @@ impl<H: Heap> Interposer<H> {
     /// allocator hands them out again: the program's free, `realloc` and
     /// `malloc_usable_size` of such a block were double frees (review helper 129: thousands
     /// of findings in a correct program, each `realloc` refused, the blocks leaked). With
-    /// the ring full the spy is not told, as it is not of a block served before it was
-    /// registered. Not for an observing spy, which keeps no block.
+    /// the ring full the spy is not told, and the block is counted ([`Self::untold_blocks`]).
+    /// Not for an observing spy, which keeps no block.
     fn served_unseen(&self, ptr: *mut c_void) {
         if self.has_spy() && self.spy_interposes.load(Ordering::Relaxed) && !self.served.park(ptr, Entry::Malloc) {
             self.untold.fetch_add(1, Ordering::Relaxed);

@@ -112,3 +112,14 @@ pub(crate) fn move_high(fd: i32) -> i32 {
     os::close(fd);
     high
 }
+
+/// [`move_high`], or `None` (and `fd` closed) when there is no room high up: for a descriptor
+/// kept only where it takes none of the program's numbers.
+pub(crate) fn move_high_or_close(fd: i32) -> Option<i32> {
+    let high = move_high(fd);
+    if high == fd {
+        os::close(fd);
+        return None;
+    }
+    Some(high)
+}

@@ -22,7 +22,7 @@
 use core::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::ffi::CString;
 
-use crate::kept_fd::{KeptFd, move_high};
+use crate::kept_fd::{KeptFd, move_high, move_high_or_close};
 use crate::options::{Escaped, expand_path, names_pid};
 use crate::os;
 
@@ -130,16 +130,7 @@ fn note_stderr() {
             // Under a limit with no room above the program's first free descriptor (`ulimit -n
             // 4`), none: a copy there took it (review helper 128: the program could open no
             // file), and reports go to descriptor 2 while it is this stderr.
-            let kept = match copy {
-                -1 => -1,
-                copy => match move_high(copy) {
-                    moved if moved == copy => {
-                        os::close(copy);
-                        -1
-                    }
-                    moved => moved,
-                },
-            };
+            let kept = if copy < 0 { -1 } else { move_high_or_close(copy).unwrap_or(-1) };
             let old = STDERR_COPY.keep_as(kept, id);
             STDERR.store(STDERR_OPEN, Ordering::Release);
             old

@@ -29,8 +29,8 @@ pub(crate) fn keep() {
     if fd < 0 {
         return;
     }
-    let high = kept_fd::move_high(fd);
-    let Some(id) = os::file_identity(high).filter(|_| high != fd) else {
+    let Some(high) = kept_fd::move_high_or_close(fd) else { return };
+    let Some(id) = os::file_identity(high) else {
         os::close(high);
         return;
     };
