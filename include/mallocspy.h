@@ -187,7 +187,8 @@ struct mallocspy_api {
     uint32_t size;    /* sizeof(struct mallocspy_api) */
     /* CoRegisterMallocSpy: S_OK, E_OBJISREG, E_INVALIDARG, E_NOT_INTERPOSED. */
     int32_t (*register_spy)(const struct mallocspy_spy_vtable *vtable, void *ctx);
-    /* CoRevokeMallocSpy: S_OK, E_OBJNOTREG, E_ACCESSDENIED (pending until the last free).
+    /* CoRevokeMallocSpy: S_OK, E_OBJNOTREG, E_ACCESSDENIED (pending until the last free;
+     * from the spy's own pre/post_alloc or pre/post_realloc, the block that call returns counts).
      * It waits for the spy's functions running on other threads to return: not to be called
      * holding a lock one of them takes. */
     int32_t (*revoke_spy)(void);

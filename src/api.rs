@@ -49,7 +49,8 @@ pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError
 /// # Errors
 /// [`SpyError::NotRegistered`] when none is registered, a spy that panicked included (it was
 /// revoked then, and its blocks still reach it; see [`MallocSpy`]). [`SpyError::AccessDenied`] while
-/// blocks allocated under the spy are live: the revoke is then pending, the spy keeps
+/// blocks allocated under the spy are live (from the spy's own allocation or `realloc` method,
+/// the block that call returns among them): the revoke is then pending, the spy keeps
 /// receiving the frees and reallocs of those blocks and is dropped right after the last one
 /// is freed. [`SpyError::NotInterposed`] as for [`register_malloc_spy`].
 ///

@@ -28,7 +28,7 @@ use crate::gate::{self, Gate};
 use crate::heap::Heap;
 use crate::live_table::{LiveTable, Lookup};
 use crate::pins::Pins;
-use crate::registry::{Registry, SpyCell, SpyRef};
+use crate::registry::{self, Registry, SpyCell, SpyRef};
 use crate::spy::{Call, DidAlloc, Entry, MallocSpy, Role, SpyError};
 use crate::threads::{self, InFlight};
 use crate::tls::{self, ThreadState};
@@ -674,14 +674,19 @@ impl<H: Heap> Interposer<H> {
             // end (`retire`), since its Post method may follow; from one of its own methods,
             // settled only then, as that hook may add a block.
             let me = threads::current_index();
-            let in_its_method = tls::state().calling_cell.get() == cell as usize;
+            let calling = tls::state().calling_cell.get();
+            let in_its_method = calling & !registry::CALL_ADDS_A_BLOCK == cell as usize;
             match me.filter(|_| in_its_method) {
                 // SAFETY: as above.
                 Some(me) => Registry::settle_at_hook_end(unsafe { &*cell }, me),
                 // SAFETY: as above.
                 None => Registry::settle_then(unsafe { &*cell }, me, || ()),
             }
-            if live() != 0 {
+            // From its own `pre_alloc` or `post_realloc`, the block that call returns keeps the
+            // spy too (CoRevokeMallocSpy's E_ACCESSDENIED: released at its free). S_OK said it
+            // was released (review helper 129); a call that then fails releases it at its end.
+            let adds_a_block = in_its_method && calling & registry::CALL_ADDS_A_BLOCK != 0;
+            if adds_a_block || live() != 0 {
                 return Err(SpyError::AccessDenied);
             }
             self.revoked_in_hook.store(true, Ordering::Relaxed);
@@ -1016,7 +1021,7 @@ impl<H: Heap> Interposer<H> {
         // The alignment the block gets: glibc's memalign rounds the caller's up to a power of
         // two (and posix_memalign and aligned_alloc refuse one that is not).
         let align = align_pow2(req.align);
-        let pre = cell.call(|spy| {
+        let pre = cell.call_adding(|spy| {
             spy.before_alloc(req.entry);
             if aligned { spy.pre_alloc_aligned(req.size, align) } else { spy.pre_alloc(req.size) }
         });
@@ -1034,7 +1039,9 @@ impl<H: Heap> Interposer<H> {
         os::set_errno(saved);
         let real = self.real_alloc(req, size);
         let post =
-            cell.call(|spy| if aligned { spy.post_alloc_aligned(real.ptr, align) } else { spy.post_alloc(real.ptr) });
+            cell.call_adding(
+                |spy| if aligned { spy.post_alloc_aligned(real.ptr, align) } else { spy.post_alloc(real.ptr) },
+            );
         let Ok(ptr) = post else {
             // The spy's layout is unknown: the real block goes to the caller, unspied.
             self.disable(cell, scope);
@@ -1310,7 +1317,7 @@ impl<H: Heap> Interposer<H> {
         if cell.call(|spy| spy.before_release(entry, ptr, spied)).is_err() {
             return unspied();
         }
-        let Ok((real, real_size)) = cell.call(|spy| spy.pre_realloc(ptr, size, spied)) else { return unspied() };
+        let Ok((real, real_size)) = cell.call_adding(|spy| spy.pre_realloc(ptr, size, spied)) else { return unspied() };
         if real_size == 0 && size != 0 {
             keep_old();
             return failed(libc::ENOMEM);
@@ -1319,7 +1326,7 @@ impl<H: Heap> Interposer<H> {
         // SAFETY: `real` is the spy's real block for the caller's live block.
         let moved = unsafe { self.heap.realloc(real, real_size) };
         let err = if moved.is_null() { os::errno() } else { 0 };
-        let Ok(new) = cell.call(|spy| spy.post_realloc(moved, spied)) else {
+        let Ok(new) = cell.call_adding(|spy| spy.post_realloc(moved, spied)) else {
             if moved.is_null() {
                 keep_old();
                 self.disable(cell, scope);

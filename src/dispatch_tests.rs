@@ -915,9 +915,10 @@ impl MallocSpy for SelfRevoking {
 }
 
 /// A spy that revokes itself from inside one of its methods, with no block live: the revoke
-/// succeeds, the call's Post method still runs, and the spy is dropped once it is no longer
-/// in use: here after the free of the block that call allocated under it. Never under its
-/// feet: it was dropped inside the revoke, and the Post method then ran on freed memory.
+/// is pending on the block that call returns (it said S_OK, released, review helper 129), the
+/// call's Post method still runs, and the spy is dropped once it is no longer in use: after
+/// the free of that block. Never under its feet: it was dropped inside the revoke, and the
+/// Post method then ran on freed memory.
 #[test]
 fn a_spy_revoking_itself_from_its_own_method_is_dropped_once_unused() {
     let _serial = serial();
@@ -927,7 +928,7 @@ fn a_spy_revoking_itself_from_its_own_method_is_dropped_once_unused() {
     let spy = SelfRevoking { ip, log: log.clone(), revoked: revoked.clone() };
     ip.register(|| Box::new(spy)).unwrap();
     let p = ip.malloc(40);
-    assert_eq!(*revoked.lock().unwrap(), Some(Ok(())));
+    assert_eq!(*revoked.lock().unwrap(), Some(Err(SpyError::AccessDenied)), "pending on the block returned");
     assert_eq!(log.post_alloc.load(Ordering::SeqCst), 1, "the Post method of the call in progress ran");
     assert_eq!(log.dropped.load(Ordering::SeqCst), 0, "the block that call allocated keeps the spy");
     let later = ip.malloc(8);

@@ -73,6 +73,10 @@ impl Drop for SpyCell {
     }
 }
 
+/// Set in `tls::State::calling_cell` beside the cell (aligned, so its low bit is free) while
+/// the spy's method belongs to a call that returns a block under it.
+pub(crate) const CALL_ADDS_A_BLOCK: usize = 1;
+
 impl SpyCell {
     /// Whether the spy outlives its registration (the built-in spies).
     pub(crate) fn is_static(&self) -> bool {
@@ -89,6 +93,19 @@ impl SpyCell {
     /// back to what it would do without the spy (and disables it).
     #[inline(always)]
     pub(crate) fn call<R>(&self, f: impl FnOnce(&dyn MallocSpy) -> R) -> Result<R, Panicked> {
+        self.call_marked(0, f)
+    }
+
+    /// [`call`](Self::call) for a method of a call that returns a block to the program
+    /// (`pre_alloc`, `post_realloc`, ...): a revoke from inside it is pending on that block
+    /// (see [`CALL_ADDS_A_BLOCK`]).
+    #[inline(always)]
+    pub(crate) fn call_adding<R>(&self, f: impl FnOnce(&dyn MallocSpy) -> R) -> Result<R, Panicked> {
+        self.call_marked(CALL_ADDS_A_BLOCK, f)
+    }
+
+    #[inline(always)]
+    fn call_marked<R>(&self, mark: usize, f: impl FnOnce(&dyn MallocSpy) -> R) -> Result<R, Panicked> {
         // SAFETY: the spy lives as long as the cell (static, or freed by the cell's drop).
         let spy = unsafe { &*self.spy };
         let ts = tls::state();
@@ -96,7 +113,7 @@ impl SpyCell {
             // Only a failure said during this call counts: one said outside any spy method (or
             // in a `release`) would otherwise blame the next call, of this spy or the next one.
             ts.spy_failed.set(0);
-            ts.calling_cell.replace(self as *const SpyCell as usize)
+            ts.calling_cell.replace(self as *const SpyCell as usize | mark)
         } else {
             0
         };
