@@ -40,9 +40,12 @@ pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
 /// be lost; a log's warning came once per process). `regular_only`: a FIFO or a device
 /// (`/dev/full`) is no trace, but may take a log.
 pub fn check_writable(output: &str, regular_only: bool) -> Result<(), String> {
-    use mallocspy::options::{expand_path, names_pid};
+    use mallocspy::options::{expand_path, is_path_template, names_pid};
     use std::fs::OpenOptions;
     use std::io::ErrorKind;
+    if !is_path_template(output) {
+        return Err("a % in it is neither %p (the process id) nor %% (a %)".into());
+    }
     // As the program will read it (`%%` is `%`); any pid will do for the directory.
     let expanded = expand_path(output, std::process::id());
     let path = Path::new(&expanded);
