@@ -772,6 +772,10 @@ impl<'a> Reader<'a> {
         if bytes.len() < MAGIC.len() && MAGIC.starts_with(bytes) {
             return Err(err(0, "the file ends inside its signature"));
         }
+        if bytes.starts_with(&[0x1f, 0x8b]) {
+            // A trace compressed for keeping or sending (review helper 131).
+            return Err(err(0, "gzip-compressed (zcat FILE | mallocspy report -)"));
+        }
         if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
             return Err(err(0, "no mallocspy-trace signature"));
         }
@@ -1171,6 +1175,9 @@ mod tests {
     fn random_bytes_are_one_line_errors_never_panics() {
         let e = Reader::new(b"PK\x03\x04 a zip file, not a trace").err().unwrap();
         assert_eq!(e.to_string(), "not a readable mallocspy trace: no mallocspy-trace signature at offset 0");
+        let e = Reader::new(b"\x1f\x8b\x08\x00 a gzipped trace").err().unwrap();
+        let gzip = "not a readable mallocspy trace: gzip-compressed (zcat FILE | mallocspy report -) at offset 0";
+        assert_eq!(e.to_string(), gzip);
         let e = Reader::new(b"").err().unwrap();
         assert_eq!(e.to_string(), "not a readable mallocspy trace: the file is empty, no signature at offset 0");
         let e = Reader::new(b"mallocspy-").err().unwrap();

@@ -329,6 +329,14 @@ impl DebugInfo {
         let link = link.as_ref().map(|(name, crc)| (name.as_slice(), *crc));
         let dwarf = debuglink::find(path, build_id.as_deref(), link).and_then(|d| open_debug_file(&d));
         let symbols = if current { Loader::new(path).ok() } else { None };
+        // Its frames go by offset then, as a rebuilt file's do, and said as those are (review
+        // helper 135: a library removed since the run was named by offset without a word).
+        let changed = match changed {
+            None if dwarf.is_none() && symbols.is_none() && path.is_absolute() => {
+                Some(if !path.exists() { "gone since the run (no such file)" } else { "not a readable ELF file" })
+            }
+            changed => changed,
+        };
         DebugInfo { dwarf, symbols, file, unwind_tables, changed }
     }
 

@@ -568,6 +568,9 @@ fn sites_skip_the_c_runtime_and_missing_or_changed_files_give_module_offsets() {
     assert_eq!(labels[1], "libc.so.6+0x2001");
     let offset = return_address_in(site_two) - rebuilt.base;
     assert_eq!(labels[2], format!("{exe_name}+{offset:#x}"));
+    // Both are said: the one that is gone, and the one rebuilt.
+    let said: Vec<&str> = symbols.changed_files().iter().map(|(_, why)| *why).collect();
+    assert_eq!(said, ["gone since the run (no such file)", "rebuilt since the run: another build id"]);
 }
 
 /// A damaged or crafted trace's numbers and names cannot make a report that is wrong, unsafe
