@@ -184,18 +184,20 @@ fn register_spies() {
     };
     let (limit, from_rlimit) = memory_limit(options.max_memory);
     pool::set_limit(limit, from_rlimit);
-    let (builtins, refused) = pool::unsaid(|| Builtins {
-        count: options.spies.count.then(CountSpy::new).flatten().map(leak),
-        guard: options
-            .spies
-            .guard
-            .then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc(), options.show_mismatched_frees))
-            .flatten()
-            .map(leak),
-        leaks: options.spies.leaks.then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
-        ticks: options.spies.ticks.then(|| TickSpy::new(tick_config(&options))).flatten().map(leak),
-        suppressions,
-        options,
+    let (builtins, refused) = pool::unsaid(|| {
+        // No spy without the threads' slots.
+        let slots = crate::threads::map_tables();
+        Builtins {
+            count: (slots && options.spies.count).then(CountSpy::new).flatten().map(leak),
+            guard: (slots && options.spies.guard)
+                .then(|| GuardSpy::new(crate::global::GLOBAL.heap.is_glibc(), options.show_mismatched_frees))
+                .flatten()
+                .map(leak),
+            leaks: (slots && options.spies.leaks).then(|| LeakTracker::new(options.stack_depth)).flatten().map(leak),
+            ticks: (slots && options.spies.ticks).then(|| TickSpy::new(tick_config(&options))).flatten().map(leak),
+            suppressions,
+            options,
+        }
     });
     let s = &builtins.options.spies;
     if s.count != builtins.count.is_some()
