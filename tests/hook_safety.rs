@@ -788,6 +788,25 @@ fn assert_finding_lines(stderr: &str, finding: &str, program: &str, expect: &[(&
     }
 }
 
+/// `delete` of what `new D[3]` returned, 8 bytes past the block's start (C++'s array cookie):
+/// said as inside that block, as valgrind says it, where it was "not a live block" (review
+/// helper 129). Natively glibc aborts; the guard's program goes on.
+#[test]
+fn a_delete_of_a_new_arrays_pointer_is_said_to_be_inside_its_block() {
+    let program = c_program("cxx_array_cookie.cpp");
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!((text(&out.stdout), out.status.code()), ("went on\n".to_string(), Some(0)));
+    let stderr = text(&out.stderr);
+    let line = stderr.lines().find(|l| l.starts_with("mallocspy: guard: invalid-free at 0x")).expect(&stderr);
+    assert!(
+        line.contains(": 8 bytes inside a block of 32 (a delete of what new[] returned?) (in operator delete"),
+        "{stderr}"
+    );
+    assert!(line.contains(", called from cxx_array_cookie"), "{stderr}");
+    let native = run(Mode::Native, &mut Command::new(&program));
+    assert_ne!(native.status.code(), Some(0), "glibc aborts: {}", text(&native.stderr));
+}
+
 /// C++'s operators are the shim's: a block given back by a function of another family than the
 /// one that allocated it (`delete` of `new[]`'s, `free` and `realloc` of `new`'s, `delete` of
 /// `malloc`'s, `delete[]` of an aligned `new`'s) is a finding naming both, at the line of the
