@@ -55,10 +55,14 @@ pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError
 /// is freed. [`SpyError::NotInterposed`] as for [`register_malloc_spy`].
 ///
 /// Some blocks live as long as the process or a thread: a revoke may then stay pending for
-/// good, and every later registration answer `AlreadyRegistered`. The first thread spawned
-/// under the spy leaves a few (among them glibc's TLS vector for it, kept with the cached
-/// thread stack), and so does the main thread's first blocking receive on a std channel.
-/// Spawning a thread and waiting once before registering keeps them unspied.
+/// good, and every later registration answer `AlreadyRegistered`. Any global made lazily
+/// while the spy is registered keeps its block for good: stdout's buffer at the first
+/// `println!`, a `OnceLock` or `lazy_static` first touched, and so on (touch them before
+/// registering). Each thread whose stack glibc has not cached yet leaves a few (among them
+/// glibc's TLS vector for it, kept with the cached stack), and so does the main thread's first
+/// blocking receive on a std channel. Spawning, before registering, as many threads at once as
+/// will run at once under the spy, and joining them, keeps the threads' blocks unspied (one
+/// thread spawned first is not enough for four: review helper 137).
 pub fn revoke_malloc_spy() -> Result<(), SpyError> {
     match target()? {
         Target::Here => global::revoke_here(),
@@ -70,7 +74,7 @@ pub fn revoke_malloc_spy() -> Result<(), SpyError> {
 ///
 /// [`DidAlloc::Yes`] for a block allocated while an interposing spy ([`crate::Role::Interpose`])
 /// was registered and not yet freed; [`DidAlloc::No`] for NULL and for pointers no block can
-/// start at; [`DidAlloc::Unknown`] otherwise (mallocspy keeps no record of blocks allocated
+/// start at (not 16-aligned); [`DidAlloc::Unknown`] otherwise (a stack address included) (mallocspy keeps no record of blocks allocated
 /// while no spy, or an observing one, was registered), a pointer already freed included (COM's
 /// `DidAlloc` answers 0 for it: mallocspy cannot tell it from a block it never saw).
 pub fn did_alloc(ptr: *const c_void) -> DidAlloc {

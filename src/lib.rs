@@ -39,6 +39,11 @@
 //! # Ok::<(), mallocspy::SpyError>(())
 //! ```
 //!
+//! Run so, the example registers only under the shim and with no built-in spy, which is a
+//! registered spy too: `LD_PRELOAD=libmallocspy_preload.so MALLOCSPY_OPTIONS=spy=none`
+//! (without the shim, [`SpyError::NotInterposed`]; under the default leak tracker,
+//! [`SpyError::AlreadyRegistered`]); or in a program built with the `interpose` feature.
+//!
 //! A spy that moves the caller's pointer (a header before each block) maps it back in every
 //! Pre method that takes one and keeps the alignment of aligned requests: the README's
 //! `Header` spy is a complete one, run as written by the tests.
