@@ -149,6 +149,7 @@ impl Default for Options {
 
 /// A malformed `MALLOCSPY_OPTIONS`; displays as one line.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OptionsError {
     /// A key this version does not know.
     UnknownKey(String),

@@ -5,9 +5,11 @@ use core::fmt;
 
 use crate::tls::{self, SCRATCH_WORDS};
 
-/// An exported entry point of the malloc family.
+/// An exported entry point of the malloc family. Not exhaustive: C23's `free_sized` and
+/// `free_aligned_sized` are likely to join.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Entry {
     /// `malloc`
     Malloc = 0,
@@ -103,9 +105,11 @@ impl fmt::Display for Entry {
 }
 
 /// What one call of an entry point did, as the caller saw it; given to [`MallocSpy::after_call`].
-/// (`#[repr(C)]`: C spies read it as `struct mallocspy_call`.)
+/// (`#[repr(C)]`: C spies read it as `struct mallocspy_call`.) Made by mallocspy only, and not
+/// exhaustive: a later version may tell more of a call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Call {
     /// The function called.
     pub entry: Entry,
@@ -156,8 +160,10 @@ impl DidAlloc {
     }
 }
 
-/// Why registering or revoking a spy failed. Each mirrors a COM status code.
+/// Why registering or revoking a spy failed. Each mirrors a COM status code; not exhaustive, as
+/// COM has more (match with a `_` arm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SpyError {
     /// A spy is already registered, or a revoked one still has live blocks or is being
     /// dropped on another thread (`CO_E_OBJISREG`).

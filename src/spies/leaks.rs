@@ -110,6 +110,7 @@ unsafe impl Zeroed for PerThread {}
 /// Totals since the tracker started.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HeapStats {
     /// Blocks allocated and not yet freed.
     pub live_blocks: u64,
@@ -128,6 +129,7 @@ pub struct HeapStats {
 /// The leak tracker's own memory, all of it from mallocspy's pool (never the watched heap).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TrackerMemory {
     /// Live blocks recorded.
     pub live_blocks: u64,

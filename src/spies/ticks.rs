@@ -128,6 +128,7 @@ const EXITED: u32 = 1 << 31;
 /// A sampled allocation, as [`crate::on_allocation_tick`] callbacks see it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct AllocationTick {
     /// Nanoseconds since the spy started.
     pub time_ns: u64,
