@@ -55,6 +55,10 @@ macro_rules! export_interposer {
         $crate::__trampoline!(__libc_memalign, $crate::interpose::memalign, (align: usize, size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(__libc_valloc, $crate::interpose::valloc, (size: usize) -> *mut ::core::ffi::c_void);
         $crate::__trampoline!(__libc_pvalloc, $crate::interpose::pvalloc, (size: usize) -> *mut ::core::ffi::c_void);
+        // C23's sized frees (glibc 2.43): a program built against them gave spied blocks to
+        // glibc's, behind the spies' backs (the guard's header blocks abort glibc there).
+        $crate::__trampoline!(free_sized, $crate::interpose::free_sized, (ptr: *mut ::core::ffi::c_void, size: usize) -> ());
+        $crate::__trampoline!(free_aligned_sized, $crate::interpose::free_aligned_sized, (ptr: *mut ::core::ffi::c_void, align: usize, size: usize) -> ());
         $crate::__jump!(malloc_trim, $crate::interpose::malloc_trim, (pad: usize) -> ::core::ffi::c_int);
         // The new thread notes its stack before the routine runs.
         $crate::__jump!(pthread_create, $crate::interpose::pthread_create, (thread: *mut ::core::ffi::c_void, attr: *const ::core::ffi::c_void, routine: ::core::option::Option<$crate::interpose::Routine>, arg: *mut ::core::ffi::c_void) -> ::core::ffi::c_int);
@@ -238,6 +242,27 @@ pub unsafe extern "C" fn libc_free(ptr: *mut c_void) {
         // SAFETY: the caller's guarantee; with no spy every block is a real block.
         unsafe { GLOBAL.heap.free(ptr) }
     }
+}
+
+/// C23's `free_sized(ptr, size)`: `free(ptr)`, which the standard allows it to be. (The size
+/// is not checked against the block's yet.)
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+pub unsafe extern "C" fn free_sized(ptr: *mut c_void, _size: usize) {
+    // SAFETY: the caller's guarantee.
+    unsafe { libc_free(ptr) }
+}
+
+/// C23's `free_aligned_sized(ptr, alignment, size)`: `free(ptr)`, as [`free_sized`].
+///
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+#[doc(hidden)]
+pub unsafe extern "C" fn free_aligned_sized(ptr: *mut c_void, _align: usize, _size: usize) {
+    // SAFETY: the caller's guarantee.
+    unsafe { libc_free(ptr) }
 }
 
 #[doc(hidden)]

@@ -9,7 +9,8 @@
 //!
 //! * **Preload** `libmallocspy_preload.so` (built from `cdylib-shim/`) into an unmodified
 //!   program. It exports `malloc, calloc, realloc, reallocarray, free, posix_memalign,
-//!   aligned_alloc, memalign, valloc, pvalloc, malloc_usable_size, malloc_trim` and forwards to
+//!   aligned_alloc, memalign, valloc, pvalloc, malloc_usable_size, malloc_trim` (and C23's
+//!   `free_sized`, `free_aligned_sized`) and forwards to
 //!   the next allocator in the lookup order (glibc, or jemalloc/tcmalloc preloaded after it).
 //!   `MALLOCSPY_OPTIONS` picks built-in spies (see [`options`]); any module of the process
 //!   registers its own spy through [`register_malloc_spy`] or the C header
@@ -39,8 +40,8 @@
 //! # Ok::<(), mallocspy::SpyError>(())
 //! ```
 //!
-//! Run so, the example registers only under the shim and with no built-in spy, which is a
-//! registered spy too: `LD_PRELOAD=libmallocspy_preload.so MALLOCSPY_OPTIONS=spy=none`
+//! The example registers only under the shim and with no built-in spy (one is a registered
+//! spy too): `LD_PRELOAD=libmallocspy_preload.so MALLOCSPY_OPTIONS=spy=none`
 //! (without the shim, [`SpyError::NotInterposed`]; under the default leak tracker,
 //! [`SpyError::AlreadyRegistered`]); or in a program built with the `interpose` feature.
 //!
