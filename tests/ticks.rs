@@ -820,6 +820,47 @@ fn main_finds_errno_zero() {
     assert_eq!(text(&out.stdout), "errno at start: 0\n", "{}", text(&out.stderr));
 }
 
+/// A relative `--output` and `--log` in a directory whose name holds `%`: the directory's `%`
+/// are not the user's template (a run in `50%off/` was refused; one in `a%pb/` wrote to a
+/// directory named with a pid; review helper 138). A `%` of the user's own is refused before
+/// the program runs.
+#[test]
+fn a_directory_named_with_percent_signs_is_no_template() {
+    let parent = tempfile::tempdir().unwrap();
+    for name in ["50%off", "a%pb", "x%%y"] {
+        let dir = parent.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        let out = Command::new(mallocspy())
+            .current_dir(&dir)
+            .args(["record", "-o", "t.%p.trace", "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+        let out = Command::new(mallocspy())
+            .current_dir(&dir)
+            .args(["run", "--log", "leaks.log", "--", "true"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+        let mut files: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        files.sort();
+        assert_eq!(files.len(), 2, "{name}: {files:?}");
+        assert!(
+            files[0] == "leaks.log" && files[1].starts_with("t.") && files[1].ends_with(".trace"),
+            "{name}: {files:?}"
+        );
+        let out =
+            Command::new(mallocspy()).current_dir(&dir).args(["record", "-o", "t.%t", "--", "true"]).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        assert!(
+            text(&out.stderr).contains("a % in it is neither %p (the process id) nor %% (a %)"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+}
+
 /// Two runs at once in one directory, with one template: each names only its own other
 /// traces. The one started first listed the other's as "of this run" (review helper 89).
 #[test]

@@ -13,15 +13,34 @@ use std::sync::atomic::{AtomicI32, Ordering};
 /// refused, the program would run unspied. Refused too if it is not UTF-8, as the options
 /// must be: passed with its bytes replaced, it named another file.
 pub fn option_path(flag: &str, path: &Path) -> Result<String, ExitCode> {
-    let absolute = match std::path::absolute(path) {
-        Ok(p) => match p.to_str() {
-            Some(p) => p.to_string(),
-            None => {
-                let why = "is not valid UTF-8, which MALLOCSPY_OPTIONS cannot carry";
-                return Err(fail(&format!("{flag} '{}' {why}", p.display()), 2));
-            }
+    absolute_option(flag, path, false)
+}
+
+/// [`option_path`] for a `log_path` or `trace` template: the `%` of the current directory put
+/// before a relative path are escaped (`%%`), as only the user's own `%p` is meant (a run in
+/// `50%off/` was refused, and one in a directory named with `%p` wrote elsewhere; review
+/// helper 138).
+pub fn option_template(flag: &str, path: &Path) -> Result<String, ExitCode> {
+    absolute_option(flag, path, true)
+}
+
+fn absolute_option(flag: &str, path: &Path, template: bool) -> Result<String, ExitCode> {
+    let utf8 = |p: &Path| match p.to_str() {
+        Some(p) => Ok(p.to_string()),
+        None => {
+            let why = "is not valid UTF-8, which MALLOCSPY_OPTIONS cannot carry";
+            Err(fail(&format!("{flag} '{}' {why}", p.display()), 2))
+        }
+    };
+    let bad = |e: std::io::Error| fail(&format!("bad {flag} '{}': {e}", path.display()), 2);
+    let absolute = utf8(&std::path::absolute(path).map_err(bad)?)?;
+    let absolute = match std::env::current_dir() {
+        // The directory's part, put before a relative path, is not the user's template.
+        Ok(cwd) if template && path.is_relative() => match cwd.to_str().and_then(|dir| absolute.strip_prefix(dir)) {
+            Some(rest) => format!("{}{rest}", cwd.to_string_lossy().replace('%', "%%")),
+            None => absolute,
         },
-        Err(e) => return Err(fail(&format!("bad {flag} '{}': {e}", path.display()), 2)),
+        _ => absolute,
     };
     if absolute.contains(':') || absolute.trim_end() != absolute {
         return Err(fail(

@@ -150,7 +150,7 @@ pub fn record(args: RecordArgs) -> ExitCode {
         // `report -o -` means stdout; here the program's own output would be mixed in.
         return fail("--output '-': a trace cannot go to stdout, which the program writes; name a file", 2);
     }
-    let output = match launch::option_path("--output", Path::new(&args.output)) {
+    let output = match launch::option_template("--output", Path::new(&args.output)) {
         Ok(output) => output,
         Err(code) => return code,
     };

@@ -72,7 +72,7 @@ pub fn run(args: RunArgs) -> ExitCode {
         options.push("show_below_main=1".into());
     }
     if let Some(log) = &args.log {
-        match launch::option_path("--log", Path::new(log)) {
+        match launch::option_template("--log", Path::new(log)) {
             Ok(log) => match launch::check_writable(&log, false) {
                 Ok(()) => options.push(format!("log_path={log}")),
                 Err(why) => return fail(&format!("cannot write --log {}: {why}", quoted_path(&log)), 2),

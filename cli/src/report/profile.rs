@@ -293,17 +293,25 @@ pub struct Aggregator {
     replayed: Envelope,
 }
 
+/// The stack depth the run's options set: its own key only, as a trace recorded by an earlier
+/// version may hold an option this one refuses (a `trace` path with `%t`, review helper 138);
+/// the default's for a damaged or missing one (no stack is taken for cut unless it is that
+/// deep).
+fn stack_depth_of(options: &str) -> usize {
+    options
+        .split(':')
+        .filter_map(|pair| pair.trim().strip_prefix("stack_depth="))
+        .next_back()
+        .and_then(|value| mallocspy::options::Options::parse(&format!("stack_depth={value}")).ok())
+        .unwrap_or_default()
+        .stack_depth
+}
+
 impl Aggregator {
     /// An empty aggregate of the trace with this header.
     pub fn new(header: Header) -> Self {
         Aggregator {
-            profile: Profile {
-                // A damaged header's options: the default's depth (no stack is taken for cut
-                // unless it is that deep).
-                stack_depth: mallocspy::options::Options::parse(&header.options).unwrap_or_default().stack_depth,
-                header,
-                ..Profile::default()
-            },
+            profile: Profile { stack_depth: stack_depth_of(&header.options), header, ..Profile::default() },
             stack_index: IdMap::default(),
             loaded: IdMap::default(),
             ranges: BTreeMap::new(),

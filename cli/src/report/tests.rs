@@ -265,10 +265,12 @@ fn pprof_counts_the_inherited_blocks_in_use() {
 /// A stack cut at the recorded depth (`stack_depth=2` here) is shown under a root that says
 /// so, and a tick whose stack the trace lacks under a name: in the folded stacks and pprof, a
 /// cut stack's outermost recorded frame was a root of its own, and in pprof the tick counted
-/// in the total under no function (review helper 75). JSON marks the cut stacks.
+/// in the total under no function (review helper 75). JSON marks the cut stacks. The depth is
+/// read from the options an earlier version wrote, whose `trace` path this one would refuse.
 #[test]
 fn cut_and_unrecorded_stacks_are_named_in_every_tree() {
-    let header = mallocspy::trace::Header { options: "spy=ticks:stack_depth=2".into(), ..testing::header() };
+    let options = "spy=ticks:trace=/tmp/t.%t:stack_depth=2".into();
+    let header = mallocspy::trace::Header { options, ..testing::header() };
     let events = [
         Event::ModuleLoad { time_ns: 0, module: testing::this_executable() },
         Event::Stack { id: 1, frames: vec![return_address_in(site_one), return_address_in(outer_caller)] },
