@@ -74,9 +74,10 @@ pub fn revoke_malloc_spy() -> Result<(), SpyError> {
 ///
 /// [`DidAlloc::Yes`] for a block allocated while an interposing spy ([`crate::Role::Interpose`])
 /// was registered and not yet freed; [`DidAlloc::No`] for NULL and for pointers no block can
-/// start at (not 16-aligned); [`DidAlloc::Unknown`] otherwise (a stack address included) (mallocspy keeps no record of blocks allocated
-/// while no spy, or an observing one, was registered), a pointer already freed included (COM's
-/// `DidAlloc` answers 0 for it: mallocspy cannot tell it from a block it never saw).
+/// start at (those not 16-aligned); [`DidAlloc::Unknown`] otherwise: mallocspy keeps no record
+/// of blocks allocated while no spy, or an observing one, was registered, and cannot tell a
+/// stack address or a pointer already freed from such a block (COM's `DidAlloc` answers 0 for
+/// a freed one).
 pub fn did_alloc(ptr: *const c_void) -> DidAlloc {
     let ptr = ptr as *mut c_void;
     match target() {

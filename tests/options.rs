@@ -170,7 +170,7 @@ fn out_pid(report: &str) -> String {
 /// spy was made: no thread had one, the report was all zeros, "reached" said and the report
 /// marked not complete (review helper 131).
 #[test]
-fn a_count_that_max_memory_cut_short_says_so() {
+fn a_count_that_does_not_fit_in_max_memory_says_so() {
     let out = run(Mode::Shim("spy=count:max_memory=3m"), &mut ls());
     assert!(out.status.success());
     assert!(text(&out.stdout).lines().any(|l| l == "usr"), "the program ran");

@@ -401,7 +401,7 @@ fn block_under(p: usize) -> Option<(usize, usize)> {
         (os::read_own_pairs(&[start - HEADER], &mut words) == 1)
             .then(|| header_of(start, words[0][0], words[0][1]))
             .flatten()
-            .filter(|h| h.size >= inside)
+            .filter(|h| h.size > inside)
             .map(|h| (inside, h.size))
     })
 }
@@ -667,7 +667,10 @@ impl GuardSpy {
         let mut detail = Line::<96>::new();
         match block_under(p) {
             Some((inside, size)) => {
-                let _ = write!(detail, ": {inside} bytes inside a block of {size} (a delete of what new[] returned?)");
+                let _ = write!(detail, ": {inside} bytes inside a block of size {size}");
+                if releasing_entry() == Entry::OperatorDelete {
+                    let _ = write!(detail, " (a delete of what new[] returned?)");
+                }
             }
             None => {
                 let _ = write!(detail, "{}", FINDING_DETAILS[Finding::InvalidFree as usize]);
