@@ -830,18 +830,11 @@ fn a_directory_named_with_percent_signs_is_no_template() {
     for name in ["50%off", "a%pb", "x%%y"] {
         let dir = parent.path().join(name);
         std::fs::create_dir(&dir).unwrap();
-        let out = Command::new(mallocspy())
-            .current_dir(&dir)
-            .args(["record", "-o", "t.%p.trace", "--", "true"])
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
-        let out = Command::new(mallocspy())
-            .current_dir(&dir)
-            .args(["run", "--log", "leaks.log", "--", "true"])
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(0), "{name}: {}", text(&out.stderr));
+        let in_dir = |args: &[&str]| Command::new(mallocspy()).current_dir(&dir).args(args).output().unwrap();
+        for args in [["record", "-o", "t.%p.trace", "--", "true"], ["run", "--log", "leaks.log", "--", "true"]] {
+            let out = in_dir(&args);
+            assert_eq!(out.status.code(), Some(0), "{name} {args:?}: {}", text(&out.stderr));
+        }
         let mut files: Vec<String> =
             std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         files.sort();
@@ -850,8 +843,7 @@ fn a_directory_named_with_percent_signs_is_no_template() {
             files[0] == "leaks.log" && files[1].starts_with("t.") && files[1].ends_with(".trace"),
             "{name}: {files:?}"
         );
-        let out =
-            Command::new(mallocspy()).current_dir(&dir).args(["record", "-o", "t.%t", "--", "true"]).output().unwrap();
+        let out = in_dir(&["record", "-o", "t.%t", "--", "true"]);
         assert_eq!(out.status.code(), Some(2), "{name}");
         assert!(
             text(&out.stderr).contains("a % in it is neither %p (the process id) nor %% (a %)"),
