@@ -244,15 +244,24 @@ pub unsafe extern "C" fn libc_free(ptr: *mut c_void) {
     }
 }
 
-/// C23's `free_sized(ptr, size)`: `free(ptr)`, which the standard allows it to be. (The size
-/// is not checked against the block's yet.)
+/// The `free` that a malloc family ahead of ours in the process's lookup order defines, or
+/// null: see [`free_sized`].
+static FREE_AHEAD: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// Notes `free`, the function the process's `free` resolves to, when it is not ours.
+pub(crate) fn note_free_ahead(free: *mut c_void) {
+    FREE_AHEAD.store(free, Ordering::Relaxed);
+}
+
+/// C23's `free_sized(ptr, size)`: `free(ptr)`, which the standard allows it to be, by the
+/// process's `free`. (The size is not checked against the block's yet.)
 ///
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
 pub unsafe extern "C" fn free_sized(ptr: *mut c_void, _size: usize) {
     // SAFETY: the caller's guarantee.
-    unsafe { libc_free(ptr) }
+    unsafe { free_as_the_process_does(ptr) }
 }
 
 /// C23's `free_aligned_sized(ptr, alignment, size)`: `free(ptr)`, as [`free_sized`].
@@ -261,6 +270,22 @@ pub unsafe extern "C" fn free_sized(ptr: *mut c_void, _size: usize) {
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
 pub unsafe extern "C" fn free_aligned_sized(ptr: *mut c_void, _align: usize, _size: usize) {
+    // SAFETY: the caller's guarantee.
+    unsafe { free_as_the_process_does(ptr) }
+}
+
+/// # Safety
+/// `ptr` is NULL or a live block of the malloc family.
+unsafe fn free_as_the_process_does(ptr: *mut c_void) {
+    let ahead = FREE_AHEAD.load(Ordering::Relaxed);
+    if !ahead.is_null() {
+        // An allocator preloaded before us (jemalloc 5 has no sized frees) served the block:
+        // ours would give it to glibc, which aborts (review helper 139), as `reallocarray`.
+        // SAFETY: a `free` of the process, from dlsym: the C signature.
+        let free: unsafe extern "C" fn(*mut c_void) = unsafe { core::mem::transmute(ahead) };
+        // SAFETY: the caller's guarantee.
+        return unsafe { free(ptr) };
+    }
     // SAFETY: the caller's guarantee.
     unsafe { libc_free(ptr) }
 }

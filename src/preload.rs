@@ -127,9 +127,13 @@ fn register_spies() {
     // signal stack cannot find it (review helper 97).
     crate::unwind::stack_bounds();
     os::next_symbol_cached(&NEXT_CXA_AT_QUICK_EXIT, c"__cxa_at_quick_exit");
-    // Spied or not: the program's `reallocarray` must reach the allocator ahead of us.
+    // Spied or not: the program's `reallocarray` and sized frees must reach the allocator
+    // ahead of us.
     if let Some(realloc) = served_elsewhere(c"realloc") {
         crate::interpose::note_realloc_ahead(realloc);
+    }
+    if let Some(free) = served_elsewhere(c"free") {
+        crate::interpose::note_free_ahead(free);
     }
     // mallocspy's own heap, which reading the options starts, must be able to grow: a failed
     // allocation of its aborts the program (under `ulimit -v` of about 9 MB: review helper 82).

@@ -235,13 +235,15 @@ fn glibcs_own_names_of_the_malloc_family_are_spied() {
 
 /// C23's `free_sized` and `free_aligned_sized` (glibc 2.43) are mallocspy's too: a program
 /// built against them gave spied blocks to glibc's, so that each was a leak to the tracker and
-/// the guard's header blocks an invalid pointer to glibc. Here (an older glibc) the fixture
+/// the guard's header blocks an invalid pointer to glibc. Under an older glibc the fixture
 /// finds them only under the shim.
 #[test]
 fn c23s_sized_frees_are_frees() {
     let program = c_program("free_sized.c");
     let native = run(Mode::Native, &mut Command::new(&program));
-    assert_eq!(text(&native.stdout), "freed 0 pairs with the sized frees\n", "this glibc has none");
+    let pairs = |n: u32| format!("freed {n} pairs with the sized frees\n");
+    // Debian 12's glibc (2.36) has none; 2.43 has them.
+    assert!([pairs(0), pairs(1000)].contains(&text(&native.stdout)), "{}", text(&native.stdout));
     let out = run(JSON_REPORT, &mut Command::new(&program));
     assert_eq!(text(&out.stdout), "freed 1000 pairs with the sized frees\n", "{}", text(&out.stderr));
     let report = json_report(&out);
