@@ -790,21 +790,22 @@ fn assert_finding_lines(stderr: &str, finding: &str, program: &str, expect: &[(&
 
 /// `delete` of what `new D[3]` returned, 8 bytes past the block's start (C++'s array cookie):
 /// said as inside that block, as valgrind says it, where it was "not a live block" (review
-/// helper 129). Natively glibc aborts; the guard's program goes on.
+/// helper 129); of what `new D[0]` returned, the end of a block of the cookie alone, as just
+/// after it (review helper 139). Natively glibc aborts; the guard's program goes on.
 #[test]
 fn a_delete_of_a_new_arrays_pointer_is_said_to_be_inside_its_block() {
     let program = c_program("cxx_array_cookie.cpp");
-    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
-    assert_eq!((text(&out.stdout), out.status.code()), ("went on\n".to_string(), Some(0)));
-    let stderr = text(&out.stderr);
-    let line = stderr.lines().find(|l| l.starts_with("mallocspy: guard: invalid-free at 0x")).expect(&stderr);
-    assert!(
-        line.contains(": 8 bytes inside a block of size 32 (a delete of what new[] returned?) (in operator delete"),
-        "{stderr}"
-    );
-    assert!(line.contains(", called from cxx_array_cookie"), "{stderr}");
-    let native = run(Mode::Native, &mut Command::new(&program));
-    assert_ne!(native.status.code(), Some(0), "glibc aborts: {}", text(&native.stderr));
+    for (count, said) in [("3", ": 8 bytes inside a block of size 32"), ("0", ": 0 bytes after a block of size 8")] {
+        let out = run(Mode::Shim("spy=guard"), Command::new(&program).arg(count));
+        assert_eq!((text(&out.stdout), out.status.code()), ("went on\n".to_string(), Some(0)));
+        let stderr = text(&out.stderr);
+        let line = stderr.lines().find(|l| l.starts_with("mallocspy: guard: invalid-free at 0x")).expect(&stderr);
+        let said =
+            format!("{said} (a delete of what new[] returned?) (in operator delete, called from cxx_array_cookie");
+        assert!(line.contains(&said), "{stderr}");
+        let native = run(Mode::Native, Command::new(&program).arg(count));
+        assert_ne!(native.status.code(), Some(0), "glibc aborts: {}", text(&native.stderr));
+    }
 }
 
 /// C++'s operators are the shim's: a block given back by a function of another family than the

@@ -391,8 +391,8 @@ fn begins_a_guarded_block(p: usize) -> bool {
     (0..read).any(|i| header_of(p + offset(i), words[i][0], words[i][1]).is_some_and(|h| h.offset == offset(i)))
 }
 
-/// How far into a guarded block `p` lies, and the block's size, when it is a C++ array
-/// cookie's width (8 or 16 bytes) past the block's start. Read with `process_vm_readv`: the
+/// How far past a guarded block's start `p` lies, and the block's size, when it is a C++
+/// array cookie's width (8 or 16 bytes) and within the block or just after it. Read with `process_vm_readv`: the
 /// bytes before `p` may be anything, unmapped included.
 fn block_under(p: usize) -> Option<(usize, usize)> {
     [8, 16].into_iter().find_map(|inside| {
@@ -401,7 +401,7 @@ fn block_under(p: usize) -> Option<(usize, usize)> {
         (os::read_own_pairs(&[start - HEADER], &mut words) == 1)
             .then(|| header_of(start, words[0][0], words[0][1]))
             .flatten()
-            .filter(|h| h.size > inside)
+            .filter(|h| h.size >= inside)
             .map(|h| (inside, h.size))
     })
 }
@@ -667,7 +667,11 @@ impl GuardSpy {
         let mut detail = Line::<96>::new();
         match block_under(p) {
             Some((inside, size)) => {
-                let _ = write!(detail, ": {inside} bytes inside a block of size {size}");
+                let _ = match inside < size {
+                    true => write!(detail, ": {inside} bytes inside a block of size {size}"),
+                    // `new D[0]`: the block holds only the cookie, and `new[]` returned its end.
+                    false => write!(detail, ": 0 bytes after a block of size {size}"),
+                };
                 if releasing_entry() == Entry::OperatorDelete {
                     let _ = write!(detail, " (a delete of what new[] returned?)");
                 }

@@ -300,7 +300,7 @@ pub struct Aggregator {
 fn stack_depth_of(options: &str) -> usize {
     options
         .split(':')
-        .filter_map(|pair| pair.trim().strip_prefix("stack_depth="))
+        .filter_map(|pair| pair.split_once('=').filter(|(key, _)| key.trim() == "stack_depth").map(|(_, value)| value))
         .next_back()
         .and_then(|value| mallocspy::options::Options::parse(&format!("stack_depth={value}")).ok())
         .unwrap_or_default()

@@ -269,7 +269,7 @@ fn pprof_counts_the_inherited_blocks_in_use() {
 /// read from the options an earlier version wrote, whose `trace` path this one would refuse.
 #[test]
 fn cut_and_unrecorded_stacks_are_named_in_every_tree() {
-    let options = "spy=ticks:trace=/tmp/t.%t:stack_depth=2".into();
+    let options = "spy=ticks:trace=/tmp/t.%t: stack_depth = 2".into();
     let header = mallocspy::trace::Header { options, ..testing::header() };
     let events = [
         Event::ModuleLoad { time_ns: 0, module: testing::this_executable() },
