@@ -609,7 +609,10 @@ fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs(
         assert!(replaced || matches!(events.last(), Some(Event::End { .. })), "{} ends whole", path.display());
         let header = reader.header();
         programs.insert(name, header.command.first().cloned().unwrap_or_default());
-        assert!(matches!(events.first(), Some(Event::ModuleLoad { .. })), "{}", path.display());
+        // A subshell's image kept for a record of its own, with its modules first; or, when
+        // its writer was too slow to say it had none (a loaded machine), with nothing.
+        let nothing = replaced && events.is_empty();
+        assert!(nothing || matches!(events.first(), Some(Event::ModuleLoad { .. })), "{}", path.display());
     }
     assert!(programs["shared.trace"].ends_with("bash"), "{programs:?}");
     for p in ["seq", "sort", "tail"] {
@@ -733,14 +736,16 @@ fn without_pid_in_the_path_the_program_an_exec_starts_writes_path() {
 
 /// `record` names the other traces of its run too, those of a second run only: the processes
 /// a shell forks write their own, and its image before an `exec` keeps its own beside the
-/// new program's (review helper 68: a script's run left dozens, unnamed).
+/// new program's (review helper 68: a script's run left dozens, unnamed). At an interval of
+/// 64 bytes the shell's image has samples of its own to keep.
 #[test]
 fn record_names_the_other_traces_of_its_run() {
     let dir = tempfile::tempdir().unwrap();
     let output = dir.path().join("t.trace");
     let record = || {
         let out = Command::new(mallocspy())
-            .args(["record", "--output", output.to_str().unwrap(), "--", "sh", "-c", "ls / >/dev/null; exec echo done"])
+            .args(["record", "--interval", "64", "--output", output.to_str().unwrap(), "--"])
+            .args(["sh", "-c", "ls / >/dev/null; exec echo done"])
             .output()
             .unwrap();
         let stderr = text(&out.stderr);
@@ -760,6 +765,34 @@ fn record_names_the_other_traces_of_its_run() {
     assert!(second.starts_with("mallocspy: 2 other trace(s) of this run"), "{second}");
     assert!(second.contains(&format!("{t}.before-exec (sh, ")), "{second}");
     assert!(!Path::new(&format!("{t}.before-exec.2")).exists(), "{second}");
+}
+
+/// The child a shell forks for each command writes a trace until it `exec`s the command,
+/// whose trace replaces it: with nothing of its own in it (its modules, the samples it
+/// inherited), it is not kept as `.before-exec`. A script of N commands left N such files
+/// beside the N traces of its commands, each listed by `record`.
+#[test]
+fn a_shells_child_that_execs_at_once_leaves_no_trace_before_the_exec() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = dir.path().join("s.trace");
+    let script = "for i in 1 2 3; do ls / >/dev/null; done; /bin/true; echo done";
+    let out = Command::new(mallocspy())
+        .args(["record", "--output", output.to_str().unwrap(), "--", "bash", "-c", script])
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{stderr}");
+    let mut commands = Vec::new();
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!name.contains("before-exec"), "{name} kept: {stderr}");
+        let trace = std::fs::File::open(dir.path().join(&name)).unwrap();
+        commands.push(mallocspy::trace::header_of(trace).expect("a trace").command[0].clone());
+    }
+    let mut programs: Vec<&str> = commands.iter().map(|c| c.rsplit('/').next().unwrap()).collect();
+    programs.sort();
+    assert_eq!(programs, ["bash", "ls", "ls", "ls", "true"], "{stderr}");
+    assert!(stderr.contains("4 other trace(s) of this run"), "{stderr}");
 }
 
 /// bash, whose own `putenv` kept the owner's mark in its table of variables: its children

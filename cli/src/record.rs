@@ -24,7 +24,8 @@ pub const EXAMPLES: &str = "Examples:
 
 Each process (children too) writes its own trace; %p in --output is its pid.
 Without %p the first process writes TRACE and the others TRACE.PID.
-An image replaced by exec keeps its trace as TRACE.before-exec.";
+An image replaced by exec keeps its trace as TRACE.before-exec
+if it recorded anything (a shell's child that execs at once does not).";
 
 #[derive(Clone, Copy, ValueEnum)]
 enum SamplingArg {

@@ -177,6 +177,11 @@ pub(crate) fn of_process(pid: u32, cache: &mut ElfCache) -> Vec<Module> {
             continue;
         }
         seen.push(path);
+        // Only a file with code mapped is a module: a data file (the locale archive, the
+        // trace's queue, shown as `/dev/zero (deleted)`) is not opened.
+        if !lines.iter().any(|other| other.path == path && other.executable) {
+            continue;
+        }
         let key = (m.file.0.to_vec(), m.file.1);
         let named = unescaped_map_path(path);
         let facts = cache.0.entry(key).or_insert_with(|| elf_facts(&named).or_else(|| elf_facts_of_gone(pid, m)));

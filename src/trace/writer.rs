@@ -94,6 +94,8 @@ struct State {
     modules: Vec<Module>,
     elf: modules::ElfCache,
     next_module: u64,
+    /// Whether the modules the process started with are written (see [`Writer::begin`]).
+    begun: bool,
     ended: bool,
 }
 
@@ -281,7 +283,7 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
         // stays, to be written through.
         if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0
             && st.st_mode & libc::S_IFMT == libc::S_IFREG
-            && !(earlier && keep_beside(&path))
+            && !(earlier && holds_its_own_events(&path) && keep_beside(&path))
         {
             // SAFETY: as above.
             unsafe { libc::unlink(c.as_ptr()) };
@@ -292,6 +294,65 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
     // A new file: the lock is ours, for the next process to find.
     locked_by_another(fd);
     Ok((fd, path))
+}
+
+/// Whether the trace at `path`, of an earlier image of this process (see [`earlier_image`]),
+/// holds a record of that image's own: a sample, a free, statistics, a thread's end, lost
+/// events. One that holds none but its modules (and the samples it inherited at a `fork`) is
+/// not worth keeping: each command a shell forks and `exec`s left such a `PATH.before-exec`
+/// beside its trace, as many again as a script ran commands. Its writer may still be
+/// writing the image's last records: until it lets go of the file (its lock; for
+/// [`DRAIN_WAIT_MS`] at most, and then it is kept), only a record of its own decides.
+fn holds_its_own_events(path: &str) -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    let start = os::monotonic_ns();
+    loop {
+        // Looked at in this order: once its writer has let go, the file is whole.
+        let done = !locked_by_another(file.as_raw_fd());
+        match (own_events(&file), done) {
+            (Some(true), _) => return true,
+            (found, true) => return found != Some(false),
+            (_, false) if os::monotonic_ns() - start > DRAIN_WAIT_MS * 1_000_000 => return true,
+            _ => os::pause_us(200),
+        }
+    }
+}
+
+/// How long a forked child's writer waits for a first message before it reads the modules:
+/// most children of a shell `exec` within a millisecond, and their writer then leaves
+/// without reading them (the new image's trace replaces theirs: see [`holds_its_own_events`]).
+const FORKED_BEGIN_MS: u64 = 10;
+
+/// The longest an image waits for the writer of its image before an `exec` (see
+/// [`holds_its_own_events`]): that writer, told of the `exec` by its socket's end, leaves
+/// within a millisecond when it has nothing to write.
+const DRAIN_WAIT_MS: u64 = 20;
+
+/// Whether `file`, a trace, holds a record other than a module's, a stack's or an inherited
+/// sample's; `None` when it cannot tell (cut in the middle of a record, or not a trace).
+fn own_events(file: &std::fs::File) -> Option<bool> {
+    use std::os::unix::fs::FileExt;
+    // Modules fill a few kilobytes: a trace much larger holds more.
+    const MODULES_AT_MOST: u64 = 1 << 20;
+    let len = file.metadata().ok()?.len();
+    if len > MODULES_AT_MOST {
+        return Some(true);
+    }
+    let mut bytes = vec![0u8; len as usize];
+    file.read_exact_at(&mut bytes, 0).ok()?;
+    for event in super::Reader::new(&bytes).ok()? {
+        let others = |e: &Event| {
+            matches!(
+                e,
+                Event::ModuleLoad { .. } | Event::ModuleUnload { .. } | Event::Stack { .. } | Event::Inherited { .. }
+            )
+        };
+        if !others(&event.ok()?) {
+            return Some(true);
+        }
+    }
+    Some(false)
 }
 
 /// Removes the traces kept beside `path` (see [`keep_beside`]) by an earlier run, whose trace
@@ -430,8 +491,16 @@ fn leave_with(fds: &[i32], status: i32) -> ! {
 }
 
 impl Writer {
-    /// Writes the modules loaded now (after the header).
+    /// Writes the modules the process started with (after the header), once, before any
+    /// record that follows them. A forked child's writer does not begin at its start (see
+    /// [`FORKED_BEGIN_MS`]): a shell's child between its `fork` and its `exec` sends nothing,
+    /// and reading the map and every module's file for it cost each command of a script its
+    /// writer's time.
     fn begin(&self, st: &mut State) {
+        if st.begun {
+            return;
+        }
+        st.begun = true;
         // The modules the process starts with were there from its start (a forked child's
         // too: stamped when the writer got to them, they came after a short child's end).
         // Read from this process's own map, the program's as it was at the fork: by the time
@@ -439,7 +508,6 @@ impl Writer {
         // pid now shows (or ended, and shows none: its trace began without modules, one
         // stressed run in 40 of a shell's pipeline).
         self.rescan_modules(st, std::process::id(), 0, Some(0));
-        self.flush(st);
     }
 
     fn flush(&self, st: &mut State) {
@@ -515,6 +583,7 @@ impl Writer {
     /// even when no later stack makes the writer read the modules again.
     fn note_unloads(&self, st: &mut State) {
         if let Some(unloaded_ns) = st.ring.take_unloaded() {
+            self.begin(st);
             self.rescan_modules(st, st.pid, unloaded_ns, None);
         }
     }
@@ -525,6 +594,7 @@ impl Writer {
         let mut drained = 0;
         while !st.ended && ring.pop(&mut words, message::words_of) {
             drained += 1;
+            self.begin(st);
             if let Some((event, frames)) = message::decode(&words) {
                 self.event(st, event, frames);
             }
@@ -549,6 +619,7 @@ impl Writer {
         }
         let lost = ring.take_dropped();
         if lost > 0 {
+            self.begin(st);
             write_event(&mut st.buf, &Event::Lost { time_ns: self.spy.elapsed_ns(), events: lost });
         }
         self.flush(st);
@@ -557,7 +628,16 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
-    fn serve(&self, header: &Header, trace_fd: i32, header_write: HeaderWrite, socket: i32, ring: &'static Ring) -> ! {
+    /// `forked`: the program is a forked child (see [`FORKED_BEGIN_MS`]).
+    fn serve(
+        &self,
+        header: &Header,
+        trace_fd: i32,
+        header_write: HeaderWrite,
+        socket: i32,
+        ring: &'static Ring,
+        forked: bool,
+    ) -> ! {
         tls::state().depth.set(1);
         tls::state().scope_sp.set(0);
         // SAFETY: plain system calls on this process: a session of its own, every signal
@@ -590,12 +670,19 @@ impl Writer {
             modules: Vec::new(),
             elf: modules::ElfCache::default(),
             next_module: 0,
+            begun: false,
             ended: false,
         };
         if let HeaderWrite::ByWriter = header_write {
             write_header(&mut st.buf, header);
         }
-        self.begin(&mut st);
+        // When a forked child has sent nothing by then, the modules are read anyway: a child
+        // that lives on without a sample would wait at its exit for its writer to read them.
+        let begin_by = forked.then(|| os::monotonic_ns() + FORKED_BEGIN_MS * 1_000_000);
+        if !forked {
+            self.begin(&mut st);
+        }
+        self.flush(&mut st);
         let interval = self.interval_ms.clamp(1, i32::MAX as u64) as i32;
         // -1 once the program has closed its end but runs on: nothing can wake us then.
         let mut socket = socket;
@@ -631,6 +718,13 @@ impl Writer {
                 // was preempted there. Look again shortly rather than spin.
                 1
             };
+            let timeout = match begin_by.filter(|_| !st.begun) {
+                Some(at) => {
+                    let left = at.saturating_sub(os::monotonic_ns()).div_ceil(1_000_000).min(i32::MAX as u64) as i32;
+                    if timeout < 0 { left } else { timeout.min(left) }
+                }
+                None => timeout,
+            };
             if timeout != 0 && socket < 0 {
                 // The program's `wake` nudges the queue's futex instead (at its exit, before
                 // it unmaps a library): with only the timeout, a program that had closed the
@@ -640,6 +734,10 @@ impl Writer {
                 let mut pfd = libc::pollfd { fd: socket, events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd.
                 unsafe { libc::poll(&mut pfd, 1, timeout) };
+            }
+            if !st.begun && begin_by.is_some_and(|at| os::monotonic_ns() >= at) {
+                self.begin(&mut st);
+                self.flush(&mut st);
             }
             if socket < 0 {
                 // Only once the queue is quiet (a program that has gone adds nothing): reading
@@ -708,7 +806,7 @@ impl Writer {
         if child == 0 {
             let writer = if subreaper { 0 } else { raw_fork() };
             if writer == 0 {
-                self.serve(&header, trace_fd, header_write, its, ring);
+                self.serve(&header, trace_fd, header_write, its, ring, forked);
             }
             // The middle process: its exit status is the error of the writer's fork (at the
             // user's process limit, `RLIMIT_NPROC`, the second fork of two may fail alone).
@@ -1084,6 +1182,9 @@ mod tests {
             let (second, second_path, _) = create(template, false, &header("sh")).unwrap();
             assert!(os::write_all(first, b"+"), "the first image's writer flushes its last events");
             close(first);
+            let mut own = Vec::new();
+            write_event(&mut own, &Event::Free { time_ns: 1, thread: 0, address: 0x1000 });
+            assert!(os::write_all(second, &own));
             close(second);
             let (third, third_path, _) = create(template, false, &header("ls")).unwrap();
             close(third);
@@ -1109,6 +1210,21 @@ mod tests {
             assert_eq!(std::fs::read(&not_a_trace).unwrap(), b"notes");
             std::fs::remove_file(not_a_trace).unwrap();
         }
+        // An image that recorded nothing of its own (a shell's child between its `fork` and
+        // its `exec`) is not kept: its modules, and the samples it inherited, are not its work.
+        let template = dir.path().join("forked.trace");
+        let template = template.to_str().unwrap();
+        let (child, _, _) = create(template, false, &header("bash")).unwrap();
+        let mut modules = Vec::new();
+        let module = Module { path: "/bin/bash".into(), ranges: vec![(0x1000, 0x2000)], ..Module::default() };
+        write_event(&mut modules, &Event::ModuleLoad { time_ns: 0, module });
+        let inherited = Event::Inherited { parent: 1, kind: 0, size: 64, address: 0x1000, weight: 4096 };
+        write_event(&mut modules, &inherited);
+        assert!(os::write_all(child, &modules));
+        close(child);
+        close(create(template, false, &header("ls")).unwrap().0);
+        assert_eq!(command(template), ["ls"]);
+        assert!(!std::path::Path::new(&format!("{template}.before-exec")).exists(), "nothing kept");
         // A trace with this pid that started before this process is an earlier run's (pid 1
         // of a container each time): replaced.
         let template = dir.path().join("stale.trace");
