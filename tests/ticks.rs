@@ -609,10 +609,13 @@ fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs(
         assert!(replaced || matches!(events.last(), Some(Event::End { .. })), "{} ends whole", path.display());
         let header = reader.header();
         programs.insert(name, header.command.first().cloned().unwrap_or_default());
-        // A subshell's image kept for a record of its own, with its modules first; or, when
-        // its writer was too slow to say it had none (a loaded machine), with nothing.
-        let nothing = replaced && events.is_empty();
-        assert!(nothing || matches!(events.first(), Some(Event::ModuleLoad { .. })), "{}", path.display());
+        // The modules before anything that names code (after the samples a forked child
+        // inherited, which name none).
+        // (A subshell's image with none of its own, kept while its writer was slow, may not
+        // be removed yet.)
+        let first_named = events.iter().find(|e| !matches!(e, Event::Inherited { .. }));
+        let none = replaced && first_named.is_none();
+        assert!(none || matches!(first_named, Some(Event::ModuleLoad { .. })), "{}", path.display());
     }
     assert!(programs["shared.trace"].ends_with("bash"), "{programs:?}");
     for p in ["seq", "sort", "tail"] {
@@ -770,14 +773,16 @@ fn record_names_the_other_traces_of_its_run() {
 /// The child a shell forks for each command writes a trace until it `exec`s the command,
 /// whose trace replaces it: with nothing of its own in it (its modules, the samples it
 /// inherited), it is not kept as `.before-exec`. A script of N commands left N such files
-/// beside the N traces of its commands, each listed by `record`.
+/// beside the N traces of its commands, each listed by `record`. (At the default interval,
+/// one run in a hundred sampled one of the few hundred bytes a child allocates before its
+/// `exec`: that one is kept, rightly; at 1 GiB none is sampled.)
 #[test]
 fn a_shells_child_that_execs_at_once_leaves_no_trace_before_the_exec() {
     let dir = tempfile::tempdir().unwrap();
     let output = dir.path().join("s.trace");
     let script = "for i in 1 2 3; do ls / >/dev/null; done; /bin/true; echo done";
     let out = Command::new(mallocspy())
-        .args(["record", "--output", output.to_str().unwrap(), "--", "bash", "-c", script])
+        .args(["record", "--interval", "1g", "--output", output.to_str().unwrap(), "--", "bash", "-c", script])
         .output()
         .unwrap();
     let stderr = text(&out.stderr);

@@ -96,6 +96,8 @@ struct State {
     next_module: u64,
     /// Whether the modules the process started with are written (see [`Writer::begin`]).
     begun: bool,
+    /// Whether a record of the program's own work is written (see [`is_own`]).
+    own: bool,
     ended: bool,
 }
 
@@ -302,19 +304,31 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
 /// not worth keeping: each command a shell forks and `exec`s left such a `PATH.before-exec`
 /// beside its trace, as many again as a script ran commands. Its writer may still be
 /// writing the image's last records: until it lets go of the file (its lock; for
-/// [`DRAIN_WAIT_MS`] at most, and then it is kept), only a record of its own decides.
+/// [`DRAIN_WAIT_MS`] at most), only a record of its own decides. Where no one can tell (a
+/// file system without `flock`, NFS's emulation of it on a file opened for reading), or
+/// when the writer is slow, the trace is kept: a writer that then ends with nothing of its
+/// own removes it (see [`remove_if_idle_before_exec`]).
 fn holds_its_own_events(path: &str) -> bool {
     use std::os::fd::AsRawFd;
-    let Ok(file) = std::fs::File::open(path) else { return false };
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not blocking: a FIFO put at the path since it was looked at waits for no writer.
+    let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path) else {
+        return false;
+    };
     let start = os::monotonic_ns();
     loop {
         // Looked at in this order: once its writer has let go, the file is whole.
-        let done = !locked_by_another(file.as_raw_fd());
+        // SAFETY: flock on a descriptor we own.
+        let done = match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
+            0 => true,
+            _ if os::errno() == libc::EWOULDBLOCK => false,
+            _ => return true,
+        };
         match (own_events(&file), done) {
             (Some(true), _) => return true,
             (found, true) => return found != Some(false),
             (_, false) if os::monotonic_ns() - start > DRAIN_WAIT_MS * 1_000_000 => return true,
-            _ => os::pause_us(200),
+            _ => os::pause_us(1000),
         }
     }
 }
@@ -333,26 +347,50 @@ const DRAIN_WAIT_MS: u64 = 20;
 /// sample's; `None` when it cannot tell (cut in the middle of a record, or not a trace).
 fn own_events(file: &std::fs::File) -> Option<bool> {
     use std::os::unix::fs::FileExt;
-    // Modules fill a few kilobytes: a trace much larger holds more.
-    const MODULES_AT_MOST: u64 = 1 << 20;
+    // Modules fill a few kilobytes, and the samples a child inherits 40 bytes each: a trace
+    // much larger is kept unread (its writer removes it if it had nothing of its own).
+    const READ_AT_MOST: u64 = 1 << 20;
     let len = file.metadata().ok()?.len();
-    if len > MODULES_AT_MOST {
+    if len > READ_AT_MOST {
         return Some(true);
     }
     let mut bytes = vec![0u8; len as usize];
     file.read_exact_at(&mut bytes, 0).ok()?;
-    for event in super::Reader::new(&bytes).ok()? {
-        let others = |e: &Event| {
-            matches!(
-                e,
-                Event::ModuleLoad { .. } | Event::ModuleUnload { .. } | Event::Stack { .. } | Event::Inherited { .. }
-            )
-        };
-        if !others(&event.ok()?) {
+    let mut events = super::Reader::new(&bytes).ok()?;
+    for event in events.by_ref() {
+        if is_own(&event.ok()?) {
             return Some(true);
         }
     }
-    Some(false)
+    // A record cut short may be one of its own, half written.
+    events.truncated().is_none().then_some(false)
+}
+
+/// Whether `event` is a record of the traced image's own work (see [`holds_its_own_events`]).
+fn is_own(event: &Event) -> bool {
+    !matches!(
+        event,
+        Event::ModuleLoad { .. } | Event::ModuleUnload { .. } | Event::Stack { .. } | Event::Inherited { .. }
+    )
+}
+
+/// At the end of a writer whose program `exec`d (its trace without an end) having recorded
+/// nothing of its own: removes the trace if the new image kept it beside its own as
+/// `PATH.before-exec` (`.2`, ...) while this writer was still at work (see
+/// [`holds_its_own_events`]). Under its first name the trace is the new image's to judge.
+fn remove_if_idle_before_exec(fd: i32) {
+    let link = format!("/proc/self/fd/{fd}");
+    let Ok(path) = std::fs::read_link(&link) else { return };
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return };
+    let (_, kept) = name.rsplit_once(".before-exec").unwrap_or((name, "-"));
+    if !(kept.is_empty() || kept.strip_prefix('.').is_some_and(|n| n.parse::<u32>().is_ok())) {
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let same = |m: std::fs::Metadata| os::fstat(fd).is_some_and(|st| st.st_ino == m.ino() && st.st_dev == m.dev());
+    if std::fs::symlink_metadata(&path).is_ok_and(same) {
+        let _ = std::fs::remove_file(&path);
+    }
 }
 
 /// Removes the traces kept beside `path` (see [`keep_beside`]) by an earlier run, whose trace
@@ -576,6 +614,7 @@ impl Writer {
             self.note_unloads(st);
             st.ended = true;
         }
+        st.own |= is_own(&event);
         write_event(&mut st.buf, &event);
     }
 
@@ -594,8 +633,12 @@ impl Writer {
         let mut drained = 0;
         while !st.ended && ring.pop(&mut words, message::words_of) {
             drained += 1;
-            self.begin(st);
             if let Some((event, frames)) = message::decode(&words) {
+                // The samples a forked child inherited come first, at once: they name no code,
+                // and a child that `exec`s at once needs no modules (see `FORKED_BEGIN_MS`).
+                if !matches!(event, Event::Inherited { .. }) {
+                    self.begin(st);
+                }
                 self.event(st, event, frames);
             }
             if st.ended {
@@ -620,6 +663,7 @@ impl Writer {
         let lost = ring.take_dropped();
         if lost > 0 {
             self.begin(st);
+            st.own = true;
             write_event(&mut st.buf, &Event::Lost { time_ns: self.spy.elapsed_ns(), events: lost });
         }
         self.flush(st);
@@ -671,6 +715,7 @@ impl Writer {
             elf: modules::ElfCache::default(),
             next_module: 0,
             begun: false,
+            own: false,
             ended: false,
         };
         if let HeaderWrite::ByWriter = header_write {
@@ -694,6 +739,9 @@ impl Writer {
             let nudges = ring.nudges();
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
+                if gone && !st.own && st.fd >= 0 {
+                    remove_if_idle_before_exec(st.fd);
+                }
                 leave(&[st.fd, socket]);
             }
             quiet = if drained > 0 { 0 } else { quiet + 1 };
