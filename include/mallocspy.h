@@ -70,7 +70,9 @@ enum mallocspy_entry {
     MALLOCSPY_OPERATOR_NEW,       /* C++, every form (nothrow, aligned) */
     MALLOCSPY_OPERATOR_NEW_ARRAY,
     MALLOCSPY_OPERATOR_DELETE,    /* C++, every form (sized, nothrow, aligned) */
-    MALLOCSPY_OPERATOR_DELETE_ARRAY
+    MALLOCSPY_OPERATOR_DELETE_ARRAY,
+    MALLOCSPY_FREE_SIZED,         /* C23 */
+    MALLOCSPY_FREE_ALIGNED_SIZED  /* C23 */
 };
 
 /* One completed call, as the caller saw it (after_call). */

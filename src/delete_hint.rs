@@ -1,4 +1,5 @@
-//! What the caller of an `operator delete` says of the block it gives back.
+//! What the caller of an `operator delete`, or of C23's `free_sized` and
+//! `free_aligned_sized`, says of the block it gives back.
 //!
 //! C++14's sized deallocation passes the size of the object's type (`delete p` of a `Derived`
 //! through a `Base*` whose destructor is not virtual passes `sizeof(Base)`), and C++17's
@@ -17,7 +18,7 @@ use crate::tls;
 /// Not said (the unsized or unaligned forms, and every other release).
 const UNSAID: usize = usize::MAX;
 
-/// The size and alignment a `delete` of one block was told.
+/// The size and alignment a `delete` (or a sized free) of one block was told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DeleteHint {
     /// The size of the object's type (or, for `delete[]`, of the whole array with its cookie);

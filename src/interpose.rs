@@ -253,30 +253,34 @@ pub(crate) fn note_free_ahead(free: *mut c_void) {
     FREE_AHEAD.store(free, Ordering::Relaxed);
 }
 
-/// C23's `free_sized(ptr, size)`: `free(ptr)`, which the standard allows it to be, by the
-/// process's `free`. (The size is not checked against the block's yet.)
+/// C23's `free_sized(ptr, size)`: `free(ptr)` by the process's `free`, told the size the
+/// block was allocated with (the guard checks it, as a sized `delete`'s).
 ///
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
-pub unsafe extern "C" fn free_sized(ptr: *mut c_void, _size: usize) {
+pub unsafe extern "C" fn free_sized(ptr: *mut c_void, size: usize) {
     // SAFETY: the caller's guarantee.
-    unsafe { free_as_the_process_does(ptr) }
+    unsafe { free_told(Entry::FreeSized, ptr, size, None) }
 }
 
-/// C23's `free_aligned_sized(ptr, alignment, size)`: `free(ptr)`, as [`free_sized`].
+/// C23's `free_aligned_sized(ptr, alignment, size)`: as [`free_sized`], told the alignment
+/// too.
 ///
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
 #[doc(hidden)]
-pub unsafe extern "C" fn free_aligned_sized(ptr: *mut c_void, _align: usize, _size: usize) {
+pub unsafe extern "C" fn free_aligned_sized(ptr: *mut c_void, align: usize, size: usize) {
     // SAFETY: the caller's guarantee.
-    unsafe { free_as_the_process_does(ptr) }
+    unsafe { free_told(Entry::FreeAlignedSized, ptr, size, Some(align)) }
 }
 
+/// A sized free (`entry`), which the standard allows to be `free(ptr)`: by the process's
+/// `free` when an allocator ahead of ours serves it.
+///
 /// # Safety
 /// `ptr` is NULL or a live block of the malloc family.
-unsafe fn free_as_the_process_does(ptr: *mut c_void) {
+unsafe fn free_told(entry: Entry, ptr: *mut c_void, size: usize, align: Option<usize>) {
     let ahead = FREE_AHEAD.load(Ordering::Relaxed);
     if !ahead.is_null() {
         // An allocator preloaded before us (jemalloc 5 has no sized frees) served the block:
@@ -286,8 +290,14 @@ unsafe fn free_as_the_process_does(ptr: *mut c_void) {
         // SAFETY: the caller's guarantee.
         return unsafe { free(ptr) };
     }
-    // SAFETY: the caller's guarantee.
-    unsafe { libc_free(ptr) }
+    if !GLOBAL.has_spy() {
+        // SAFETY: the caller's guarantee; with no spy every block is a real block.
+        return unsafe { GLOBAL.heap.free(ptr) };
+    }
+    crate::delete_hint::while_told(ptr, Some(size), align, || {
+        // SAFETY: the caller's guarantee.
+        unsafe { GLOBAL.release_slow(entry, ptr) }
+    })
 }
 
 #[doc(hidden)]

@@ -5,8 +5,8 @@ use core::fmt;
 
 use crate::tls::{self, SCRATCH_WORDS};
 
-/// An exported entry point of the malloc family. Not exhaustive: C23's `free_sized` and
-/// `free_aligned_sized` are likely to join.
+/// An exported entry point of the malloc family. Not exhaustive: the C library may add more, as
+/// C23 added the sized frees.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -43,11 +43,16 @@ pub enum Entry {
     OperatorDelete,
     /// C++'s `operator delete[](void*)`, and its sized, `nothrow` and aligned forms
     OperatorDeleteArray,
+    /// C23's `free_sized(ptr, size)`: `free`, told the size the block was allocated with
+    FreeSized,
+    /// C23's `free_aligned_sized(ptr, alignment, size)`: `free` of an `aligned_alloc` block,
+    /// told its alignment and size
+    FreeAlignedSized,
 }
 
 impl Entry {
     /// Every entry point, in export order.
-    pub const ALL: [Entry; 16] = [
+    pub const ALL: [Entry; 18] = [
         Entry::Malloc,
         Entry::Calloc,
         Entry::Realloc,
@@ -64,6 +69,8 @@ impl Entry {
         Entry::OperatorNewArray,
         Entry::OperatorDelete,
         Entry::OperatorDeleteArray,
+        Entry::FreeSized,
+        Entry::FreeAlignedSized,
     ];
 
     /// The function's name in C (C++ for the operators).
@@ -85,12 +92,22 @@ impl Entry {
             Entry::OperatorNewArray => "operator new[]",
             Entry::OperatorDelete => "operator delete",
             Entry::OperatorDeleteArray => "operator delete[]",
+            Entry::FreeSized => "free_sized",
+            Entry::FreeAlignedSized => "free_aligned_sized",
         }
     }
 
-    /// Whether the function only gives a block back: `free` and `operator delete`.
+    /// Whether the function only gives a block back: `free`, the sized frees and `operator
+    /// delete`.
     pub const fn only_releases(self) -> bool {
-        matches!(self, Entry::Free | Entry::OperatorDelete | Entry::OperatorDeleteArray)
+        matches!(
+            self,
+            Entry::Free
+                | Entry::FreeSized
+                | Entry::FreeAlignedSized
+                | Entry::OperatorDelete
+                | Entry::OperatorDeleteArray
+        )
     }
 
     pub(crate) fn from_index(i: u8) -> Entry {

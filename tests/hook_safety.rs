@@ -311,7 +311,7 @@ fn guard_checks_the_blocks_still_live_at_exit() {
                 blocks[1]
             ),
             "mallocspy: guard: 2 finding(s): 1 overflow, 1 underflow, 0 double-free, 0 invalid-free, 0 alloc-dealloc-mismatch, \
-             0 new-delete-type-mismatch"
+             0 new-delete-type-mismatch, 0 free-size-mismatch"
                 .to_owned(),
         ],
         "{stderr}"
@@ -409,7 +409,7 @@ fn guard_reports_misuse_in_one_line_each_and_the_program_goes_on() {
     }
     assert!(findings[expect.len()].ends_with(
         "16 finding(s): 2 overflow, 4 underflow, 6 double-free, 4 invalid-free, 0 alloc-dealloc-mismatch, \
-             0 new-delete-type-mismatch"
+             0 new-delete-type-mismatch, 0 free-size-mismatch"
     ));
     // Each site: its finding, then its frames, each naming a line of the fixture that frees.
     let source =
@@ -900,6 +900,30 @@ fn the_guard_finds_deletes_of_another_size_or_alignment_as_address_sanitizer_doe
     assert_eq!(ours, marked.collect::<Vec<_>>());
     let out = run(Mode::Shim("spy=guard:show_mismatched_frees=0"), &mut Command::new(&program));
     assert_eq!((text(&out.stdout), text(&out.stderr)), ("1000\n".to_string(), String::new()));
+}
+
+/// C23's `free_sized` and `free_aligned_sized` must be told the size (and the alignment) the
+/// block was allocated with: a free that says another is a free-size-mismatch, named after
+/// the function that freed, as a sized `delete`'s is a new-delete-type-mismatch. (glibc 2.43
+/// ignores the size; a future allocator may trust it.)
+#[test]
+fn the_guard_finds_sized_frees_of_another_size_or_alignment() {
+    let program = c_program("free_sized.c");
+    let out = run(Mode::Shim("spy=guard"), Command::new(&program).arg("wrong"));
+    assert_eq!((text(&out.stdout), out.status.code()), ("freed 5 blocks, 4 of them wrongly\n".to_string(), Some(0)));
+    let stderr = text(&out.stderr);
+    let expect = [
+        ("size 100: freed as a block of 64 bytes", "free_sized"),
+        ("size 128: allocated with alignment 64, freed with alignment 256", "free_aligned_sized"),
+        ("size 128: freed as a block of 192 bytes", "free_aligned_sized"),
+        ("size 48: allocated default-aligned, freed with alignment 64", "free_aligned_sized"),
+    ];
+    assert_finding_lines(&stderr, "free-size-mismatch", "free_sized", &expect);
+    assert!(stderr.contains("0 new-delete-type-mismatch, 4 free-size-mismatch"), "{stderr}");
+    // Told right, the thousand pairs of the plain run are no finding.
+    let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
+    assert_eq!(text(&out.stdout), "freed 1000 pairs with the sized frees\n");
+    assert!(!text(&out.stderr).contains("guard: "), "{}", text(&out.stderr));
 }
 
 /// Blocks the guard cannot lay out (its table full at `max_memory`) are the real allocator's,

@@ -15,8 +15,20 @@ use crate::threads::{self, MAX_THREADS};
 
 /// A thread's calls per entry point: two lines, and 2 MiB for all the slots (with the bytes
 /// and failures beside them, 16 entry points made it 3 MiB, which the pool rounds up to 4).
+/// C23's sized frees count as `free`: two more lines for them would double it.
 #[repr(C, align(64))]
-struct Calls([AtomicU64; Entry::ALL.len()]);
+struct Calls([AtomicU64; COUNTED]);
+
+/// The entry points counted apart: [`Entry::ALL`] up to the sized frees.
+const COUNTED: usize = 16;
+
+/// The counter of `entry`'s calls.
+fn counter(entry: Entry) -> usize {
+    match entry {
+        Entry::FreeSized | Entry::FreeAlignedSized => Entry::Free as usize,
+        entry => entry as usize,
+    }
+}
 
 /// A thread's bytes requested and failed calls.
 #[repr(C)]
@@ -36,7 +48,7 @@ const _: () = assert!(core::mem::size_of::<Calls>() == 128);
 /// Totals over all threads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Totals {
-    pub calls: [u64; Entry::ALL.len()],
+    pub calls: [u64; COUNTED],
     pub bytes_requested: u64,
     pub failed: u64,
 }
@@ -62,10 +74,7 @@ unsafe impl Send for CountSpy {}
 unsafe impl Sync for CountSpy {}
 
 const fn zeroed() -> (Calls, Amounts) {
-    (
-        Calls([const { AtomicU64::new(0) }; Entry::ALL.len()]),
-        Amounts { bytes: AtomicU64::new(0), failed: AtomicU64::new(0) },
-    )
+    (Calls([const { AtomicU64::new(0) }; COUNTED]), Amounts { bytes: AtomicU64::new(0), failed: AtomicU64::new(0) })
 }
 
 impl CountSpy {
@@ -137,7 +146,7 @@ impl CountSpy {
         let t = self.totals();
         let mut line = Line::new();
         let _ = line.write_str("{\"calls\":{");
-        for (i, entry) in Entry::ALL.iter().enumerate() {
+        for (i, entry) in Entry::ALL[..COUNTED].iter().enumerate() {
             let _ = write!(line, "{}\"{}\":{}", if i == 0 { "" } else { "," }, entry.name(), t.calls[i]);
         }
         let _ = write!(line, "}},\"bytes_requested\":{},\"failed\":{}", t.bytes_requested, t.failed);
@@ -160,7 +169,7 @@ impl MallocSpy for CountSpy {
         match threads::current_index() {
             Some(index) => {
                 let c = self.slot(index);
-                bump(&c.calls.0[call.entry as usize], 1);
+                bump(&c.calls.0[counter(call.entry)], 1);
                 bump(&c.amounts.bytes, bytes);
                 if call.failed {
                     bump(&c.amounts.failed, 1);
@@ -168,7 +177,7 @@ impl MallocSpy for CountSpy {
             }
             None => {
                 let (calls, amounts) = &self.shared;
-                calls.0[call.entry as usize].fetch_add(1, Ordering::Relaxed);
+                calls.0[counter(call.entry)].fetch_add(1, Ordering::Relaxed);
                 amounts.bytes.fetch_add(bytes, Ordering::Relaxed);
                 amounts.failed.fetch_add(call.failed as u64, Ordering::Relaxed);
             }

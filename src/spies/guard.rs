@@ -127,10 +127,12 @@ enum Finding {
     Mismatch,
     /// A sized or aligned `delete` told another size or alignment than the block's.
     TypeMismatch,
+    /// C23's `free_sized` or `free_aligned_sized` told another size or alignment.
+    SizeMismatch,
 }
 
 /// The number of kinds of [`Finding`].
-const FINDINGS: usize = 6;
+const FINDINGS: usize = 7;
 
 /// The bit of a site's kind that says its stack is the allocation of a block found damaged
 /// at exit, not the call at which a finding was made.
@@ -144,14 +146,15 @@ const FINDING_NAMES: [&str; FINDINGS] = [
     "invalid-free",
     "alloc-dealloc-mismatch",
     "new-delete-type-mismatch",
+    "free-size-mismatch",
 ];
 
 /// What each [`Finding`]'s line says after the block's address and size. ("header canary
 /// damaged, block leaked at 0x..." read as if the address were where a leak was.)
 /// (A mismatch's says which function allocated the block: [`Family::allocated_by`]; a type
-/// mismatch's what the `delete` told: [`type_mismatch`].)
+/// mismatch's what the `delete` told: [`mismatch`].)
 const FINDING_DETAILS: [&str; FINDINGS] =
-    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block", "", ""];
+    [": trailer canary damaged", ": header canary damaged, the block is leaked", "", ": not a live block", "", "", ""];
 
 /// A recently freed block: its size, and its position in the eviction ring.
 #[derive(Clone, Copy)]
@@ -539,13 +542,14 @@ impl GuardSpy {
         let _ = writeln!(
             line,
             "mallocspy: guard: {total} finding(s): {} overflow, {} underflow, {} double-free, {} invalid-free, {} \
-             alloc-dealloc-mismatch, {} new-delete-type-mismatch",
+             alloc-dealloc-mismatch, {} new-delete-type-mismatch, {} free-size-mismatch",
             n(Finding::Overflow),
             n(Finding::Underflow),
             n(Finding::DoubleFree),
             n(Finding::InvalidFree),
             n(Finding::Mismatch),
-            n(Finding::TypeMismatch)
+            n(Finding::TypeMismatch),
+            n(Finding::SizeMismatch)
         );
         Some(line)
     }
@@ -698,11 +702,21 @@ impl GuardSpy {
         }
         if header.family != releasing && self.mismatches {
             self.report_saying(Finding::Mismatch, p, Some(header.size), header.family.allocated_by(), place);
-        } else if header.family != Family::Malloc && self.mismatches {
-            let told = DeleteHint::of(p as *mut c_void);
-            if let Some(mut detail) = told.and_then(|told| type_mismatch(&header, told)) {
+        } else if self.mismatches {
+            // A `delete` of a `new` block, or a sized free of a `malloc` one, says what it
+            // was allocated with.
+            let said = match releasing_entry() {
+                Entry::FreeSized => Some((Finding::SizeMismatch, Said::Free { aligned: false })),
+                Entry::FreeAlignedSized => Some((Finding::SizeMismatch, Said::Free { aligned: true })),
+                _ if header.family != Family::Malloc => Some((Finding::TypeMismatch, Said::Delete)),
+                _ => None,
+            };
+            let told = said.zip(DeleteHint::of(p as *mut c_void));
+            if let Some((finding, mut detail)) =
+                told.and_then(|((f, said), told)| Some((f, mismatch(&header, told, said)?)))
+            {
                 let detail = core::str::from_utf8(detail.as_bytes()).unwrap_or("");
-                self.report_saying(Finding::TypeMismatch, p, Some(header.size), detail, place);
+                self.report_saying(finding, p, Some(header.size), detail, place);
             }
         }
         Some(header)
@@ -948,14 +962,31 @@ fn write_code_place(line: &mut Line<256>, pc: u64) {
     let _ = write!(line, "{}+{:#x}", crate::options::Escaped(module), pc.wrapping_sub(bias));
 }
 
-/// What a sized or aligned `delete` of a `new` block told that its allocation contradicts, as
+/// Who told a block's size or alignment at its release.
+#[derive(Clone, Copy)]
+enum Said {
+    /// A sized or aligned `delete` of a `new` block.
+    Delete,
+    /// C23's `free_sized` (the size `malloc`, `calloc` or `realloc` was asked for), or
+    /// `free_aligned_sized` (`aligned`: and the alignment `aligned_alloc` was given).
+    Free { aligned: bool },
+}
+
+/// What a release told of its block that the block's allocation contradicts, as
 /// AddressSanitizer's new-delete-type-mismatch says it (the size first); `None` when they
 /// agree. The alignments compare as the guard lays them out: a request of 16 or less is 16.
-fn type_mismatch(header: &Header, told: DeleteHint) -> Option<Line<128>> {
+fn mismatch(header: &Header, told: DeleteHint, said: Said) -> Option<Line<128>> {
     let mut detail = Line::new();
+    let (verb, as_what) = match said {
+        Said::Delete => ("deleted", "an object"),
+        Said::Free { .. } => ("freed", "a block"),
+    };
     if let Some(size) = told.size.filter(|&size| size != header.size) {
-        let _ = write!(detail, ": deleted as an object of {size} bytes");
+        let _ = write!(detail, ": {verb} as {as_what} of {size} bytes");
         return Some(detail);
+    }
+    if let Said::Free { aligned: false } = said {
+        return None;
     }
     let allocated = header.aligned.then_some(header.offset);
     if allocated == told.align.map(offset_for) {
@@ -967,8 +998,8 @@ fn type_mismatch(header: &Header, told: DeleteHint) -> Option<Line<128>> {
         None => write!(detail, ": allocated default-aligned"),
     };
     let _ = match told.align {
-        Some(align) => write!(detail, ", deleted with alignment {align}"),
-        None => write!(detail, ", deleted default-aligned"),
+        Some(align) => write!(detail, ", {verb} with alignment {align}"),
+        None => write!(detail, ", {verb} default-aligned"),
     };
     Some(detail)
 }
@@ -976,7 +1007,12 @@ fn type_mismatch(header: &Header, told: DeleteHint) -> Option<Line<128>> {
 /// The entry point that is giving a block back ([`GuardSpy::before_release`] noted it).
 fn releasing_entry() -> Entry {
     match Entry::from_index(CallScratch::get(S_ENTRY) as u8) {
-        e @ (Entry::Realloc | Entry::Reallocarray | Entry::OperatorDelete | Entry::OperatorDeleteArray) => e,
+        e @ (Entry::Realloc
+        | Entry::Reallocarray
+        | Entry::OperatorDelete
+        | Entry::OperatorDeleteArray
+        | Entry::FreeSized
+        | Entry::FreeAlignedSized) => e,
         _ => Entry::Free,
     }
 }
@@ -1006,7 +1042,7 @@ mod tests {
     fn a_delete_that_says_another_size_or_alignment_is_a_type_mismatch() {
         let said = |size, offset, aligned, told| {
             let header = Header { size, offset, family: Family::New, aligned };
-            type_mismatch(&header, told).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
+            mismatch(&header, told, Said::Delete).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
         };
         let told = |size, align| DeleteHint { size, align };
         assert_eq!(said(64, 16, false, told(Some(64), None)), None);
