@@ -53,7 +53,10 @@ extern "C" {
 #define MALLOCSPY_E_ACCESSDENIED ((int32_t)0x80070005u)  /* E_ACCESSDENIED: blocks live, revoke pending */
 #define MALLOCSPY_E_NOT_INTERPOSED ((int32_t)0x80004002u) /* mallocspy is not the process's malloc */
 
-/* The entry points, as passed in mallocspy_call.entry and before_release. */
+/* The entry points, as passed in mallocspy_call.entry and before_release. New ones come at
+ * the end without a change of MALLOCSPY_ABI_VERSION (the sized frees came so): a spy must
+ * not index a table by an entry it does not know (MALLOCSPY_ENTRIES at the time it was
+ * built), and may take any release it does not know as a free. */
 enum mallocspy_entry {
     MALLOCSPY_MALLOC = 0,
     MALLOCSPY_CALLOC,
@@ -72,7 +75,8 @@ enum mallocspy_entry {
     MALLOCSPY_OPERATOR_DELETE,    /* C++, every form (sized, nothrow, aligned) */
     MALLOCSPY_OPERATOR_DELETE_ARRAY,
     MALLOCSPY_FREE_SIZED,         /* C23 */
-    MALLOCSPY_FREE_ALIGNED_SIZED  /* C23 */
+    MALLOCSPY_FREE_ALIGNED_SIZED, /* C23 */
+    MALLOCSPY_ENTRIES             /* how many this header knows */
 };
 
 /* One completed call, as the caller saw it (after_call). */

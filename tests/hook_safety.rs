@@ -910,16 +910,18 @@ fn the_guard_finds_deletes_of_another_size_or_alignment_as_address_sanitizer_doe
 fn the_guard_finds_sized_frees_of_another_size_or_alignment() {
     let program = c_program("free_sized.c");
     let out = run(Mode::Shim("spy=guard"), Command::new(&program).arg("wrong"));
-    assert_eq!((text(&out.stdout), out.status.code()), ("freed 5 blocks, 4 of them wrongly\n".to_string(), Some(0)));
+    assert_eq!((text(&out.stdout), out.status.code()), ("freed 8 blocks, 6 of them wrongly\n".to_string(), Some(0)));
     let stderr = text(&out.stderr);
     let expect = [
         ("size 100: freed as a block of 64 bytes", "free_sized"),
         ("size 128: allocated with alignment 64, freed with alignment 256", "free_aligned_sized"),
         ("size 128: freed as a block of 192 bytes", "free_aligned_sized"),
         ("size 48: allocated default-aligned, freed with alignment 64", "free_aligned_sized"),
+        ("size 64: allocated with alignment 64, freed default-aligned", "free_sized"),
+        ("size 10: freed as a block of 0 bytes", "free_sized"),
     ];
     assert_finding_lines(&stderr, "free-size-mismatch", "free_sized", &expect);
-    assert!(stderr.contains("0 new-delete-type-mismatch, 4 free-size-mismatch"), "{stderr}");
+    assert!(stderr.contains("0 new-delete-type-mismatch, 6 free-size-mismatch"), "{stderr}");
     // Told right, the thousand pairs of the plain run are no finding.
     let out = run(Mode::Shim("spy=guard"), &mut Command::new(&program));
     assert_eq!(text(&out.stdout), "freed 1000 pairs with the sized frees\n");

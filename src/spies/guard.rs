@@ -706,8 +706,7 @@ impl GuardSpy {
             // A `delete` of a `new` block, or a sized free of a `malloc` one, says what it
             // was allocated with.
             let said = match releasing_entry() {
-                Entry::FreeSized => Some((Finding::SizeMismatch, Said::Free { aligned: false })),
-                Entry::FreeAlignedSized => Some((Finding::SizeMismatch, Said::Free { aligned: true })),
+                Entry::FreeSized | Entry::FreeAlignedSized => Some((Finding::SizeMismatch, Said::Free)),
                 _ if header.family != Family::Malloc => Some((Finding::TypeMismatch, Said::Delete)),
                 _ => None,
             };
@@ -968,8 +967,8 @@ enum Said {
     /// A sized or aligned `delete` of a `new` block.
     Delete,
     /// C23's `free_sized` (the size `malloc`, `calloc` or `realloc` was asked for), or
-    /// `free_aligned_sized` (`aligned`: and the alignment `aligned_alloc` was given).
-    Free { aligned: bool },
+    /// `free_aligned_sized` (and the alignment `aligned_alloc` was given).
+    Free,
 }
 
 /// What a release told of its block that the block's allocation contradicts, as
@@ -979,15 +978,20 @@ fn mismatch(header: &Header, told: DeleteHint, said: Said) -> Option<Line<128>> 
     let mut detail = Line::new();
     let (verb, as_what) = match said {
         Said::Delete => ("deleted", "an object"),
-        Said::Free { .. } => ("freed", "a block"),
+        Said::Free => ("freed", "a block"),
     };
-    if let Some(size) = told.size.filter(|&size| size != header.size) {
+    // A sized free always says a size: 0 too, which only a block of 0 bytes may be told
+    // (taken as not said for a `delete`, as AddressSanitizer takes it).
+    let told_size = match said {
+        Said::Delete => told.size,
+        Said::Free => Some(told.size.unwrap_or(0)),
+    };
+    if let Some(size) = told_size.filter(|&size| size != header.size) {
         let _ = write!(detail, ": {verb} as {as_what} of {size} bytes");
         return Some(detail);
     }
-    if let Said::Free { aligned: false } = said {
-        return None;
-    }
+    // `free_sized` is for blocks of `malloc`, `calloc` and `realloc`: an aligned one's
+    // alignment is not said, as a plain `delete` of an aligned `new`'s block.
     let allocated = header.aligned.then_some(header.offset);
     if allocated == told.align.map(offset_for) {
         return None;

@@ -98,6 +98,8 @@ struct State {
     begun: bool,
     /// Whether a record of the program's own work is written (see [`is_own`]).
     own: bool,
+    /// The trace's path when the writer started (see [`remove_if_idle_before_exec`]).
+    first_name: Option<std::path::PathBuf>,
     ended: bool,
 }
 
@@ -324,7 +326,11 @@ fn holds_its_own_events(path: &str) -> bool {
             _ if os::errno() == libc::EWOULDBLOCK => false,
             _ => return true,
         };
-        match (own_events(&file), done) {
+        // While it is written, only a short trace is read again and again: a child of a
+        // large heap inherits megabytes of samples, read once its writer is done.
+        let short = file.metadata().is_ok_and(|m| m.len() <= READ_WHILE_WRITTEN);
+        let found = if done || short { own_events(&file) } else { None };
+        match (found, done) {
             (Some(true), _) => return true,
             (found, true) => return found != Some(false),
             (_, false) if os::monotonic_ns() - start > DRAIN_WAIT_MS * 1_000_000 => return true,
@@ -332,6 +338,9 @@ fn holds_its_own_events(path: &str) -> bool {
         }
     }
 }
+
+/// The longest trace [`holds_its_own_events`] reads while its writer may still write it.
+const READ_WHILE_WRITTEN: u64 = 64 << 10;
 
 /// How long a forked child's writer waits for a first message before it reads the modules:
 /// most children of a shell `exec` within a millisecond, and their writer then leaves
@@ -347,9 +356,8 @@ const DRAIN_WAIT_MS: u64 = 20;
 /// sample's; `None` when it cannot tell (cut in the middle of a record, or not a trace).
 fn own_events(file: &std::fs::File) -> Option<bool> {
     use std::os::unix::fs::FileExt;
-    // Modules fill a few kilobytes, and the samples a child inherits 40 bytes each: a trace
-    // much larger is kept unread (its writer removes it if it had nothing of its own).
-    const READ_AT_MOST: u64 = 1 << 20;
+    // Past this, it is kept unread (1.6 million inherited samples).
+    const READ_AT_MOST: u64 = 64 << 20;
     let len = file.metadata().ok()?.len();
     if len > READ_AT_MOST {
         return Some(true);
@@ -376,17 +384,17 @@ fn is_own(event: &Event) -> bool {
 
 /// At the end of a writer whose program `exec`d (its trace without an end) having recorded
 /// nothing of its own: removes the trace if the new image kept it beside its own as
-/// `PATH.before-exec` (`.2`, ...) while this writer was still at work (see
-/// [`holds_its_own_events`]). Under its first name the trace is the new image's to judge.
-fn remove_if_idle_before_exec(fd: i32) {
-    let link = format!("/proc/self/fd/{fd}");
-    let Ok(path) = std::fs::read_link(&link) else { return };
-    let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return };
-    let (_, kept) = name.rsplit_once(".before-exec").unwrap_or((name, "-"));
-    if !(kept.is_empty() || kept.strip_prefix('.').is_some_and(|n| n.parse::<u32>().is_ok())) {
+/// `NAME.before-exec` (`.2`, ...) while this writer was still at work (see
+/// [`holds_its_own_events`]), `NAME` being the trace's name at the writer's start. Under that
+/// name the trace is the new image's to judge; under any other, someone else's.
+fn remove_if_idle_before_exec(fd: i32, first_name: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(path) = std::fs::read_link(format!("/proc/self/fd/{fd}")) else { return };
+    let (Some(now), Some(first)) = (path.to_str(), first_name.to_str()) else { return };
+    let Some(kept) = now.strip_prefix(first).and_then(|rest| rest.strip_prefix(".before-exec")) else { return };
+    if !(kept.is_empty() || kept.strip_prefix('.').is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n >= 2))) {
         return;
     }
-    use std::os::unix::fs::MetadataExt;
     let same = |m: std::fs::Metadata| os::fstat(fd).is_some_and(|st| st.st_ino == m.ino() && st.st_dev == m.dev());
     if std::fs::symlink_metadata(&path).is_ok_and(same) {
         let _ = std::fs::remove_file(&path);
@@ -716,6 +724,7 @@ impl Writer {
             next_module: 0,
             begun: false,
             own: false,
+            first_name: std::fs::read_link(format!("/proc/self/fd/{fd}")).ok(),
             ended: false,
         };
         if let HeaderWrite::ByWriter = header_write {
@@ -739,8 +748,8 @@ impl Writer {
             let nudges = ring.nudges();
             let drained = self.drain(&mut st, ring);
             if st.ended || gone {
-                if gone && !st.own && st.fd >= 0 {
-                    remove_if_idle_before_exec(st.fd);
+                if let Some(first_name) = st.first_name.as_deref().filter(|_| gone && !st.own && st.fd >= 0) {
+                    remove_if_idle_before_exec(st.fd, first_name);
                 }
                 leave(&[st.fd, socket]);
             }
