@@ -609,13 +609,9 @@ fn without_pid_in_the_path_the_first_process_keeps_it_and_the_others_add_theirs(
         assert!(replaced || matches!(events.last(), Some(Event::End { .. })), "{} ends whole", path.display());
         let header = reader.header();
         programs.insert(name, header.command.first().cloned().unwrap_or_default());
-        // The modules before anything that names code (after the samples a forked child
-        // inherited, which name none).
-        // (A subshell's image with none of its own, kept while its writer was slow, may not
-        // be removed yet.)
-        let first_named = events.iter().find(|e| !matches!(e, Event::Inherited { .. }));
-        let none = replaced && first_named.is_none();
-        assert!(none || matches!(first_named, Some(Event::ModuleLoad { .. })), "{}", path.display());
+        // The modules before the first stack (a process that took no sample has none).
+        let first = events.iter().find(|e| matches!(e, Event::ModuleLoad { .. } | Event::Stack { .. }));
+        assert!(!matches!(first, Some(Event::Stack { .. })), "{}", path.display());
     }
     assert!(programs["shared.trace"].ends_with("bash"), "{programs:?}");
     for p in ["seq", "sort", "tail"] {

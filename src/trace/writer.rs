@@ -342,11 +342,6 @@ fn holds_its_own_events(path: &str) -> bool {
 /// The longest trace [`holds_its_own_events`] reads while its writer may still write it.
 const READ_WHILE_WRITTEN: u64 = 64 << 10;
 
-/// How long a forked child's writer waits for a first message before it reads the modules:
-/// most children of a shell `exec` within a millisecond, and their writer then leaves
-/// without reading them (the new image's trace replaces theirs: see [`holds_its_own_events`]).
-const FORKED_BEGIN_MS: u64 = 10;
-
 /// The longest an image waits for the writer of its image before an `exec` (see
 /// [`holds_its_own_events`]): that writer, told of the `exec` by its socket's end, leaves
 /// within a millisecond when it has nothing to write.
@@ -537,11 +532,11 @@ fn leave_with(fds: &[i32], status: i32) -> ! {
 }
 
 impl Writer {
-    /// Writes the modules the process started with (after the header), once, before any
-    /// record that follows them. A forked child's writer does not begin at its start (see
-    /// [`FORKED_BEGIN_MS`]): a shell's child between its `fork` and its `exec` sends nothing,
-    /// and reading the map and every module's file for it cost each command of a script its
-    /// writer's time.
+    /// Writes the modules the process started with, once, before the first record that names
+    /// code (a stack, an unload). Not at the writer's start: most short processes (a shell's
+    /// child between its `fork` and its `exec`, `ls`, `true`) take no sample, and at their
+    /// exit they waited for their writer to have read the map and every module's file, for
+    /// records that nothing in their trace names.
     fn begin(&self, st: &mut State) {
         if st.begun {
             return;
@@ -609,6 +604,7 @@ impl Writer {
             && !frames.is_empty()
             && st.stacks.insert(tick.stack)
         {
+            self.begin(st);
             // Libraries unloaded since the last look, and code of a library loaded since:
             // recorded before the stack. A library loaded where an unloaded one was is known
             // by its addresses alone, under the unloaded one's name.
@@ -642,11 +638,6 @@ impl Writer {
         while !st.ended && ring.pop(&mut words, message::words_of) {
             drained += 1;
             if let Some((event, frames)) = message::decode(&words) {
-                // The samples a forked child inherited come first, at once: they name no code,
-                // and a child that `exec`s at once needs no modules (see `FORKED_BEGIN_MS`).
-                if !matches!(event, Event::Inherited { .. }) {
-                    self.begin(st);
-                }
                 self.event(st, event, frames);
             }
             if st.ended {
@@ -670,7 +661,6 @@ impl Writer {
         }
         let lost = ring.take_dropped();
         if lost > 0 {
-            self.begin(st);
             st.own = true;
             write_event(&mut st.buf, &Event::Lost { time_ns: self.spy.elapsed_ns(), events: lost });
         }
@@ -680,16 +670,7 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
-    /// `forked`: the program is a forked child (see [`FORKED_BEGIN_MS`]).
-    fn serve(
-        &self,
-        header: &Header,
-        trace_fd: i32,
-        header_write: HeaderWrite,
-        socket: i32,
-        ring: &'static Ring,
-        forked: bool,
-    ) -> ! {
+    fn serve(&self, header: &Header, trace_fd: i32, header_write: HeaderWrite, socket: i32, ring: &'static Ring) -> ! {
         tls::state().depth.set(1);
         tls::state().scope_sp.set(0);
         // SAFETY: plain system calls on this process: a session of its own, every signal
@@ -730,12 +711,6 @@ impl Writer {
         if let HeaderWrite::ByWriter = header_write {
             write_header(&mut st.buf, header);
         }
-        // When a forked child has sent nothing by then, the modules are read anyway: a child
-        // that lives on without a sample would wait at its exit for its writer to read them.
-        let begin_by = forked.then(|| os::monotonic_ns() + FORKED_BEGIN_MS * 1_000_000);
-        if !forked {
-            self.begin(&mut st);
-        }
         self.flush(&mut st);
         let interval = self.interval_ms.clamp(1, i32::MAX as u64) as i32;
         // -1 once the program has closed its end but runs on: nothing can wake us then.
@@ -775,13 +750,6 @@ impl Writer {
                 // was preempted there. Look again shortly rather than spin.
                 1
             };
-            let timeout = match begin_by.filter(|_| !st.begun) {
-                Some(at) => {
-                    let left = at.saturating_sub(os::monotonic_ns()).div_ceil(1_000_000).min(i32::MAX as u64) as i32;
-                    if timeout < 0 { left } else { timeout.min(left) }
-                }
-                None => timeout,
-            };
             if timeout != 0 && socket < 0 {
                 // The program's `wake` nudges the queue's futex instead (at its exit, before
                 // it unmaps a library): with only the timeout, a program that had closed the
@@ -791,10 +759,6 @@ impl Writer {
                 let mut pfd = libc::pollfd { fd: socket, events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd.
                 unsafe { libc::poll(&mut pfd, 1, timeout) };
-            }
-            if !st.begun && begin_by.is_some_and(|at| os::monotonic_ns() >= at) {
-                self.begin(&mut st);
-                self.flush(&mut st);
             }
             if socket < 0 {
                 // Only once the queue is quiet (a program that has gone adds nothing): reading
@@ -863,7 +827,7 @@ impl Writer {
         if child == 0 {
             let writer = if subreaper { 0 } else { raw_fork() };
             if writer == 0 {
-                self.serve(&header, trace_fd, header_write, its, ring, forked);
+                self.serve(&header, trace_fd, header_write, its, ring);
             }
             // The middle process: its exit status is the error of the writer's fork (at the
             // user's process limit, `RLIMIT_NPROC`, the second fork of two may fail alone).
