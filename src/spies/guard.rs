@@ -1077,6 +1077,29 @@ mod tests {
     }
 
     #[test]
+    fn a_sized_free_that_says_another_size_or_alignment_is_a_size_mismatch() {
+        let said = |size, offset, aligned, told| {
+            let header = Header { size, offset, family: Family::Malloc, aligned };
+            mismatch(&header, told, Said::Free).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
+        };
+        let told = |size, align| DeleteHint { size, align };
+        assert_eq!(said(100, 16, false, told(Some(100), None)), None);
+        assert_eq!(said(100, 16, false, told(Some(64), None)).unwrap(), ": freed as a block of 64 bytes");
+        // 0 is a size (the hint takes it as unsaid): right for a block of 0 bytes only.
+        assert_eq!(said(0, 16, false, told(None, None)), None);
+        assert_eq!(said(10, 16, false, told(None, None)).unwrap(), ": freed as a block of 0 bytes");
+        assert_eq!(said(128, 64, true, told(Some(128), Some(64))), None);
+        assert_eq!(
+            said(128, 64, true, told(Some(128), None)).unwrap(),
+            ": allocated with alignment 64, freed default-aligned"
+        );
+        assert_eq!(
+            said(48, 16, false, told(Some(48), Some(64))).unwrap(),
+            ": allocated default-aligned, freed with alignment 64"
+        );
+    }
+
+    #[test]
     fn header_round_trip_and_damage() {
         let mut buf = vec![0u64; 16];
         let p = buf.as_mut_ptr() as usize + 16;
