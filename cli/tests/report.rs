@@ -102,6 +102,12 @@ fn a_trace_without_modules_is_said_to_have_bare_addresses() {
         path.display()
     );
     assert_eq!(stderr_lines(&out), vec![warning]);
+    // One that names no code has no module to name: a forked child's that took no sample of
+    // its own, only the samples it inherited (its writer reads the modules for a stack).
+    let inherited = Event::Inherited { parent: 1, kind: 0, size: 4096, address: 0x1000, weight: 102400 };
+    let path = write(dir.path(), "inherited.trace", &trace(&[inherited, Event::End { time_ns: 5 }]));
+    let out = mallocspy(&[path.to_str().unwrap()]);
+    assert!(out.status.success() && out.stderr.is_empty(), "{out:?}");
 }
 
 #[test]

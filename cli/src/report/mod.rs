@@ -230,9 +230,10 @@ fn run(args: &ReportArgs) -> Result<(), String> {
             "mallocspy report: warning: {shown} has {skipped} record(s) of unknown tags, the first at offset {first}, skipped: damage, or written by a later mallocspy"
         );
     }
-    if profile.modules.is_empty() && !profile.stacks.is_empty() {
+    if profile.modules.is_empty() && profile.stacks.iter().any(|stack| !stack.frames.is_empty()) {
         // Its writer read no map of the program: a container's or a chroot's without /proc
-        // (review helper 107). Said, not left to bare addresses to tell.
+        // (review helper 107). Said, not left to bare addresses to tell. (A trace that names
+        // no code, a child's with only the samples it inherited, has no module to name.)
         say!(
             "mallocspy report: warning: {shown} names no loaded module (its writer could not read the program's memory map: was /proc mounted?): its frames are bare addresses"
         );
