@@ -976,15 +976,11 @@ enum Said {
 /// agree. The alignments compare as the guard lays them out: a request of 16 or less is 16.
 fn mismatch(header: &Header, told: DeleteHint, said: Said) -> Option<Line<128>> {
     let mut detail = Line::new();
-    let (verb, as_what) = match said {
-        Said::Delete => ("deleted", "an object"),
-        Said::Free => ("freed", "a block"),
-    };
     // A sized free always says a size: 0 too, which only a block of 0 bytes may be told
     // (taken as not said for a `delete`, as AddressSanitizer takes it).
-    let told_size = match said {
-        Said::Delete => told.size,
-        Said::Free => Some(told.size.unwrap_or(0)),
+    let (verb, as_what, told_size) = match said {
+        Said::Delete => ("deleted", "an object", told.size),
+        Said::Free => ("freed", "a block", Some(told.size.unwrap_or(0))),
     };
     if let Some(size) = told_size.filter(|&size| size != header.size) {
         let _ = write!(detail, ": {verb} as {as_what} of {size} bytes");
@@ -1042,13 +1038,27 @@ mod tests {
         assert_eq!(offset_for(usize::MAX), 16);
     }
 
+    /// What [`mismatch`] says of a block of `size` laid out at `offset` (`aligned`: by the
+    /// memalign family), released by `said`, told `told`.
+    fn said_of(
+        said: Said,
+        family: Family,
+        size: usize,
+        offset: usize,
+        aligned: bool,
+        told: DeleteHint,
+    ) -> Option<String> {
+        let header = Header { size, offset, family, aligned };
+        mismatch(&header, told, said).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
+    }
+
+    fn told(size: Option<usize>, align: Option<usize>) -> DeleteHint {
+        DeleteHint { size, align }
+    }
+
     #[test]
     fn a_delete_that_says_another_size_or_alignment_is_a_type_mismatch() {
-        let said = |size, offset, aligned, told| {
-            let header = Header { size, offset, family: Family::New, aligned };
-            mismatch(&header, told, Said::Delete).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
-        };
-        let told = |size, align| DeleteHint { size, align };
+        let said = |size, offset, aligned, told| said_of(Said::Delete, Family::New, size, offset, aligned, told);
         assert_eq!(said(64, 16, false, told(Some(64), None)), None);
         assert_eq!(said(64, 16, false, told(None, None)), None);
         assert_eq!(said(64, 16, false, told(Some(8), None)).unwrap(), ": deleted as an object of 8 bytes");
@@ -1078,11 +1088,7 @@ mod tests {
 
     #[test]
     fn a_sized_free_that_says_another_size_or_alignment_is_a_size_mismatch() {
-        let said = |size, offset, aligned, told| {
-            let header = Header { size, offset, family: Family::Malloc, aligned };
-            mismatch(&header, told, Said::Free).map(|mut line| String::from_utf8(line.as_bytes().to_vec()).unwrap())
-        };
-        let told = |size, align| DeleteHint { size, align };
+        let said = |size, offset, aligned, told| said_of(Said::Free, Family::Malloc, size, offset, aligned, told);
         assert_eq!(said(100, 16, false, told(Some(100), None)), None);
         assert_eq!(said(100, 16, false, told(Some(64), None)).unwrap(), ": freed as a block of 64 bytes");
         // 0 is a size (the hint takes it as unsaid): right for a block of 0 bytes only.
