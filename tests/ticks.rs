@@ -383,6 +383,40 @@ fn a_forked_childs_times_and_totals_count_from_its_fork() {
     assert!((12..40).contains(&child_mib), "the child's 13 MiB and a little of Python's, not its parent's: {ends:?}");
 }
 
+/// A forked child that records nothing of its own until its exit starts its writer there, and
+/// its trace still starts at its fork: the header's start, and its events' times, count from
+/// it (the child sleeps 300 ms).
+#[test]
+fn a_forked_child_whose_writer_starts_at_its_exit_still_starts_at_its_fork() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "import os, sys, time\n\
+                  print(os.getpid(), time.time_ns(), flush=True)\n\
+                  pid = os.fork()\n\
+                  if pid == 0:\n    time.sleep(0.3)\n    sys.exit(0)\n\
+                  os.waitpid(pid, 0)\n";
+    let out = record(dir.path(), &["--interval", "1g"], &[python().to_str().unwrap(), "-c", script]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let (parent, forked_at) = stdout.trim().split_once(' ').unwrap();
+    let (parent, forked_at): (u32, u64) = (parent.parse().unwrap(), forked_at.parse().unwrap());
+    let mut children = 0;
+    for f in traces(dir.path()) {
+        let bytes = std::fs::read(&f).unwrap();
+        let mut reader = Reader::new(&bytes).unwrap();
+        let events: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
+        let Some(&Event::End { time_ns: end }) = events.last() else { panic!("{} ends whole", f.display()) };
+        let header = reader.header();
+        if header.pid == parent {
+            continue;
+        }
+        children += 1;
+        let start = header.start_unix_ns;
+        assert!(start.abs_diff(forked_at) < 100_000_000, "started at {start}, forked at {forked_at}");
+        assert!(end >= 290_000_000, "the child's 300 ms, from its fork: {end}");
+    }
+    assert_eq!(children, 1, "{}", text(&out.stderr));
+}
+
 /// The modules a process has at its start are loaded from its start: a short forked child's,
 /// stamped when its writer got to them, came after its end, and its report's duration was
 /// theirs (review helper 40).
@@ -794,6 +828,39 @@ fn a_shells_child_that_execs_at_once_leaves_no_trace_before_the_exec() {
     programs.sort();
     assert_eq!(programs, ["bash", "ls", "ls", "ls", "true"], "{stderr}");
     assert!(stderr.contains("4 other trace(s) of this run"), "{stderr}");
+}
+
+/// Nor does that child start a writer: a forked child's starts at its first record of its own
+/// (or before its first thread, or at its exit), and one that `exec`s first never needs one.
+/// Each writer, orphaned by its middle process, comes to the nearest subreaper: here a Python
+/// wrapper, which counts them. Bash and its three commands have one each; the three children
+/// bash forked had one each as well (7), and each cost the shell 0.3 to 1 ms.
+#[test]
+fn a_shells_child_that_execs_at_once_starts_no_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = format!("spy=ticks:sample_interval=1024m:trace={}/t.%p.trace", dir.path().display());
+    let wrapper = "import ctypes, os, subprocess, sys, time\n\
+                   ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)\n\
+                   env = dict(os.environ, LD_PRELOAD=sys.argv[1], MALLOCSPY_OPTIONS=sys.argv[2])\n\
+                   subprocess.run(['bash', '-c', 'for i in 1 2 3; do /bin/true; done'], env=env, check=True)\n\
+                   writers, deadline = 0, time.time() + 20\n\
+                   while time.time() < deadline:\n\
+                   \x20   try:\n\
+                   \x20       pid, _ = os.waitpid(-1, os.WNOHANG | 0x40000000)\n\
+                   \x20   except ChildProcessError:\n\
+                   \x20       break\n\
+                   \x20   if pid == 0:\n\
+                   \x20       time.sleep(0.01)\n\
+                   \x20   else:\n\
+                   \x20       writers += 1\n\
+                   print(writers)\n";
+    let out = Command::new(python())
+        .args(["-c", wrapper, shim().to_str().unwrap(), &options])
+        .env_remove("LD_PRELOAD")
+        .output()
+        .unwrap();
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "4\n"), "{}", text(&out.stderr));
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 4, "bash's trace and its three commands'");
 }
 
 /// bash, whose own `putenv` kept the owner's mark in its table of variables: its children

@@ -146,6 +146,15 @@ impl<V: Copy + 'static> SampledBlocks<V> {
         None
     }
 
+    /// Whether the block at `ptr` is in the set.
+    pub(crate) fn contains(&self, ptr: usize) -> bool {
+        let bucket = self.bucket(ptr);
+        let _guard = bucket.lock.lock();
+        // SAFETY: the bucket's lock is held.
+        let (slots, overflowed) = unsafe { (&*bucket.slots.get(), *bucket.overflowed.get()) };
+        slots.iter().any(|s| s.key == ptr) || (overflowed > 0 && self.overflow.get(ptr).is_some())
+    }
+
     /// Removes the block at `ptr`, returning its value.
     pub(crate) fn remove(&self, ptr: usize) -> Option<V> {
         let bucket = self.bucket(ptr);

@@ -477,6 +477,8 @@ impl TickSpy {
     #[cold]
     #[inline(never)]
     fn sample(&self, index: u32, t: &PerThread, own: &mut Own, call: &Call, kind: Kind, weight: u64) {
+        // A forked child's first sample starts its writer.
+        writer::start_deferred();
         let ptr = call.result as usize;
         let stack = self.stack_id(own);
         let size = call.size as u64;
@@ -572,6 +574,11 @@ impl TickSpy {
     #[cold]
     #[inline(never)]
     fn released_maybe_sampled(&self, ptr: usize, by: Option<(u32, &PerThread)>) {
+        if writer::deferred() && self.sampled.contains(ptr) {
+            // A forked child freeing a block its parent sampled: its writer starts first, and
+            // its trace with the blocks the child inherited, this one among them.
+            writer::start_deferred();
+        }
         if let Some(s) = self.sampled.remove(ptr) {
             // SAFETY: `by` is the calling thread's record, inside its hook, and no other view of
             // it is in use (a free is not nested in a sample).
@@ -595,11 +602,12 @@ impl TickSpy {
 
     /// Whether anyone reads the statistics events: the trace writer or a callback.
     fn listening(&self) -> bool {
-        self.ring().is_some() || self.stats_callback.load(Ordering::Relaxed) != 0
+        self.ring().is_some() || writer::deferred() || self.stats_callback.load(Ordering::Relaxed) != 0
     }
 
     /// Takes the heap statistics now: to the writer and to the callback (also at exit).
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
+        writer::start_deferred();
         let stats = self.stats_to_callback();
         if let Some(ring) = self.ring() {
             Self::sent(ring.push(&message::stats(&stats), &[]));

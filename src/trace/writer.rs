@@ -3,7 +3,8 @@
 //!
 //! Not a thread: a second thread in the program, even one asleep, turns glibc's malloc from
 //! its single-thread fast path to locking every call (a quarter more time on a one-thread
-//! allocation loop). The writer is forked twice at start-up, with no exit signal, so that the
+//! allocation loop). The writer is forked twice at start-up (a forked child's when it first
+//! has something to write: [`Writer::after_fork_child`]), with no exit signal, so that the
 //! program never sees it as its child: no `SIGCHLD`, nothing for its `wait` (one fork with no
 //! exit signal hides it from `wait` but not from `__WALL`: a preloaded `strace`, which waits
 //! so, waited for it forever; the middle process, reaped at once, sent a `SIGCHLD` while it
@@ -30,7 +31,7 @@
 //! `exec`'d).
 
 use crate::fixed_hash::HashSet;
-use core::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use super::message;
@@ -38,7 +39,7 @@ use super::ring::{Ring, slots_for};
 use super::{Event, Header, HeapStats, Module, modules, write_event, write_header};
 use crate::kept_fd::{self, KeptFd};
 use crate::spies::ticks::TickSpy;
-use crate::{options, os, sink, tls};
+use crate::{options, os, process_mark, sink, tls};
 
 /// Slots of the queue (64 bytes each).
 const QUEUE_SLOTS: usize = 1 << 15;
@@ -127,6 +128,26 @@ static WRITER: OnceLock<&'static Writer> = OnceLock::new();
 /// The process's writer, if one was started.
 pub(crate) fn writer() -> Option<&'static Writer> {
     WRITER.get().copied()
+}
+
+/// Set in a forked child until its writer starts (see [`Writer::after_fork_child`]).
+static DEFERRED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process is a forked child whose writer has not started yet.
+#[inline]
+pub(crate) fn deferred() -> bool {
+    DEFERRED.load(Ordering::Relaxed) && process_mark::set_up_here()
+}
+
+/// Starts a forked child's writer, if it waits to: at the child's first record of its own,
+/// before its first other thread, or at its exit (see [`Writer::after_fork_child`]).
+pub(crate) fn start_deferred() {
+    if deferred()
+        && DEFERRED.swap(false, Ordering::AcqRel)
+        && let Some(w) = writer()
+    {
+        w.start_child();
+    }
 }
 
 fn command_line() -> Vec<String> {
@@ -785,7 +806,10 @@ impl Writer {
     /// Opens the trace (`forked`: in the child of a fork; see [`open`]), makes a queue and
     /// forks the writer process for this process.
     fn launch(&self, forked: bool) -> Result<&'static Ring, String> {
-        let header = Header { pid: os::getpid(), start_unix_ns: unix_now_ns(), ..self.header.clone() };
+        // Its events' times count from the spy's start (a child's from its fork), however
+        // much later the writer starts.
+        let start_unix_ns = unix_now_ns().saturating_sub(self.spy.elapsed_ns());
+        let header = Header { pid: os::getpid(), start_unix_ns, ..self.header.clone() };
         let descendant = forked || (self.owner != 0 && self.owner != header.pid);
         let (trace_fd, path, header_write) = create(&self.template, descendant, &header)?;
         let took_the_path =
@@ -861,6 +885,8 @@ impl Writer {
     /// At exit: the last statistics `stats` and the end message, then wait (bounded) for the
     /// writer to close its end. Returns whether this process had a trace to finish.
     pub(crate) fn finish(&self, stats: &HeapStats) -> bool {
+        // A child that queued nothing yet still ends with its statistics.
+        start_deferred();
         self.spy.set_ring(None);
         let fd = WAKE.take();
         // SAFETY: only `launch` stores here: null or a leaked ring.
@@ -1009,11 +1035,25 @@ impl Writer {
     }
 
     /// Child side of `fork`: the parent's writer is the parent's; the child gets a writer and
-    /// a trace of its own (without `%p` in the path, `PATH.PID`: see [`open`]).
+    /// a trace of its own (without `%p` in the path, `PATH.PID`: see [`open`]), once it has
+    /// something to put in it: at its first sample, the first free of a sampled block or its
+    /// first heap statistics, before it starts a thread (the writer is forked from a process
+    /// of one thread), or at its exit. Not at the fork: a shell's child that `exec`s at once
+    /// (every command of a script) waited for a writer that had nothing to write (0.3 ms, or
+    /// 1 ms when the machine woke an idle processor for the middle process), and left its
+    /// trace to be removed.
     pub(crate) fn after_fork_child(&'static self) {
         // The parent's writer waits for the parent's end alone to close.
         WAKE.release();
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
+        // The child ran its atfork handlers: it is set up here, its writer to come.
+        process_mark::set_here();
+        DEFERRED.store(true, Ordering::Release);
+    }
+
+    /// Starts a forked child's writer (see [`Writer::after_fork_child`]): its trace begins
+    /// with the sampled blocks it inherited, from the nearest ancestor that has a trace.
+    fn start_child(&'static self) {
         let parent = self.traced_pid.load(Ordering::Relaxed);
         match self.launch(true) {
             Ok(ring) => {
