@@ -293,9 +293,9 @@ fn write_all_of(fd: c_int, bytes: &[u8]) -> bool {
 /// flushed). Blocked, the write fails instead (`EPIPE`, `EFBIG`).
 pub(crate) fn without_write_signals<R>(f: impl FnOnce() -> R) -> R {
     const SIGNALS: [c_int; 2] = [libc::SIGPIPE, libc::SIGXFSZ];
-    // SAFETY: signal sets are plain data set up by sigemptyset/sigaddset; pthread_sigmask,
-    // sigpending and sigtimedwait (with a zero timeout) only read and write them, and are
-    // async-signal-safe, as this runs in signal handlers too.
+    // SAFETY: signal sets are plain data set up by sigemptyset/sigaddset; the mask's system
+    // call, sigpending and sigtimedwait (with a zero timeout) only read and write them, and
+    // are async-signal-safe, as this runs in signal handlers too.
     unsafe {
         let mut blocked: libc::sigset_t = core::mem::zeroed();
         libc::sigemptyset(&mut blocked);
@@ -303,7 +303,7 @@ pub(crate) fn without_write_signals<R>(f: impl FnOnce() -> R) -> R {
             libc::sigaddset(&mut blocked, signal);
         }
         let mut old: libc::sigset_t = core::mem::zeroed();
-        libc::pthread_sigmask(libc::SIG_BLOCK, &blocked, &mut old);
+        thread_sigmask(libc::SIG_BLOCK, &blocked, &mut old);
         let mut pending: libc::sigset_t = core::mem::zeroed();
         libc::sigpending(&mut pending);
         let mut ours: libc::sigset_t = core::mem::zeroed();
@@ -321,9 +321,24 @@ pub(crate) fn without_write_signals<R>(f: impl FnOnce() -> R) -> R {
                 break;
             }
         }
-        libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
+        thread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
         r
     }
+}
+
+/// `pthread_sigmask` by the system call. glibc's leaves the two signals it reserves (32 and
+/// 33) out of every set it is given: a mask taken and put back through it unblocked them in
+/// a thread that had them blocked. glibc's timer thread (`SIGEV_THREAD`) waits for its
+/// signal, 32, blocked: in a hook there, it then took the timer's next one unblocked, and
+/// the process died of it (review helper 146).
+///
+/// # Safety
+/// `set` and `old` are null or point to signal sets.
+unsafe fn thread_sigmask(how: c_int, set: *const libc::sigset_t, old: *mut libc::sigset_t) {
+    // The kernel's set: the first 8 bytes of glibc's.
+    const KERNEL_SET: usize = 8;
+    // SAFETY: rt_sigprocmask reads and writes at most 8 bytes through the caller's pointers.
+    unsafe { libc::syscall(libc::SYS_rt_sigprocmask, how, set, old, KERNEL_SET) };
 }
 
 fn is_pipe(fd: c_int) -> bool {
@@ -576,9 +591,11 @@ pub(crate) fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
         let mut all: libc::sigset_t = core::mem::zeroed();
         let mut old: libc::sigset_t = core::mem::zeroed();
         libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        // Added to, not set: glibc's full set lacks the two signals it reserves, which the
+        // thread may have blocked (see `thread_sigmask`).
+        thread_sigmask(libc::SIG_BLOCK, &all, &mut old);
         let out = f();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
+        thread_sigmask(libc::SIG_SETMASK, &old, core::ptr::null_mut());
         out
     }
 }

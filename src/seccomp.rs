@@ -55,6 +55,11 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
     // Not in a `vfork` child: the state is its parent's. Asked before the call: in strict mode
     // the question's `getpid` would kill the thread.
     let owns_the_reports = option == libc::PR_SET_SECCOMP && crate::preload::owns_the_reports();
+    if option == libc::PR_SET_SECCOMP && owns_the_reports {
+        // A forked child's trace writer starts while the child may still fork, make a socket
+        // and open its trace (see `Writer::after_fork_child`).
+        crate::trace::writer::start_deferred(false);
+    }
     let gives_up = option == libc::PR_SET_SECCOMP && !may_kill() && owns_the_reports && would_kill(next, a2, a3);
     if gives_up {
         give_up_reports();

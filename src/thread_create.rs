@@ -75,7 +75,7 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
 pub unsafe fn create(thread: *mut c_void, attr: *const c_void, routine: Option<Routine>, arg: *mut c_void) -> c_int {
     // A forked child's trace writer is forked from it while it has one thread: our heap's
     // lock then has no holder that the writer's copy would wait for.
-    crate::trace::writer::start_deferred();
+    crate::trace::writer::start_deferred(false);
     let Some(next) = next() else { return libc::EAGAIN };
     // With no spy, nothing captures stacks; and where the kernel tells a thread its stack, it
     // needs nothing at start: the thread starts exactly as without mallocspy.

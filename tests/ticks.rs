@@ -863,6 +863,68 @@ fn a_shells_child_that_execs_at_once_starts_no_writer() {
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 4, "bash's trace and its three commands'");
 }
 
+/// The events of the trace at `path`.
+fn events_of(path: &Path) -> Vec<Event> {
+    let bytes = std::fs::read(path).unwrap();
+    Reader::new(&bytes).unwrap().map(Result::unwrap).collect()
+}
+
+/// A child that has recorded nothing yet and `vfork`s: the `vfork` child shares its memory,
+/// its writer waiting to start among it, but is not it, and starts none; the child's own trace
+/// starts at its first sample. Before, the `vfork` child started one in the memory it shared,
+/// under its own pid: the child lost its trace, and waited a second at its exit for a writer
+/// whose socket the `exec` had closed (review helper 146).
+#[test]
+fn a_vfork_child_of_a_child_whose_writer_waits_does_not_start_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = format!("spy=ticks:trace={}", dir.path().join("t.%p.trace").display());
+    let out = Command::new(c_program("deferred_writer.c"))
+        .arg("vfork")
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "vfork child: 0\n"), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 3, "the program's, its child's and true's traces");
+    let children: Vec<Vec<Event>> = traces(dir.path())
+        .iter()
+        .map(|t| events_of(t))
+        .filter(|events| events.iter().any(|e| matches!(e, Event::Inherited { .. })))
+        .collect();
+    let [child] = &children[..] else { panic!("one trace with inherited blocks: {}", children.len()) };
+    let ticks = child.iter().filter(|e| matches!(e, Event::Tick(_))).count();
+    assert!(ticks >= 20, "the child's 10 MB, sampled: {ticks} ticks");
+    assert!(matches!(child.last(), Some(Event::End { .. })), "the child's trace ends whole");
+}
+
+/// Children whose first samples come on a thread that `pthread_create`'s wrapper never saw
+/// (glibc's timer threads) while their main thread samples too: the thread that comes while
+/// another starts the writer waits for it, and so does the exit. Before, its events were
+/// dropped, and an exit meanwhile found no writer: the child wrote its summary line instead,
+/// and left its trace without an end (25 of 240 children, review helper 146).
+#[test]
+fn children_that_sample_on_a_timer_thread_end_their_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = format!("spy=ticks:trace={}", dir.path().join("t.%p.trace").display());
+    let out = Command::new(c_program("deferred_writer.c"))
+        .args(["timer", "20"])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", options)
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "children: 20\n"), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+    let traces = traces(dir.path());
+    assert_eq!(traces.len(), 21, "the program's and its children's");
+    for t in &traces {
+        let events = events_of(t);
+        assert!(matches!(events.last(), Some(Event::End { .. })), "{} ends whole", t.display());
+    }
+}
+
 /// bash, whose own `putenv` kept the owner's mark in its table of variables: its children
 /// never saw it, so a child that outlived bash took the trace's path (bash's own trace gone,
 /// the path the run named holding `ls`'s), and bash's copy of the entry was a leak in its

@@ -478,7 +478,7 @@ impl TickSpy {
     #[inline(never)]
     fn sample(&self, index: u32, t: &PerThread, own: &mut Own, call: &Call, kind: Kind, weight: u64) {
         // A forked child's first sample starts its writer.
-        writer::start_deferred();
+        writer::start_deferred(false);
         let ptr = call.result as usize;
         let stack = self.stack_id(own);
         let size = call.size as u64;
@@ -577,7 +577,7 @@ impl TickSpy {
         if writer::deferred() && self.sampled.contains(ptr) {
             // A forked child freeing a block its parent sampled: its writer starts first, and
             // its trace with the blocks the child inherited, this one among them.
-            writer::start_deferred();
+            writer::start_deferred(false);
         }
         if let Some(s) = self.sampled.remove(ptr) {
             // SAFETY: `by` is the calling thread's record, inside its hook, and no other view of
@@ -607,7 +607,7 @@ impl TickSpy {
 
     /// Takes the heap statistics now: to the writer and to the callback (also at exit).
     pub(crate) fn emit_stats(&self) -> trace::HeapStats {
-        writer::start_deferred();
+        writer::start_deferred(false);
         let stats = self.stats_to_callback();
         if let Some(ring) = self.ring() {
             Self::sent(ring.push(&message::stats(&stats), &[]));

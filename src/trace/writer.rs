@@ -31,7 +31,7 @@
 //! `exec`'d).
 
 use crate::fixed_hash::HashSet;
-use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
 use super::message;
@@ -130,23 +130,54 @@ pub(crate) fn writer() -> Option<&'static Writer> {
     WRITER.get().copied()
 }
 
-/// Set in a forked child until its writer starts (see [`Writer::after_fork_child`]).
-static DEFERRED: AtomicBool = AtomicBool::new(false);
+/// The pid of a forked child whose writer waits to start (see [`Writer::after_fork_child`]);
+/// 0 when none waits. A pid, not a flag: a `vfork`ed child shares the memory (and the mark
+/// of [`process_mark`]) of a child that waits, and is not it.
+static DEFERRED: AtomicU32 = AtomicU32::new(0);
+
+/// The thread starting a deferred writer (0: none).
+static STARTING: AtomicU32 = AtomicU32::new(0);
+
+/// How long the exit waits for another thread to start the writer, for the trace to end.
+const START_WAIT_NS: u64 = 2_000_000_000;
 
 /// Whether this process is a forked child whose writer has not started yet.
 #[inline]
 pub(crate) fn deferred() -> bool {
-    DEFERRED.load(Ordering::Relaxed) && process_mark::set_up_here()
+    let pid = DEFERRED.load(Ordering::Acquire);
+    pid != 0 && process_mark::set_up_here() && pid == os::getpid()
 }
 
 /// Starts a forked child's writer, if it waits to: at the child's first record of its own,
-/// before its first other thread, or at its exit (see [`Writer::after_fork_child`]).
-pub(crate) fn start_deferred() {
-    if deferred()
-        && DEFERRED.swap(false, Ordering::AcqRel)
-        && let Some(w) = writer()
-    {
-        w.start_child();
+/// before its first other thread, or at its exit (see [`Writer::after_fork_child`]). Another
+/// thread that comes meanwhile (one the program made without `pthread_create`: glibc's timer
+/// threads) goes on: inside a hook it may not wait, the start waiting for every thread to
+/// leave the hooks (its record is not queued). The exit waits (`at_exit`).
+pub(crate) fn start_deferred(at_exit: bool) {
+    if !deferred() {
+        return;
+    }
+    let tid = os::gettid();
+    match STARTING.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => {
+            // Unless a thread started it between our look and our turn (it cleared the pid
+            // before it let go of its turn): a second start took the first's trace for an
+            // earlier image's, and left it as `.before-exec`.
+            if DEFERRED.load(Ordering::Acquire) != 0
+                && let Some(w) = writer()
+            {
+                w.start_child();
+            }
+            DEFERRED.store(0, Ordering::Release);
+            STARTING.store(0, Ordering::Release);
+        }
+        Err(starter) if starter != tid && at_exit => {
+            let since = os::monotonic_ns();
+            while DEFERRED.load(Ordering::Acquire) != 0 && os::monotonic_ns() - since < START_WAIT_NS {
+                os::yield_now();
+            }
+        }
+        Err(_) => {}
     }
 }
 
@@ -847,8 +878,17 @@ impl Writer {
             // SAFETY: PR_GET_CHILD_SUBREAPER writes one int.
             unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut flag) == 0 && flag != 0 }
         };
+        // As `fork`'s handlers do: no other thread inside mallocspy while the memory is
+        // copied. A forked child's writer may start while the child has threads it made
+        // without `pthread_create` (glibc's timer threads); the copy of a lock one of them
+        // held (the pool's) kept the writer spinning for good (review helper 146).
+        crate::threads::fork_prepare();
+        crate::own_heap::fork_prepare();
         let child = raw_fork();
+        crate::own_heap::fork_release();
+        crate::threads::fork_parent();
         if child == 0 {
+            crate::pool::force_unlock();
             let writer = if subreaper { 0 } else { raw_fork() };
             if writer == 0 {
                 self.serve(&header, trace_fd, header_write, its, ring);
@@ -886,7 +926,7 @@ impl Writer {
     /// writer to close its end. Returns whether this process had a trace to finish.
     pub(crate) fn finish(&self, stats: &HeapStats) -> bool {
         // A child that queued nothing yet still ends with its statistics.
-        start_deferred();
+        start_deferred(true);
         self.spy.set_ring(None);
         let fd = WAKE.take();
         // SAFETY: only `launch` stores here: null or a leaked ring.
@@ -1038,7 +1078,8 @@ impl Writer {
     /// a trace of its own (without `%p` in the path, `PATH.PID`: see [`open`]), once it has
     /// something to put in it: at its first sample, the first free of a sampled block or its
     /// first heap statistics, before it starts a thread (the writer is forked from a process
-    /// of one thread), or at its exit. Not at the fork: a shell's child that `exec`s at once
+    /// of one thread, as a rule) or installs a seccomp filter with `prctl` (which may forbid
+    /// the calls that start it), or at its exit. Not at the fork: a shell's child that `exec`s at once
     /// (every command of a script) waited for a writer that had nothing to write (0.3 ms, or
     /// 1 ms when the machine woke an idle processor for the middle process), and left its
     /// trace to be removed.
@@ -1048,7 +1089,8 @@ impl Writer {
         self.ring.store(core::ptr::null_mut(), Ordering::Release);
         // The child ran its atfork handlers: it is set up here, its writer to come.
         process_mark::set_here();
-        DEFERRED.store(true, Ordering::Release);
+        STARTING.store(0, Ordering::Relaxed);
+        DEFERRED.store(os::getpid(), Ordering::Release);
     }
 
     /// Starts a forked child's writer (see [`Writer::after_fork_child`]): its trace begins
@@ -1105,13 +1147,8 @@ fn program_gone(socket: i32) -> bool {
 
 /// Closes every descriptor but `keep`, and points 0, 1 and 2 at /dev/null.
 fn keep_only(keep: &[i32]) {
-    let open: Vec<i32> = std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
-        .unwrap_or_default();
-    for fd in open {
-        if !keep.contains(&fd) {
-            close(fd);
-        }
+    if !close_all_but(keep) {
+        close_listed_but(keep);
     }
     // SAFETY: opening /dev/null and duplicating it onto the standard descriptors.
     unsafe {
@@ -1125,6 +1162,41 @@ fn keep_only(keep: &[i32]) {
             if null > 2 {
                 libc::close(null);
             }
+        }
+    }
+}
+
+/// Closes every descriptor but `keep` (at most two) with `close_range` (Linux 5.9), which
+/// allocates nothing: the C library's `opendir` does, and a writer forked from a child with
+/// threads may find the C library's heap locked by one of them. False if the kernel lacks it.
+fn close_all_but(keep: &[i32]) -> bool {
+    let mut kept = [-1; 2];
+    if keep.len() > kept.len() {
+        return false;
+    }
+    kept[..keep.len()].copy_from_slice(keep);
+    kept.sort_unstable();
+    let mut from = 0u32;
+    for &fd in kept.iter().filter(|&&fd| fd >= 0) {
+        let fd = fd as u32;
+        // SAFETY: close_range closes descriptors of this process only.
+        if fd > from && unsafe { libc::syscall(libc::SYS_close_range, from, fd - 1, 0) } != 0 {
+            return false;
+        }
+        from = fd + 1;
+    }
+    // SAFETY: as above.
+    unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, 0) == 0 }
+}
+
+/// [`close_all_but`] by the list in `/proc/self/fd`, on an older kernel.
+fn close_listed_but(keep: &[i32]) {
+    let open: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    for fd in open {
+        if !keep.contains(&fd) {
+            close(fd);
         }
     }
 }
