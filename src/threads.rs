@@ -57,8 +57,10 @@ struct Slot {
 struct Slots {
     /// `[Slot; MAX_THREADS]`, mapped on first use.
     table: AtomicPtr<Slot>,
-    /// Set while `fork` waits for quiescence: threads arriving at a hook wait outside.
-    forking: AtomicBool,
+    /// Forks in progress (the program's, and a forked child's trace writer started from a
+    /// hook on another thread, `trace::writer::start_deferred`): while any is, threads
+    /// arriving at a hook wait outside.
+    forking: AtomicU32,
     /// The process is registered for expedited private membarrier: entering a hook needs
     /// no fence.
     membarrier: AtomicBool,
@@ -79,7 +81,7 @@ const _: () = assert!(core::mem::size_of::<Slots>() == 64);
 
 static SLOTS: Slots = Slots {
     table: AtomicPtr::new(core::ptr::null_mut()),
-    forking: AtomicBool::new(false),
+    forking: AtomicU32::new(0),
     membarrier: AtomicBool::new(false),
     free: AtomicPtr::new(core::ptr::null_mut()),
     free_len: AtomicUsize::new(0),
@@ -365,12 +367,12 @@ impl InFlight {
             ts.in_flight_seq.set(seq);
             slot.seq.store(seq, Ordering::Relaxed);
             light_fence();
-            if !SLOTS.forking.load(Ordering::Relaxed) {
+            if SLOTS.forking.load(Ordering::Relaxed) == 0 {
                 return Self { slot, ts };
             }
             ts.in_flight_seq.set(seq + 1);
             slot.seq.store(seq + 1, Ordering::Release);
-            while SLOTS.forking.load(Ordering::Acquire) {
+            while SLOTS.forking.load(Ordering::Acquire) != 0 {
                 os::yield_now();
             }
         }
@@ -435,13 +437,13 @@ pub(crate) fn quiesce(except: Option<u32>) {
 
 /// `pthread_atfork` prepare: keep every other thread out of the hooks until the fork is done.
 pub(crate) fn fork_prepare() {
-    SLOTS.forking.store(true, Ordering::SeqCst);
+    SLOTS.forking.fetch_add(1, Ordering::SeqCst);
     quiesce(current_index());
 }
 
 /// `pthread_atfork` parent: let the threads back in.
 pub(crate) fn fork_parent() {
-    SLOTS.forking.store(false, Ordering::SeqCst);
+    SLOTS.forking.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// `pthread_atfork` child: only the calling thread survived; every other slot is free again.
@@ -470,7 +472,7 @@ pub(crate) fn fork_child() {
     if SLOTS.membarrier.load(Ordering::Relaxed) {
         register_membarrier();
     }
-    SLOTS.forking.store(false, Ordering::SeqCst);
+    SLOTS.forking.store(0, Ordering::SeqCst);
 }
 
 /// Number of slots ever handed out (the range a per-thread aggregate must sum over).

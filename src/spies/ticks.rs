@@ -477,8 +477,12 @@ impl TickSpy {
     #[cold]
     #[inline(never)]
     fn sample(&self, index: u32, t: &PerThread, own: &mut Own, call: &Call, kind: Kind, weight: u64) {
-        // A forked child's first sample starts its writer.
+        // A forked child's first sample starts its writer. While another thread starts it,
+        // no sample: its tick would have nowhere to go, and its free nothing to match.
         writer::start_deferred(false);
+        if writer::deferred() {
+            return;
+        }
         let ptr = call.result as usize;
         let stack = self.stack_id(own);
         let size = call.size as u64;

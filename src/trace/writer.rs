@@ -149,10 +149,13 @@ pub(crate) fn deferred() -> bool {
 }
 
 /// Starts a forked child's writer, if it waits to: at the child's first record of its own,
-/// before its first other thread, or at its exit (see [`Writer::after_fork_child`]). Another
-/// thread that comes meanwhile (one the program made without `pthread_create`: glibc's timer
-/// threads) goes on: inside a hook it may not wait, the start waiting for every thread to
-/// leave the hooks (its record is not queued). The exit waits (`at_exit`).
+/// before its first other thread, or at its exit (see [`Writer::after_fork_child`]). The
+/// child's other threads (ones it made without `pthread_create`: glibc's timer threads) are
+/// kept out of the hooks until the trace has the blocks the child inherited and the queue is
+/// published: they neither sample nor free a sampled block meanwhile. One already inside a
+/// hook when the start began may not wait for it (the start waits for it to leave): it goes
+/// on without the writer (a sample is then not taken: see `TickSpy::sample`). The exit waits
+/// (`at_exit`).
 pub(crate) fn start_deferred(at_exit: bool) {
     if !deferred() {
         return;
@@ -160,6 +163,12 @@ pub(crate) fn start_deferred(at_exit: bool) {
     let tid = os::gettid();
     match STARTING.compare_exchange(0, tid, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => {
+            // As inside a hook, where most starts are: our own calls, and a signal handler's
+            // on this thread, go straight to the real allocator (a handler's would otherwise
+            // wait at the hooks' door for this start to end).
+            let ts = tls::state();
+            let depth = ts.depth.replace(ts.depth.get().max(1));
+            crate::threads::fork_prepare();
             // Unless a thread started it between our look and our turn (it cleared the pid
             // before it let go of its turn): a second start took the first's trace for an
             // earlier image's, and left it as `.before-exec`.
@@ -169,7 +178,9 @@ pub(crate) fn start_deferred(at_exit: bool) {
                 w.start_child();
             }
             DEFERRED.store(0, Ordering::Release);
+            crate::threads::fork_parent();
             STARTING.store(0, Ordering::Release);
+            ts.depth.set(depth);
         }
         Err(starter) if starter != tid && at_exit => {
             let since = os::monotonic_ns();
@@ -882,11 +893,13 @@ impl Writer {
         // copied. A forked child's writer may start while the child has threads it made
         // without `pthread_create` (glibc's timer threads); the copy of a lock one of them
         // held (the pool's) kept the writer spinning for good (review helper 146).
+        crate::leaks::stop::fork_prepare();
         crate::threads::fork_prepare();
         crate::own_heap::fork_prepare();
         let child = raw_fork();
         crate::own_heap::fork_release();
         crate::threads::fork_parent();
+        crate::leaks::stop::fork_parent();
         if child == 0 {
             crate::pool::force_unlock();
             let writer = if subreaper { 0 } else { raw_fork() };
