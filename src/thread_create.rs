@@ -73,8 +73,8 @@ unsafe extern "C-unwind" fn start(start: *mut c_void) -> *mut c_void {
 /// As `pthread_create`: `thread` is writable, `attr` is NULL or initialised, and `routine`
 /// may be called with `arg` on the new thread.
 pub unsafe fn create(thread: *mut c_void, attr: *const c_void, routine: Option<Routine>, arg: *mut c_void) -> c_int {
-    // A forked child's trace writer is forked from it while it has one thread: our heap's
-    // lock then has no holder that the writer's copy would wait for.
+    // A forked child's trace writer is forked from it while it has one thread: no lock of
+    // ours or of the C library's is then held by a thread the writer's copy lacks.
     crate::trace::writer::start_deferred(false);
     let Some(next) = next() else { return libc::EAGAIN };
     // With no spy, nothing captures stacks; and where the kernel tells a thread its stack, it
