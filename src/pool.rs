@@ -137,7 +137,11 @@ fn carve(size: usize) -> Option<NonNull<u8>> {
     // the program's room (under `ulimit -v 1200000`, a program that allocates 100 MiB
     // blocks until refused got one, where it gets eleven natively: review helper 115).
     let small = |size: usize| size.max(SMALL_ARENA);
-    if !SMALL_ARENAS.load(Ordering::Relaxed) && os::address_space_limit().is_some() {
+    // Not asked under a seccomp filter that may kill the process for the `prlimit64` the
+    // question takes: a program under an allow list (sshd's privilege separation) died of
+    // SIGSYS when a sample after its filter grew a table (3 runs in 60). A map the limit
+    // refuses then falls back to a small arena, below.
+    if !SMALL_ARENAS.load(Ordering::Relaxed) && !crate::seccomp::may_kill() && os::address_space_limit().is_some() {
         SMALL_ARENAS.store(true, Ordering::Relaxed);
     }
     let next = FIRST_ARENA << n.min(MAX_ARENA.trailing_zeros() as usize - FIRST_ARENA.trailing_zeros() as usize);
