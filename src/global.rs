@@ -58,7 +58,9 @@ pub(crate) fn set_fork_child_hook(hook: fn()) {
     CHILD_HOOK.store(hook as *mut (), Ordering::Release);
 }
 
-extern "C" fn fork_prepare() {
+/// `fork`'s prepare handler: no thread inside mallocspy, and its locks held, while the memory
+/// is copied (also around the trace writer's own fork: `trace::writer`).
+pub(crate) extern "C" fn fork_prepare() {
     crate::leaks::stop::fork_prepare();
     threads::fork_prepare();
     // Before mallocspy's own heap: a change of the list allocates from it.
@@ -66,7 +68,8 @@ extern "C" fn fork_prepare() {
     crate::own_heap::fork_prepare();
 }
 
-extern "C" fn fork_parent() {
+/// `fork`'s parent handler: the locks [`fork_prepare`] took let go, the threads let back in.
+pub(crate) extern "C" fn fork_parent() {
     crate::own_heap::fork_release();
     crate::leaks::unloaded::fork_release();
     threads::fork_parent();

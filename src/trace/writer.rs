@@ -893,13 +893,10 @@ impl Writer {
         // copied. A forked child's writer may start while the child has threads it made
         // without `pthread_create` (glibc's timer threads); the copy of a lock one of them
         // held (the pool's) kept the writer spinning for good (review helper 146).
-        crate::leaks::stop::fork_prepare();
-        crate::threads::fork_prepare();
-        crate::own_heap::fork_prepare();
+        crate::global::fork_prepare();
         let child = raw_fork();
-        crate::own_heap::fork_release();
-        crate::threads::fork_parent();
-        crate::leaks::stop::fork_parent();
+        // In the middle process too: its one thread is the one that held them.
+        crate::global::fork_parent();
         if child == 0 {
             crate::pool::force_unlock();
             let writer = if subreaper { 0 } else { raw_fork() };
