@@ -85,6 +85,8 @@ macro_rules! export_interposer {
         $crate::__jump!(sigaltstack, $crate::interpose::sigaltstack, (stack: *const $crate::interpose::StackT, old: *mut $crate::interpose::StackT) -> ::core::ffi::c_int);
         // A seccomp filter that may kill is seen before it is in force (see `seccomp.rs`).
         $crate::__jump!(prctl, $crate::interpose::prctl, (option: ::core::ffi::c_int, a2: ::core::ffi::c_ulong, a3: ::core::ffi::c_ulong, a4: ::core::ffi::c_ulong, a5: ::core::ffi::c_ulong) -> ::core::ffi::c_int);
+        // So is one the `seccomp` system call installs, made through `syscall` (libseccomp's).
+        $crate::__syscall!();
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -553,6 +555,118 @@ pub unsafe extern "C" fn prctl(
 ) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::seccomp::prctl(option, a2, a3, a4, a5) }
+}
+
+/// The `syscall` of the library after this one (libc's), which the exported `syscall` jumps to
+/// for every call but `seccomp`'s; null until looked up at start (`seccomp::warm_up`), and the
+/// export makes the call itself meanwhile.
+#[doc(hidden)]
+pub static NEXT_SYSCALL: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+#[doc(hidden)]
+pub use libc::__errno_location as errno_location;
+
+/// The system call's number on x86_64, which the exported `syscall` compares with.
+#[doc(hidden)]
+pub const SYS_SECCOMP: core::ffi::c_long = libc::SYS_seccomp;
+
+/// C's `syscall` (variadic), defined by [`export_interposer!`]: the `seccomp` system call goes to
+/// [`syscall_seccomp`]; every other call jumps to the next library's `syscall` with the
+/// registers and stack as the caller left them (its sixth argument is on the stack), or,
+/// before that was looked up, is made here as glibc makes it. No Rust frame on that path: a
+/// `syscall(SYS_vfork)` or `syscall(SYS_clone)` child returns through it as through libc's.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __syscall {
+    () => {
+        /// C's `syscall` (see `interpose::__syscall!`).
+        ///
+        /// # Safety
+        /// As `syscall` with these arguments.
+        #[unsafe(naked)]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn syscall(
+            nr: ::core::ffi::c_long,
+            a1: ::core::ffi::c_long,
+            a2: ::core::ffi::c_long,
+            a3: ::core::ffi::c_long,
+            a4: ::core::ffi::c_long,
+            a5: ::core::ffi::c_long,
+            a6: ::core::ffi::c_long,
+        ) -> ::core::ffi::c_long {
+            ::core::arch::naked_asm!(
+                $crate::__cfi_start!(),
+                "cmp rdi, {seccomp}",
+                "je 8f",
+                "mov rax, qword ptr [rip + {next}]",
+                "test rax, rax",
+                "jz 7f",
+                "jmp rax",
+                "7:",
+                "mov rax, rdi",
+                "mov rdi, rsi",
+                "mov rsi, rdx",
+                "mov rdx, rcx",
+                "mov r10, r8",
+                "mov r8, r9",
+                "mov r9, qword ptr [rsp + 8]",
+                "syscall",
+                "cmp rax, -4095",
+                "jae 6f",
+                "ret",
+                "6:",
+                "neg eax",
+                "push rax",
+                ".cfi_adjust_cfa_offset 8",
+                "call {errno}@PLT",
+                "pop rcx",
+                ".cfi_adjust_cfa_offset -8",
+                "mov dword ptr [rax], ecx",
+                "mov rax, -1",
+                "ret",
+                "8:",
+                $crate::__jump_aligned!(),
+                seccomp = const $crate::interpose::SYS_SECCOMP,
+                next = sym $crate::interpose::NEXT_SYSCALL,
+                errno = sym $crate::interpose::errno_location,
+                target = sym $crate::interpose::syscall_seccomp,
+            )
+        }
+    };
+}
+
+/// The exported `syscall`'s `seccomp` calls (see `seccomp.rs`).
+///
+/// # Safety
+/// As `syscall(SYS_seccomp, operation, flags, args)`.
+#[doc(hidden)]
+pub unsafe extern "C" fn syscall_seccomp(
+    nr: core::ffi::c_long,
+    operation: core::ffi::c_ulong,
+    flags: core::ffi::c_ulong,
+    args: core::ffi::c_ulong,
+) -> core::ffi::c_long {
+    crate::seccomp::seccomp(operation, flags, args, || {
+        let next = NEXT_SYSCALL.load(Ordering::Acquire);
+        if next.is_null() {
+            // SAFETY: the caller's guarantee covers the call.
+            let r = unsafe { crate::os::raw_syscall(nr, [operation as usize, flags as usize, args as usize, 0, 0, 0]) };
+            if (-4095..0).contains(&r) {
+                crate::os::set_errno(-r as c_int);
+                return -1;
+            }
+            return r as core::ffi::c_long;
+        }
+        type Syscall = unsafe extern "C" fn(
+            core::ffi::c_long,
+            core::ffi::c_ulong,
+            core::ffi::c_ulong,
+            core::ffi::c_ulong,
+        ) -> core::ffi::c_long;
+        // SAFETY: the next `syscall` takes its arguments as words (the fourth on is unread by
+        // this call); the caller's guarantee covers the call.
+        unsafe { core::mem::transmute::<*mut c_void, Syscall>(next)(nr, operation, flags, args) }
+    })
 }
 
 /// C's `struct sigaction`, for [`export_interposer!`].

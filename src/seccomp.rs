@@ -1,4 +1,5 @@
-//! Seccomp filters the program installs on itself with `prctl(PR_SET_SECCOMP)` (wrapped). A
+//! Seccomp filters the program installs on itself with `prctl(PR_SET_SECCOMP)` or the
+//! `seccomp` system call made by libc's `syscall` (libseccomp's `seccomp_load`; both wrapped). A
 //! filter that kills for an unexpected system call (sshd's privilege separation, a sandbox's)
 //! killed the program at its exit: the leak check and the trace's end make calls its own exit
 //! does not (`sigaltstack`, `openat` of `/proc`, `process_vm_readv`, a CPU clock), and the
@@ -8,11 +9,11 @@
 //! writer through the queue's futex alone; should the kernel refuse the filter, the reports are
 //! back, and a second line says so. A filter that answers with an errno (`SECCOMP_RET_ERRNO`,
 //! as container runtimes' do) changes nothing: the reports go on, and what cannot be read is
-//! said. Not seen: filters installed by the `seccomp` system call (libseccomp's `seccomp_load`,
-//! Chromium's sandbox) or inherited at start. A filter installed on one thread gives up the
+//! said. Not seen: filters installed by a system call instruction of the program's own
+//! (Chromium's sandbox), or inherited at start. A filter installed on one thread gives up the
 //! whole process's reports.
 
-use core::ffi::{c_int, c_ulong, c_void};
+use core::ffi::{c_int, c_long, c_ulong, c_void};
 use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::{os, tls};
@@ -27,9 +28,10 @@ pub(crate) fn may_kill() -> bool {
     MAY_KILL.load(Ordering::Acquire)
 }
 
-/// Looks up libc's `prctl` at start (see [`crate::program_mappings::warm_up`]).
+/// Looks up libc's `prctl` and `syscall` at start (see [`crate::program_mappings::warm_up`]).
 pub(crate) fn warm_up() {
     os::next_symbol_cached(&NEXT_PRCTL, c"prctl");
+    os::next_symbol_cached(&crate::interpose::NEXT_SYSCALL, c"syscall");
 }
 
 type Prctl = unsafe extern "C" fn(c_int, c_ulong, c_ulong, c_ulong, c_ulong) -> c_int;
@@ -51,28 +53,86 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
         os::set_errno(libc::ENOSYS);
         return -1;
     };
-    let strict = option == libc::PR_SET_SECCOMP && a2 == libc::SECCOMP_MODE_STRICT as c_ulong;
+    let mode = match (option, a2) {
+        (libc::PR_SET_SECCOMP, m) if m == libc::SECCOMP_MODE_STRICT as c_ulong => Some(Mode::Strict),
+        (libc::PR_SET_SECCOMP, m) if m == libc::SECCOMP_MODE_FILTER as c_ulong => Some(Mode::Filter(a3)),
+        _ => None,
+    };
+    // SAFETY: the caller's guarantee covers the arguments.
+    let call = || unsafe { next(option, a2, a3, a4, a5) };
+    let r = match mode {
+        Some(mode) => install(mode, || {
+            let r = call();
+            (r, r == 0)
+        }),
+        None => call(),
+    };
+    if r == 0 && option == libc::PR_SET_TSC && a2 == libc::PR_TSC_SIGSEGV as c_ulong {
+        let errno = os::errno();
+        os::clocks_without_tsc();
+        os::set_errno(errno);
+    }
+    r
+}
+
+/// The `seccomp` system call made through libc's `syscall` (libseccomp's `seccomp_load`), as
+/// [`prctl`]'s `PR_SET_SECCOMP`: `operation` 0 is strict mode, 1 a filter at `args`. `make`
+/// makes the call; it succeeded if it returned 0, or a descriptor with
+/// `SECCOMP_FILTER_FLAG_NEW_LISTENER` (with `SECCOMP_FILTER_FLAG_TSYNC` a thread's id is a
+/// failure).
+pub(crate) fn seccomp(operation: c_ulong, flags: c_ulong, args: c_ulong, make: impl FnOnce() -> c_long) -> c_long {
+    const SET_MODE_STRICT: c_ulong = 0;
+    const SET_MODE_FILTER: c_ulong = 1;
+    const FLAG_NEW_LISTENER: c_ulong = 8;
+    let mode = match operation {
+        // With flags or arguments, strict mode is refused (libseccomp asks so, to learn
+        // whether the call exists).
+        SET_MODE_STRICT if flags == 0 && args == 0 => Mode::Strict,
+        SET_MODE_FILTER => Mode::Filter(args),
+        _ => return make(),
+    };
+    install(mode, || {
+        let r = make();
+        (r, r == 0 || r > 0 && flags & FLAG_NEW_LISTENER != 0)
+    })
+}
+
+/// What a call asks to put in force.
+#[derive(Clone, Copy)]
+enum Mode {
+    Strict,
+    /// A filter, with the address of its `sock_fprog`.
+    Filter(c_ulong),
+}
+
+/// Puts a filter in force by `make` (its result, and whether the kernel took it): noted first
+/// if it may kill, the note taken back if the kernel refused it. `errno` is the call's.
+fn install<R>(mode: Mode, make: impl FnOnce() -> (R, bool)) -> R {
     // Not in a `vfork` child: the state is its parent's. Asked before the call: in strict mode
     // the question's `getpid` would kill the thread.
-    let owns_the_reports = option == libc::PR_SET_SECCOMP && crate::preload::owns_the_reports();
-    if option == libc::PR_SET_SECCOMP && owns_the_reports {
+    let owns_the_reports = crate::preload::owns_the_reports();
+    if owns_the_reports {
         // A forked child's trace writer starts while the child may still fork, make a socket
         // and open its trace (see `Writer::after_fork_child`).
         crate::trace::writer::start_deferred(false);
     }
-    let gives_up = option == libc::PR_SET_SECCOMP && !may_kill() && owns_the_reports && would_kill(next, a2, a3);
+    let (kills, refuses_wakes) = if owns_the_reports { judge(mode) } else { (false, false) };
+    let gives_up = kills && !may_kill();
     if gives_up {
         give_up_reports();
+    } else if refuses_wakes {
+        // Its `sendto` refused with an errno (man-db's sandbox answers ENOSYS), the writer
+        // slept on for want of a wake, and the exit waited 10 s for it (review helper 149).
+        crate::trace::writer::before_filter();
     }
-    // SAFETY: the caller's guarantee covers the arguments.
-    let r = unsafe { next(option, a2, a3, a4, a5) };
+    let (r, took) = make();
     let errno = os::errno();
-    if gives_up && r != 0 {
+    if gives_up && !took {
         take_back(errno);
     }
     // Not in a `vfork` child, whose thread state is its parent's (the parent went unspied,
     // its exit without a report: review helper 127).
-    if r == 0 && strict && owns_the_reports {
+    if took && matches!(mode, Mode::Strict) && owns_the_reports {
         // This thread may make no system call but `read`, `write`, `exit` and `sigreturn`
         // from now on, nor read the time-stamp counter: a sample's clock raised SIGSEGV, its
         // thread's first record a `gettid` that killed it (review helper 124).
@@ -81,31 +141,28 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
             ts.depth.set(tls::UNSPIED);
         }
     }
-    if r == 0 && option == libc::PR_SET_TSC && a2 == libc::PR_TSC_SIGSEGV as c_ulong {
-        os::clocks_without_tsc();
-    }
     os::set_errno(errno);
     r
 }
 
-/// Whether `prctl(PR_SET_SECCOMP, mode, program)` would put in force a filter that may kill a
-/// call of the reports: strict mode (it kills all but four calls); a filter that may
-/// ([`may_kill_by`]). Not a call the kernel will refuse at once (another mode; a filter that
-/// cannot be read, that the kernel's checks refuse, or from a process with neither
-/// `no_new_privs` nor `CAP_SYS_ADMIN`).
-fn would_kill(next: Prctl, mode: c_ulong, program: c_ulong) -> bool {
-    match mode as u32 {
-        libc::SECCOMP_MODE_STRICT => true,
-        libc::SECCOMP_MODE_FILTER => {
+/// What putting `mode` in force would do: whether it may kill a call of the reports (strict
+/// mode kills all but four calls; a filter may, see [`may_kill_by`]), and whether it refuses
+/// one of the calls that wake the trace writer through its socket ([`refuses_wakes`]). Neither
+/// for a call the kernel will refuse at once (a filter that cannot be read, that the kernel's
+/// checks refuse, or from a process with neither `no_new_privs` nor `CAP_SYS_ADMIN`).
+fn judge(mode: Mode) -> (bool, bool) {
+    match mode {
+        Mode::Strict => (true, true),
+        Mode::Filter(program) => {
             // SAFETY: a query, with no pointer.
-            let no_new_privs = unsafe { next(libc::PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) } == 1;
+            let no_new_privs =
+                unsafe { os::raw_syscall(libc::SYS_prctl, [libc::PR_GET_NO_NEW_PRIVS as usize, 0, 0, 0, 0, 0]) } == 1;
             if !no_new_privs && !has_sys_admin() {
-                return false;
+                return (false, false);
             }
             let traced = crate::leaks::stop::tracer_under_filter(no_new_privs);
-            read_filter(program).is_some_and(|filter| may_kill_by(&filter, traced))
+            read_filter(program).map_or((false, false), |filter| (may_kill_by(&filter, traced), refuses_wakes(&filter)))
         }
-        _ => false,
     }
 }
 
@@ -152,13 +209,14 @@ fn read_filter(address: c_ulong) -> Option<Vec<libc::sock_filter>> {
 
 /// The system calls the reports at the end make (`strace` of every spy's exit report and
 /// trace end, a signal's included), by their x86_64 numbers.
-const REPORTS_CALL: [libc::c_long; 36] = [
+const REPORTS_CALL: [libc::c_long; 37] = [
     libc::SYS_read,
     libc::SYS_write,
     libc::SYS_pread64,
     libc::SYS_openat,
     libc::SYS_close,
     libc::SYS_lseek,
+    libc::SYS_fstat,
     libc::SYS_newfstatat,
     libc::SYS_statx,
     libc::SYS_fcntl,
@@ -212,6 +270,26 @@ fn may_kill_by(filter: &[libc::sock_filter], traced: bool) -> bool {
         }
     }
     kills_one
+}
+
+/// The calls that wake the trace writer through its socket and wait for its end there (see
+/// `trace::writer::wake`).
+const WAKE_CALLS: [libc::c_long; 4] = [libc::SYS_sendto, libc::SYS_recvfrom, libc::SYS_poll, libc::SYS_fstat];
+
+/// Whether the seccomp `filter` does not run one of [`WAKE_CALLS`] on a descriptor numbered high
+/// (a filter the kernel would refuse does not count).
+fn refuses_wakes(filter: &[libc::sock_filter]) -> bool {
+    const ACTION: u32 = 0xffff_0000;
+    const LOG: u32 = 0x7ffc_0000;
+    const ALLOW: u32 = 0x7fff_0000;
+    let mut refuses_one = false;
+    for nr in WAKE_CALLS {
+        match run(filter, nr as u32, 1000) {
+            None => return false,
+            Some(action) => refuses_one |= !matches!(action & ACTION, LOG | ALLOW),
+        }
+    }
+    refuses_one
 }
 
 /// Whether a filter's return value ends the call other than by running it or failing it: the

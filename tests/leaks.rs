@@ -713,13 +713,20 @@ fn a_sandboxed_program_keeps_its_status_and_report() {
 /// A program whose seccomp filter kills every call but its own (sshd's privilege separation)
 /// ends as natively, by its `return` or its SIGTERM: the exit reports, whose calls (`openat` of
 /// `/proc`, `sigaltstack`, ...) killed it by SIGSYS, are given up, said in one line when the
-/// filter was installed (review helper 99).
+/// filter was installed (review helper 99), by `prctl` or by the `seccomp` system call
+/// through `syscall` (libseccomp's way).
 #[test]
 fn a_program_under_a_filter_that_kills_unexpected_calls_ends_as_natively() {
     let program = c_program("sandboxed.c");
-    for (how, status, signal) in [("allow_list", Some(3), None), ("allow_list_term", None, Some(libc::SIGTERM))] {
+    for (how, status, signal) in [
+        ("allow_list", Some(3), None),
+        ("allow_list_term", None, Some(libc::SIGTERM)),
+        ("syscall_allow_list", Some(3), None),
+        ("syscall_allow_list_term", None, Some(libc::SIGTERM)),
+    ] {
         let native = Command::new(&program).args([how, "0"]).output().unwrap();
-        for mode in [Mode::Shim("spy=leaks"), Mode::Shim("spy=ticks"), Mode::Shim("spy=guard")] {
+        for mode in [Mode::Shim("spy=leaks"), Mode::Shim("spy=ticks"), Mode::Shim("spy=guard"), Mode::Shim("spy=count")]
+        {
             use std::os::unix::process::ExitStatusExt;
             let out = run(mode, Command::new(&program).args([how, "0"]));
             let ended = (out.status.code(), out.status.signal(), text(&out.stdout));
@@ -735,11 +742,13 @@ fn a_program_under_a_filter_that_kills_unexpected_calls_ends_as_natively() {
     }
     // A filter the kernel refuses (here, at an address that cannot be read: mallocspy's own read
     // of it crashed the program) leaves the reports in place.
-    let out = run(JSON_REPORT, Command::new(&program).args(["bad_pointer", "0"]));
-    let ended = (out.status.code(), text(&out.stdout));
-    assert_eq!(ended, (Some(3), "refused: Bad address\nsandboxed\n".to_owned()), "{}", text(&out.stderr));
-    let s = &json_report(&out)["summary"];
-    assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{s}");
+    for how in ["bad_pointer", "syscall_bad_pointer"] {
+        let out = run(JSON_REPORT, Command::new(&program).args([how, "0"]));
+        let ended = (out.status.code(), text(&out.stdout));
+        assert_eq!(ended, (Some(3), "refused: Bad address\nsandboxed\n".to_owned()), "{how}: {}", text(&out.stderr));
+        let s = &json_report(&out)["summary"];
+        assert_eq!(s["definitely_lost"], serde_json::json!({"blocks": 1, "bytes": 40}), "{how}: {s}");
+    }
     // Refused with EPERM instead, the calls fail: the check says in one line what it could not
     // read (std's hash maps' `getrandom` panicked, and the program aborted; then no line came,
     // the report's descriptors failing their `fstat`).

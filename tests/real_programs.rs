@@ -226,3 +226,43 @@ fn a_go_program_is_told_apart_and_its_report_comes_with_cs_exit() {
     assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{stderr}");
     assert!(stderr.contains("LEAK SUMMARY") && stderr.contains("4,242 bytes"), "{stderr}");
 }
+
+/// universal-ctags's sandbox (`--_interactive=sandbox`) puts the process under a libseccomp
+/// filter, installed by the `seccomp` system call through libc's `syscall`, that kills every
+/// call it does not list: under every spy the program died of SIGSYS at its exit (the
+/// reports' `getpid`), and under the guard at a `free` (the return of a region's pages), where
+/// natively it exits 0. The filter is now seen as `prctl`'s is: the reports are given up, in one
+/// line.
+#[test]
+fn universal_ctags_in_its_seccomp_sandbox_ends_as_natively() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = "int main(void) { return 0; }\nstatic int counter;\n";
+    std::fs::write(dir.path().join("a.c"), source).unwrap();
+    let request = format!("{{\"command\":\"generate-tags\",\"filename\":\"a.c\",\"size\":{}}}\n{source}", source.len());
+    std::fs::write(dir.path().join("request"), request).unwrap();
+    let trace = format!("spy=ticks:trace={}/t.%p.trace", dir.path().display());
+    let traced: &'static str = Box::leak(trace.into_boxed_str());
+    let ctags = |mode: Mode| {
+        let mut c = Command::new("ctags");
+        c.arg("--_interactive=sandbox")
+            .current_dir(dir.path())
+            .stdin(std::fs::File::open(dir.path().join("request")).unwrap());
+        run(mode, &mut c)
+    };
+    let native = ctags(Mode::Native);
+    assert!(
+        native.status.success() && text(&native.stdout).contains("\"name\": \"counter\""),
+        "ctags natively (install universal-ctags: scripts/install-deps.sh does): {native:?}"
+    );
+    for mode in Mode::ALL[1..].iter().copied().chain([Mode::Shim(traced)]) {
+        let out = ctags(mode);
+        assert_eq!((out.status.code(), &out.stdout), (Some(0), &native.stdout), "{mode:?}: {}", text(&out.stderr));
+        let said = if mode == PASS_THROUGH {
+            ""
+        } else {
+            "mallocspy: the program puts itself under a seccomp filter that may kill it for a system call it does not \
+             expect; the reports at its end make such calls, so they are given up\n"
+        };
+        assert_eq!(text(&out.stderr), said, "{mode:?}");
+    }
+}
