@@ -143,6 +143,30 @@ fn other_traces(template: &str, named: &str, started_ns: u64, run: &str) -> Vec<
     found.into_iter().map(|(size, path, program)| (path, program, size.0)).collect()
 }
 
+/// How long `record` waits for the program's trace writer to let go of its trace.
+const WRITER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Waits, for [`WRITER_PATIENCE`] at most, until no trace writer holds the trace at `path`
+/// (each holds its file's lock for as long as it runs): a program that a signal ended did not
+/// wait for its writer to finish, and the size said was the size half-way (review helper 148:
+/// 174 bytes said of a trace of 8,414).
+fn wait_for_writer(path: &str) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not blocking: a FIFO at the path has no writer to wait for.
+    let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path) else {
+        return;
+    };
+    let start = std::time::Instant::now();
+    // SAFETY: flock on a descriptor we own; the shared lock goes with the file.
+    while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
+        && start.elapsed() < WRITER_PATIENCE
+    {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// Traces [`other_traces`] names in its line at most.
 const OTHERS_LISTED: usize = 5;
 
@@ -193,6 +217,7 @@ pub fn record(args: RecordArgs) -> ExitCode {
             }
         }
     };
+    wait_for_writer(&trace);
     match std::fs::metadata(&trace) {
         Ok(m) => {
             say!(
