@@ -348,12 +348,17 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
         // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
         // directory) leaves the truncating open below to do what it can. A symbolic link
         // stays, to be written through.
-        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0
-            && st.st_mode & libc::S_IFMT == libc::S_IFREG
-            && !(earlier && holds_its_own_events(&path) && keep_beside(&path))
-        {
-            // SAFETY: as above.
-            unsafe { libc::unlink(c.as_ptr()) };
+        if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
+            let judged = if earlier { holds_its_own_events(&path) } else { Some(false) };
+            let kept = if judged == Some(false) { None } else { keep_beside(&path) };
+            match kept {
+                // SAFETY: as above.
+                None => unsafe {
+                    libc::unlink(c.as_ptr());
+                },
+                Some(kept) if judged.is_none() => drop_if_idle(&kept),
+                Some(_) => {}
+            }
         }
     }
     let fd =
@@ -370,15 +375,16 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
 /// beside its trace, as many again as a script ran commands. Its writer may still be
 /// writing the image's last records: until it lets go of the file (its lock; for
 /// [`DRAIN_WAIT_MS`] at most), only a record of its own decides. Where no one can tell (a
-/// file system without `flock`, NFS's emulation of it on a file opened for reading), or
-/// when the writer is slow, the trace is kept: a writer that then ends with nothing of its
-/// own removes it (see [`remove_if_idle_before_exec`]).
-fn holds_its_own_events(path: &str) -> bool {
+/// file system without `flock`, NFS's emulation of it on a file opened for reading), the
+/// trace is kept. `None` when the writer is slow: the trace is kept, and a writer that then
+/// ends with nothing of its own removes it (see [`remove_if_idle_before_exec`], and
+/// [`drop_if_idle`] for one that ended meanwhile).
+fn holds_its_own_events(path: &str) -> Option<bool> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     // Not blocking: a FIFO put at the path since it was looked at waits for no writer.
     let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path) else {
-        return false;
+        return Some(false);
     };
     let start = os::monotonic_ns();
     loop {
@@ -387,18 +393,35 @@ fn holds_its_own_events(path: &str) -> bool {
         let done = match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
             0 => true,
             _ if os::errno() == libc::EWOULDBLOCK => false,
-            _ => return true,
+            _ => return Some(true),
         };
         // While it is written, only a short trace is read again and again: a child of a
         // large heap inherits megabytes of samples, read once its writer is done.
         let short = file.metadata().is_ok_and(|m| m.len() <= READ_WHILE_WRITTEN);
         let found = if done || short { own_events(&file) } else { None };
         match (found, done) {
-            (Some(true), _) => return true,
-            (found, true) => return found != Some(false),
-            (_, false) if os::monotonic_ns() - start > DRAIN_WAIT_MS * 1_000_000 => return true,
+            (Some(true), _) => return Some(true),
+            (found, true) => return Some(found != Some(false)),
+            (_, false) if os::monotonic_ns() - start > DRAIN_WAIT_MS * 1_000_000 => return None,
             _ => os::pause_us(1000),
         }
+    }
+}
+
+/// After [`keep_beside`] kept the trace at `kept` while its writer was still at work: if the
+/// writer has let go of it since, removes it when it holds nothing of its image's own. The
+/// writer's end judges the trace by its name, and may have come just before the rename.
+fn drop_if_idle(kept: &str) {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(kept) else {
+        return;
+    };
+    // SAFETY: flock on a descriptor we own.
+    let let_go = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    let same = |m: std::fs::Metadata| file.metadata().is_ok_and(|f| f.ino() == m.ino() && f.dev() == m.dev());
+    if let_go && own_events(&file) == Some(false) && std::fs::symlink_metadata(kept).is_ok_and(same) {
+        let _ = std::fs::remove_file(kept);
     }
 }
 
@@ -479,31 +502,32 @@ fn forget_earlier_images(path: &str) {
 }
 
 /// Renames the trace at `path` to the first free `PATH.before-exec`, `PATH.before-exec.2`, ...;
-/// whether it did (another file system's refusal, a hundred taken: it is replaced).
-fn keep_beside(path: &str) -> bool {
-    let Ok(from) = std::ffi::CString::new(path) else { return false };
+/// the name it took, if it did (another file system's refusal, a hundred taken: it is
+/// replaced).
+fn keep_beside(path: &str) -> Option<String> {
+    let from = std::ffi::CString::new(path).ok()?;
     for n in 1..=100 {
         let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
-        let Ok(to) = std::ffi::CString::new(name) else { return false };
+        let to = std::ffi::CString::new(name.as_str()).ok()?;
         // SAFETY: two NUL-terminated paths; RENAME_NOREPLACE fails rather than replace `to`.
         let renamed = unsafe {
             libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_NOREPLACE)
         } == 0;
         match (renamed, os::errno()) {
-            (true, _) => return true,
+            (true, _) => return Some(name),
             (false, libc::EEXIST) => continue,
             // A file system without RENAME_NOREPLACE: look first.
             (false, libc::EINVAL | libc::ENOSYS) => {
                 // SAFETY: as above; `access` only looks.
                 if unsafe { libc::access(to.as_ptr(), libc::F_OK) } != 0 {
                     // SAFETY: as above.
-                    return unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } == 0;
+                    return (unsafe { libc::rename(from.as_ptr(), to.as_ptr()) } == 0).then_some(name);
                 }
             }
-            (false, _) => return false,
+            (false, _) => return None,
         }
     }
-    false
+    None
 }
 
 /// Takes `fd`'s file lock without waiting; `true` when another open file (another process's
@@ -733,7 +757,15 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
-    fn serve(&self, header: &Header, trace_fd: i32, header_write: HeaderWrite, socket: i32, ring: &'static Ring) -> ! {
+    fn serve(
+        &self,
+        header: &Header,
+        trace_fd: i32,
+        first_name: Option<std::path::PathBuf>,
+        header_write: HeaderWrite,
+        socket: i32,
+        ring: &'static Ring,
+    ) -> ! {
         tls::state().depth.set(1);
         tls::state().scope_sp.set(0);
         // SAFETY: plain system calls on this process: a session of its own, every signal
@@ -768,7 +800,7 @@ impl Writer {
             next_module: 0,
             begun: false,
             own: false,
-            first_name: std::fs::read_link(format!("/proc/self/fd/{fd}")).ok(),
+            first_name,
             ended: false,
         };
         if let HeaderWrite::ByWriter = header_write {
@@ -873,6 +905,11 @@ impl Writer {
             return give_up(&[trace_fd], format!("cannot make the writer's socket: {error}"));
         }
         let (ours, its) = (fds[0], fds[1]);
+        // Its name now, before the program can `exec`: a writer that read it once started
+        // found the name a slow start had let the next image rename it to (the next image
+        // kept a trace of a header alone as `.before-exec`, 4 runs in 13 of a Java program
+        // spawning 40 children; review helper 148).
+        let first_name = std::fs::read_link(format!("/proc/self/fd/{trace_fd}")).ok();
         let Some(ring) = Ring::new_shared(QUEUE_SLOTS) else {
             return give_up(&[trace_fd, ours, its], "cannot map the trace queue".into());
         };
@@ -901,7 +938,7 @@ impl Writer {
             crate::pool::force_unlock();
             let writer = if subreaper { 0 } else { raw_fork() };
             if writer == 0 {
-                self.serve(&header, trace_fd, header_write, its, ring);
+                self.serve(&header, trace_fd, first_name, header_write, its, ring);
             }
             // The middle process: its exit status is the error of the writer's fork (at the
             // user's process limit, `RLIMIT_NPROC`, the second fork of two may fail alone).
