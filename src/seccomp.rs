@@ -9,7 +9,8 @@
 //! writer through the queue's futex alone; should the kernel refuse the filter, the reports are
 //! back, and a second line says so. A filter that answers with an errno (`SECCOMP_RET_ERRNO`,
 //! as container runtimes' do) changes nothing: the reports go on, and what cannot be read is
-//! said. Not seen: filters installed by a system call instruction of the program's own
+//! said; one that refuses the calls that wake the trace writer through its socket has it woken
+//! through the queue's futex from then on. Not seen: filters installed by a system call instruction of the program's own
 //! (Chromium's sandbox), or inherited at start. A filter installed on one thread gives up the
 //! whole process's reports.
 
