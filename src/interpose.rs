@@ -19,8 +19,10 @@ use crate::spy::Entry;
 /// routine runs, see `thread_create.rs`), `dlclose` (so that a trace names an unloaded
 /// library's code, see `dl_close.rs`), `mmap`/`mmap64`/`munmap`/`mremap` (so that the leak
 /// scan knows the program's own mappings, see `program_mappings.rs`), `sigaction`/`signal`
-/// (so that a signal ending the process writes the reports, see `ending_signals.rs`) and the
-/// `mallocspy_api_v1` table in the invoking
+/// (so that a signal ending the process writes the reports, see `ending_signals.rs`), `prctl`
+/// and `syscall` (so that a seccomp filter is seen before it is in force, see `seccomp.rs`),
+/// the `setuid` family, `setgroups` and `chroot` (so that a forked child's trace writer starts
+/// first, see `credentials.rs`) and the `mallocspy_api_v1` table in the invoking
 /// crate, forwarding to this crate's process-wide interposer.
 ///
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
@@ -87,6 +89,9 @@ macro_rules! export_interposer {
         $crate::__jump!(prctl, $crate::interpose::prctl, (option: ::core::ffi::c_int, a2: ::core::ffi::c_ulong, a3: ::core::ffi::c_ulong, a4: ::core::ffi::c_ulong, a5: ::core::ffi::c_ulong) -> ::core::ffi::c_int);
         // So is one the `seccomp` system call installs, made through `syscall` (libseccomp's).
         $crate::__syscall!();
+        // A forked child's trace writer starts before the child changes its user or root
+        // (see `credentials.rs`).
+        $crate::__credentials!(setuid, setgid, seteuid, setegid, setreuid, setregid, setresuid, setresgid, setgroups, chroot);
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -556,6 +561,31 @@ pub unsafe extern "C" fn prctl(
     // SAFETY: the caller's guarantee.
     unsafe { crate::seccomp::prctl(option, a2, a3, a4, a5) }
 }
+
+/// The exports of `credentials.rs`'s wrappers, each as three words to an `int`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __credentials {
+    ($($name:ident),*) => {
+        $($crate::__jump!($name, $crate::interpose::$name, (a: usize, b: usize, c: usize) -> ::core::ffi::c_int);)*
+    };
+}
+
+/// The wrappers of `credentials.rs`, for [`export_interposer!`].
+macro_rules! credential_wrappers {
+    ($($name:ident),*) => {
+        $(
+            /// # Safety
+            /// As the C function of this name with these arguments.
+            #[doc(hidden)]
+            pub unsafe extern "C" fn $name(a: usize, b: usize, c: usize) -> c_int {
+                // SAFETY: the caller's guarantee.
+                unsafe { crate::credentials::$name(a, b, c) }
+            }
+        )*
+    };
+}
+credential_wrappers!(setuid, setgid, seteuid, setegid, setreuid, setregid, setresuid, setresgid, setgroups, chroot);
 
 /// The `syscall` of the library after this one (libc's), which the exported `syscall` jumps to
 /// for every call but `seccomp`'s; null until looked up at start (`seccomp::warm_up`), and the

@@ -59,6 +59,7 @@
 mod alt_stack;
 mod api;
 mod bootstrap;
+mod credentials;
 mod deferred;
 mod delete_hint;
 mod dispatch;

@@ -2357,3 +2357,28 @@ fn record_says_the_size_of_a_killed_programs_whole_trace() {
         assert!(said.contains(&format!(" ({size} bytes): ")), "a trace of {size} bytes: {said}");
     }
 }
+
+/// A forked worker that drops to an unprivileged user before its first sample (nginx's and
+/// sshd's workers do) keeps its trace: its writer starts before the drop, as the process it
+/// was forked as. It started at the first sample, and the directory refused the unprivileged
+/// worker its trace ("cannot open trace ...: Permission denied", review helper 151).
+#[test]
+fn a_forked_worker_that_drops_privileges_keeps_its_trace() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: only root may drop to another user");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = "import os\np = os.fork()\nif p == 0:\n    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n    \
+                  x = [bytearray(2000) for _ in range(20000)]\n    os._exit(0)\nos.waitpid(p, 0)";
+    let out = record(dir.path(), &[], &[python().to_str().unwrap(), "-c", script]);
+    assert!(out.status.success() && !text(&out.stderr).contains("cannot open trace"), "{}", text(&out.stderr));
+    let found = traces(dir.path());
+    assert_eq!(found.len(), 2, "the program's trace and its worker's: {found:?}");
+    for trace in found {
+        let events = events_of(&trace);
+        assert!(matches!(events.last(), Some(Event::End { .. })), "{}: ends", trace.display());
+        assert!(events.iter().any(|e| matches!(e, Event::Tick(_))), "{}: samples", trace.display());
+    }
+}

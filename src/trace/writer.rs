@@ -1125,8 +1125,9 @@ impl Writer {
     /// a trace of its own (without `%p` in the path, `PATH.PID`: see [`open`]), once it has
     /// something to put in it: at its first sample, the first free of a sampled block or its
     /// first heap statistics, before it starts a thread (the writer is forked from a process
-    /// of one thread, as a rule) or installs a seccomp filter (by `prctl`, or `seccomp`
-    /// through `syscall`: it may forbid the calls that start it), or at its exit. Not at the fork: a shell's child that
+    /// of one thread, as a rule), installs a seccomp filter (by `prctl`, or `seccomp`
+    /// through `syscall`: it may forbid the calls that start it) or changes its user or root
+    /// (which may refuse it the trace's directory: see `credentials.rs`), or at its exit. Not at the fork: a shell's child that
     /// `exec`s at once (every command of a script) waited for a writer that had nothing to
     /// write (0.3 ms, or 1 ms when the machine woke an idle processor for the middle
     /// process), and left its trace to be removed.
