@@ -2382,3 +2382,34 @@ fn a_forked_worker_that_drops_privileges_keeps_its_trace() {
         assert!(events.iter().any(|e| matches!(e, Event::Tick(_))), "{}: samples", trace.display());
     }
 }
+
+/// A `record` killed by SIGKILL (`timeout -s KILL`, the OOM killer) takes its program with it,
+/// as the signal would have ended the program natively: it was left running, orphaned
+/// (review helper 151).
+#[test]
+fn a_record_killed_takes_its_program_with_it() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut record = Command::new(mallocspy())
+        .args(["record", "--output", dir.path().join("t.%p.trace").to_str().unwrap(), "--"])
+        .args(["sh", "-c", "echo $$; exec sleep 30"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(record.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let program: u32 = line.trim().parse().unwrap();
+    record.kill().unwrap();
+    record.wait().unwrap();
+    let start = Instant::now();
+    // Gone, or a zombie of init's until it is reaped.
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{program}/stat"))
+            .is_ok_and(|stat| stat.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z')))
+    };
+    while alive() && start.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!alive(), "the program {program} still runs");
+}

@@ -173,7 +173,22 @@ pub fn run_preloaded(
     options: &[String],
     program: &[OsString],
 ) -> Result<(u32, ExitStatus), ExitCode> {
-    let mut child = preloaded(shim, options, program)?.spawn().map_err(|e| cannot_run(program, &e))?;
+    let mut command = preloaded(shim, options, program)?;
+    let parent = std::process::id();
+    // The program ends with us: SIGKILLed (`timeout -s KILL`, the OOM killer), we had left it
+    // running, orphaned, where natively the signal would have ended it (review helper 151).
+    // SAFETY: prctl, getppid and raise are async-signal-safe system calls on this process.
+    unsafe {
+        command.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            // Gone before the request: it would never come.
+            if libc::getppid() as u32 != parent {
+                libc::raise(libc::SIGKILL);
+            }
+            Ok(())
+        })
+    };
+    let mut child = command.spawn().map_err(|e| cannot_run(program, &e))?;
     let pid = child.id();
     relay_signals_to(pid);
     // This process's own lines past `RLIMIT_FSIZE` then fail (EFBIG) rather than end it by
