@@ -602,7 +602,8 @@ pub const SYS_SECCOMP: core::ffi::c_long = libc::SYS_seccomp;
 
 /// C's `syscall` (variadic), defined by [`export_interposer!`]: the `seccomp` system call goes to
 /// [`syscall_seccomp`]; every other call jumps to the next library's `syscall` with the
-/// registers and stack as the caller left them (its sixth argument is on the stack), or,
+/// registers (but the scratch `r11`) and stack as the caller left them (its sixth argument is
+/// on the stack), or,
 /// before that was looked up, is made here as glibc makes it. No Rust frame on that path: a
 /// `syscall(SYS_vfork)` or `syscall(SYS_clone)` child returns through it as through libc's.
 #[doc(hidden)]
@@ -628,10 +629,11 @@ macro_rules! __syscall {
                 $crate::__cfi_start!(),
                 "cmp rdi, {seccomp}",
                 "je 8f",
-                "mov rax, qword ptr [rip + {next}]",
-                "test rax, rax",
+                // r11, not rax: a variadic callee reads `al` (the count of vector registers).
+                "mov r11, qword ptr [rip + {next}]",
+                "test r11, r11",
                 "jz 7f",
-                "jmp rax",
+                "jmp r11",
                 "7:",
                 "mov rax, rdi",
                 "mov rdi, rsi",

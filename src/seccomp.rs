@@ -56,7 +56,9 @@ pub(crate) unsafe fn prctl(option: c_int, a2: c_ulong, a3: c_ulong, a4: c_ulong,
     };
     let mode = match (option, a2) {
         (libc::PR_SET_SECCOMP, m) if m == libc::SECCOMP_MODE_STRICT as c_ulong => Some(Mode::Strict),
-        (libc::PR_SET_SECCOMP, m) if m == libc::SECCOMP_MODE_FILTER as c_ulong => Some(Mode::Filter(a3)),
+        (libc::PR_SET_SECCOMP, m) if m == libc::SECCOMP_MODE_FILTER as c_ulong => {
+            Some(Mode::Filter { program: a3, listener: false })
+        }
         _ => None,
     };
     // SAFETY: the caller's guarantee covers the arguments.
@@ -89,7 +91,7 @@ pub(crate) fn seccomp(operation: c_ulong, flags: c_ulong, args: c_ulong, make: i
         // With flags or arguments, strict mode is refused (libseccomp asks so, to learn
         // whether the call exists).
         SET_MODE_STRICT if flags == 0 && args == 0 => Mode::Strict,
-        SET_MODE_FILTER => Mode::Filter(args),
+        SET_MODE_FILTER => Mode::Filter { program: args, listener: flags & FLAG_NEW_LISTENER != 0 },
         _ => return make(),
     };
     install(mode, || {
@@ -102,8 +104,12 @@ pub(crate) fn seccomp(operation: c_ulong, flags: c_ulong, args: c_ulong, make: i
 #[derive(Clone, Copy)]
 enum Mode {
     Strict,
-    /// A filter, with the address of its `sock_fprog`.
-    Filter(c_ulong),
+    /// A filter, at the address of its `sock_fprog`; with a listener, its `USER_NOTIF`
+    /// calls wait for the program's supervisor (without, they fail with ENOSYS).
+    Filter {
+        program: c_ulong,
+        listener: bool,
+    },
 }
 
 /// Puts a filter in force by `make` (its result, and whether the kernel took it): noted first
@@ -154,7 +160,7 @@ fn install<R>(mode: Mode, make: impl FnOnce() -> (R, bool)) -> R {
 fn judge(mode: Mode) -> (bool, bool) {
     match mode {
         Mode::Strict => (true, true),
-        Mode::Filter(program) => {
+        Mode::Filter { program, listener } => {
             // SAFETY: a query, with no pointer.
             let no_new_privs =
                 unsafe { os::raw_syscall(libc::SYS_prctl, [libc::PR_GET_NO_NEW_PRIVS as usize, 0, 0, 0, 0, 0]) } == 1;
@@ -162,7 +168,8 @@ fn judge(mode: Mode) -> (bool, bool) {
                 return (false, false);
             }
             let traced = crate::leaks::stop::tracer_under_filter(no_new_privs);
-            read_filter(program).map_or((false, false), |filter| (may_kill_by(&filter, traced), refuses_wakes(&filter)))
+            read_filter(program)
+                .map_or((false, false), |filter| (may_kill_by(&filter, traced, listener), refuses_wakes(&filter)))
         }
     }
 }
@@ -253,20 +260,21 @@ const REPORTS_CALL: [libc::c_long; 37] = [
 /// The calls the check's tracer adds (see `leaks::stop::tracer_under_filter`).
 const TRACER_CALLS: [libc::c_long; 4] = [libc::SYS_clone, libc::SYS_ptrace, libc::SYS_wait4, libc::SYS_prctl];
 
-/// Whether the seccomp `filter` kills or traps (`TRAP`, whose `SIGSYS` a program's handler
-/// answers for the calls it expects, not for ours) one of [`REPORTS_CALL`] (and of
+/// Whether the seccomp `filter` kills, traps (`TRAP`, whose `SIGSYS` a program's handler
+/// answers for the calls it expects, not for ours) or, with a `listener`, hands to the
+/// program's supervisor (see [`kills`]) one of [`REPORTS_CALL`] (and of
 /// [`TRACER_CALLS`] when `traced`), run as the kernel runs it, with the calls' arguments 0, then
 /// a first argument of a descriptor numbered high (mallocspy's, see `kept_fd::move_high`). A deny
 /// list that kills `clone` or `ptrace` passes when no tracer will be made; an allow list of the
 /// program's own calls does not. A filter the kernel would refuse (see [`run`]) does not.
-fn may_kill_by(filter: &[libc::sock_filter], traced: bool) -> bool {
+fn may_kill_by(filter: &[libc::sock_filter], traced: bool, listener: bool) -> bool {
     let tracer: &[libc::c_long] = if traced { &TRACER_CALLS } else { &[] };
     let mut kills_one = false;
     for &nr in REPORTS_CALL.iter().chain(tracer) {
         for first in [0, 1000] {
             match run(filter, nr as u32, first) {
                 None => return false,
-                Some(action) => kills_one |= kills(action),
+                Some(action) => kills_one |= kills(action, listener),
             }
         }
     }
@@ -294,15 +302,21 @@ fn refuses_wakes(filter: &[libc::sock_filter]) -> bool {
 }
 
 /// Whether a filter's return value ends the call other than by running it or failing it: the
-/// kernel kills the process for every action but these (an unknown one included).
-fn kills(action: u32) -> bool {
+/// kernel kills the process for every action but these (an unknown one included). With a
+/// `listener`, `USER_NOTIF` waits for the program's supervisor, which need not answer calls it
+/// does not expect: the exit reports' `getpid` hung for good, and the SIGTERM that should have
+/// ended the program hung in its reports too (review helper 150).
+fn kills(action: u32, listener: bool) -> bool {
     const ACTION: u32 = 0xffff_0000;
     const ERRNO: u32 = 0x0005_0000;
     const USER_NOTIF: u32 = 0x7fc0_0000;
     const TRACE: u32 = 0x7ff0_0000;
     const LOG: u32 = 0x7ffc_0000;
     const ALLOW: u32 = 0x7fff_0000;
-    !matches!(action & ACTION, ERRNO | USER_NOTIF | TRACE | LOG | ALLOW)
+    match action & ACTION {
+        USER_NOTIF => listener,
+        action => !matches!(action, ERRNO | TRACE | LOG | ALLOW),
+    }
 }
 
 /// Runs a seccomp filter on the x86_64 system call `nr` with `first` as its first argument
@@ -438,6 +452,7 @@ mod tests {
     const ALLOW: u32 = 0x7fff_0000;
     const KILL: u32 = 0x8000_0000;
     const EPERM: u32 = 0x0005_0001;
+    const USER_NOTIF: u32 = 0x7fc0_0000;
 
     fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
         libc::sock_filter { code, jt, jf, k }
@@ -454,7 +469,7 @@ mod tests {
     }
 
     fn may_kill(filter: &[libc::sock_filter]) -> bool {
-        may_kill_by(filter, false)
+        may_kill_by(filter, false, false)
     }
 
     #[test]
@@ -463,6 +478,16 @@ mod tests {
         assert!(may_kill(&allow_list(&mallocs, KILL)), "sshd's kind: the program's own calls only");
         assert!(!may_kill(&allow_list(&mallocs, EPERM)), "the same, refusing with an errno");
         assert!(!may_kill(&allow_list(&REPORTS_CALL, KILL)), "every call the reports make allowed");
+        let notify = allow_list(&mallocs, USER_NOTIF);
+        assert!(may_kill_by(&notify, false, true), "handed to a supervisor that need not answer");
+        assert!(!may_kill_by(&notify, false, false), "without a listener the calls fail with ENOSYS");
+        // man-db's kind: the network's calls refused with ENOSYS.
+        let no_network = [op(LD_NR, 0, 0, 0), op(JEQ, 0, 1, libc::SYS_sendto as u32), op(RET, 0, 0, 0x0005_0026)]
+            .into_iter()
+            .chain([op(RET, 0, 0, ALLOW)])
+            .collect::<Vec<_>>();
+        assert!(!may_kill(&no_network) && refuses_wakes(&no_network));
+        assert!(!refuses_wakes(&allow_list(&WAKE_CALLS, KILL)));
         let deny_clone =
             [op(LD_NR, 0, 0, 0), op(JEQ, 0, 1, libc::SYS_clone as u32), op(RET, 0, 0, KILL), op(RET, 0, 0, ALLOW)];
         assert!(!may_kill(&deny_clone), "a deny list of a call the reports do not make");

@@ -723,6 +723,7 @@ fn a_program_under_a_filter_that_kills_unexpected_calls_ends_as_natively() {
         ("allow_list_term", None, Some(libc::SIGTERM)),
         ("syscall_allow_list", Some(3), None),
         ("syscall_allow_list_term", None, Some(libc::SIGTERM)),
+        ("syscall_allow_list_notify", Some(3), None),
     ] {
         let native = Command::new(&program).args([how, "0"]).output().unwrap();
         for mode in [Mode::Shim("spy=leaks"), Mode::Shim("spy=ticks"), Mode::Shim("spy=guard"), Mode::Shim("spy=count")]
