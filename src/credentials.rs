@@ -3,7 +3,9 @@
 //! at its first record (see `trace::writer::start_deferred`), and the writer opens the trace
 //! then: after a worker's drop to an unprivileged user (nginx's and sshd's workers) it was
 //! refused the directory, and the child ran without a trace (review helper 151). Its writer
-//! starts before such a call instead, as the process it was forked as.
+//! starts before such a call instead, as the process it was forked as (and keeps running as
+//! that user: it reads the queue the dropped worker writes). A privileged process that becomes
+//! another user gives it its trace file first, for the program it may `exec` next to replace.
 
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::AtomicPtr;
@@ -20,9 +22,10 @@ const fn c_name(name: &'static str) -> &'static CStr {
 
 /// Defines, for each name, the wrapper `interpose` exports under it (with the slot of the next
 /// library's function), and [`WRAPPED`] for [`warm_up`]. Every one takes at most three words and
-/// returns an `int`; the words beyond a function's own are passed on unread.
+/// returns an `int`; the words beyond a function's own are passed on unread. After a name, the
+/// index of the argument that is the effective user the call asks for, if it asks for one.
 macro_rules! wrappers {
-    ($($name:ident),* $(,)?) => {
+    ($($name:ident: $euid:expr),* $(,)?) => {
         /// The wrapped functions: the slot of each one's next, and its name.
         const WRAPPED: &[(&AtomicPtr<c_void>, &CStr)] = &[$((&$name::NEXT, $name::NAME)),*];
         $(
@@ -38,14 +41,26 @@ macro_rules! wrappers {
             /// # Safety
             /// As the C function with these arguments.
             pub(crate) unsafe fn $name(a: usize, b: usize, c: usize) -> c_int {
+                let euid: Option<usize> = $euid;
                 // SAFETY: the caller's guarantee.
-                unsafe { call(&$name::NEXT, $name::NAME, [a, b, c]) }
+                unsafe { call(&$name::NEXT, $name::NAME, [a, b, c], euid.map(|i| [a, b, c][i] as u32)) }
             }
         )*
     };
 }
 
-wrappers!(setuid, setgid, seteuid, setegid, setreuid, setregid, setresuid, setresgid, setgroups, chroot);
+wrappers!(
+    setuid: Some(0),
+    seteuid: Some(0),
+    setreuid: Some(1),
+    setresuid: Some(1),
+    setgid: None,
+    setegid: None,
+    setregid: None,
+    setresgid: None,
+    setgroups: None,
+    chroot: None,
+);
 
 /// Looks up the wrapped functions at start (see [`crate::program_mappings::warm_up`]).
 pub(crate) fn warm_up() {
@@ -54,17 +69,25 @@ pub(crate) fn warm_up() {
     }
 }
 
-/// Starts a forked child's writer, then calls the next library's function `name`.
+/// Starts a forked child's writer, then calls the next library's function `name`. A call that
+/// makes a privileged process another user (`euid`, -1 for none) gives it the trace first.
+/// `errno` is the call's alone.
 ///
 /// # Safety
 /// As the function with these arguments.
-unsafe fn call(slot: &AtomicPtr<c_void>, name: &CStr, [a, b, c]: [usize; 3]) -> c_int {
+unsafe fn call(slot: &AtomicPtr<c_void>, name: &CStr, [a, b, c]: [usize; 3], euid: Option<u32>) -> c_int {
+    let errno = os::errno();
     crate::trace::writer::start_deferred(false);
+    // SAFETY: geteuid has no preconditions.
+    if let Some(uid) = euid.filter(|&uid| uid != u32::MAX && unsafe { libc::geteuid() } == 0 && uid != 0) {
+        crate::trace::writer::hand_trace_to(uid);
+    }
     let f = os::next_symbol_cached(slot, name);
     if f.is_null() {
         os::set_errno(libc::ENOSYS);
         return -1;
     }
+    os::set_errno(errno);
     type Three = unsafe extern "C" fn(usize, usize, usize) -> c_int;
     // SAFETY: the C function takes at most three words and returns an int; the caller's
     // guarantee covers the arguments.

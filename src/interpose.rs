@@ -181,7 +181,7 @@ macro_rules! __jump {
 /// relies on it (`movaps` to and from the stack). glibc's allocator happens not to, so
 /// hand-written assembly that calls `malloc` with the stack 8 bytes off runs natively; it
 /// crashed on every spied path. Such a call goes through `push rbp` / `and rsp, -16` /
-/// `call` / `leave`: `rax` is free to test with (no export is variadic, and its notes of the
+/// `call` / `leave`: `rax` is free to test with (no target is variadic, and its notes of the
 /// caller's stack are taken before), and an aligned call pays three instructions.
 ///
 /// It ends the function's unwind information, which [`__cfi_start!`](crate::__cfi_start) begins:

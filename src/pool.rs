@@ -210,14 +210,14 @@ pub(crate) fn first_owned_above(start: u64, end: u64) -> Option<u64> {
 /// `region` came from [`lease`] with the same `bytes` and nothing uses it any more.
 pub(crate) unsafe fn give_back(region: NonNull<u8>, bytes: usize) {
     let Some((size, class)) = class_of(bytes) else { return };
-    if crate::seccomp::may_kill() {
-        // Under a filter that may kill for `madvise` (universal-ctags's sandbox, where a free
-        // under the guard died of SIGSYS), the pages stay, zeroed by hand for the next lease.
-        // SAFETY: the caller's guarantee: the whole region is ours and unused.
-        unsafe { core::ptr::write_bytes(region.as_ptr(), 0, size) };
-    } else {
+    // Not under a filter that may kill for `madvise` (universal-ctags's sandbox, where a free
+    // under the guard died of SIGSYS); and it fails on locked pages (`mlockall`) or under a
+    // filter that refuses it: the pages then stay, zeroed by hand for the next lease (the
+    // `bytes` its lease asked for: no more was written).
+    // SAFETY: the caller's guarantee: the whole region is ours and unused.
+    if crate::seccomp::may_kill() || unsafe { libc::madvise(region.as_ptr().cast(), size, libc::MADV_DONTNEED) } != 0 {
         // SAFETY: as above.
-        unsafe { libc::madvise(region.as_ptr().cast(), size, libc::MADV_DONTNEED) };
+        unsafe { core::ptr::write_bytes(region.as_ptr(), 0, bytes.min(size)) };
     }
     let c = &FREE[class];
     let _guard = c.lock.lock();

@@ -113,8 +113,10 @@ enum Mode {
 }
 
 /// Puts a filter in force by `make` (its result, and whether the kernel took it): noted first
-/// if it may kill, the note taken back if the kernel refused it. `errno` is the call's.
+/// if it may kill, the note taken back if the kernel refused it. `errno` is the call's alone.
 fn install<R>(mode: Mode, make: impl FnOnce() -> (R, bool)) -> R {
+    // The program's, for a call that succeeds (and sets none).
+    let errno = os::errno();
     // Not in a `vfork` child: the state is its parent's. Asked before the call: in strict mode
     // the question's `getpid` would kill the thread.
     let owns_the_reports = crate::preload::owns_the_reports();
@@ -132,6 +134,7 @@ fn install<R>(mode: Mode, make: impl FnOnce() -> (R, bool)) -> R {
         // slept on for want of a wake, and the exit waited 10 s for it (review helper 149).
         crate::trace::writer::before_filter();
     }
+    os::set_errno(errno);
     let (r, took) = make();
     let errno = os::errno();
     if gives_up && !took {

@@ -2361,7 +2361,9 @@ fn record_says_the_size_of_a_killed_programs_whole_trace() {
 /// A forked worker that drops to an unprivileged user before its first sample (nginx's and
 /// sshd's workers do) keeps its trace: its writer starts before the drop, as the process it
 /// was forked as. It started at the first sample, and the directory refused the unprivileged
-/// worker its trace ("cannot open trace ...: Permission denied", review helper 151).
+/// worker its trace ("cannot open trace ...: Permission denied", review helper 151). One that
+/// then `exec`s gives its trace file to the user first, and the new program replaces it
+/// (review helper 152).
 #[test]
 fn a_forked_worker_that_drops_privileges_keeps_its_trace() {
     // SAFETY: geteuid has no preconditions.
@@ -2369,17 +2371,28 @@ fn a_forked_worker_that_drops_privileges_keeps_its_trace() {
         eprintln!("skipped: only root may drop to another user");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let script = "import os\np = os.fork()\nif p == 0:\n    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n    \
-                  x = [bytearray(2000) for _ in range(20000)]\n    os._exit(0)\nos.waitpid(p, 0)";
-    let out = record(dir.path(), &[], &[python().to_str().unwrap(), "-c", script]);
-    assert!(out.status.success() && !text(&out.stderr).contains("cannot open trace"), "{}", text(&out.stderr));
-    let found = traces(dir.path());
-    assert_eq!(found.len(), 2, "the program's trace and its worker's: {found:?}");
-    for trace in found {
-        let events = events_of(&trace);
-        assert!(matches!(events.last(), Some(Event::End { .. })), "{}: ends", trace.display());
-        assert!(events.iter().any(|e| matches!(e, Event::Tick(_))), "{}: samples", trace.display());
+    // The worker works (nginx's), or `exec`s a program as that user (su's, cron's): in a sticky
+    // directory only a file's owner may replace it, and the program ran without a trace.
+    let work = "x = [bytearray(2000) for _ in range(20000)]";
+    // The system's python3: the user can run it (pyenv's is in root's home).
+    let exec = format!("os.execv('/usr/bin/python3', ['python3', '-c', {work:?}])");
+    for then in [work.to_string(), exec] {
+        let dir = tempfile::tempdir().unwrap();
+        let sticky = std::os::unix::fs::PermissionsExt::from_mode(0o1777);
+        std::fs::set_permissions(dir.path(), sticky).unwrap();
+        let script = format!(
+            "import os\np = os.fork()\nif p == 0:\n    os.setgroups([]); os.setgid(65534); os.setuid(65534)\n    \
+             {then}\n    os._exit(0)\nos.waitpid(p, 0)"
+        );
+        let out = record(dir.path(), &[], &[python().to_str().unwrap(), "-c", &script]);
+        assert!(out.status.success() && !text(&out.stderr).contains("cannot open trace"), "{}", text(&out.stderr));
+        let found = traces(dir.path());
+        assert_eq!(found.len(), 2, "{then}: the program's trace and its worker's: {found:?}");
+        for trace in found {
+            let events = events_of(&trace);
+            assert!(matches!(events.last(), Some(Event::End { .. })), "{then}: {} ends", trace.display());
+            assert!(events.iter().any(|e| matches!(e, Event::Tick(_))), "{then}: {} samples", trace.display());
+        }
     }
 }
 

@@ -135,6 +135,24 @@ pub(crate) fn writer() -> Option<&'static Writer> {
 /// of [`process_mark`]) of a child that waits, and is not it.
 static DEFERRED: AtomicU32 = AtomicU32::new(0);
 
+/// The path of the trace this process's writer writes (a leaked C string), and the pid it is
+/// that process's for (a forked child has its parent's until its own writer starts).
+static TRACE_PATH: AtomicPtr<libc::c_char> = AtomicPtr::new(core::ptr::null_mut());
+static TRACE_PATH_PID: AtomicU32 = AtomicU32::new(0);
+
+/// Gives the calling process's trace file to user `uid`, before the process becomes that user:
+/// a worker that drops its privileges and `exec`s leaves the trace to the new image, which
+/// replaces it (as the user it now is: in a sticky directory only the file's owner may remove
+/// it, and the new image ran without a trace; review helper 152).
+pub(crate) fn hand_trace_to(uid: u32) {
+    let path = TRACE_PATH.load(Ordering::Acquire);
+    if !path.is_null() && TRACE_PATH_PID.load(Ordering::Acquire) == os::getpid() {
+        // SAFETY: a NUL-terminated path leaked by `launch`; chown takes no memory of ours. A
+        // refusal (another file system's) leaves the file as it is.
+        unsafe { libc::chown(path, uid, u32::MAX) };
+    }
+}
+
 /// The thread starting a deferred writer (0: none).
 static STARTING: AtomicU32 = AtomicU32::new(0);
 
@@ -886,6 +904,10 @@ impl Writer {
         let header = Header { pid: os::getpid(), start_unix_ns, ..self.header.clone() };
         let descendant = forked || (self.owner != 0 && self.owner != header.pid);
         let (trace_fd, path, header_write) = create(&self.template, descendant, &header)?;
+        if let Ok(c) = std::ffi::CString::new(path.as_str()) {
+            TRACE_PATH.store(c.into_raw(), Ordering::Release);
+            TRACE_PATH_PID.store(header.pid, Ordering::Release);
+        }
         let took_the_path =
             !options::names_pid(&self.template) && path == options::expand_path(&self.template, header.pid);
         if took_the_path && self.owner != header.pid {
