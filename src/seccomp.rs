@@ -10,9 +10,9 @@
 //! back, and a second line says so. A filter that answers with an errno (`SECCOMP_RET_ERRNO`,
 //! as container runtimes' do) changes nothing: the reports go on, and what cannot be read is
 //! said; one that refuses the calls that wake the trace writer through its socket has it woken
-//! through the queue's futex from then on. Not seen: filters installed by a system call instruction of the program's own
-//! (Chromium's sandbox), or inherited at start. A filter installed on one thread gives up the
-//! whole process's reports.
+//! through the queue's futex from then on. Not seen: filters installed by a system call
+//! instruction of the program's own (Chromium's sandbox), or inherited at start. A filter
+//! installed on one thread gives up the whole process's reports.
 
 use core::ffi::{c_int, c_long, c_ulong, c_void};
 use core::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
