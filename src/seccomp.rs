@@ -284,6 +284,15 @@ fn may_kill_by(filter: &[libc::sock_filter], traced: bool, listener: bool) -> bo
     kills_one
 }
 
+/// A filter's return value: its action (`& ACTION`), and the actions that do not end the call
+/// at once.
+const ACTION: u32 = 0xffff_0000;
+const ERRNO: u32 = 0x0005_0000;
+const USER_NOTIF: u32 = 0x7fc0_0000;
+const TRACE: u32 = 0x7ff0_0000;
+const LOG: u32 = 0x7ffc_0000;
+const ALLOW: u32 = 0x7fff_0000;
+
 /// The calls that wake the trace writer through its socket and wait for its end there (see
 /// `trace::writer::wake`).
 const WAKE_CALLS: [libc::c_long; 4] = [libc::SYS_sendto, libc::SYS_recvfrom, libc::SYS_poll, libc::SYS_fstat];
@@ -291,9 +300,6 @@ const WAKE_CALLS: [libc::c_long; 4] = [libc::SYS_sendto, libc::SYS_recvfrom, lib
 /// Whether the seccomp `filter` does not run one of [`WAKE_CALLS`] on a descriptor numbered high
 /// (a filter the kernel would refuse does not count).
 fn refuses_wakes(filter: &[libc::sock_filter]) -> bool {
-    const ACTION: u32 = 0xffff_0000;
-    const LOG: u32 = 0x7ffc_0000;
-    const ALLOW: u32 = 0x7fff_0000;
     let mut refuses_one = false;
     for nr in WAKE_CALLS {
         match run(filter, nr as u32, 1000) {
@@ -310,12 +316,6 @@ fn refuses_wakes(filter: &[libc::sock_filter]) -> bool {
 /// does not expect: the exit reports' `getpid` hung for good, and the SIGTERM that should have
 /// ended the program hung in its reports too (review helper 150).
 fn kills(action: u32, listener: bool) -> bool {
-    const ACTION: u32 = 0xffff_0000;
-    const ERRNO: u32 = 0x0005_0000;
-    const USER_NOTIF: u32 = 0x7fc0_0000;
-    const TRACE: u32 = 0x7ff0_0000;
-    const LOG: u32 = 0x7ffc_0000;
-    const ALLOW: u32 = 0x7fff_0000;
     match action & ACTION {
         USER_NOTIF => listener,
         action => !matches!(action, ERRNO | TRACE | LOG | ALLOW),
@@ -452,10 +452,8 @@ mod tests {
     const LD_NR: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS, k = 0
     const JEQ: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
     const RET: u16 = 0x06; // BPF_RET | BPF_K
-    const ALLOW: u32 = 0x7fff_0000;
     const KILL: u32 = 0x8000_0000;
-    const EPERM: u32 = 0x0005_0001;
-    const USER_NOTIF: u32 = 0x7fc0_0000;
+    const EPERM: u32 = ERRNO | 1;
 
     fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
         libc::sock_filter { code, jt, jf, k }

@@ -431,15 +431,23 @@ fn holds_its_own_events(path: &str) -> Option<bool> {
 /// writer's end judges the trace by its name, and may have come just before the rename.
 fn drop_if_idle(kept: &str) {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    use std::os::unix::fs::OpenOptionsExt;
     let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(kept) else {
         return;
     };
     // SAFETY: flock on a descriptor we own.
     let let_go = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
-    let same = |m: std::fs::Metadata| file.metadata().is_ok_and(|f| f.ino() == m.ino() && f.dev() == m.dev());
-    if let_go && own_events(&file) == Some(false) && std::fs::symlink_metadata(kept).is_ok_and(same) {
-        let _ = std::fs::remove_file(kept);
+    if let_go && own_events(&file) == Some(false) {
+        remove_if_still(kept, file.as_raw_fd());
+    }
+}
+
+/// Removes the file at `path` if it is still the one open as `fd` (not another put there since).
+fn remove_if_still(path: impl AsRef<std::path::Path>, fd: i32) {
+    use std::os::unix::fs::MetadataExt;
+    let here = std::fs::symlink_metadata(&path).map(|m| (m.dev(), m.ino()));
+    if here.is_ok_and(|id| os::file_identity(fd) == Some(id)) {
+        let _ = std::fs::remove_file(path);
     }
 }
 
@@ -487,17 +495,13 @@ fn is_own(event: &Event) -> bool {
 /// [`holds_its_own_events`]), `NAME` being the trace's name at the writer's start. Under that
 /// name the trace is the new image's to judge; under any other, someone else's.
 fn remove_if_idle_before_exec(fd: i32, first_name: &std::path::Path) {
-    use std::os::unix::fs::MetadataExt;
     let Ok(path) = std::fs::read_link(format!("/proc/self/fd/{fd}")) else { return };
     let (Some(now), Some(first)) = (path.to_str(), first_name.to_str()) else { return };
     let Some(kept) = now.strip_prefix(first).and_then(|rest| rest.strip_prefix(".before-exec")) else { return };
     if !(kept.is_empty() || kept.strip_prefix('.').is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n >= 2))) {
         return;
     }
-    let same = |m: std::fs::Metadata| os::fstat(fd).is_some_and(|st| st.st_ino == m.ino() && st.st_dev == m.dev());
-    if std::fs::symlink_metadata(&path).is_ok_and(same) {
-        let _ = std::fs::remove_file(&path);
-    }
+    remove_if_still(&path, fd);
 }
 
 /// Removes the traces kept beside `path` (see [`keep_beside`]) by an earlier run, whose trace
