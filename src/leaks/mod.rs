@@ -175,8 +175,6 @@ impl Caller {
 
 /// Stack words below a thread's stack pointer that may still be live (the x86_64 red zone).
 const RED_ZONE: u64 = 128;
-/// The thread control block above a thread pointer (glibc's `struct pthread`), rounded up.
-const TCB: u64 = 4096;
 
 /// Where the own stack of `parked` resumes when it was stopped on another stack (a handler on
 /// its alternate signal stack): see [`crate::unwind::resumes_off`]. Its own stack is `[stack]`
@@ -324,7 +322,7 @@ pub(crate) fn check(
     // What takes the loader's lock comes before the hold: a thread held in `dlopen`'s malloc
     // keeps it.
     let modules = roots::module_data(check as *const core::ffi::c_void, crate::global::GLOBAL.heap.real_malloc());
-    let tls_size = roots::static_tls_size();
+    let tls = roots::static_tls();
     let loader = roots::loader_text().unwrap_or((0, 0));
     // This thread's own frames, walked while the loader may still be asked about them.
     let caller_start = live_frames_start(&caller).unwrap_or(caller.sp);
@@ -409,16 +407,18 @@ pub(crate) fn check(
                 kinds.push(Root::Stack(thread));
             }
             if tp != 0 {
-                let (start, end) = (tp.saturating_sub(tls_size), tp + TCB);
+                let (start, end) = (tp.saturating_sub(tls.below), tp + tls.control_block);
                 let (start, end) = block_holding(tp).map_or((start, end), |(s, e)| (start.max(s), end.min(e)));
-                // `TCB` rounds the control block up, past the end of the mapping glibc put it at
-                // the top of: when mallocspy's memory came next, the check's own arrays of block
-                // addresses were read as the thread's, and every block was still reachable.
-                let end = maps.end_of(tp).map_or(end, |e| end.min(e));
+                // Within the mapping glibc put the TLS in. Its layout rounded up where glibc
+                // does not tell it reached past the mapping's end (when mallocspy's memory came
+                // next, the check's own arrays of block addresses were read as the thread's, and
+                // every block was still reachable), or before its start (the main thread's
+                // TLS, which the loader maps for itself, began in the mapping before it).
+                let (start, end) = maps.extent_of(tp).map_or((start, end), |(s, e)| (start.max(s), end.min(e)));
                 let end = crate::pool::first_owned_above(start, end).unwrap_or(end);
-                // The static TLS size counts the control block above the thread pointer too, so
-                // the range starts that much below the TLS, in the top of the thread's stack,
-                // which glibc carves out right under it: below the stack pointer, dead frames.
+                // Where glibc does not tell the control block's size, the range starts below the
+                // TLS, in the top of the thread's stack, which glibc carves out right under it:
+                // below the stack pointer, dead frames.
                 let start = if start < sp && sp < tp { start.max(sp.saturating_sub(red_zone)) } else { start };
                 regions.push((start, end));
                 kinds.push(Root::Tls(thread));

@@ -588,36 +588,131 @@ pub(crate) fn loader_text() -> Option<(u64, u64)> {
     os::code_extent(base)
 }
 
-/// Size of the static TLS area below each thread pointer (glibc's private accessor), or a
-/// page when unknown. Asked once, when a leak tracker is made ([`warm_up`]) and not in the
-/// check: a successful `dlsym` clears the calling thread's `dlerror` state, which frees the
-/// blocks holding it, the program's; in the check those frees went unseen after the snapshot,
-/// and the state a failed `dlopen` leaves was reported as lost (memcheck and LeakSanitizer
-/// report nothing: the thread's TLS points to it).
-pub(crate) fn static_tls_size() -> u64 {
-    static SIZE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *SIZE.get_or_init(ask_static_tls_size)
+/// Where a thread's static TLS lies around its thread pointer (glibc, x86_64: the TLS blocks
+/// below it, the control block, `struct pthread`, from it up).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StaticTls {
+    /// Bytes of TLS blocks below the thread pointer.
+    pub below: u64,
+    /// Bytes of the control block from the thread pointer up.
+    pub control_block: u64,
 }
 
-/// Asks the loader what [`static_tls_size`] keeps, where asking is safe: not inside a hook,
+/// What glibc does not say: a page each side.
+const UNKNOWN_TLS: StaticTls = StaticTls { below: 4096, control_block: 4096 };
+
+/// The static TLS layout (glibc's private accessors), or a page each side when unknown.
+/// Asked once, when a leak tracker is made ([`warm_up`]) and not in the check: a successful
+/// `dlsym` clears the calling thread's `dlerror` state, which frees the blocks holding it, the
+/// program's; in the check those frees went unseen after the snapshot, and the state a failed
+/// `dlopen` leaves was reported as lost (memcheck and LeakSanitizer report nothing: the
+/// thread's TLS points to it).
+pub(crate) fn static_tls() -> StaticTls {
+    static LAYOUT: std::sync::OnceLock<StaticTls> = std::sync::OnceLock::new();
+    *LAYOUT.get_or_init(ask_static_tls)
+}
+
+/// Asks the loader what [`static_tls`] keeps, where asking is safe: not inside a hook,
 /// where `dlsym` would wait for the loader's lock wherever the program holds it.
 pub(crate) fn warm_up() {
     if crate::tls::state().depth.get() == 0 {
-        static_tls_size();
+        static_tls();
     }
 }
 
-fn ask_static_tls_size() -> u64 {
+/// `_dl_get_tls_static_info`'s size counts the control block too, which lies above the
+/// thread pointer: taken all for TLS below it, the main thread's range started 2,368 bytes
+/// before its TLS, in the memory mapped before it (`libthread_db` reads the control block's
+/// size from `_thread_db_sizeof_pthread`).
+fn ask_static_tls() -> StaticTls {
     type GetInfo = unsafe extern "C" fn(*mut usize, *mut usize);
     // SAFETY: a NUL-terminated name.
-    let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_get_tls_static_info".as_ptr()) };
-    if sym.is_null() {
-        return 4096;
+    let get_info = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_dl_get_tls_static_info".as_ptr()) };
+    // SAFETY: a NUL-terminated name.
+    let sizeof_pthread = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_thread_db_sizeof_pthread".as_ptr()) };
+    if get_info.is_null() {
+        return UNKNOWN_TLS;
     }
     // SAFETY: glibc's `void _dl_get_tls_static_info (size_t *sizep, size_t *alignp)`.
-    let get: GetInfo = unsafe { core::mem::transmute::<*mut c_void, GetInfo>(sym) };
+    let get: GetInfo = unsafe { core::mem::transmute::<*mut c_void, GetInfo>(get_info) };
     let (mut size, mut align) = (0usize, 0usize);
     // SAFETY: two valid out-pointers.
     unsafe { get(&mut size, &mut align) };
-    size as u64
+    let control_block = if sizeof_pthread.is_null() {
+        0
+    } else {
+        // SAFETY: glibc's `const uint32_t _thread_db_sizeof_pthread`.
+        u64::from(unsafe { sizeof_pthread.cast::<u32>().read() })
+    };
+    match (size as u64).checked_sub(control_block) {
+        Some(below) if control_block > 0 => StaticTls { below, control_block },
+        _ => StaticTls { below: size as u64, control_block: UNKNOWN_TLS.control_block },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The TLS range below a thread pointer, glibc's size less the control block above it,
+    /// holds every module's TLS block, on a thread's stack as on another thread's.
+    #[test]
+    fn the_static_tls_range_holds_every_modules_block() {
+        unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _: usize, data: *mut c_void) -> libc::c_int {
+            // SAFETY: dl_iterate_phdr's info, valid during the call; data is the Vec below.
+            let (info, blocks) = unsafe { (&*info, &mut *data.cast::<Vec<(u64, u64)>>()) };
+            // SAFETY: dlpi_phdr points to dlpi_phnum headers during the call.
+            let headers = unsafe { core::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+            if let Some(tls) = headers.iter().find(|p| p.p_type == libc::PT_TLS) {
+                let start = info.dlpi_tls_data as u64;
+                blocks.push((start, start + tls.p_memsz));
+            }
+            0
+        }
+        let layout = static_tls();
+        assert!(layout.control_block < 4096, "glibc did not say its control block's size: {layout:?}");
+        let check = move || {
+            let mut blocks: Vec<(u64, u64)> = Vec::new();
+            // SAFETY: the callback matches dl_iterate_phdr's contract.
+            unsafe { libc::dl_iterate_phdr(Some(visit), (&raw mut blocks).cast()) };
+            let tp = os::thread_pointer();
+            assert!(!blocks.is_empty(), "no module has TLS");
+            for (start, end) in blocks {
+                assert!(
+                    tp - layout.below <= start && end <= tp,
+                    "{start:#x}-{end:#x} outside {layout:?} below {tp:#x}"
+                );
+            }
+        };
+        check();
+        std::thread::Builder::new().stack_size(64 << 10).spawn(check).unwrap().join().unwrap();
+    }
+
+    /// glibc puts the control block of a thread on a stack the program gives it at the top of
+    /// that stack, the thread pointer at its start: the control block is what lies above.
+    #[test]
+    fn the_control_block_is_what_glibc_puts_above_the_thread_pointer() {
+        extern "C" fn thread_pointer(out: *mut c_void) -> *mut c_void {
+            // SAFETY: `out` is the u64 the test passes.
+            unsafe { out.cast::<u64>().write(os::thread_pointer()) };
+            core::ptr::null_mut()
+        }
+        const LEN: usize = 256 << 10;
+        let mut stack = vec![0u8; LEN + 4096];
+        let start = stack.as_mut_ptr().wrapping_add(stack.as_ptr().align_offset(4096));
+        let end = start as u64 + LEN as u64;
+        let mut tp = 0u64;
+        // SAFETY: attributes made and destroyed here; the stack outlives the joined thread,
+        // which writes `tp` only.
+        unsafe {
+            let mut attr: libc::pthread_attr_t = core::mem::zeroed();
+            assert_eq!(libc::pthread_attr_init(&mut attr), 0);
+            assert_eq!(libc::pthread_attr_setstack(&mut attr, start.cast(), LEN), 0);
+            let mut thread: libc::pthread_t = 0;
+            assert_eq!(libc::pthread_create(&mut thread, &attr, thread_pointer, (&raw mut tp).cast()), 0);
+            assert_eq!(libc::pthread_join(thread, core::ptr::null_mut()), 0);
+            libc::pthread_attr_destroy(&mut attr);
+        }
+        assert_eq!(tp + static_tls().control_block, end, "{:?}", static_tls());
+    }
 }
