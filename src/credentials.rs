@@ -1,11 +1,15 @@
-//! The calls by which a process changes who it is or what it sees of the file system: the
-//! `setuid` family, `setgroups` and `chroot` (wrapped). A forked child starts its trace writer
+//! The calls by which a process changes who it is, what it may do or what it sees: the `setuid`
+//! and `setgid` families, `setgroups`, `capset`, `chroot`, `unshare` and `setns` (wrapped). A forked child starts its trace writer
 //! at its first record (see `trace::writer::start_deferred`), and the writer opens the trace
 //! then: after a worker's drop to an unprivileged user (nginx's and sshd's workers) it was
 //! refused the directory, and the child ran without a trace (review helper 151). Its writer
 //! starts before such a call instead, as the process it was forked as (and keeps running as
 //! that user: it reads the queue the dropped worker writes). A privileged process that becomes
 //! another user gives it its trace file first, for the program it may `exec` next to replace.
+//!
+//! A child forked after `unshare(CLONE_NEWPID)`, or a `setns` into a pid namespace, enters it:
+//! a writer started then was the namespace's first process, its init, and ended it when it
+//! went, its parent's next `fork` failing with ENOMEM.
 
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::AtomicPtr;
@@ -49,18 +53,34 @@ macro_rules! wrappers {
     };
 }
 
-wrappers!(
-    setuid: Some(0),
-    seteuid: Some(0),
-    setreuid: Some(1),
-    setresuid: Some(1),
-    setgid: None,
-    setegid: None,
-    setregid: None,
-    setresgid: None,
-    setgroups: None,
-    chroot: None,
-);
+/// Gives `$then` every wrapped function's name, each with the index of its argument that is the
+/// effective user it asks for, if it asks for one: the one list of them for the wrappers here
+/// and their exports (`interpose.rs`).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __credential_calls {
+    ($then:path) => {
+        $then! {
+            setuid: Some(0),
+            seteuid: Some(0),
+            setreuid: Some(1),
+            setresuid: Some(1),
+            setfsuid: None,
+            setgid: None,
+            setegid: None,
+            setregid: None,
+            setresgid: None,
+            setfsgid: None,
+            setgroups: None,
+            capset: None,
+            chroot: None,
+            unshare: None,
+            setns: None
+        }
+    };
+}
+
+crate::__credential_calls!(wrappers);
 
 /// Looks up the wrapped functions at start (see [`crate::program_mappings::warm_up`]).
 pub(crate) fn warm_up() {

@@ -89,9 +89,9 @@ macro_rules! export_interposer {
         $crate::__jump!(prctl, $crate::interpose::prctl, (option: ::core::ffi::c_int, a2: ::core::ffi::c_ulong, a3: ::core::ffi::c_ulong, a4: ::core::ffi::c_ulong, a5: ::core::ffi::c_ulong) -> ::core::ffi::c_int);
         // So is one the `seccomp` system call installs, made through `syscall` (libseccomp's).
         $crate::__syscall!();
-        // A forked child's trace writer starts before the child changes its user or root
-        // (see `credentials.rs`).
-        $crate::__credentials!(setuid, setgid, seteuid, setegid, setreuid, setregid, setresuid, setresgid, setgroups, chroot);
+        // A forked child's trace writer starts before the child changes its user, root or
+        // namespaces (see `credentials.rs`).
+        $crate::__credential_calls!($crate::__credentials);
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -566,14 +566,14 @@ pub unsafe extern "C" fn prctl(
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __credentials {
-    ($($name:ident),*) => {
+    ($($name:ident: $euid:expr),*) => {
         $($crate::__jump!($name, $crate::interpose::$name, (a: usize, b: usize, c: usize) -> ::core::ffi::c_int);)*
     };
 }
 
 /// The wrappers of `credentials.rs`, for [`export_interposer!`].
 macro_rules! credential_wrappers {
-    ($($name:ident),*) => {
+    ($($name:ident: $euid:expr),*) => {
         $(
             /// # Safety
             /// As the C function of this name with these arguments.
@@ -585,7 +585,7 @@ macro_rules! credential_wrappers {
         )*
     };
 }
-credential_wrappers!(setuid, setgid, seteuid, setegid, setreuid, setregid, setresuid, setresgid, setgroups, chroot);
+crate::__credential_calls!(credential_wrappers);
 
 /// The `syscall` of the library after this one (libc's), which the exported `syscall` jumps to
 /// for every call but `seccomp`'s; null until looked up at start (`seccomp::warm_up`), and the

@@ -528,6 +528,13 @@ pub(crate) fn getpid() -> u32 {
     unsafe { libc::syscall(libc::SYS_getpid) as u32 }
 }
 
+/// This process's pid as `/proc` names it (`/proc/self`): in a pid namespace of its own whose
+/// `/proc` is still its parent's (`unshare -pf` without `--mount-proc`), `getpid` gives the
+/// pid inside, and `/proc/1` is another process. `getpid`'s where `/proc` says nothing.
+pub(crate) fn proc_pid() -> u32 {
+    std::fs::read_link("/proc/self").ok().and_then(|pid| pid.to_str()?.parse().ok()).unwrap_or_else(getpid)
+}
+
 /// The calling thread's kernel id.
 #[inline]
 pub(crate) fn gettid() -> u32 {

@@ -2426,3 +2426,31 @@ fn a_record_killed_takes_its_program_with_it() {
     }
     assert!(!alive(), "the program {program} still runs");
 }
+
+/// A forked child that enters a new pid namespace and then allocates ends as natively: its
+/// writer, started at its first sample, was the namespace's first process, its init, which
+/// ended the namespace when it went: the child's fork of the namespace's init failed with
+/// ENOMEM. And the writer of a process in the namespace reads its map by the pid `/proc`
+/// knows it by: the init's trace named no module ("was /proc mounted?"), its writer having
+/// read `/proc/1`, the machine's init.
+#[test]
+fn a_forked_child_that_enters_a_pid_namespace_ends_as_natively() {
+    let program = c_program("new_pid_namespace.c");
+    let native = Command::new(&program).output().unwrap();
+    if text(&native.stdout) == "no namespaces\nchild status 0\n" {
+        eprintln!("skipped: no pid namespaces here");
+        return;
+    }
+    assert_eq!(text(&native.stdout), "init of the namespace: pid 1\nchild status 4\n");
+    let dir = tempfile::tempdir().unwrap();
+    let out = record(dir.path(), &[], &[program.to_str().unwrap()]);
+    assert_eq!((out.status.code(), text(&out.stdout)), (Some(0), text(&native.stdout)), "{}", text(&out.stderr));
+    let with_samples: Vec<PathBuf> =
+        traces(dir.path()).into_iter().filter(|t| events_of(t).iter().any(|e| matches!(e, Event::Tick(_)))).collect();
+    assert_eq!(with_samples.len(), 2, "the child's trace and its namespace's init's: {:?}", traces(dir.path()));
+    for trace in with_samples {
+        let report = Command::new(mallocspy()).arg("report").arg(&trace).output().unwrap();
+        let (said, warned) = (text(&report.stdout), text(&report.stderr));
+        assert!(said.contains("churn_in_namespace") && warned.is_empty(), "{}: {warned}{said}", trace.display());
+    }
+}

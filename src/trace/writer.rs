@@ -82,8 +82,8 @@ pub(crate) fn wake() -> bool {
 
 /// What only the writer process touches.
 struct State {
-    /// The traced process.
-    pid: u32,
+    /// The traced process, as `/proc` names it (see [`os::proc_pid`]).
+    proc_pid: u32,
     fd: i32,
     /// Bytes of the trace written so far.
     written: u64,
@@ -657,7 +657,7 @@ impl Writer {
         // the writer gets here, a program may have `exec`d another, whose map the program's
         // pid now shows (or ended, and shows none: its trace began without modules, one
         // stressed run in 40 of a shell's pipeline).
-        self.rescan_modules(st, std::process::id(), 0, Some(0));
+        self.rescan_modules(st, os::proc_pid(), 0, Some(0));
     }
 
     fn flush(&self, st: &mut State) {
@@ -675,8 +675,8 @@ impl Writer {
         st.buf.clear();
     }
 
-    /// Reads the program's modules again, from the map of process `pid` (the program's, or this
-    /// one's): an unload record (at `unloaded_ns`) for each module gone, and a load record (at
+    /// Reads the program's modules again, from the map of process `pid` as `/proc` names it (the
+    /// program's, or this one's): an unload record (at `unloaded_ns`) for each module gone, and a load record (at
     /// `loaded_ns`, or now) for each new one.
     fn rescan_modules(&self, st: &mut State, pid: u32, unloaded_ns: u64, loaded_ns: Option<u64>) {
         let now = modules::of_process(pid, &mut st.elf);
@@ -719,7 +719,7 @@ impl Writer {
             // by its addresses alone, under the unloaded one's name.
             self.note_unloads(st);
             if frames.iter().any(|&pc| !self.known(st, pc)) {
-                self.rescan_modules(st, st.pid, self.spy.elapsed_ns(), None);
+                self.rescan_modules(st, st.proc_pid, self.spy.elapsed_ns(), None);
             }
             write_event(&mut st.buf, &Event::Stack { id: tick.stack, frames });
         }
@@ -736,7 +736,7 @@ impl Writer {
     fn note_unloads(&self, st: &mut State) {
         if let Some(unloaded_ns) = st.ring.take_unloaded() {
             self.begin(st);
-            self.rescan_modules(st, st.pid, unloaded_ns, None);
+            self.rescan_modules(st, st.proc_pid, unloaded_ns, None);
         }
     }
 
@@ -779,9 +779,11 @@ impl Writer {
 
     /// The writer process's life: write until the program's end message, or until its end
     /// of the socket closes (it died or exec'd), then leave.
+    #[allow(clippy::too_many_arguments)]
     fn serve(
         &self,
         header: &Header,
+        proc_pid: u32,
         trace_fd: i32,
         first_name: Option<std::path::PathBuf>,
         header_write: HeaderWrite,
@@ -811,7 +813,7 @@ impl Writer {
             }
         };
         let mut st = State {
-            pid: header.pid,
+            proc_pid,
             fd,
             written,
             buf: Vec::with_capacity(1 << 16),
@@ -881,10 +883,10 @@ impl Writer {
                 // Only once the queue is quiet (a program that has gone adds nothing): reading
                 // its maps a thousand times a second would contend for its memory map's lock.
                 if quiet > 0 {
-                    gone = !maps_queue(st.pid, ring.address());
+                    gone = !maps_queue(st.proc_pid, ring.address());
                 }
             } else if program_gone(socket) {
-                gone = !maps_queue(st.pid, ring.address());
+                gone = !maps_queue(st.proc_pid, ring.address());
                 if !gone {
                     close(socket);
                     socket = -1;
@@ -936,6 +938,7 @@ impl Writer {
         // kept a trace of a header alone as `.before-exec`, 4 runs in 13 of a Java program
         // spawning 40 children; review helper 148).
         let first_name = std::fs::read_link(format!("/proc/self/fd/{trace_fd}")).ok();
+        let proc_pid = os::proc_pid();
         let Some(ring) = Ring::new_shared(QUEUE_SLOTS) else {
             return give_up(&[trace_fd, ours, its], "cannot map the trace queue".into());
         };
@@ -964,7 +967,7 @@ impl Writer {
             crate::pool::force_unlock();
             let writer = if subreaper { 0 } else { raw_fork() };
             if writer == 0 {
-                self.serve(&header, trace_fd, first_name, header_write, its, ring);
+                self.serve(&header, proc_pid, trace_fd, first_name, header_write, its, ring);
             }
             // The middle process: its exit status is the error of the writer's fork (at the
             // user's process limit, `RLIMIT_NPROC`, the second fork of two may fail alone).
