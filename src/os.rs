@@ -535,6 +535,30 @@ pub(crate) fn proc_pid() -> u32 {
     std::fs::read_link("/proc/self").ok().and_then(|pid| pid.to_str()?.parse().ok()).unwrap_or_else(getpid)
 }
 
+/// Writes `title` over this process's command line (`/proc/self/cmdline`: what `ps`, `pgrep -f`,
+/// `pkill -f` and `pidof` match), cut to the room the arguments had and padded with NULs. For a
+/// process forked from another, whose command line is its parent's copy: a forked child's
+/// memory is its own. Nothing changes where `/proc/self/stat` does not say where it lies.
+pub(crate) fn set_command_line(title: &[u8]) {
+    let Ok(stat) = std::fs::read("/proc/self/stat") else { return };
+    // Fields from the state on (the 3rd): the arguments' start and end are the 48th and 49th.
+    let Some(close) = stat.iter().rposition(|&c| c == b')') else { return };
+    let mut fields = stat[close + 1..].split(|&c| c == b' ').filter(|f| !f.is_empty()).skip(45);
+    let mut number = || core::str::from_utf8(fields.next()?).ok()?.trim().parse::<usize>().ok();
+    let (Some(start), Some(end)) = (number(), number()) else { return };
+    if start == 0 || end <= start {
+        return;
+    }
+    let kept = title.len().min(end - start - 1);
+    // SAFETY: [start, end) holds this process's argument strings, in its own writable stack
+    // memory (a forked copy of its parent's), which nothing else here reads.
+    unsafe {
+        let area = core::slice::from_raw_parts_mut(start as *mut u8, end - start);
+        area[..kept].copy_from_slice(&title[..kept]);
+        area[kept..].fill(0);
+    }
+}
+
 /// The calling thread's kernel id.
 #[inline]
 pub(crate) fn gettid() -> u32 {

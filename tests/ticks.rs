@@ -2454,3 +2454,35 @@ fn a_forked_child_that_enters_a_pid_namespace_ends_as_natively() {
         assert!(said.contains("churn_in_namespace") && warned.is_empty(), "{}: {warned}{said}", trace.display());
     }
 }
+
+/// A trace writer's command line is its own: forked from the program, it had the program's,
+/// and `pgrep -f`, `pkill -f` and `pidof` took it for another copy of the program (`pkill -f`
+/// killed its own writer: review helper 153).
+#[test]
+fn a_trace_writer_is_not_taken_for_a_copy_of_its_program() {
+    // How many processes have the marker, the program's last argument, in their command line.
+    // Only its own and the writer's are read: reading another's waits while its memory map is
+    // locked (for seconds, a process of gigabytes ending).
+    let script = "import os, sys\n\
+                  def line(p):\n    try:\n        \
+                  if open(f'/proc/{p}/comm').read().strip() not in ('python3', 'mallocspy-trace'):\n            \
+                  return b''\n        \
+                  return open(f'/proc/{p}/cmdline', 'rb').read()\n    \
+                  except OSError:\n        return b''\n\
+                  print(sum(sys.argv[1].encode() in line(p) for p in os.listdir('/proc') if p.isdigit()))";
+    let marker = format!("writer-marker-{}", std::process::id());
+    let python = python();
+    let program = [python.to_str().unwrap(), "-c", script, &marker];
+    let native = Command::new(program[0]).args(&program[1..]).output().unwrap();
+    assert_eq!(text(&native.stdout), "1\n", "{}", text(&native.stderr));
+    // Preloaded by hand: `record`'s own command line holds the marker too.
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(program[0])
+        .args(&program[1..])
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", format!("spy=ticks:trace={}", dir.path().join("t.%p.trace").display()))
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "1\n", "{}", text(&out.stderr));
+    assert_eq!(traces(dir.path()).len(), 1);
+}

@@ -801,6 +801,9 @@ impl Writer {
             libc::sigprocmask(libc::SIG_BLOCK, &all, core::ptr::null_mut());
             libc::prctl(libc::PR_SET_NAME, c"mallocspy-trace".as_ptr());
         }
+        // Its command line was the program's: `pgrep -f`, `pkill -f` and `pidof` took it for
+        // another copy of the program (`pkill -f` killed its own writer: review helper 153).
+        os::set_command_line(b"mallocspy-trace");
         keep_only(&[trace_fd, socket]);
         let (fd, written) = match header_write {
             HeaderWrite::ByWriter => (trace_fd, 0),
