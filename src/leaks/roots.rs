@@ -689,30 +689,37 @@ mod tests {
     }
 
     /// glibc puts the control block of a thread on a stack the program gives it at the top of
-    /// that stack, the thread pointer at its start: the control block is what lies above.
+    /// that stack, the thread pointer at its start, and the static TLS right below, above the
+    /// thread's first frame: the control block is what lies above, and the TLS range reaches
+    /// no frame (the size glibc gives, taken all for TLS, reached 2,188 bytes into them).
     #[test]
-    fn the_control_block_is_what_glibc_puts_above_the_thread_pointer() {
-        extern "C" fn thread_pointer(out: *mut c_void) -> *mut c_void {
-            // SAFETY: `out` is the u64 the test passes.
-            unsafe { out.cast::<u64>().write(os::thread_pointer()) };
+    fn the_tls_range_is_what_glibc_puts_between_the_first_frame_and_the_thread_pointer() {
+        extern "C" fn thread_pointer_and_frame(out: *mut c_void) -> *mut c_void {
+            let local = 0u64;
+            // SAFETY: `out` is the [u64; 2] the test passes.
+            unsafe { out.cast::<[u64; 2]>().write([os::thread_pointer(), (&raw const local) as u64]) };
+            core::hint::black_box(&local);
             core::ptr::null_mut()
         }
         const LEN: usize = 256 << 10;
         let mut stack = vec![0u8; LEN + 4096];
         let start = stack.as_mut_ptr().wrapping_add(stack.as_ptr().align_offset(4096));
         let end = start as u64 + LEN as u64;
-        let mut tp = 0u64;
+        let mut seen = [0u64; 2];
         // SAFETY: attributes made and destroyed here; the stack outlives the joined thread,
-        // which writes `tp` only.
+        // which writes `seen` only.
         unsafe {
             let mut attr: libc::pthread_attr_t = core::mem::zeroed();
             assert_eq!(libc::pthread_attr_init(&mut attr), 0);
             assert_eq!(libc::pthread_attr_setstack(&mut attr, start.cast(), LEN), 0);
             let mut thread: libc::pthread_t = 0;
-            assert_eq!(libc::pthread_create(&mut thread, &attr, thread_pointer, (&raw mut tp).cast()), 0);
+            let out = (&raw mut seen).cast();
+            assert_eq!(libc::pthread_create(&mut thread, &attr, thread_pointer_and_frame, out), 0);
             assert_eq!(libc::pthread_join(thread, core::ptr::null_mut()), 0);
             libc::pthread_attr_destroy(&mut attr);
         }
-        assert_eq!(tp + static_tls().control_block, end, "{:?}", static_tls());
+        let ([tp, frame], layout) = (seen, static_tls());
+        assert_eq!(tp + layout.control_block, end, "{layout:?}");
+        assert!(frame < tp - layout.below, "a frame at {frame:#x} in {layout:?} below {tp:#x}");
     }
 }
