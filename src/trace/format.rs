@@ -188,7 +188,7 @@ pub fn read_on(read: &[u8]) -> bool {
 const HEADER_CUT: &str = "the file ends before its header is whole";
 
 /// What the trace is of.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Header {
     /// The traced process.
     pub pid: u32,
@@ -204,6 +204,22 @@ pub struct Header {
     pub stats_interval_ms: u64,
     /// Wall-clock start, nanoseconds since the Unix epoch; event times count from it.
     pub start_unix_ns: u64,
+}
+
+impl Default for Header {
+    /// The options' defaults, of no process.
+    fn default() -> Self {
+        let defaults = crate::options::Options::default();
+        Self {
+            pid: 0,
+            command: Vec::new(),
+            options: String::new(),
+            sampling: Sampling::default(),
+            interval: defaults.sample_interval,
+            stats_interval_ms: defaults.stats_interval_ms,
+            start_unix_ns: 0,
+        }
+    }
 }
 
 /// A module (the executable or a shared library) mapped into the process.
@@ -594,8 +610,11 @@ impl<'a> Fields<'a> {
     fn string(&mut self) -> Result<String, TraceError> {
         let at = self.at;
         let b = self.bytes()?;
-        String::from_utf8(b.to_vec())
-            .map_err(|_| TraceError { offset: self.base + at as u64, what: "a string that is not UTF-8".into() })
+        String::from_utf8(b.to_vec()).map_err(|_| {
+            // A string cut inside a character, zeros after it, does not fit what was written.
+            self.misfit = true;
+            TraceError { offset: self.base + at as u64, what: "a string that is not UTF-8".into() }
+        })
     }
 
     /// A count of items that each take at least `min_bytes`, checked against what is left.
@@ -626,15 +645,15 @@ fn read_header(f: &mut Fields<'_>) -> Result<Header, TraceError> {
         1 => Sampling::Tick,
         other => return Err(f.error(format!("unknown sampling mode {other}"))),
     };
-    Ok(Header {
-        pid,
-        command,
-        options,
-        sampling,
-        interval: f.int()?,
-        stats_interval_ms: f.int()?,
-        start_unix_ns: f.int()?,
-    })
+    // What `sample_interval` takes: a header with another was not written by mallocspy (one
+    // of 0 was reported as "one sample per 0 B allocated on average", review helper 154).
+    let at = f.at;
+    let interval = f.int()?;
+    if !(1..=crate::options::MAX_SAMPLE_INTERVAL as u64).contains(&interval) {
+        f.at = at;
+        return Err(f.error(format!("a sampling interval of {interval} bytes (from 1 to 2^62)")));
+    }
+    Ok(Header { pid, command, options, sampling, interval, stats_interval_ms: f.int()?, start_unix_ns: f.int()? })
 }
 
 fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> {
@@ -807,10 +826,19 @@ impl<'a> Reader<'a> {
         };
         match reader.raw() {
             Some(Ok((TAG_HEADER, mut f))) => {
-                reader.header = read_header(&mut f)?;
-                if f.at != f.bytes.len() {
-                    return Err(f.error("a header longer than its fields"));
+                let read = read_header(&mut f).and_then(|header| {
+                    if f.at != f.bytes.len() {
+                        f.misfit = true;
+                        return Err(f.error("a header longer than its fields"));
+                    }
+                    Ok(header)
+                });
+                // Cut, then zero-filled, as a record may be (see `next`): whatever its zeros
+                // read as (a sampling interval of 0), the header was not written whole.
+                if read.is_err() && reader.at > zeros_from {
+                    return Err(err(20, HEADER_CUT));
                 }
+                reader.header = read?;
             }
             Some(Ok(_)) => return Err(err(20, "no header record")),
             Some(Err(e)) => return Err(e),
@@ -1131,11 +1159,26 @@ mod tests {
     /// A file cut anywhere, then zero-filled (its size grown by writes that a crash kept from
     /// the disk, the last block written holding zeros past where the file ended then), is read
     /// up to the record the cut fell in, as a cut: it was "a record longer than its fields"
-    /// wherever the cut was not on a page boundary (review helper 154: 32 cuts of 40).
+    /// wherever the cut was not on a page boundary (review helper 154: 32 cuts of 40), or
+    /// inside a character of a path "a string that is not UTF-8" (review helper 155). Cut in
+    /// its header, it is said to be.
     #[test]
     fn a_cut_anywhere_then_zeros_is_read_as_a_cut() {
-        let (whole, events) = sample_file();
-        let header_end = Reader::new(&whole).unwrap().offset() as usize;
+        let (sample, mut events) = sample_file();
+        let Event::ModuleLoad { module, .. } = &mut events[0] else { panic!("a module first") };
+        module.path = "/usr/bin/sqlité3".into();
+        let mut whole = Vec::new();
+        write_header(&mut whole, Reader::new(&sample).unwrap().header());
+        let header_end = whole.len();
+        events.iter().for_each(|e| write_event(&mut whole, e));
+        for cut in 20..header_end {
+            let mut file = whole[..cut].to_vec();
+            file.resize(cut + 5000, 0);
+            // Or read, its zeroed last fields as numbers.
+            if let Err(e) = Reader::new(&file) {
+                assert_eq!(e.to_string(), format!("not a readable mallocspy trace: {HEADER_CUT} at offset 20"));
+            }
+        }
         for cut in header_end..whole.len() {
             let mut file = whole[..cut].to_vec();
             file.resize(cut + 5000, 0);
@@ -1268,10 +1311,11 @@ mod tests {
                 tick + 1
             )
         );
-        // Bytes after the header's fields.
+        // Bytes after the header's fields (not zeros: a header whose record reaches into the
+        // file's tail of zeros and does not read is taken for a cut one).
         let mut file = header.clone();
         file[21] += 1;
-        file.push(0);
+        file.push(7);
         assert_eq!(
             error(&file),
             format!("not a readable mallocspy trace: a header longer than its fields at offset {}", header.len())
@@ -1343,6 +1387,15 @@ mod tests {
             let (size, weight) = refused;
             write_event(&mut file, &Event::Tick(Tick { size, weight, ..Tick::default() }));
             assert_eq!(error(&file), format!("not a readable mallocspy trace: {what} at offset {tick}"));
+        }
+        // A sampling interval `sample_interval` does not take (one of 0 was reported as "one
+        // sample per 0 B", one of 2^64 - 1 let any tick weigh anything).
+        for interval in [0, (1 << 62) + 1, u64::MAX] {
+            let mut file = Vec::new();
+            write_header(&mut file, &Header { interval, ..Header::default() });
+            write_event(&mut file, &Event::End { time_ns: 1 });
+            let said = format!("a sampling interval of {interval} bytes (from 1 to 2^62)");
+            assert!(error(&file).contains(&said), "{}", error(&file));
         }
         // More arguments than a program can be given, each a string the report would make.
         let mut file = Vec::new();
