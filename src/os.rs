@@ -538,7 +538,9 @@ pub(crate) fn proc_pid() -> u32 {
 /// Writes `title` over this process's command line (`/proc/self/cmdline`: what `ps`, `pgrep -f`,
 /// `pkill -f` and `pidof` match), cut to the room the arguments had and padded with NULs. For a
 /// process forked from another, whose command line is its parent's copy: a forked child's
-/// memory is its own. Nothing changes where `/proc/self/stat` does not say where it lies.
+/// private memory is its own. Nothing changes where `/proc/self/stat` does not say where the
+/// arguments lie, or where that is not private writable memory: `PR_SET_MM_ARG_START` may have
+/// put them in a read-only mapping, or a shared one, the parent's too.
 pub(crate) fn set_command_line(title: &[u8]) {
     let Ok(stat) = std::fs::read("/proc/self/stat") else { return };
     // Fields from the state on (the 3rd): the arguments' start and end are the 48th and 49th.
@@ -546,17 +548,30 @@ pub(crate) fn set_command_line(title: &[u8]) {
     let mut fields = stat[close + 1..].split(|&c| c == b' ').filter(|f| !f.is_empty()).skip(45);
     let mut number = || core::str::from_utf8(fields.next()?).ok()?.trim().parse::<usize>().ok();
     let (Some(start), Some(end)) = (number(), number()) else { return };
-    if start == 0 || end <= start {
+    if start == 0 || end <= start || !private_writable(start, end) {
         return;
     }
     let kept = title.len().min(end - start - 1);
-    // SAFETY: [start, end) holds this process's argument strings, in its own writable stack
-    // memory (a forked copy of its parent's), which nothing else here reads.
+    // SAFETY: [start, end) holds this process's argument strings, in one private writable
+    // mapping of its own (checked above), which nothing else here reads.
     unsafe {
         let area = core::slice::from_raw_parts_mut(start as *mut u8, end - start);
         area[..kept].copy_from_slice(&title[..kept]);
         area[kept..].fill(0);
     }
+}
+
+/// Whether `[start, end)` lies in one private writable mapping, as `/proc/self/maps` says.
+fn private_writable(start: usize, end: usize) -> bool {
+    let Ok(maps) = std::fs::read("/proc/self/maps") else { return false };
+    maps.split(|&c| c == b'\n').any(|line| {
+        let mut fields = line.split(|&c| c == b' ');
+        let (Some(range), Some(perms)) = (fields.next(), fields.next()) else { return false };
+        let Some(dash) = range.iter().position(|&c| c == b'-') else { return false };
+        let hex = |s: &[u8]| usize::from_str_radix(core::str::from_utf8(s).ok()?, 16).ok();
+        let (Some(from), Some(to)) = (hex(&range[..dash]), hex(&range[dash + 1..])) else { return false };
+        from <= start && end <= to && perms.starts_with(b"rw") && perms.get(3) == Some(&b'p')
+    })
 }
 
 /// The calling thread's kernel id.
@@ -953,6 +968,33 @@ pub(crate) fn module_span(addr: *const core::ffi::c_void) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The writer's command line is written only in private writable memory: not in a
+    /// read-only mapping, nor in a shared one, which its parent sees too.
+    #[test]
+    fn only_private_writable_memory_takes_a_command_line() {
+        let local = [0u8; 64];
+        let at = local.as_ptr() as usize;
+        assert!(private_writable(at, at + local.len()));
+        let constant: &'static [u8] = b"in a read-only segment";
+        let at = constant.as_ptr() as usize;
+        assert!(!private_writable(at, at + constant.len()));
+        // SAFETY: a fresh shared anonymous page, unmapped below.
+        let shared = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(shared, libc::MAP_FAILED);
+        assert!(!private_writable(shared as usize, shared as usize + 64));
+        // SAFETY: the page mapped above.
+        unsafe { libc::munmap(shared, 4096) };
+    }
 
     #[test]
     fn the_vdso_clock_is_found_and_reads_the_clocks_libc_reads() {
