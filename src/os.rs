@@ -403,14 +403,27 @@ pub(crate) fn monotonic_ns() -> u64 {
 /// When the calling process was created (its `fork`; an `exec` keeps it), as Unix time in ns,
 /// to the kernel's clock tick (rounded down); `None` if `/proc` does not say.
 pub(crate) fn process_start_unix_ns() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Field 22, `starttime`, counts from the 3rd, the first after the command's `)`.
-    let ticks: u64 = stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()?;
+    let ticks = process_start_ticks()?;
     // SAFETY: sysconf reads a constant.
     let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).ok().filter(|&t| t > 0)?;
     let since_boot = ticks.checked_mul(1_000_000_000)? / per_second;
     let ago = clock_ns(libc::CLOCK_BOOTTIME).checked_sub(since_boot)?;
     clock_ns(libc::CLOCK_REALTIME).checked_sub(ago)
+}
+
+/// When the calling process began (its `fork`; an `exec` keeps it), in clock ticks since boot
+/// (`/proc/self/stat`'s `starttime`); `None` if `/proc` does not say.
+pub(crate) fn process_start_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Field 22 counts from the 3rd, the first after the command's `)`.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The inode of the calling process's pid namespace (`/proc/self/ns/pid` reads `pid:[N]`);
+/// `None` if `/proc` does not say.
+pub(crate) fn pid_namespace() -> Option<u64> {
+    let link = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    link.to_str()?.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
 /// The CPU time the calling thread has used, in ns (a system call: for rare measurements).

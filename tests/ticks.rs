@@ -2486,3 +2486,44 @@ fn a_trace_writer_is_not_taken_for_a_copy_of_its_program() {
     assert_eq!(text(&out.stdout), "1\n", "{}", text(&out.stderr));
     assert_eq!(traces(dir.path()).len(), 1);
 }
+
+/// Processes of sibling pid namespaces have the same pids (each its pid 1), and so the same
+/// trace path: their traces replaced each other, or were taken for earlier images of one
+/// process and kept as `.before-exec` (review helper 156: 9 processes' traces lost of 25).
+/// Each is kept, a later one beside the first (`PATH.2`, ...), none as an earlier image.
+#[test]
+fn processes_of_sibling_pid_namespaces_keep_their_traces() {
+    let namespace = "unshare -pf sh -c 'seq 1 3000 | sort -r | head -1' &";
+    let script = format!("{namespace} {namespace} {namespace} wait");
+    let native = Command::new("sh").args(["-c", &script]).output().unwrap();
+    if text(&native.stdout) != "3000\n3000\n3000\n" {
+        eprintln!("skipped: no pid namespaces here ({})", text(&native.stderr).trim());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = record(dir.path(), &[], &["sh", "-c", &script]);
+    assert_eq!(text(&out.stdout), text(&native.stdout), "{}", text(&out.stderr));
+    let found = traces_and_beside(dir.path());
+    assert!(!found.iter().any(|t| t.to_string_lossy().contains("before-exec")), "{found:?}");
+    let programs: Vec<String> = found
+        .iter()
+        .map(|t| {
+            let header = mallocspy::trace::header_of(std::fs::File::open(t).unwrap()).unwrap();
+            header.command.first().cloned().unwrap_or_default()
+        })
+        .collect();
+    for program in ["sort", "head"] {
+        assert_eq!(programs.iter().filter(|p| p.ends_with(program)).count(), 3, "{program}: {found:?} {programs:?}");
+    }
+}
+
+/// Every file in `dir` that is a trace, `PATH.2` and the like beside a `.trace` too.
+fn traces_and_beside(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().contains(".trace"))
+        .collect();
+    v.sort();
+    v
+}

@@ -17,8 +17,10 @@ use std::fmt;
 
 /// The first bytes of every trace.
 pub const MAGIC: &[u8; 16] = b"mallocspy-trace\0";
-/// The format version written by this build.
-pub const VERSION: u32 = 1;
+/// The format version written by this build. Version 2 adds the process's identity to the
+/// header ([`Header::pid_namespace`], [`Header::process_start_ticks`]); version 1's header,
+/// without them, is read too.
+pub const VERSION: u32 = 2;
 
 const TAG_HEADER: u8 = 1;
 const TAG_MODULE_LOAD: u8 = 2;
@@ -204,6 +206,13 @@ pub struct Header {
     pub stats_interval_ms: u64,
     /// Wall-clock start, nanoseconds since the Unix epoch; event times count from it.
     pub start_unix_ns: u64,
+    /// The inode of the process's pid namespace (`/proc/self/ns/pid`): `pid` is its number
+    /// there, which a process of another namespace may have too. 0 when unknown.
+    pub pid_namespace: u64,
+    /// When the process began (its `fork`; an `exec` keeps it), in clock ticks since boot
+    /// (`/proc/self/stat`'s `starttime`): with the pid and its namespace, which process this
+    /// is, through its `exec`s. 0 when unknown.
+    pub process_start_ticks: u64,
 }
 
 impl Default for Header {
@@ -218,6 +227,8 @@ impl Default for Header {
             interval: defaults.sample_interval,
             stats_interval_ms: defaults.stats_interval_ms,
             start_unix_ns: 0,
+            pid_namespace: 0,
+            process_start_ticks: 0,
         }
     }
 }
@@ -454,6 +465,8 @@ pub fn write_header(out: &mut Vec<u8>, h: &Header) {
         put(o, h.interval);
         put(o, h.stats_interval_ms);
         put(o, h.start_unix_ns);
+        put(o, h.pid_namespace);
+        put(o, h.process_start_ticks);
     });
 }
 
@@ -630,7 +643,8 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn read_header(f: &mut Fields<'_>) -> Result<Header, TraceError> {
+/// The header of a file of `version`.
+fn read_header(f: &mut Fields<'_>, version: u32) -> Result<Header, TraceError> {
     let pid = f.int_u32()?;
     let at = f.at;
     let n = f.count(1)?;
@@ -653,7 +667,19 @@ fn read_header(f: &mut Fields<'_>) -> Result<Header, TraceError> {
         f.at = at;
         return Err(f.error(format!("a sampling interval of {interval} bytes (from 1 to 2^62)")));
     }
-    Ok(Header { pid, command, options, sampling, interval, stats_interval_ms: f.int()?, start_unix_ns: f.int()? })
+    let (stats_interval_ms, start_unix_ns) = (f.int()?, f.int()?);
+    let (pid_namespace, process_start_ticks) = if version >= 2 { (f.int()?, f.int()?) } else { (0, 0) };
+    Ok(Header {
+        pid,
+        command,
+        options,
+        sampling,
+        interval,
+        stats_interval_ms,
+        start_unix_ns,
+        pid_namespace,
+        process_start_ticks,
+    })
 }
 
 fn read_event(tag: u8, f: &mut Fields<'_>) -> Result<Option<Event>, TraceError> {
@@ -806,8 +832,8 @@ impl<'a> Reader<'a> {
         }
         let Some(v) = bytes.get(16..20) else { return Err(err(16, "the file ends inside its version")) };
         let version = u32::from_le_bytes(v.try_into().expect("4 bytes"));
-        if version != VERSION {
-            return Err(err(16, &format!("version {version}, this mallocspy reads version {VERSION}")));
+        if !(1..=VERSION).contains(&version) {
+            return Err(err(16, &format!("version {version}, this mallocspy reads versions 1 to {VERSION}")));
         }
         let zeros_from = bytes.iter().rposition(|&b| b != 0).map_or(0, |last| last + 1);
         // Pages are written whole: the zeros of the page that holds the last byte that is not
@@ -826,7 +852,7 @@ impl<'a> Reader<'a> {
         };
         match reader.raw() {
             Some(Ok((TAG_HEADER, mut f))) => {
-                let read = read_header(&mut f).and_then(|header| {
+                let read = read_header(&mut f, version).and_then(|header| {
                     if f.at != f.bytes.len() {
                         f.misfit = true;
                         return Err(f.error("a header longer than its fields"));
@@ -1053,6 +1079,8 @@ mod tests {
             interval: 102_400,
             stats_interval_ms: 100,
             start_unix_ns: 1_764_000_000_000_000_000,
+            pid_namespace: 4_026_531_836,
+            process_start_ticks: 123_456,
         };
         let events = vec![
             Event::ModuleLoad {
@@ -1154,6 +1182,43 @@ mod tests {
         let read: Vec<Event> = reader.by_ref().map(Result::unwrap).collect();
         assert_eq!(read, events);
         assert_eq!(reader.truncated(), Some(end as u64));
+    }
+
+    /// A trace of version 1, whose header does not say which process it is, is read (its
+    /// identity unknown, 0), as are its events.
+    #[test]
+    fn a_version_1_trace_is_read_without_the_processs_identity() {
+        let (sample, events) = sample_file();
+        let mut reader = Reader::new(&sample).unwrap();
+        let header = reader.header().clone();
+        assert_eq!((header.pid_namespace, header.process_start_ticks), (4_026_531_836, 123_456));
+        let body = &sample[reader.offset() as usize..];
+        assert!(reader.by_ref().all(|e| e.is_ok()));
+        let mut v1 = MAGIC.to_vec();
+        v1.extend(1u32.to_le_bytes());
+        record(&mut v1, TAG_HEADER, |o| {
+            put(o, header.pid as u64);
+            put(o, header.command.len() as u64);
+            header.command.iter().for_each(|arg| put_bytes(o, arg.as_bytes()));
+            put_bytes(o, header.options.as_bytes());
+            put(o, header.sampling as u64);
+            put(o, header.interval);
+            put(o, header.stats_interval_ms);
+            put(o, header.start_unix_ns);
+        });
+        v1.extend_from_slice(body);
+        let mut reader = Reader::new(&v1).unwrap();
+        let expected = Header { pid_namespace: 0, process_start_ticks: 0, ..header };
+        assert_eq!(reader.header(), &expected);
+        assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
+        // And a later version is refused, in one line.
+        let mut v3 = sample.clone();
+        v3[16..20].copy_from_slice(&3u32.to_le_bytes());
+        let error = Reader::new(&v3).err().unwrap().to_string();
+        assert_eq!(
+            error,
+            "not a readable mallocspy trace: version 3, this mallocspy reads versions 1 to 2 at offset 16"
+        );
     }
 
     /// A file cut anywhere, then zero-filled (its size grown by writes that a crash kept from
@@ -1322,7 +1387,7 @@ mod tests {
         );
         // Another record where the header should be.
         let mut file = header.clone();
-        file[20] = TAG_END;
+        file[20] = TAG_MODULE_LOAD;
         assert_eq!(error(&file), "not a readable mallocspy trace: no header record at offset 20");
         // A number of more than 64 bits.
         let mut file = header.clone();

@@ -246,21 +246,25 @@ fn unix_now_ns() -> u64 {
 /// Replaced, an earlier image's trace is kept beside as `PATH.before-exec` (`.2`, `.3` ...
 /// for more): a child that worked for minutes and then `exec`d lost its trace to the new
 /// program's (review helper 68), and an exec'd image's writer may still be flushing into it.
-fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
+fn open(template: &str, descendant: bool, ours: &Header) -> Result<(i32, String), String> {
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
     if options::names_pid(template) {
-        return replace(path);
+        return replace_unless_a_siblings(path, ours);
     }
     if descendant {
-        return replace(format!("{path}.{pid}"));
+        return replace_unless_a_siblings(format!("{path}.{pid}"), ours);
     }
     let fd =
         sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
     let before_exec = earlier_image(&path);
     if locked_by_another(fd) {
         close(fd);
-        return if before_exec { replace_earlier(path, true) } else { replace(format!("{path}.{pid}")) };
+        return if before_exec {
+            replace_earlier(path, true)
+        } else {
+            replace_unless_a_siblings(format!("{path}.{pid}"), ours)
+        };
     }
     if before_exec {
         close(fd);
@@ -279,7 +283,7 @@ fn open(template: &str, descendant: bool) -> Result<(i32, String), String> {
 /// `PATH.PID`, 3 runs in 20). Anything else (a FIFO, a device) is left to the writer, which
 /// blocks every signal: the program's own write to a FIFO its reader closed raised `SIGPIPE`.
 fn create(template: &str, descendant: bool, header: &Header) -> Result<(i32, String, HeaderWrite), String> {
-    let (fd, path) = open(template, descendant)?;
+    let (fd, path) = open(template, descendant, header)?;
     if !is_regular(fd) {
         return Ok((fd, path, HeaderWrite::ByWriter));
     }
@@ -340,9 +344,63 @@ fn earlier_image(path: &str) -> bool {
         let bytes = if short { std::fs::read(path).unwrap_or_default() } else { Vec::new() };
         short && super::Reader::new(&bytes).is_ok_and(|mut events| events.any(|e| matches!(e, Ok(Event::End { .. }))))
     };
-    header().is_some_and(|h| {
-        h.pid == os::getpid() && os::process_start_unix_ns().is_none_or(|start| h.start_unix_ns >= start) && !ended()
+    header().is_some_and(|h| match this_process(&h) {
+        Some(this) => this,
+        None => {
+            h.pid == os::getpid()
+                && os::process_start_unix_ns().is_none_or(|start| h.start_unix_ns >= start)
+                && !ended()
+        }
     })
+}
+
+/// Whether `h` is a header of this process, an image of it before an `exec` or this one: its
+/// pid, pid namespace and start (see [`Header::process_start_ticks`]). `None` where the header
+/// (version 1) or `/proc` does not say.
+fn this_process(h: &Header) -> Option<bool> {
+    if h.process_start_ticks == 0 || h.pid_namespace == 0 {
+        return None;
+    }
+    let (start, namespace) = (os::process_start_ticks()?, os::pid_namespace()?);
+    Some(h.pid == os::getpid() && h.pid_namespace == namespace && h.process_start_ticks == start)
+}
+
+/// [`replace`], unless `path` holds the trace of another process of this run (`record_run` in
+/// both headers' options), which the same pid in another pid namespace names alike: sibling
+/// containers each have a pid 1, and their traces replaced each other, or were taken for
+/// earlier images of one process and kept as `.before-exec` (review helper 156). Ours is then
+/// the first new `PATH.2`, `PATH.3`, ... beside it.
+fn replace_unless_a_siblings(path: String, ours: &Header) -> Result<(i32, String), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some(run) = ours.options.split(':').find(|o| o.starts_with("record_run=")) else { return replace(path) };
+    let siblings = || {
+        let file = std::fs::File::open(&path).ok()?;
+        let h = super::header_of(file)?;
+        Some(h.options.split(':').any(|o| o == run) && this_process(&h) == Some(false))
+    };
+    if siblings() != Some(true) {
+        return replace(path);
+    }
+    for n in 2..1000 {
+        let beside = format!("{path}.{n}");
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&beside);
+        match opened {
+            Ok(file) => {
+                let fd = std::os::fd::IntoRawFd::into_raw_fd(file);
+                // A new file: the lock is ours, for the next process to find.
+                locked_by_another(fd);
+                return Ok((fd, beside));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(format!("cannot open trace '{}': {e}", options::Escaped(&beside))),
+        }
+    }
+    replace(path)
 }
 
 /// The largest trace [`earlier_image`] reads whole for an end record.
@@ -910,7 +968,13 @@ impl Writer {
         // Its events' times count from the spy's start (a child's from its fork), however
         // much later the writer starts.
         let start_unix_ns = unix_now_ns().saturating_sub(self.spy.elapsed_ns());
-        let header = Header { pid: os::getpid(), start_unix_ns, ..self.header.clone() };
+        let header = Header {
+            pid: os::getpid(),
+            start_unix_ns,
+            pid_namespace: os::pid_namespace().unwrap_or(0),
+            process_start_ticks: os::process_start_ticks().unwrap_or(0),
+            ..self.header.clone()
+        };
         let descendant = forked || (self.owner != 0 && self.owner != header.pid);
         let (trace_fd, path, header_write) = create(&self.template, descendant, &header)?;
         if let Ok(c) = std::ffi::CString::new(path.as_str()) {
@@ -1298,6 +1362,8 @@ pub(crate) fn start(
         interval: spy.config.interval,
         stats_interval_ms,
         start_unix_ns: 0,
+        pid_namespace: 0,
+        process_start_ticks: 0,
     };
     let writer = Writer {
         spy,
@@ -1327,10 +1393,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("t.%p.trace");
         let template = template.to_str().unwrap();
-        let before_exec = open(template, false).unwrap().0;
+        let before_exec = open(template, false, &Header::default()).unwrap().0;
         assert!(os::write_all(before_exec, b"old image's header and events"));
         // The image after exec opens the same path (same pid) and writes its trace ...
-        let after_exec = open(template, false).unwrap().0;
+        let after_exec = open(template, false, &Header::default()).unwrap().0;
         assert!(os::write_all(after_exec, b"new"));
         // ... while the old image's writer flushes its last events.
         assert!(os::write_all(before_exec, b" and the last ones"));
@@ -1491,10 +1557,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let template = dir.path().join("shared.trace");
         let template = template.to_str().unwrap();
-        let first = open(template, false).unwrap().0;
+        let first = open(template, false, &Header::default()).unwrap().0;
         assert!(os::write_all(first, b"first"));
         // A second process (an exec'd child) finds the path locked: it takes PATH.PID.
-        let (second, second_path) = open(template, false).unwrap();
+        let (second, second_path) = open(template, false, &Header::default()).unwrap();
         assert!(os::write_all(second, b"second"));
         let own = format!("{template}.{}", os::getpid());
         assert_eq!(second_path, own);
@@ -1503,12 +1569,12 @@ mod tests {
         // Once the first writer is done, the path is free for the next run, and truncated.
         close(first);
         close(second);
-        let third = open(template, false).unwrap().0;
+        let third = open(template, false, &Header::default()).unwrap().0;
         assert!(os::write_all(third, b"3"));
         close(third);
         assert_eq!(std::fs::read(template).unwrap(), b"3");
         // A forked child takes PATH.PID even when PATH is free: its parent's trace is there.
-        let child = open(template, true).unwrap().0;
+        let child = open(template, true, &Header::default()).unwrap().0;
         assert!(os::write_all(child, b"child"));
         close(child);
         assert_eq!(std::fs::read(template).unwrap(), b"3");

@@ -46,6 +46,7 @@ pub fn header() -> Header {
         interval: 1024,
         stats_interval_ms: 100,
         start_unix_ns: 1_764_000_000_000_000_000,
+        ..Header::default()
     }
 }
 
