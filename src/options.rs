@@ -372,7 +372,10 @@ impl Options {
                 "trace_owner" => o.trace_owner = value.parse().map_err(|_| bad("trace_owner", "a process id"))?,
                 // Read by `mallocspy record` in the traces' headers, which keep the options.
                 "record_run" => {
-                    value.parse::<u32>().map_err(|_| bad("record_run", "a process id"))?;
+                    let (pid, start) = value.split_once('-').unwrap_or((value, "0"));
+                    if pid.parse::<u32>().is_err() || start.parse::<u64>().is_err() {
+                        return Err(bad("record_run", "a process id and its start (PID-NS)"));
+                    }
                 }
                 "stats_interval_ms" => {
                     o.stats_interval_ms = value
@@ -504,6 +507,7 @@ mod tests {
         assert!(Options::parse("trace=").is_err());
         assert!(Options::parse("trace_owner=-1").is_err());
         assert!(Options::parse("record_run=4242").is_ok() && Options::parse("record_run=x").is_err());
+        assert!(Options::parse("record_run=4242-1765100000").is_ok() && Options::parse("record_run=1-x").is_err());
         assert_eq!(parse_size("4g"), Some(4 << 30));
         assert_eq!(parse_size("100k"), Some(102400));
     }

@@ -433,6 +433,7 @@ fn give_up_reports() {
     );
     crate::ending_signals::give_back();
     crate::trace::writer::before_filter();
+    crate::trace::writer::stop_queueing();
 }
 
 /// The kernel refused the filter ([`give_up_reports`] came first): the reports are back.

@@ -2490,10 +2490,13 @@ fn a_trace_writer_is_not_taken_for_a_copy_of_its_program() {
 /// Processes of sibling pid namespaces have the same pids (each its pid 1), and so the same
 /// trace path: their traces replaced each other, or were taken for earlier images of one
 /// process and kept as `.before-exec` (review helper 156: 9 processes' traces lost of 25).
-/// Each is kept, a later one beside the first (`PATH.2`, ...), none as an earlier image.
+/// Each is kept, a later one beside the first (`PATH.2`, ...), none as an earlier image; an
+/// image after an `exec` takes its own trace's place (helper 157: it made a new `PATH.N`);
+/// and the next run replaces them all (helper 157: `record` as a container's pid 1 was pid 1
+/// at every run, and each run added `PATH.N`s beside the last's).
 #[test]
 fn processes_of_sibling_pid_namespaces_keep_their_traces() {
-    let namespace = "unshare -pf sh -c 'seq 1 3000 | sort -r | head -1' &";
+    let namespace = "unshare -pf sh -c 'seq 1 3000 | sort -rn | head -1; exec true' &";
     let script = format!("{namespace} {namespace} {namespace} wait");
     let native = Command::new("sh").args(["-c", &script]).output().unwrap();
     if text(&native.stdout) != "3000\n3000\n3000\n" {
@@ -2501,19 +2504,32 @@ fn processes_of_sibling_pid_namespaces_keep_their_traces() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let out = record(dir.path(), &[], &["sh", "-c", &script]);
-    assert_eq!(text(&out.stdout), text(&native.stdout), "{}", text(&out.stderr));
-    let found = traces_and_beside(dir.path());
-    assert!(!found.iter().any(|t| t.to_string_lossy().contains("before-exec")), "{found:?}");
-    let programs: Vec<String> = found
-        .iter()
-        .map(|t| {
-            let header = mallocspy::trace::header_of(std::fs::File::open(t).unwrap()).unwrap();
-            header.command.first().cloned().unwrap_or_default()
-        })
-        .collect();
-    for program in ["sort", "head"] {
-        assert_eq!(programs.iter().filter(|p| p.ends_with(program)).count(), 3, "{program}: {found:?} {programs:?}");
+    let header = |trace: &PathBuf| mallocspy::trace::header_of(std::fs::File::open(trace).unwrap()).unwrap();
+    let program = |trace: &PathBuf| {
+        let header = header(trace);
+        let name = header.command.first().cloned().unwrap_or_default();
+        (name.rsplit('/').next().unwrap_or_default().to_string(), header.start_unix_ns)
+    };
+    let outside = std::fs::read_link("/proc/self/ns/pid").unwrap().to_string_lossy().into_owned();
+    for run in 0..2 {
+        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let out = record(dir.path(), &[], &["sh", "-c", &script]);
+        assert_eq!(text(&out.stdout), text(&native.stdout), "{}", text(&out.stderr));
+        let found = traces_and_beside(dir.path());
+        let in_namespaces: Vec<&PathBuf> =
+            found.iter().filter(|t| format!("pid:[{}]", header(t).pid_namespace) != outside).collect();
+        // Of this run (an earlier run's traces of pids this one did not use stay, as ever).
+        let programs: Vec<(String, u64)> =
+            in_namespaces.iter().map(|t| program(t)).filter(|&(_, start)| start >= started).collect();
+        for name in ["sort", "head", "true"] {
+            let n = programs.iter().filter(|(p, _)| p == name).count();
+            assert_eq!(n, 3, "run {run}: {name}: {in_namespaces:?} {programs:?}");
+        }
+        // Three siblings take `PATH`, `.2` and `.3`, at every run.
+        assert!(!found.iter().any(|t| t.to_string_lossy().ends_with(".4")), "run {run}: {found:?}");
+        let kept: Vec<&&PathBuf> =
+            in_namespaces.iter().filter(|t| t.to_string_lossy().contains("before-exec")).collect();
+        assert!(kept.iter().all(|t| program(t).0 == "sh"), "run {run}: {kept:?}");
     }
 }
 

@@ -87,7 +87,7 @@ fn last_trace_of(pid: u32, candidates: &[String]) -> Option<String> {
 /// its images' before an `exec` (`.before-exec`), largest first, each with its program's name
 /// and its size. A run of a shell script left dozens, and `record` named only the first process's (review
 /// helper 68). Only those in `named`'s directory are looked for (a `%p` in a directory name
-/// is not followed). Only those whose options hold `run` (`record_run=PID`, which this run's
+/// is not followed). Only those whose options hold `run` (`record_run=PID-START`, which this run's
 /// processes inherit): a run beside it in the same directory wrote traces as alike (review
 /// helper 89).
 fn other_traces(template: &str, named: &str, started_ns: u64, run: &str) -> Vec<(String, String, u64)> {
@@ -189,7 +189,11 @@ pub fn record(args: RecordArgs) -> ExitCode {
         SamplingArg::Tick => "sampling=tick".to_string(),
     });
     let spies = launch::spies_with("ticks", std::env::var("MALLOCSPY_OPTIONS").ok().as_deref());
-    let run = format!("record_run={}", std::process::id());
+    let started_ns =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    // Its pid and start: `record` as a container's pid 1 is pid 1 at every run, and a run took
+    // the last one's traces for its own processes' (review helper 157).
+    let run = format!("record_run={}-{started_ns}", std::process::id());
     let options: Vec<String> = [spies, format!("trace={output}"), run.clone()]
         .into_iter()
         .chain(sampling)
@@ -197,8 +201,6 @@ pub fn record(args: RecordArgs) -> ExitCode {
         .chain(args.stats_interval_ms.map(|ms| format!("stats_interval_ms={ms}")))
         .chain(args.stack_depth.map(|n| format!("stack_depth={n}")))
         .collect();
-    let started_ns =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let (pid, status) = match launch::run_preloaded(args.shim.as_deref(), &options, &args.program) {
         Ok(done) => done,
         Err(code) => return code,

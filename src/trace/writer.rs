@@ -61,6 +61,17 @@ pub(crate) fn before_filter() {
     WAKE.release();
 }
 
+/// Before a seccomp filter that may kill the program for a call the queue's producers make
+/// (the queue's futex, the heap statistics' CPU clock): nothing more is queued, and the trace
+/// ends at the program's last message before the filter, without an end, as a crash's does.
+/// ctags's sandbox, which allows neither, died of SIGSYS when its run outlasted the
+/// statistics' interval (CI at 90dbc8c; 2 runs in 3 with `stats_interval_ms=1`).
+pub(crate) fn stop_queueing() {
+    if let Some(writer) = writer() {
+        writer.spy.set_ring(None);
+    }
+}
+
 /// Wakes the writer, which sleeps for want of messages or waits for its next drain. Called by
 /// a producer that saw the ring's idle flag (once per sleep) or found it filling (at most
 /// eight times a lap): a `send` that never blocks and never raises `SIGPIPE`, or, once the
@@ -250,10 +261,10 @@ fn open(template: &str, descendant: bool, ours: &Header) -> Result<(i32, String)
     let pid = os::getpid();
     let path = options::expand_path(template, pid);
     if options::names_pid(template) {
-        return replace_unless_a_siblings(path, ours);
+        return replace_unless_anothers(path, ours);
     }
     if descendant {
-        return replace_unless_a_siblings(format!("{path}.{pid}"), ours);
+        return replace_unless_anothers(format!("{path}.{pid}"), ours);
     }
     let fd =
         sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
@@ -263,7 +274,7 @@ fn open(template: &str, descendant: bool, ours: &Header) -> Result<(i32, String)
         return if before_exec {
             replace_earlier(path, true)
         } else {
-            replace_unless_a_siblings(format!("{path}.{pid}"), ours)
+            replace_unless_anothers(format!("{path}.{pid}"), ours)
         };
     }
     if before_exec {
@@ -365,42 +376,69 @@ fn this_process(h: &Header) -> Option<bool> {
     Some(h.pid == os::getpid() && h.pid_namespace == namespace && h.process_start_ticks == start)
 }
 
-/// [`replace`], unless `path` holds the trace of another process of this run (`record_run` in
-/// both headers' options), which the same pid in another pid namespace names alike: sibling
-/// containers each have a pid 1, and their traces replaced each other, or were taken for
-/// earlier images of one process and kept as `.before-exec` (review helper 156). Ours is then
-/// the first new `PATH.2`, `PATH.3`, ... beside it.
-fn replace_unless_a_siblings(path: String, ours: &Header) -> Result<(i32, String), String> {
+/// [`replace`], unless `path` holds the trace of another process that is not an earlier run's:
+/// one of this run (`record_run` in both headers' options), or one whose writer holds it still.
+/// The same pid in another pid namespace names it alike: sibling containers each have a pid 1,
+/// and their traces replaced each other, or were taken for earlier images of one process and
+/// kept as `.before-exec` (review helper 156). Ours then goes beside it, as `PATH.2`, `PATH.3`,
+/// ...: the first that is free, an earlier run's, or this process's own before an `exec`. A
+/// file is made with `O_EXCL` (siblings started together each unlinked the one another had just
+/// made), and an earlier run's is removed only while it is still that file.
+fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String), String> {
     use std::os::unix::fs::OpenOptionsExt;
-    let Some(run) = ours.options.split(':').find(|o| o.starts_with("record_run=")) else { return replace(path) };
-    let siblings = || {
-        let file = std::fs::File::open(&path).ok()?;
-        let h = super::header_of(file)?;
-        Some(h.options.split(':').any(|o| o == run) && this_process(&h) == Some(false))
+    let run = ours.options.split(':').find(|o| o.starts_with("record_run="));
+    let anothers = |at: &str| {
+        let header = std::fs::File::open(at).ok().and_then(super::header_of);
+        held_by_a_writer(at) || header.is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
     };
-    if siblings() != Some(true) {
-        return replace(path);
-    }
-    for n in 2..1000 {
-        let beside = format!("{path}.{n}");
+    let beside = (2..1000).map(|n| format!("{path}.{n}"));
+    for at in std::iter::once(path.clone()).chain(beside) {
+        if earlier_image(&at) {
+            return replace_earlier(at, true);
+        }
+        match std::fs::symlink_metadata(&at) {
+            // A symbolic link, a FIFO or a device is written through, as ever.
+            Ok(m) if !m.file_type().is_file() => return replace(at),
+            Ok(_) if anothers(&at) => continue,
+            Ok(_) => {
+                // An earlier run's.
+                if at == path {
+                    forget_earlier_images(&at);
+                }
+                if let Ok(file) = std::fs::File::open(&at) {
+                    remove_if_still(&at, std::os::fd::AsRawFd::as_raw_fd(&file));
+                }
+            }
+            Err(_) => {}
+        }
         let opened = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o644)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&beside);
+            .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(&at);
         match opened {
             Ok(file) => {
                 let fd = std::os::fd::IntoRawFd::into_raw_fd(file);
                 // A new file: the lock is ours, for the next process to find.
                 locked_by_another(fd);
-                return Ok((fd, beside));
+                return Ok((fd, at));
             }
+            // Made by another meanwhile.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(format!("cannot open trace '{}': {e}", options::Escaped(&beside))),
+            Err(e) => return Err(format!("cannot open trace '{}': {e}", options::Escaped(&at))),
         }
     }
     replace(path)
+}
+
+/// Whether a trace writer holds the file at `path` (each holds its trace's lock for as long
+/// as it runs, from the file's creation on).
+fn held_by_a_writer(path: &str) -> bool {
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    // SAFETY: flock on the descriptor of `file`, which closes it (and any lock) when dropped.
+    let refused = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_SH | libc::LOCK_NB) } != 0;
+    refused && os::errno() == libc::EWOULDBLOCK
 }
 
 /// The largest trace [`earlier_image`] reads whole for an end record.
@@ -1394,7 +1432,18 @@ mod tests {
         let template = dir.path().join("t.%p.trace");
         let template = template.to_str().unwrap();
         let before_exec = open(template, false, &Header::default()).unwrap().0;
-        assert!(os::write_all(before_exec, b"old image's header and events"));
+        // Its header names this process, which an `exec` keeps.
+        let this = Header {
+            pid: os::getpid(),
+            start_unix_ns: unix_now_ns(),
+            pid_namespace: os::pid_namespace().unwrap(),
+            process_start_ticks: os::process_start_ticks().unwrap(),
+            ..Header::default()
+        };
+        let mut header = Vec::new();
+        write_header(&mut header, &this);
+        assert!(os::write_all(before_exec, &header));
+        assert!(os::write_all(before_exec, b"old image's events"));
         // The image after exec opens the same path (same pid) and writes its trace ...
         let after_exec = open(template, false, &Header::default()).unwrap().0;
         assert!(os::write_all(after_exec, b"new"));
