@@ -383,13 +383,20 @@ fn this_process(h: &Header) -> Option<bool> {
 /// kept as `.before-exec` (review helper 156). Ours then goes beside it, as `PATH.2`, `PATH.3`,
 /// ...: the first that is free, an earlier run's, or this process's own before an `exec`. A
 /// file is made with `O_EXCL` (siblings started together each unlinked the one another had just
-/// made), and an earlier run's is removed only while it is still that file.
+/// made), and an earlier run's (with a header, and no writer) is removed only while it is
+/// still that file.
 fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String), String> {
     use std::os::unix::fs::OpenOptionsExt;
     let run = ours.options.split(':').find(|o| o.starts_with("record_run="));
-    let anothers = |at: &str| {
-        let header = std::fs::File::open(at).ok().and_then(super::header_of);
-        held_by_a_writer(at) || header.is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
+    // Judged by one descriptor, which the removal checks the path still names. An empty one is
+    // being made: its maker locks it, then writes its header, just after making it (a sibling
+    // took one so for an earlier run's, and unlinked it).
+    let anothers = |file: &std::fs::File| {
+        let being_made = file.metadata().is_ok_and(|m| m.len() == 0);
+        let header = super::header_of(file);
+        held_by_a_writer(file)
+            || being_made
+            || header.is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
     };
     let beside = (2..1000).map(|n| format!("{path}.{n}"));
     for at in std::iter::once(path.clone()).chain(beside) {
@@ -399,15 +406,16 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
         match std::fs::symlink_metadata(&at) {
             // A symbolic link, a FIFO or a device is written through, as ever.
             Ok(m) if !m.file_type().is_file() => return replace(at),
-            Ok(_) if anothers(&at) => continue,
             Ok(_) => {
+                let Ok(file) = std::fs::File::open(&at) else { continue };
+                if anothers(&file) {
+                    continue;
+                }
                 // An earlier run's.
                 if at == path {
                     forget_earlier_images(&at);
                 }
-                if let Ok(file) = std::fs::File::open(&at) {
-                    remove_if_still(&at, std::os::fd::AsRawFd::as_raw_fd(&file));
-                }
+                remove_if_still(&at, std::os::fd::AsRawFd::as_raw_fd(&file));
             }
             Err(_) => {}
         }
@@ -432,12 +440,11 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
     replace(path)
 }
 
-/// Whether a trace writer holds the file at `path` (each holds its trace's lock for as long
-/// as it runs, from the file's creation on).
-fn held_by_a_writer(path: &str) -> bool {
-    let Ok(file) = std::fs::File::open(path) else { return false };
-    // SAFETY: flock on the descriptor of `file`, which closes it (and any lock) when dropped.
-    let refused = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_SH | libc::LOCK_NB) } != 0;
+/// Whether a trace writer holds `file` (each holds its trace's lock for as long as it runs,
+/// from the file's creation on). A lock taken here is let go when `file` closes.
+fn held_by_a_writer(file: &std::fs::File) -> bool {
+    // SAFETY: flock on the descriptor of `file`, open for as long as the call.
+    let refused = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(file), libc::LOCK_SH | libc::LOCK_NB) } != 0;
     refused && os::errno() == libc::EWOULDBLOCK
 }
 
@@ -771,9 +778,9 @@ impl Writer {
         st.buf.clear();
     }
 
-    /// Reads the program's modules again, from the map of process `pid` as `/proc` names it (the
-    /// program's, or this one's): an unload record (at `unloaded_ns`) for each module gone, and a load record (at
-    /// `loaded_ns`, or now) for each new one.
+    /// Reads the program's modules again, from the map of process `pid` as `/proc` names it
+    /// (the program's, or this one's): an unload record (at `unloaded_ns`) for each module
+    /// gone, and a load record (at `loaded_ns`, or now) for each new one.
     fn rescan_modules(&self, st: &mut State, pid: u32, unloaded_ns: u64, loaded_ns: Option<u64>) {
         let now = modules::of_process(pid, &mut st.elf);
         if now.is_empty() {
