@@ -414,9 +414,13 @@ pub(crate) fn process_start_unix_ns() -> Option<u64> {
 /// When the calling process began (its `fork`; an `exec` keeps it), in clock ticks since boot
 /// (`/proc/self/stat`'s `starttime`); `None` if `/proc` does not say.
 pub(crate) fn process_start_ticks() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Field 22 counts from the 3rd, the first after the command's `)`.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+    stat_field(&std::fs::read_to_string("/proc/self/stat").ok()?, 22)
+}
+
+/// Field `n` (from 1, at least 3) of a `/proc/PID/stat` line, as a number: counted from the
+/// 3rd, the first after the command's last `)` (a command may hold spaces and parentheses).
+fn stat_field(stat: &str, n: usize) -> Option<u64> {
+    stat.rsplit_once(')')?.1.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
 }
 
 /// The inode of the calling process's pid namespace (`/proc/self/ns/pid` reads `pid:[N]`);
@@ -555,12 +559,10 @@ pub(crate) fn proc_pid() -> u32 {
 /// arguments lie, or where that is not private writable memory: `PR_SET_MM_ARG_START` may have
 /// put them in a read-only mapping, or a shared one, the parent's too.
 pub(crate) fn set_command_line(title: &[u8]) {
-    let Ok(stat) = std::fs::read("/proc/self/stat") else { return };
-    // Fields from the state on (the 3rd): the arguments' start and end are the 48th and 49th.
-    let Some(close) = stat.iter().rposition(|&c| c == b')') else { return };
-    let mut fields = stat[close + 1..].split(|&c| c == b' ').filter(|f| !f.is_empty()).skip(45);
-    let mut number = || core::str::from_utf8(fields.next()?).ok()?.trim().parse::<usize>().ok();
-    let (Some(start), Some(end)) = (number(), number()) else { return };
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return };
+    // The arguments' start and end.
+    let (Some(start), Some(end)) = (stat_field(&stat, 48), stat_field(&stat, 49)) else { return };
+    let (start, end) = (start as usize, end as usize);
     if start == 0 || end <= start || !private_writable(start, end) {
         return;
     }
@@ -981,6 +983,16 @@ pub(crate) fn module_span(addr: *const core::ffi::c_void) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A command with spaces and parentheses of its own does not shift the fields after it.
+    #[test]
+    fn stat_fields_count_from_the_commands_last_parenthesis() {
+        let stat = "4242 (a) b (c) S 1 4242 0 0";
+        assert_eq!((stat_field(stat, 4), stat_field(stat, 5), stat_field(stat, 3)), (Some(1), Some(4242), None));
+        assert_eq!(stat_field(stat, 2), None);
+        let own = std::fs::read_to_string("/proc/self/stat").unwrap();
+        assert_eq!(stat_field(&own, 4), Some(u64::from(std::os::unix::process::parent_id())));
+    }
 
     /// The writer's command line is written only in private writable memory: not in a
     /// read-only mapping, nor in a shared one, which its parent sees too.

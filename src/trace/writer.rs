@@ -386,17 +386,11 @@ fn this_process(h: &Header) -> Option<bool> {
 /// made), and an earlier run's (with a header, and no writer) is removed only while it is
 /// still that file.
 fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String), String> {
-    use std::os::unix::fs::OpenOptionsExt;
     let run = ours.options.split(':').find(|o| o.starts_with("record_run="));
-    // Judged by one descriptor, which the removal checks the path still names. An empty one is
-    // being made: its maker locks it, then writes its header, just after making it (a sibling
-    // took one so for an earlier run's, and unlinked it).
+    // Judged by one descriptor, which the removal checks the path still names.
     let anothers = |file: &std::fs::File| {
-        let being_made = file.metadata().is_ok_and(|m| m.len() == 0);
         let header = super::header_of(file);
-        held_by_a_writer(file)
-            || being_made
-            || header.is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
+        held_by_a_writer(file) || header.is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
     };
     let beside = (2..1000).map(|n| format!("{path}.{n}"));
     for at in std::iter::once(path.clone()).chain(beside) {
@@ -419,25 +413,59 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
             }
             Err(_) => {}
         }
-        let opened = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
-            .open(&at);
-        match opened {
-            Ok(file) => {
-                let fd = std::os::fd::IntoRawFd::into_raw_fd(file);
-                // A new file: the lock is ours, for the next process to find.
-                locked_by_another(fd);
-                return Ok((fd, at));
-            }
+        match make_locked(&at) {
+            Ok(fd) => return Ok((fd, at)),
             // Made by another meanwhile.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            // A directory we may not write in: a file already there is written over, as ever.
+            Err(_) if at == path => return replace(path),
             Err(e) => return Err(format!("cannot open trace '{}': {e}", options::Escaped(&at))),
         }
     }
     replace(path)
+}
+
+/// A new file at `path`, locked before it appears there: made under another name, locked,
+/// then linked to `path`, which fails if a file is there (a sibling that found it unlocked,
+/// just made, took it for an earlier run's, and unlinked it). Where the file system makes no
+/// links, made at `path` with `O_EXCL`, then locked.
+fn make_locked(path: &str) -> std::io::Result<i32> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let make = |at: &str| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(at)
+            .map(std::os::fd::IntoRawFd::into_raw_fd)
+    };
+    let making = format!("{path}.making.{}", os::getpid());
+    let _ = std::fs::remove_file(&making);
+    let fd = match make(&making) {
+        Ok(fd) => fd,
+        Err(_) => {
+            let fd = make(path)?;
+            locked_by_another(fd);
+            return Ok(fd);
+        }
+    };
+    // A new file: the lock is ours, for the next process to find.
+    locked_by_another(fd);
+    let linked = std::fs::hard_link(&making, path);
+    let _ = std::fs::remove_file(&making);
+    match linked {
+        Ok(()) => Ok(fd),
+        Err(e) => {
+            close(fd);
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                return Err(e);
+            }
+            let fd = make(path)?;
+            locked_by_another(fd);
+            Ok(fd)
+        }
+    }
 }
 
 /// Whether a trace writer holds `file` (each holds its trace's lock for as long as it runs,
