@@ -430,6 +430,14 @@ pub(crate) fn pid_namespace() -> Option<u64> {
     link.to_str()?.strip_prefix("pid:[")?.strip_suffix(']')?.parse().ok()
 }
 
+/// 64 random bits from the kernel (the clock's nanoseconds where it has none to give).
+pub(crate) fn random_u64() -> u64 {
+    let mut bits = [0u8; 8];
+    // SAFETY: getrandom writes at most the 8 bytes of `bits`.
+    let got = unsafe { libc::getrandom(bits.as_mut_ptr().cast(), bits.len(), libc::GRND_NONBLOCK) };
+    if got == bits.len() as isize { u64::from_ne_bytes(bits) } else { monotonic_ns() }
+}
+
 /// The CPU time the calling thread has used, in ns (a system call: for rare measurements).
 pub(crate) fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)

@@ -111,7 +111,7 @@ struct State {
     /// Whether a record of the program's own work is written (see [`is_own`]).
     own: bool,
     /// The trace's path when the writer started (see [`remove_if_idle_before_exec`]).
-    first_name: Option<std::path::PathBuf>,
+    first_name: Option<String>,
     ended: bool,
 }
 
@@ -384,19 +384,32 @@ fn this_process(h: &Header) -> Option<bool> {
 /// ...: the first that is free, an earlier run's, or this process's own before an `exec`. A
 /// file is made with `O_EXCL` (siblings started together each unlinked the one another had just
 /// made), and an earlier run's (with a header, and no writer) is removed only while it is
-/// still that file.
+/// still that file, by the one that holds its lock: between a sibling's look and its removal,
+/// another removed it and put its own there, which the sibling then removed (1 run in 25 of
+/// the sibling namespaces' test replacing a run's traces). An image after an `exec` looks for its earlier image's trace first, and
+/// takes its place with a new file made alike: it took the first free name instead, which a
+/// sibling's `exec` had just freed, and truncated the file the sibling then made there (1 run
+/// in 45 of the sibling namespaces' test: one `true`'s trace lost, its `sh`'s left).
 fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String), String> {
     let run = ours.options.split(':').find(|o| o.starts_with("record_run="));
-    // Judged by one descriptor, which the removal checks the path still names.
+    // Judged by one descriptor, which the removal checks the path still names, and locked
+    // until it is removed: a writer's, or one a sibling is removing, is locked already.
     let anothers = |file: &std::fs::File| {
-        let header = super::header_of(file);
-        held_by_a_writer(file) || header.is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
+        let header = || super::header_of(file);
+        locked_by_another(std::os::fd::AsRawFd::as_raw_fd(file))
+            || header().is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
     };
-    let beside = (2..1000).map(|n| format!("{path}.{n}"));
-    for at in std::iter::once(path.clone()).chain(beside) {
-        if earlier_image(&at) {
-            return replace_earlier(at, true);
+    let names = || std::iter::once(path.clone()).chain((2..1000).map(|n| format!("{path}.{n}")));
+    if let Some(at) = earliers_name(names()) {
+        clear(&at, true);
+        match make_locked(&at) {
+            Ok(fd) => return Ok((fd, at)),
+            // Taken by a sibling while it was free: ours goes where another would.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(_) => return open_cleared(at),
         }
+    }
+    for at in names() {
         match std::fs::symlink_metadata(&at) {
             // A symbolic link, a FIFO or a device is written through, as ever.
             Ok(m) if !m.file_type().is_file() => return replace(at),
@@ -405,11 +418,12 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
                 if anothers(&file) {
                     continue;
                 }
-                // An earlier run's.
+                // An earlier run's, and ours to remove while the lock is ours.
                 if at == path {
                     forget_earlier_images(&at);
                 }
                 remove_if_still(&at, std::os::fd::AsRawFd::as_raw_fd(&file));
+                drop(file);
             }
             Err(_) => {}
         }
@@ -425,10 +439,35 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
     replace(path)
 }
 
+/// Which of `names` holds the trace of this process's image before an `exec`, looked for while
+/// the names are taken: they are taken from the first, and a name is free for a moment while
+/// its trace is replaced (or a few more, after a failure).
+fn earliers_name(names: impl Iterator<Item = String>) -> Option<String> {
+    const FREE_IN_A_ROW: usize = 4;
+    let mut free = 0;
+    for at in names {
+        if std::fs::symlink_metadata(&at).is_err() {
+            free += 1;
+            if free == FREE_IN_A_ROW {
+                return None;
+            }
+            continue;
+        }
+        free = 0;
+        if earlier_image(&at) {
+            return Some(at);
+        }
+    }
+    None
+}
+
 /// A new file at `path`, locked before it appears there: made under another name, locked,
 /// then linked to `path`, which fails if a file is there (a sibling that found it unlocked,
 /// just made, took it for an earlier run's, and unlinked it). Where the file system makes no
-/// links, made at `path` with `O_EXCL`, then locked.
+/// links, made at `path` with `O_EXCL`, then locked. The other name is random: named by the
+/// pid, it was the same for siblings in pid namespaces of their own, which then unlinked
+/// each other's and linked the wrong one (1 run in 36 of the sibling namespaces' test: a
+/// `seq`'s trace lost, written to a file with no name).
 fn make_locked(path: &str) -> std::io::Result<i32> {
     use std::os::unix::fs::OpenOptionsExt;
     let make = |at: &str| {
@@ -440,8 +479,7 @@ fn make_locked(path: &str) -> std::io::Result<i32> {
             .open(at)
             .map(std::os::fd::IntoRawFd::into_raw_fd)
     };
-    let making = format!("{path}.making.{}", os::getpid());
-    let _ = std::fs::remove_file(&making);
+    let making = format!("{path}.making.{:016x}", os::random_u64());
     let fd = match make(&making) {
         Ok(fd) => fd,
         Err(_) => {
@@ -468,14 +506,6 @@ fn make_locked(path: &str) -> std::io::Result<i32> {
     }
 }
 
-/// Whether a trace writer holds `file` (each holds its trace's lock for as long as it runs,
-/// from the file's creation on). A lock taken here is let go when `file` closes.
-fn held_by_a_writer(file: &std::fs::File) -> bool {
-    // SAFETY: flock on the descriptor of `file`, open for as long as the call.
-    let refused = unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(file), libc::LOCK_SH | libc::LOCK_NB) } != 0;
-    refused && os::errno() == libc::EWOULDBLOCK
-}
-
 /// The largest trace [`earlier_image`] reads whole for an end record.
 const ENDED_LOOKUP: u64 = 4 << 20;
 
@@ -488,18 +518,25 @@ fn replace(path: String) -> Result<(i32, String), String> {
 
 /// [`replace`], told whether `path` holds an earlier image's trace (`open` read it already).
 fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String> {
+    clear(&path, earlier);
+    open_cleared(path)
+}
+
+/// Takes the regular file at `path` away: the trace of an earlier image of this process
+/// (`earlier`) is kept beside (see [`open`]) if it holds anything of its own, anything else
+/// unlinked. A symbolic link stays, to be written through.
+fn clear(path: &str, earlier: bool) {
     if !earlier {
-        forget_earlier_images(&path);
+        forget_earlier_images(path);
     }
-    if let Ok(c) = std::ffi::CString::new(path.as_str()) {
+    if let Ok(c) = std::ffi::CString::new(path) {
         // SAFETY: stat is plain data, valid when zeroed; lstat only writes it.
         let mut st: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: c is NUL-terminated and st a valid out-pointer. A failed unlink (a read-only
-        // directory) leaves the truncating open below to do what it can. A symbolic link
-        // stays, to be written through.
+        // directory) leaves the truncating open after it to do what it can.
         if unsafe { libc::lstat(c.as_ptr(), &mut st) } == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG {
-            let judged = if earlier { holds_its_own_events(&path) } else { Some(false) };
-            let kept = if judged == Some(false) { None } else { keep_beside(&path) };
+            let judged = if earlier { holds_its_own_events(path) } else { Some(false) };
+            let kept = if judged == Some(false) { None } else { keep_beside(path) };
             match kept {
                 // SAFETY: as above.
                 None => unsafe {
@@ -510,6 +547,11 @@ fn replace_earlier(path: String, earlier: bool) -> Result<(i32, String), String>
             }
         }
     }
+}
+
+/// The trace file at `path`, [`clear`]ed: made, or opened and truncated (what a failed unlink
+/// left), and locked.
+fn open_cleared(path: String) -> Result<(i32, String), String> {
     let fd =
         sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
     // A new file: the lock is ours, for the next process to find.
@@ -624,15 +666,26 @@ fn is_own(event: &Event) -> bool {
 /// nothing of its own: removes the trace if the new image kept it beside its own as
 /// `NAME.before-exec` (`.2`, ...) while this writer was still at work (see
 /// [`holds_its_own_events`]), `NAME` being the trace's name at the writer's start. Under that
-/// name the trace is the new image's to judge; under any other, someone else's.
-fn remove_if_idle_before_exec(fd: i32, first_name: &std::path::Path) {
-    let Ok(path) = std::fs::read_link(format!("/proc/self/fd/{fd}")) else { return };
-    let (Some(now), Some(first)) = (path.to_str(), first_name.to_str()) else { return };
-    let Some(kept) = now.strip_prefix(first).and_then(|rest| rest.strip_prefix(".before-exec")) else { return };
-    if !(kept.is_empty() || kept.strip_prefix('.').is_some_and(|n| n.parse::<u32>().is_ok_and(|n| n >= 2))) {
-        return;
+/// name the trace is the new image's to judge; under any other, someone else's. Found by the
+/// file's identity: the descriptor's own name is the one it was made under (see
+/// [`make_locked`]), and such a trace was never removed.
+fn remove_if_idle_before_exec(fd: i32, first_name: &str) {
+    use std::os::unix::fs::MetadataExt;
+    let Some(ours) = os::file_identity(fd) else { return };
+    let kept = (1..=KEPT_BESIDE).map(|n| before_exec_name(first_name, n));
+    if let Some(kept) =
+        kept.into_iter().find(|name| std::fs::symlink_metadata(name).is_ok_and(|m| (m.dev(), m.ino()) == ours))
+    {
+        remove_if_still(kept, fd);
     }
-    remove_if_still(&path, fd);
+}
+
+/// How many traces of earlier images are kept beside one (see [`keep_beside`]).
+const KEPT_BESIDE: u32 = 100;
+
+/// The name of the `n`th trace kept beside `path` (from 1): `PATH.before-exec`, `.2`, ...
+fn before_exec_name(path: &str, n: u32) -> String {
+    if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") }
 }
 
 /// Removes the traces kept beside `path` (see [`keep_beside`]) by an earlier run, whose trace
@@ -642,8 +695,8 @@ fn remove_if_idle_before_exec(fd: i32, first_name: &std::path::Path) {
 /// helper 123). Only traces: the names stop at the first that is not one.
 fn forget_earlier_images(path: &str) {
     use std::io::Read;
-    for n in 1..=100 {
-        let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
+    for n in 1..=KEPT_BESIDE {
+        let name = before_exec_name(path, n);
         let mut magic = [0u8; super::MAGIC.len()];
         let is_trace = std::fs::symlink_metadata(&name).is_ok_and(|m| m.file_type().is_file())
             && std::fs::File::open(&name).and_then(|mut f| f.read_exact(&mut magic)).is_ok()
@@ -659,8 +712,8 @@ fn forget_earlier_images(path: &str) {
 /// replaced).
 fn keep_beside(path: &str) -> Option<String> {
     let from = std::ffi::CString::new(path).ok()?;
-    for n in 1..=100 {
-        let name = if n == 1 { format!("{path}.before-exec") } else { format!("{path}.before-exec.{n}") };
+    for n in 1..=KEPT_BESIDE {
+        let name = before_exec_name(path, n);
         let to = std::ffi::CString::new(name.as_str()).ok()?;
         // SAFETY: two NUL-terminated paths; RENAME_NOREPLACE fails rather than replace `to`.
         let renamed = unsafe {
@@ -916,7 +969,7 @@ impl Writer {
         header: &Header,
         proc_pid: u32,
         trace_fd: i32,
-        first_name: Option<std::path::PathBuf>,
+        first_name: Option<String>,
         header_write: HeaderWrite,
         socket: i32,
         ring: &'static Ring,
@@ -1076,8 +1129,8 @@ impl Writer {
         // Its name now, before the program can `exec`: a writer that read it once started
         // found the name a slow start had let the next image rename it to (the next image
         // kept a trace of a header alone as `.before-exec`, 4 runs in 13 of a Java program
-        // spawning 40 children; review helper 148).
-        let first_name = std::fs::read_link(format!("/proc/self/fd/{trace_fd}")).ok();
+        // spawning 40 children; review helper 148). Absolute, as the descriptor's link was.
+        let first_name = std::path::absolute(&path).ok().and_then(|p| p.into_os_string().into_string().ok());
         let proc_pid = os::proc_pid();
         let Some(ring) = Ring::new_shared(QUEUE_SLOTS) else {
             return give_up(&[trace_fd, ours, its], "cannot map the trace queue".into());
