@@ -22,7 +22,8 @@ use crate::spy::Entry;
 /// (so that a signal ending the process writes the reports, see `ending_signals.rs`), `prctl`
 /// and `syscall` (so that a seccomp filter is seen before it is in force, see `seccomp.rs`),
 /// the `setuid` family, `setgroups` and `chroot` (so that a forked child's trace writer starts
-/// first, see `credentials.rs`) and the `mallocspy_api_v1` table in the invoking
+/// first, see `credentials.rs`), `kill` (so that `kill(-1, ...)` spares the trace writers, see
+/// `kill_all.rs`) and the `mallocspy_api_v1` table in the invoking
 /// crate, forwarding to this crate's process-wide interposer.
 ///
 /// The allocating entry points are naked trampolines: they note the stack and frame pointer
@@ -92,6 +93,8 @@ macro_rules! export_interposer {
         // A forked child's trace writer starts before the child changes its user, root or
         // namespaces (see `credentials.rs`).
         $crate::__credential_calls!($crate::__credentials);
+        // `kill(-1, ...)` leaves the trace writers out (see `kill_all.rs`).
+        $crate::__jump!(kill, $crate::interpose::kill, (pid: ::core::ffi::c_int, signal: ::core::ffi::c_int) -> ::core::ffi::c_int);
         // `_exit` and `_Exit` write the exit reports first (nothing else would); glibc's
         // `daemon` leaves the parent by its own `_exit`, not this one.
         $crate::__jump!(_exit, $crate::interpose::exit_now, (status: ::core::ffi::c_int) -> !);
@@ -560,6 +563,16 @@ pub unsafe extern "C" fn prctl(
 ) -> c_int {
     // SAFETY: the caller's guarantee.
     unsafe { crate::seccomp::prctl(option, a2, a3, a4, a5) }
+}
+
+/// As `kill`.
+///
+/// # Safety
+/// None beyond C's: the arguments are plain integers.
+#[doc(hidden)]
+pub unsafe extern "C" fn kill(pid: c_int, signal: c_int) -> c_int {
+    // SAFETY: the caller's guarantee.
+    unsafe { crate::kill_all::kill(pid, signal) }
 }
 
 /// The exports of `credentials.rs`'s wrappers, each as three words to an `int`.

@@ -76,6 +76,7 @@ mod heap;
 #[doc(hidden)]
 pub mod interpose;
 mod kept_fd;
+mod kill_all;
 pub mod leaks;
 mod line;
 mod live_table;

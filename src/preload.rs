@@ -123,6 +123,7 @@ fn register_spies() {
     crate::alt_stack::warm_up();
     crate::seccomp::warm_up();
     crate::credentials::warm_up();
+    crate::kill_all::warm_up();
     os::warm_up_clock();
     // The main thread's stack, from the stack itself: a hook in a handler on an alternate
     // signal stack cannot find it (review helper 97).

@@ -2455,6 +2455,39 @@ fn a_forked_child_that_enters_a_pid_namespace_ends_as_natively() {
     }
 }
 
+/// A container's init that kills every other process (`kill(-1, ...)`) at its end spares the
+/// trace writers, which are processes of the program's (forked by the process each writes for)
+/// but not natively there: they were killed, their traces cut, its own among them, and the
+/// call with nothing else left to signal succeeded, where natively it fails with ESRCH (review
+/// helper 156).
+#[test]
+fn an_init_that_kills_every_process_spares_the_trace_writers() {
+    let program = c_program("kills_all.c");
+    let in_namespace = ["unshare", "-pf", "--mount-proc", program.to_str().unwrap()];
+    let native = Command::new(in_namespace[0]).args(&in_namespace[1..]).output().unwrap();
+    if !native.status.success() {
+        eprintln!("skipped: no pid namespaces with a /proc of their own here ({})", text(&native.stderr).trim());
+        return;
+    }
+    let expected = "alone: -1 ESRCH\nwith a child: 0 ok\nchild: Killed\nafter: -1 ESRCH\n";
+    assert_eq!(text(&native.stdout), expected);
+    let dir = tempfile::tempdir().unwrap();
+    let out = record(dir.path(), &[], &in_namespace);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), expected), "{}", text(&out.stderr));
+    let of_the_fixture: Vec<(u32, Vec<Event>)> = traces(dir.path())
+        .iter()
+        .filter_map(|t| {
+            let header = mallocspy::trace::header_of(std::fs::File::open(t).unwrap())?;
+            header.command.first().is_some_and(|c| c.ends_with("kills_all")).then(|| (header.pid, events_of(t)))
+        })
+        .collect();
+    let init = of_the_fixture.iter().find(|(pid, _)| *pid == 1).expect("the init's trace");
+    assert!(matches!(init.1.last(), Some(Event::End { .. })), "the init's trace ends whole");
+    // The killed child's trace is there; its writer may not have written it all when the
+    // init's exit ended the namespace (and the kernel killed every process left in it).
+    assert!(of_the_fixture.iter().any(|(pid, _)| *pid != 1), "the killed child's trace");
+}
+
 /// A trace writer's command line is its own: forked from the program, it had the program's,
 /// and `pgrep -f`, `pkill -f` and `pidof` took it for another copy of the program (`pkill -f`
 /// killed its own writer: review helper 153).

@@ -164,6 +164,17 @@ pub(crate) fn hand_trace_to(uid: u32) {
     }
 }
 
+/// The pid of this process's writer where it is its child (forked once, by a subreaper: see
+/// [`Writer::launch`]); 0 otherwise.
+static CHILD_WRITER: AtomicU32 = AtomicU32::new(0);
+
+/// Whether process `pid` is this process's own writer, its child: one just forked may not have
+/// run yet, to take its name (see `kill_all.rs`). A writer forked twice has it from the middle
+/// process, which is gone by the time the program goes on.
+pub(crate) fn is_child_writer(pid: u32) -> bool {
+    pid != 0 && CHILD_WRITER.load(Ordering::Relaxed) == pid
+}
+
 /// The thread starting a deferred writer (0: none).
 static STARTING: AtomicU32 = AtomicU32::new(0);
 
@@ -396,8 +407,7 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
     // until it is removed: a writer's, or one a sibling is removing, is locked already.
     let anothers = |file: &std::fs::File| {
         let header = || super::header_of(file);
-        locked_by_another(std::os::fd::AsRawFd::as_raw_fd(file))
-            || header().is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
+        held_by_another(file) || header().is_some_and(|h| run.is_some_and(|run| h.options.split(':').any(|o| o == run)))
     };
     let names = || std::iter::once(path.clone()).chain((2..1000).map(|n| format!("{path}.{n}")));
     if let Some(at) = earliers_name(names()) {
@@ -418,11 +428,11 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
                 if anothers(&file) {
                     continue;
                 }
-                // An earlier run's, and ours to remove while the lock is ours.
-                if at == path {
+                // An earlier run's, and ours to remove while the lock is ours; so are the
+                // traces it kept beside.
+                if remove_if_still(&at, std::os::fd::AsRawFd::as_raw_fd(&file)) {
                     forget_earlier_images(&at);
                 }
-                remove_if_still(&at, std::os::fd::AsRawFd::as_raw_fd(&file));
                 drop(file);
             }
             Err(_) => {}
@@ -443,7 +453,7 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
 /// the names are taken: they are taken from the first, and a name is free for a moment while
 /// its trace is replaced (or a few more, after a failure).
 fn earliers_name(names: impl Iterator<Item = String>) -> Option<String> {
-    const FREE_IN_A_ROW: usize = 4;
+    const FREE_IN_A_ROW: usize = 8;
     let mut free = 0;
     for at in names {
         if std::fs::symlink_metadata(&at).is_err() {
@@ -479,13 +489,26 @@ fn make_locked(path: &str) -> std::io::Result<i32> {
             .open(at)
             .map(std::os::fd::IntoRawFd::into_raw_fd)
     };
+    // Made at `path`, then locked: one a sibling locked first is its to remove.
+    let made_at_path = |directory_refused: Option<std::io::Error>| {
+        let fd = match make(path) {
+            // A directory we may not write in: its error, for the file there to be written
+            // over (the file's own existence said nothing of that).
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(directory_refused.unwrap_or(e)),
+            made => made?,
+        };
+        if locked_by_another(fd) {
+            close(fd);
+            return Err(std::io::ErrorKind::AlreadyExists.into());
+        }
+        Ok(fd)
+    };
     let making = format!("{path}.making.{:016x}", os::random_u64());
     let fd = match make(&making) {
         Ok(fd) => fd,
-        Err(_) => {
-            let fd = make(path)?;
-            locked_by_another(fd);
-            return Ok(fd);
+        Err(e) => {
+            let refused = matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM | libc::EROFS));
+            return made_at_path(refused.then_some(e));
         }
     };
     // A new file: the lock is ours, for the next process to find.
@@ -499,10 +522,30 @@ fn make_locked(path: &str) -> std::io::Result<i32> {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 return Err(e);
             }
-            let fd = make(path)?;
-            locked_by_another(fd);
-            Ok(fd)
+            made_at_path(None)
         }
+    }
+}
+
+/// Whether another open file holds the lock of `file` (a writer's, or a sibling's about to
+/// remove it), taking it if not (see [`locked_by_another`]). NFS's emulation of `flock` takes
+/// an exclusive lock only on a file open for writing, and refuses it on `file`: a shared one
+/// is then asked for, which a writer's refuses too.
+fn held_by_another(file: &std::fs::File) -> bool {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(file);
+    // SAFETY: flock on the descriptor of `file`, open for as long as the call.
+    if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return false;
+    }
+    match os::errno() {
+        libc::EWOULDBLOCK => true,
+        libc::EBADF => {
+            // SAFETY: as above.
+            let refused = unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } != 0;
+            refused && os::errno() == libc::EWOULDBLOCK
+        }
+        // Where nothing locks, no one can tell.
+        _ => false,
     }
 }
 
@@ -615,13 +658,12 @@ fn drop_if_idle(kept: &str) {
     }
 }
 
-/// Removes the file at `path` if it is still the one open as `fd` (not another put there since).
-fn remove_if_still(path: impl AsRef<std::path::Path>, fd: i32) {
+/// Removes the file at `path` if it is still the one open as `fd` (not another put there
+/// since); whether it did.
+fn remove_if_still(path: impl AsRef<std::path::Path>, fd: i32) -> bool {
     use std::os::unix::fs::MetadataExt;
     let here = std::fs::symlink_metadata(&path).map(|m| (m.dev(), m.ino()));
-    if here.is_ok_and(|id| os::file_identity(fd) == Some(id)) {
-        let _ = std::fs::remove_file(path);
-    }
+    here.is_ok_and(|id| os::file_identity(fd) == Some(id)) && std::fs::remove_file(path).is_ok()
 }
 
 /// The longest trace [`holds_its_own_events`] reads while its writer may still write it.
@@ -977,13 +1019,12 @@ impl Writer {
         tls::state().depth.set(1);
         tls::state().scope_sp.set(0);
         // SAFETY: plain system calls on this process: a session of its own, every signal
-        // blocked (it leaves when the program's end closes), a name for `ps`.
+        // blocked (it leaves when the program's end closes).
         unsafe {
             libc::setsid();
             let mut all: libc::sigset_t = core::mem::zeroed();
             libc::sigfillset(&mut all);
             libc::sigprocmask(libc::SIG_BLOCK, &all, core::ptr::null_mut());
-            libc::prctl(libc::PR_SET_NAME, c"mallocspy-trace".as_ptr());
         }
         // Its command line was the program's: `pgrep -f`, `pkill -f` and `pidof` took it for
         // another copy of the program (`pkill -f` killed its own writer: review helper 153).
@@ -1158,6 +1199,11 @@ impl Writer {
         crate::global::fork_parent();
         if child == 0 {
             crate::pool::force_unlock();
+            // Named before the writer is forked, which takes the name: `kill(-1, ...)` tells
+            // writers by their names, and one the program made just before such a call was
+            // killed still named as the program (see `kill_all.rs`).
+            // SAFETY: prctl names the calling thread from a NUL-terminated string.
+            unsafe { libc::prctl(libc::PR_SET_NAME, c"mallocspy-trace".as_ptr()) };
             let writer = if subreaper { 0 } else { raw_fork() };
             if writer == 0 {
                 self.serve(&header, proc_pid, trace_fd, first_name, header_write, its, ring);
@@ -1171,7 +1217,10 @@ impl Writer {
         // then unknown, and the writer taken to have started).
         let failed = match child {
             ..0 => -child,
-            _ if subreaper => 0,
+            _ if subreaper => {
+                CHILD_WRITER.store(child as u32, Ordering::Relaxed);
+                0
+            }
             _ => reap(child).unwrap_or(0),
         };
         if failed != 0 {
@@ -1360,6 +1409,7 @@ impl Writer {
         // The child ran its atfork handlers: it is set up here, its writer to come.
         process_mark::set_here();
         STARTING.store(0, Ordering::Relaxed);
+        CHILD_WRITER.store(0, Ordering::Relaxed);
         DEFERRED.store(os::getpid(), Ordering::Release);
     }
 

@@ -1,0 +1,217 @@
+//! `kill(-1, signal)`: a signal to every process the caller may signal but itself and its pid
+//! namespace's init. mallocspy's trace writers are the program's processes too (each forked by
+//! the process it writes for), and the kernel's call killed them: a container's init that
+//! killed all at its end lost the last events of every trace, its own among them, and its call
+//! succeeded where natively nothing was left to signal (ESRCH; review helper 156). Here the
+//! call signals each other process itself, found in `/proc`, and leaves the writers out: they
+//! block every signal they can, and end with the programs they write for.
+//!
+//! One call per process, not one for all: a process forked meanwhile by one not signalled yet
+//! escapes a single look, so SIGKILL and SIGSTOP, after which a signalled process forks no
+//! more, look twice. Where `/proc` is not this pid namespace's (`unshare -pf` without
+//! `--mount-proc`: its pids are another namespace's) or cannot be read, the call is the
+//! kernel's, as before. System calls and the stack only: the call is async-signal-safe, and an
+//! init makes it from its handler of SIGTERM.
+
+use core::ffi::{CStr, c_int, c_void};
+use core::sync::atomic::AtomicPtr;
+
+use crate::os;
+
+/// The next library's `kill` (libc's).
+static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
+
+/// What a trace writer names itself (`PR_SET_NAME`), as `/proc/PID/comm` shows it.
+const WRITER_COMM: &[u8] = b"mallocspy-trace\n";
+
+/// The highest signal number (`_NSIG`): a larger one, or a negative one, is the kernel's to
+/// refuse (EINVAL) before anything is sent.
+const HIGHEST_SIGNAL: c_int = 64;
+
+/// Looks up the next `kill` at start (see [`crate::program_mappings::warm_up`]).
+pub(crate) fn warm_up() {
+    os::next_symbol_cached(&NEXT, c"kill");
+}
+
+/// C's `kill`: [`kill_all`] for `pid` -1, the next library's otherwise.
+///
+/// # Safety
+/// None beyond C's: the arguments are plain integers.
+pub(crate) unsafe fn kill(pid: c_int, signal: c_int) -> c_int {
+    if pid == -1
+        && (0..=HIGHEST_SIGNAL).contains(&signal)
+        && let Some(result) = kill_all(signal)
+    {
+        return result;
+    }
+    next_kill(pid, signal)
+}
+
+/// `kill(pid, signal)` by the next library's `kill` (the system call before it is looked up).
+fn next_kill(pid: c_int, signal: c_int) -> c_int {
+    let f = os::next_symbol_cached(&NEXT, c"kill");
+    if f.is_null() {
+        // SAFETY: kill takes two integers.
+        return unsafe { libc::syscall(libc::SYS_kill, pid, signal) as c_int };
+    }
+    // SAFETY: the next library's `kill` has C's signature.
+    unsafe { core::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int, c_int) -> c_int>(f)(pid, signal) }
+}
+
+/// `kill(-1, signal)` without the trace writers (see the module's documentation), with the
+/// kernel's result: 0 when some process was there to signal and no call to one failed for a
+/// reason other than permission (the last such failure otherwise), ESRCH when none was.
+/// `None` when `/proc` cannot tell: nothing was signalled.
+fn kill_all(signal: c_int) -> Option<c_int> {
+    let errno = os::errno();
+    let proc_fd = os::open(c"/proc", libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC);
+    if proc_fd < 0 {
+        os::set_errno(errno);
+        return None;
+    }
+    let me = os::getpid();
+    let (mut found, mut last) = (0u32, 0);
+    let looks = if matches!(signal, libc::SIGKILL | libc::SIGSTOP) { 2 } else { 1 };
+    let mut readable = names_pid(proc_fd, c"self") == Some(me);
+    for _ in 0..looks {
+        if !readable {
+            break;
+        }
+        readable = each_process(proc_fd, |pid| {
+            if pid <= 1 || pid == me || crate::trace::writer::is_child_writer(pid) || is_trace_writer(proc_fd, pid) {
+                return;
+            }
+            if next_kill(pid as c_int, signal) == 0 {
+                (found, last) = (found + 1, 0);
+                return;
+            }
+            match os::errno() {
+                // Gone since it was listed: natively, not there to signal.
+                libc::ESRCH => {}
+                libc::EPERM => found += 1,
+                error => (found, last) = (found + 1, error),
+            }
+        });
+    }
+    os::close(proc_fd);
+    if !readable && found == 0 {
+        os::set_errno(errno);
+        return None;
+    }
+    let error = if found == 0 { libc::ESRCH } else { last };
+    os::set_errno(if error == 0 { errno } else { error });
+    Some(if error == 0 { 0 } else { -1 })
+}
+
+/// Calls `visit` with the pid of each process `/proc` (open as `proc_fd`) lists; false if it
+/// could not be read to its end.
+fn each_process(proc_fd: c_int, mut visit: impl FnMut(u32)) -> bool {
+    // Rewound: the second look reads the directory afresh.
+    // SAFETY: lseek takes integers.
+    if unsafe { libc::lseek(proc_fd, 0, libc::SEEK_SET) } != 0 {
+        return false;
+    }
+    #[repr(C, align(8))]
+    struct Entries([u8; 4096]);
+    let mut buf = Entries([0; 4096]);
+    loop {
+        // SAFETY: getdents64 writes at most buf's length into it.
+        let n = unsafe { libc::syscall(libc::SYS_getdents64, proc_fd, buf.0.as_mut_ptr(), buf.0.len()) };
+        if n <= 0 {
+            return n == 0;
+        }
+        let mut at = 0;
+        // Each entry: inode (8 bytes), offset (8), its length (2), type (1), the NUL-ended name.
+        while at + 19 < n as usize {
+            let len = u16::from_ne_bytes([buf.0[at + 16], buf.0[at + 17]]) as usize;
+            let name = &buf.0[at + 19..(at + len).min(n as usize)];
+            let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
+            if let Some(pid) = decimal(name) {
+                visit(pid);
+            }
+            if len == 0 {
+                return false;
+            }
+            at += len;
+        }
+    }
+}
+
+/// The number `name` spells in decimal digits, if it is one (`/proc`'s processes).
+fn decimal(name: &[u8]) -> Option<u32> {
+    if name.is_empty() || name.len() > 10 || !name.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    name.iter().try_fold(0u32, |n, &d| n.checked_mul(10)?.checked_add(u32::from(d - b'0')))
+}
+
+/// The pid the link `name` in `/proc` (open as `proc_fd`) names: `self`, this process as
+/// `/proc` knows it.
+fn names_pid(proc_fd: c_int, name: &CStr) -> Option<u32> {
+    let mut buf = [0u8; 16];
+    // SAFETY: readlinkat reads the NUL-terminated name and writes at most buf's length.
+    let n = unsafe { libc::readlinkat(proc_fd, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    decimal(buf.get(..usize::try_from(n).ok()?)?)
+}
+
+/// Whether process `pid` is a trace writer, by its name.
+fn is_trace_writer(proc_fd: c_int, pid: u32) -> bool {
+    let mut path = [0u8; 24];
+    let mut len = 0;
+    let mut digits = [0u8; 10];
+    let mut n = pid;
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    for part in [&digits[i..], b"/comm\0"] {
+        path[len..len + part.len()].copy_from_slice(part);
+        len += part.len();
+    }
+    // SAFETY: openat reads the NUL-terminated path.
+    let fd = unsafe { libc::openat(proc_fd, path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return false;
+    }
+    let mut comm = [0u8; 32];
+    let n = os::read(fd, &mut comm);
+    os::close(fd);
+    usize::try_from(n).is_ok_and(|n| &comm[..n] == WRITER_COMM)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_decimal_names_are_processes() {
+        assert_eq!(decimal(b"1"), Some(1));
+        assert_eq!(decimal(b"4194304"), Some(4_194_304));
+        for name in [&b""[..], b"self", b"12a", b"-1", b"99999999999", b"4294967296"] {
+            assert_eq!(decimal(name), None, "{}", String::from_utf8_lossy(name));
+        }
+    }
+
+    #[test]
+    fn the_processes_listed_include_this_one_and_its_child() {
+        let proc_fd = os::open(c"/proc", libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC);
+        assert!(proc_fd >= 0);
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        let (mut me, mut it) = (false, false);
+        assert!(each_process(proc_fd, |pid| {
+            me |= pid == std::process::id();
+            it |= pid == child.id();
+        }));
+        assert!(me && it);
+        assert_eq!(names_pid(proc_fd, c"self"), Some(std::process::id()));
+        assert!(!is_trace_writer(proc_fd, child.id()));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        os::close(proc_fd);
+    }
+}
