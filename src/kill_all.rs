@@ -7,11 +7,13 @@
 //! block every signal they can, and end with the programs they write for.
 //!
 //! One call per process, not one for all: a process forked meanwhile by one not signalled yet
-//! escapes a single look, so SIGKILL and SIGSTOP, after which a signalled process forks no
-//! more, look twice. Where `/proc` is not this pid namespace's (`unshare -pf` without
-//! `--mount-proc`: its pids are another namespace's) or cannot be read, the call is the
-//! kernel's, as before. System calls and the stack only: the call is async-signal-safe, and an
-//! init makes it from its handler of SIGTERM.
+//! escapes a look, so for SIGKILL and SIGSTOP, after which a signalled process forks no more,
+//! the looks go on until one finds no process not signalled yet (a chain of processes that
+//! each fork and exit outran two looks: review helper 159). Only where this process writes a
+//! trace: without one, no writer of ours is there to spare, and the call is the kernel's. So
+//! it is where `/proc` is not this pid namespace's (`unshare -pf` without `--mount-proc`: its
+//! pids are another namespace's) or cannot be read. System calls and the stack only: the call
+//! is async-signal-safe, and an init makes it from its handler of SIGTERM.
 
 use core::ffi::{CStr, c_int, c_void};
 use core::sync::atomic::AtomicPtr;
@@ -24,22 +26,25 @@ static NEXT: AtomicPtr<c_void> = AtomicPtr::new(core::ptr::null_mut());
 /// What a trace writer names itself (`PR_SET_NAME`), as `/proc/PID/comm` shows it.
 const WRITER_COMM: &[u8] = b"mallocspy-trace\n";
 
-/// The highest signal number (`_NSIG`): a larger one, or a negative one, is the kernel's to
-/// refuse (EINVAL) before anything is sent.
-const HIGHEST_SIGNAL: c_int = 64;
+/// The most looks for SIGKILL and SIGSTOP (see the module's documentation).
+const MOST_LOOKS: usize = 64;
+
+/// One bit per pid the kernel may give (`PID_MAX_LIMIT` on 64 bits).
+const PIDS: usize = 1 << 22;
 
 /// Looks up the next `kill` at start (see [`crate::program_mappings::warm_up`]).
 pub(crate) fn warm_up() {
     os::next_symbol_cached(&NEXT, c"kill");
 }
 
-/// C's `kill`: [`kill_all`] for `pid` -1, the next library's otherwise.
+/// C's `kill`: [`kill_all`] for `pid` -1 in a process that writes a trace, the next library's
+/// otherwise.
 ///
 /// # Safety
 /// None beyond C's: the arguments are plain integers.
 pub(crate) unsafe fn kill(pid: c_int, signal: c_int) -> c_int {
     if pid == -1
-        && (0..=HIGHEST_SIGNAL).contains(&signal)
+        && crate::trace::writer::writer().is_some()
         && let Some(result) = kill_all(signal)
     {
         return result;
@@ -60,8 +65,8 @@ fn next_kill(pid: c_int, signal: c_int) -> c_int {
 
 /// `kill(-1, signal)` without the trace writers (see the module's documentation), with the
 /// kernel's result: 0 when some process was there to signal and no call to one failed for a
-/// reason other than permission (the last such failure otherwise), ESRCH when none was.
-/// `None` when `/proc` cannot tell: nothing was signalled.
+/// reason other than permission (the last such failure otherwise: EINVAL for a signal that is
+/// none), ESRCH when none was. `None` when `/proc` cannot tell: nothing was signalled.
 fn kill_all(signal: c_int) -> Option<c_int> {
     let errno = os::errno();
     let proc_fd = os::open(c"/proc", libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC);
@@ -70,17 +75,42 @@ fn kill_all(signal: c_int) -> Option<c_int> {
         return None;
     }
     let me = os::getpid();
+    let result = if names_pid(proc_fd, c"self") == Some(me) { signal_each(proc_fd, me, signal) } else { None };
+    os::close(proc_fd);
+    let Some((found, last)) = result else {
+        os::set_errno(errno);
+        return None;
+    };
+    let error = if found == 0 { libc::ESRCH } else { last };
+    os::set_errno(if error == 0 { errno } else { error });
+    Some(if error == 0 { 0 } else { -1 })
+}
+
+/// Sends `signal` to each process `/proc` (open as `proc_fd`) lists but pid 1, `me` and the
+/// trace writers, once each (see the module's documentation): how many were there, and the last
+/// error other than permission's (0: none). `None` when `/proc` could not be read and nothing
+/// was signalled.
+fn signal_each(proc_fd: c_int, me: u32, signal: c_int) -> Option<(u32, c_int)> {
+    let bytes = PIDS / 8;
+    let signalled = os::map(bytes)?;
+    // SAFETY: `bytes` zeroed bytes just mapped, ours alone until unmapped below.
+    let bits = unsafe { core::slice::from_raw_parts_mut(signalled.as_ptr().cast::<u64>(), bytes / 8) };
     let (mut found, mut last) = (0u32, 0);
-    let looks = if matches!(signal, libc::SIGKILL | libc::SIGSTOP) { 2 } else { 1 };
-    let mut readable = names_pid(proc_fd, c"self") == Some(me);
+    let looks = if matches!(signal, libc::SIGKILL | libc::SIGSTOP) { MOST_LOOKS } else { 1 };
+    let mut readable = true;
     for _ in 0..looks {
-        if !readable {
-            break;
-        }
+        let mut new = 0;
         readable = each_process(proc_fd, |pid| {
-            if pid <= 1 || pid == me || crate::trace::writer::is_child_writer(pid) || is_trace_writer(proc_fd, pid) {
+            let (word, bit) = (pid as usize / 64, 1u64 << (pid % 64));
+            let seen = bits.get(word).is_none_or(|w| w & bit != 0);
+            if pid <= 1 || pid == me || seen {
                 return;
             }
+            bits[word] |= bit;
+            if crate::trace::writer::is_child_writer(pid) || is_trace_writer(proc_fd, pid) {
+                return;
+            }
+            new += 1;
             if next_kill(pid as c_int, signal) == 0 {
                 (found, last) = (found + 1, 0);
                 return;
@@ -92,16 +122,17 @@ fn kill_all(signal: c_int) -> Option<c_int> {
                 error => (found, last) = (found + 1, error),
             }
         });
+        if !readable || new == 0 {
+            break;
+        }
     }
-    os::close(proc_fd);
-    if !readable && found == 0 {
-        os::set_errno(errno);
-        return None;
-    }
-    let error = if found == 0 { libc::ESRCH } else { last };
-    os::set_errno(if error == 0 { errno } else { error });
-    Some(if error == 0 { 0 } else { -1 })
+    // SAFETY: the mapping above, which nothing uses any more.
+    unsafe { os::unmap(signalled, bytes) };
+    (readable || found > 0).then_some((found, last))
 }
+
+/// Where a `getdents64` entry's name starts.
+const NAME_AT: usize = 19;
 
 /// Calls `visit` with the pid of each process `/proc` (open as `proc_fd`) lists; false if it
 /// could not be read to its end.
@@ -120,17 +151,16 @@ fn each_process(proc_fd: c_int, mut visit: impl FnMut(u32)) -> bool {
         if n <= 0 {
             return n == 0;
         }
-        let mut at = 0;
+        let (mut at, n) = (0, n as usize);
         // Each entry: inode (8 bytes), offset (8), its length (2), type (1), the NUL-ended name.
-        while at + 19 < n as usize {
+        while at + NAME_AT < n {
             let len = u16::from_ne_bytes([buf.0[at + 16], buf.0[at + 17]]) as usize;
-            let name = &buf.0[at + 19..(at + len).min(n as usize)];
-            let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
-            if let Some(pid) = decimal(name) {
-                visit(pid);
-            }
-            if len == 0 {
+            if len <= NAME_AT || at + len > n {
                 return false;
+            }
+            let name = &buf.0[at + NAME_AT..at + len];
+            if let Some(pid) = decimal(&name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())]) {
+                visit(pid);
             }
             at += len;
         }

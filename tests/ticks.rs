@@ -2469,7 +2469,8 @@ fn an_init_that_kills_every_process_spares_the_trace_writers() {
         eprintln!("skipped: no pid namespaces with a /proc of their own here ({})", text(&native.stderr).trim());
         return;
     }
-    let expected = "alone: -1 ESRCH\nwith a child: 0 ok\nchild: Killed\nafter: -1 ESRCH\n";
+    let expected =
+        "alone: -1 ESRCH\na signal that is none: -1 ESRCH\nwith a child: 0 ok\nchild: Killed\nafter: -1 ESRCH\n";
     assert_eq!(text(&native.stdout), expected);
     let dir = tempfile::tempdir().unwrap();
     let out = record(dir.path(), &[], &in_namespace);

@@ -397,10 +397,11 @@ fn this_process(h: &Header) -> Option<bool> {
 /// made), and an earlier run's (with a header, and no writer) is removed only while it is
 /// still that file, by the one that holds its lock: between a sibling's look and its removal,
 /// another removed it and put its own there, which the sibling then removed (1 run in 25 of
-/// the sibling namespaces' test replacing a run's traces). An image after an `exec` looks for its earlier image's trace first, and
-/// takes its place with a new file made alike: it took the first free name instead, which a
-/// sibling's `exec` had just freed, and truncated the file the sibling then made there (1 run
-/// in 45 of the sibling namespaces' test: one `true`'s trace lost, its `sh`'s left).
+/// the sibling namespaces' test replacing a run's traces). An image after an `exec` looks for
+/// its earlier image's trace first, and takes its place with a new file made alike: it took
+/// the first free name instead, which a sibling's `exec` had just freed, and truncated the
+/// file the sibling then made there (1 run in 45 of the sibling namespaces' test: one
+/// `true`'s trace lost, its `sh`'s left).
 fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String), String> {
     let run = ours.options.split(':').find(|o| o.starts_with("record_run="));
     // Judged by one descriptor, which the removal checks the path still names, and locked
@@ -714,10 +715,8 @@ fn is_own(event: &Event) -> bool {
 fn remove_if_idle_before_exec(fd: i32, first_name: &str) {
     use std::os::unix::fs::MetadataExt;
     let Some(ours) = os::file_identity(fd) else { return };
-    let kept = (1..=KEPT_BESIDE).map(|n| before_exec_name(first_name, n));
-    if let Some(kept) =
-        kept.into_iter().find(|name| std::fs::symlink_metadata(name).is_ok_and(|m| (m.dev(), m.ino()) == ours))
-    {
+    let is_ours = |name: &String| std::fs::symlink_metadata(name).is_ok_and(|m| (m.dev(), m.ino()) == ours);
+    if let Some(kept) = (1..=KEPT_BESIDE).map(|n| before_exec_name(first_name, n)).find(is_ours) {
         remove_if_still(kept, fd);
     }
 }
