@@ -107,7 +107,7 @@ fn signal_each(proc_fd: c_int, me: u32, signal: c_int) -> Option<(u32, c_int)> {
                 return;
             }
             bits[word] |= bit;
-            if crate::trace::writer::is_child_writer(pid) || is_trace_writer(proc_fd, pid) {
+            if crate::trace::writer::is_child_writer(pid) || is_trace_writer(pid) {
                 return;
             }
             new += 1;
@@ -185,33 +185,9 @@ fn names_pid(proc_fd: c_int, name: &CStr) -> Option<u32> {
 }
 
 /// Whether process `pid` is a trace writer, by its name.
-fn is_trace_writer(proc_fd: c_int, pid: u32) -> bool {
-    let mut path = [0u8; 24];
-    let mut len = 0;
-    let mut digits = [0u8; 10];
-    let mut n = pid;
-    let mut i = digits.len();
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    for part in [&digits[i..], b"/comm\0"] {
-        path[len..len + part.len()].copy_from_slice(part);
-        len += part.len();
-    }
-    // SAFETY: openat reads the NUL-terminated path.
-    let fd = unsafe { libc::openat(proc_fd, path.as_ptr().cast(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return false;
-    }
-    let mut comm = [0u8; 32];
-    let n = os::read(fd, &mut comm);
-    os::close(fd);
-    usize::try_from(n).is_ok_and(|n| &comm[..n] == WRITER_COMM)
+fn is_trace_writer(pid: u32) -> bool {
+    let (mut path, mut comm) = ([0u8; 64], [0u8; 32]);
+    os::process_path(&mut path, pid, b"comm").and_then(|p| os::read_file(p, &mut comm)) == Some(WRITER_COMM)
 }
 
 #[cfg(test)]
@@ -239,9 +215,29 @@ mod tests {
         }));
         assert!(me && it);
         assert_eq!(names_pid(proc_fd, c"self"), Some(std::process::id()));
-        assert!(!is_trace_writer(proc_fd, child.id()));
+        assert!(!is_trace_writer(child.id()));
         child.kill().unwrap();
         child.wait().unwrap();
         os::close(proc_fd);
+    }
+
+    #[test]
+    fn a_trace_writer_is_told_by_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let named = dir.path().join("mallocspy-trace");
+        std::fs::copy("/bin/sleep", &named).unwrap();
+        let mut writer = std::process::Command::new(&named).arg("5").spawn().unwrap();
+        let mut other = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        // The name is the executable's once it runs.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !is_trace_writer(writer.id()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(is_trace_writer(writer.id()));
+        assert!(!is_trace_writer(other.id()));
+        for child in [&mut writer, &mut other] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
     }
 }

@@ -671,19 +671,31 @@ pub(crate) fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
 
 /// `/proc/PID/task/TID/LEAF`, NUL-terminated, in `buf`.
 pub(crate) fn task_path<'a>(buf: &'a mut [u8; 64], pid: u32, tid: u32, leaf: &[u8]) -> Option<&'a CStr> {
-    fn decimal(mut n: u32, out: &mut [u8; 10]) -> &[u8] {
-        let mut i = out.len();
-        loop {
-            i -= 1;
-            out[i] = b'0' + (n % 10) as u8;
-            n /= 10;
-            if n == 0 {
-                return &out[i..];
-            }
+    let (mut p, mut t) = ([0u8; 10], [0u8; 10]);
+    proc_path(buf, &[b"/proc/", decimal(pid, &mut p), b"/task/", decimal(tid, &mut t), b"/", leaf])
+}
+
+/// `/proc/PID/LEAF`, NUL-terminated, in `buf`.
+pub(crate) fn process_path<'a>(buf: &'a mut [u8; 64], pid: u32, leaf: &[u8]) -> Option<&'a CStr> {
+    let mut p = [0u8; 10];
+    proc_path(buf, &[b"/proc/", decimal(pid, &mut p), b"/", leaf])
+}
+
+/// `n` in decimal digits, written at the end of `out`.
+fn decimal(mut n: u32, out: &mut [u8; 10]) -> &[u8] {
+    let mut i = out.len();
+    loop {
+        i -= 1;
+        out[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &out[i..];
         }
     }
-    let (mut p, mut t) = ([0u8; 10], [0u8; 10]);
-    let parts: [&[u8]; 6] = [b"/proc/", decimal(pid, &mut p), b"/task/", decimal(tid, &mut t), b"/", leaf];
+}
+
+/// `parts` one after another, NUL-terminated, in `buf`.
+fn proc_path<'a>(buf: &'a mut [u8; 64], parts: &[&[u8]]) -> Option<&'a CStr> {
     let mut len = 0;
     for part in parts {
         buf.get_mut(len..len + part.len())?.copy_from_slice(part);
