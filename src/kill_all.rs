@@ -102,11 +102,12 @@ fn signal_each(proc_fd: c_int, me: u32, signal: c_int) -> Option<(u32, c_int)> {
         let mut new = 0;
         readable = each_process(proc_fd, |pid| {
             let (word, bit) = (pid as usize / 64, 1u64 << (pid % 64));
-            let seen = bits.get(word).is_none_or(|w| w & bit != 0);
-            if pid <= 1 || pid == me || seen {
+            if pid <= 1 || pid == me || bits.get(word).is_some_and(|w| w & bit != 0) {
                 return;
             }
-            bits[word] |= bit;
+            if let Some(w) = bits.get_mut(word) {
+                *w |= bit;
+            }
             if crate::trace::writer::is_child_writer(pid) || is_trace_writer(pid) {
                 return;
             }
