@@ -10,9 +10,9 @@
 //! escapes a look, so for SIGKILL and SIGSTOP, after which a signalled process forks no more,
 //! the looks go on until one finds no process not signalled yet (a chain of processes that
 //! each fork and exit outran two looks: review helper 159). Only where this process writes a
-//! trace: without one, no writer of ours is there to spare, and the call is the kernel's. So
-//! it is where `/proc` is not this pid namespace's (`unshare -pf` without `--mount-proc`: its
-//! pids are another namespace's) or cannot be read. System calls and the stack only: the call
+//! trace: without one, no writer of ours is there to spare, and the call is the kernel's. It
+//! is the kernel's too where `/proc` is not this pid namespace's (`unshare -pf` without
+//! `--mount-proc`: its pids are another namespace's) or cannot be read. System calls and the stack only: the call
 //! is async-signal-safe, and an init makes it from its handler of SIGTERM.
 
 use core::ffi::{CStr, c_int, c_void};
