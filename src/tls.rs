@@ -93,6 +93,9 @@ pub(crate) struct ThreadState {
     pub delete_ptr: Cell<usize>,
     pub delete_size: Cell<usize>,
     pub delete_align: Cell<usize>,
+    /// Where this thread's `errno` is, as the C library's `__errno_location` says (0 until
+    /// first asked, see [`crate::os::errno`]).
+    pub errno_at: Cell<usize>,
 }
 
 /// Offset of `ThreadState::spare_from_sp` in the block (read in a stopped thread's block).
