@@ -2358,6 +2358,39 @@ fn record_says_the_size_of_a_killed_programs_whole_trace() {
     }
 }
 
+/// A trace whose writer still holds it when `record` has waited its two seconds (here one the
+/// program stopped before a signal ended it) is said to be written so far, not said whole at
+/// the size it had then.
+#[test]
+fn record_says_when_the_writer_still_holds_the_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.trace");
+    let script = "import os, signal, sys\n\
+        a = [b'x' * 1000 for _ in range(1000)]\n\
+        path = os.path.realpath(sys.argv[1])\n\
+        def holds(pid):\n\
+        \x20   try: return any(os.readlink(f'/proc/{pid}/fd/{fd}') == path for fd in os.listdir(f'/proc/{pid}/fd'))\n\
+        \x20   except OSError: return False\n\
+        writer = next(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and holds(p))\n\
+        os.kill(writer, signal.SIGSTOP)\n\
+        print(writer, flush=True)\n\
+        os.kill(os.getpid(), signal.SIGKILL)";
+    let out = Command::new(mallocspy())
+        .args(["record", "--interval", "4k", "--output", trace.to_str().unwrap(), "--"])
+        .arg(python())
+        .args(["-c", script, trace.to_str().unwrap()])
+        .env("PYTHONMALLOC", "malloc")
+        .output()
+        .unwrap();
+    let said = text(&out.stderr);
+    let writer: i32 = text(&out.stdout).trim().parse().expect(&said);
+    // SAFETY: kill has no memory preconditions; the pid is the writer's, stopped, not our child.
+    unsafe { libc::kill(writer, libc::SIGKILL) };
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL), "record ends as its program: {said}");
+    assert!(said.contains(" bytes so far, its writer still at work): mallocspy report "), "{said}");
+}
+
 /// A forked worker that drops to an unprivileged user before its first sample (nginx's and
 /// sshd's workers do) keeps its trace: its writer starts before the drop, as the process it
 /// was forked as. It started at the first sample, and the directory refused the unprivileged

@@ -149,22 +149,25 @@ const WRITER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);
 /// Waits, for [`WRITER_PATIENCE`] at most, until no trace writer holds the trace at `path`
 /// (each holds its file's lock for as long as it runs): a program that a signal ended did not
 /// wait for its writer to finish, and the size said was the size half-way (review helper 148:
-/// 174 bytes said of a trace of 8,414).
-fn wait_for_writer(path: &str) {
+/// 174 bytes said of a trace of 8,414). Whether the writer let go (or none held it).
+fn wait_for_writer(path: &str) -> bool {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     // Not blocking: a FIFO at the path has no writer to wait for.
     let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path) else {
-        return;
+        return true;
     };
     let start = std::time::Instant::now();
     // SAFETY: flock on a descriptor we own; the shared lock goes with the file.
     while unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0
         && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK)
-        && start.elapsed() < WRITER_PATIENCE
     {
+        if start.elapsed() >= WRITER_PATIENCE {
+            return false;
+        }
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
+    true
 }
 
 /// Traces [`other_traces`] names in its line at most.
@@ -219,11 +222,14 @@ pub fn record(args: RecordArgs) -> ExitCode {
             }
         }
     };
-    wait_for_writer(&trace);
+    let finished = wait_for_writer(&trace);
     match std::fs::metadata(&trace) {
         Ok(m) => {
+            // Its size then is only what was written so far (a writer a process of the program
+            // stopped, or one still writing a long queue out).
+            let so_far = if finished { "" } else { " so far, its writer still at work" };
             say!(
-                "mallocspy: trace of {pid} in {} ({} bytes): mallocspy report {}",
+                "mallocspy: trace of {pid} in {} ({} bytes{so_far}): mallocspy report {}",
                 shown(&trace),
                 m.len(),
                 shell_word(&trace)
