@@ -1,7 +1,7 @@
 //! `spy=guard`: the IMallocSpy showcase. A header and a trailer canary around every block,
 //! checked when the block is freed or reallocated, and at exit if it is still live. Double
-//! frees (a caller pointer freed, or given up by a `realloc` that moved its block, among the
-//! last 65,536) and frees of pointers that cannot be blocks (misaligned, on the thread's
+//! frees (a caller pointer freed, or given up by a `realloc` that moved its block, among about
+//! the last 100,000: see [`GuardSpy::remember_freed`]) and frees of pointers that cannot be blocks (misaligned, on the thread's
 //! stack, or unmapped) are caught before the real allocator sees them; any other pointer the
 //! guard did not lay out may be a block of the real heap allocated before it, and goes to the
 //! real allocator's own checks, unless it is where the real block under one of the guard's
@@ -56,14 +56,19 @@ const TRAILER_CANARY: u64 = 0xDEAD_BEEF_FEED_FACE;
 /// Largest header offset (alignment): the most an x86-64 address space can honour (the size
 /// word's top bits hold its log2). A larger alignment the real allocator fails anyway.
 const MAX_OFFSET: usize = 1 << 47;
-/// Recently freed blocks remembered for double-free detection.
-const RECENT: usize = 1 << 16;
+/// Recently freed blocks remembered for double-free detection: the places of the ring.
+const RECENT: usize = 1 << 17;
 /// Places in the ring a thread takes at once for its frees: 8 lines of the ring its own, and
 /// the shared counter touched once in 64 frees. Taken one at a time, two threads freeing in a
 /// loop met on the counter's line and on the ring's at every free, and each free cost 2.3
 /// times what it cost on one thread.
 const CHUNK: usize = 64;
-const _: () = assert!(RECENT.is_multiple_of(CHUNK));
+/// How far behind the newest chunk a thread's own may be and still be used: a thread that
+/// frees seldom kept its chunk for a lap of the others' frees, and a block it freed was
+/// forgotten a few hundred frees later, its double free taken for an invalid one (review
+/// helper 160).
+const MAX_LAG: usize = 8192;
+const _: () = assert!(RECENT.is_multiple_of(CHUNK) && MAX_LAG < RECENT / 8);
 
 // Scratch words 0..7, from a Pre method to its Post method (the leak tracker, which may run
 // beside the guard, has 8..10).
@@ -179,7 +184,7 @@ pub(crate) struct GuardSpy {
     ring: NonNull<AtomicUsize>,
     /// The first sequence number of the next chunk a thread takes (a multiple of [`CHUNK`]
     /// unless a thread without a slot took a single number).
-    ring_next: AtomicUsize,
+    ring_next: Cursor,
     /// `[Cursor; MAX_THREADS]`, indexed by thread slot: the next sequence number of the slot's
     /// chunk.
     cursors: NonNull<Cursor>,
@@ -193,9 +198,11 @@ pub(crate) struct GuardSpy {
     mismatches: bool,
 }
 
-/// A thread's next sequence number in its chunk; a multiple of [`CHUNK`] when it has none left
-/// (a chunk that did not start at one ends early at the next).
-/// Written only by the thread owning the slot, on a line of its own.
+/// A sequence number on a line of its own: a thread's next one in its chunk (a multiple of
+/// [`CHUNK`] when it has none left; a chunk that did not start at one ends early at the next),
+/// written only by the thread owning the slot; or the first of the next chunk. (The spy's
+/// read-mostly fields, beside the shared counter, were taken from every thread each time one
+/// took a chunk.)
 #[repr(C, align(64))]
 struct Cursor(AtomicUsize);
 
@@ -463,7 +470,7 @@ impl GuardSpy {
         Some(Self {
             recent: LiveTable::leased()?,
             ring,
-            ring_next: AtomicUsize::new(0),
+            ring_next: Cursor(AtomicUsize::new(0)),
             cursors: threads::map_per_thread::<Cursor>()?,
             findings: [const { AtomicU64::new(0) }; FINDINGS],
             sites: FindingSites::new()?,
@@ -643,11 +650,12 @@ impl GuardSpy {
     /// and swaps itself into that place of the ring. (Under one lock, 400 threads freeing
     /// spent their time waiting for it: 3x the native run.) The pointer it evicts leaves
     /// `recent` if its record was made in this place of the ring: a later free of that
-    /// pointer was recorded elsewhere and stays. A race between two frees 65,536 apart can at
-    /// worst drop the record of one of them, and so miss a later double free of that block;
-    /// it never makes a valid free look like a double one. A chunk a thread left unfinished
-    /// (it exited, or had no slot) leaves places of the ring unwritten for a lap: what they
-    /// held is evicted a lap later, by the same test.
+    /// pointer was recorded elsewhere and stays. A record lives until its place comes round
+    /// again: RECENT numbers later, less the numbers taken but never used (the rest of a
+    /// chunk whose thread exited, or fell more than [`MAX_LAG`] behind and took a new one)
+    /// and less the lag of the chunks in use, about 100,000 frees. A race between two frees
+    /// a lap apart can at worst drop the record of one of them, and so miss a later double
+    /// free of that block; it never makes a valid free look like a double one.
     fn remember_freed(&self, p: usize, size: usize) {
         let seq = self.next_seq();
         let place = seq % RECENT;
@@ -660,19 +668,20 @@ impl GuardSpy {
         self.recent.insert(p, Recent { size, seq });
     }
 
-    /// The calling thread's next sequence number, a new chunk of them when it has none left.
+    /// The calling thread's next sequence number: from a new chunk when its own is used up or
+    /// lags the newest by more than [`MAX_LAG`].
     fn next_seq(&self) -> usize {
         let Some(index) = threads::current_index() else {
             // No slot to keep a chunk in: one number. The chunks taken after it are no longer
             // on the ring's lines, but their numbers are still their own.
-            return self.ring_next.fetch_add(1, Ordering::Relaxed);
+            return self.ring_next.0.fetch_add(1, Ordering::Relaxed);
         };
         debug_assert!((index as usize) < MAX_THREADS);
         // SAFETY: index < MAX_THREADS, the mapping's length; zeroed memory is valid atomics.
         let cursor = unsafe { &(*self.cursors.as_ptr().add(index as usize)).0 };
         let mut seq = cursor.load(Ordering::Relaxed);
-        if seq.is_multiple_of(CHUNK) {
-            seq = self.ring_next.fetch_add(CHUNK, Ordering::Relaxed);
+        if seq.is_multiple_of(CHUNK) || self.ring_next.0.load(Ordering::Relaxed).wrapping_sub(seq) > MAX_LAG {
+            seq = self.ring_next.0.fetch_add(CHUNK, Ordering::Relaxed);
         }
         // Only the slot's owner writes its cursor.
         cursor.store(seq.wrapping_add(1), Ordering::Relaxed);
