@@ -1632,6 +1632,16 @@ fn a_trace_the_disk_refuses_is_said_at_exit() {
     assert!(std::fs::metadata("/dev/full").unwrap().file_type().is_char_device());
 }
 
+/// Python lines that stop the trace writer of the trace at `sys.argv[1]` (the process that
+/// holds it open, not this one: tests run at once) and leave its pid in `writer`.
+const STOP_THE_WRITER: &str = "import os, signal, sys\n\
+    path = os.path.realpath(sys.argv[1])\n\
+    def holds(pid):\n\
+    \x20   try: return any(os.readlink(f'/proc/{pid}/fd/{fd}') == path for fd in os.listdir(f'/proc/{pid}/fd'))\n\
+    \x20   except OSError: return False\n\
+    writer = next(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and holds(p))\n\
+    os.kill(writer, signal.SIGSTOP)\n";
+
 /// A trace whose file was deleted while it was written (its directory removed), and a writer
 /// stopped so that the program waited out its ten seconds at exit and lost events: each is
 /// said in one line, and the program's status stays its own (nothing was said: review helper 91).
@@ -1655,17 +1665,9 @@ fn a_deleted_trace_and_a_stopped_writer_are_said_at_exit() {
         "mallocspy: the trace file was deleted while it was written (its directory removed?)\n"
     );
 
-    // The writer: the process that holds the trace open, not this one (tests run at once).
-    let stop_the_writer = "import os, signal, sys\n\
-        path = os.path.realpath(sys.argv[1])\n\
-        def holds(pid):\n\
-        \x20   try: return any(os.readlink(f'/proc/{pid}/fd/{fd}') == path for fd in os.listdir(f'/proc/{pid}/fd'))\n\
-        \x20   except OSError: return False\n\
-        writer = next(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and holds(p))\n\
-        os.kill(writer, signal.SIGSTOP)\n\
-        print(writer, len([str(i) for i in range(200000)]), flush=True)\n\
-        sys.exit(3)";
-    let stopped = traced(stop_the_writer, "64");
+    let stop_the_writer =
+        format!("{STOP_THE_WRITER}print(writer, len([str(i) for i in range(200000)]), flush=True)\nsys.exit(3)");
+    let stopped = traced(&stop_the_writer, "64");
     let out = text(&stopped.stdout);
     let writer: i32 = out.split_whitespace().next().and_then(|w| w.parse().ok()).expect(&out);
     // SAFETY: kill has no memory preconditions; the pid is the writer's, stopped, not reaped by us.
@@ -2365,20 +2367,14 @@ fn record_says_the_size_of_a_killed_programs_whole_trace() {
 fn record_says_when_the_writer_still_holds_the_trace() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("t.trace");
-    let script = "import os, signal, sys\n\
-        a = [b'x' * 1000 for _ in range(1000)]\n\
-        path = os.path.realpath(sys.argv[1])\n\
-        def holds(pid):\n\
-        \x20   try: return any(os.readlink(f'/proc/{pid}/fd/{fd}') == path for fd in os.listdir(f'/proc/{pid}/fd'))\n\
-        \x20   except OSError: return False\n\
-        writer = next(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid() and holds(p))\n\
-        os.kill(writer, signal.SIGSTOP)\n\
-        print(writer, flush=True)\n\
-        os.kill(os.getpid(), signal.SIGKILL)";
+    // Samples first: the writer starts at the first.
+    let script = format!(
+        "a = [b'x' * 1000 for _ in range(1000)]\n{STOP_THE_WRITER}print(writer, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+    );
     let out = Command::new(mallocspy())
         .args(["record", "--interval", "4k", "--output", trace.to_str().unwrap(), "--"])
         .arg(python())
-        .args(["-c", script, trace.to_str().unwrap()])
+        .args(["-c", &script, trace.to_str().unwrap()])
         .env("PYTHONMALLOC", "malloc")
         .output()
         .unwrap();
