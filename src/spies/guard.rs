@@ -68,7 +68,12 @@ const CHUNK: usize = 64;
 /// forgotten a few hundred frees later, its double free taken for an invalid one (review
 /// helper 160).
 const MAX_LAG: usize = 8192;
-const _: () = assert!(RECENT.is_multiple_of(CHUNK) && MAX_LAG < RECENT / 8);
+/// Threads take chunks only while no more than this many have had a slot at once. Among more,
+/// the chunks in use spread over more numbers than `MAX_LAG`: a chunk taken pushed the others
+/// past it, they took new ones in turn, each used one number, and the ring went round in about
+/// 2,000 frees (200 threads freeing in turn: review helper 161). Each takes one number then.
+const CHUNKED_THREADS: usize = 16;
+const _: () = assert!(RECENT.is_multiple_of(CHUNK) && CHUNKED_THREADS * CHUNK * 4 <= MAX_LAG && MAX_LAG < RECENT / 8);
 
 // Scratch words 0..7, from a Pre method to its Post method (the leak tracker, which may run
 // beside the guard, has 8..10).
@@ -653,7 +658,8 @@ impl GuardSpy {
     /// pointer was recorded elsewhere and stays. A record lives until its place comes round
     /// again: RECENT numbers later, less the numbers taken but never used (the rest of a
     /// chunk whose thread exited, or fell more than [`MAX_LAG`] behind and took a new one)
-    /// and less the lag of the chunks in use, about 100,000 frees. A race between two frees
+    /// and less the lag of the chunks in use (at most [`CHUNKED_THREADS`] of them): about
+    /// 100,000 frees at the least. A race between two frees
     /// a lap apart can at worst drop the record of one of them, and so miss a later double
     /// free of that block; it never makes a valid free look like a double one.
     fn remember_freed(&self, p: usize, size: usize) {
@@ -669,11 +675,11 @@ impl GuardSpy {
     }
 
     /// The calling thread's next sequence number: from a new chunk when its own is used up or
-    /// lags the newest by more than [`MAX_LAG`].
+    /// lags the newest by more than [`MAX_LAG`]; alone, among more than [`CHUNKED_THREADS`].
     fn next_seq(&self) -> usize {
-        let Some(index) = threads::current_index() else {
-            // No slot to keep a chunk in: one number. The chunks taken after it are no longer
-            // on the ring's lines, but their numbers are still their own.
+        let Some(index) = threads::current_index().filter(|_| threads::high_water() <= CHUNKED_THREADS) else {
+            // No slot to keep a chunk in, or too many threads: one number. The chunks taken
+            // after it are no longer on the ring's lines, but their numbers are still their own.
             return self.ring_next.0.fetch_add(1, Ordering::Relaxed);
         };
         debug_assert!((index as usize) < MAX_THREADS);
@@ -1091,7 +1097,8 @@ mod tests {
             (0..n).for_each(|i| guard.remember_freed(block(lap, i), 32));
         };
         free_all(0, RECENT);
-        // Threads that free one block each, all alive at once (each its own slot and chunk).
+        // Threads that free one block each, all alive at once, each in its own slot (those
+        // that came while no more than CHUNKED_THREADS had slots each take a chunk).
         let threads = 100;
         let all_in = std::sync::Barrier::new(threads);
         std::thread::scope(|s| {
