@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use std::path::Path;
 use std::process::{Command, Output};
 
 #[test]
@@ -281,13 +282,19 @@ fn a_double_free_where_the_real_heap_has_a_free_chunk_now_is_still_found() {
 #[test]
 fn a_double_free_by_a_thread_that_frees_seldom_is_found() {
     let program = c_program("guard_seldom_freer.c");
-    for (lap, gap) in [("60000", "200"), ("100000", "90000"), ("0", "90000")] {
-        let out = run(Mode::Shim("spy=guard"), Command::new(&program).args([lap, gap]));
-        let stderr = text(&out.stderr);
-        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{stderr}");
-        assert_eq!(stderr.matches("mallocspy: guard: double-free at ").count(), 1, "{lap} {gap}: {stderr}");
-        assert!(!stderr.contains("guard: invalid-free at "), "{lap} {gap}: {stderr}");
+    for lap_and_gap in [["60000", "200"], ["100000", "90000"], ["0", "90000"]] {
+        finds_one_double_free(&program, &lap_and_gap);
     }
+}
+
+/// Runs `program` with `args` under the guard: it ends well, saying "done", and the guard
+/// finds one double free and no invalid free.
+fn finds_one_double_free(program: &Path, args: &[&str]) {
+    let out = run(Mode::Shim("spy=guard"), Command::new(program).args(args));
+    let stderr = text(&out.stderr);
+    assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{args:?}: {stderr}");
+    assert_eq!(stderr.matches("mallocspy: guard: double-free at ").count(), 1, "{args:?}: {stderr}");
+    assert!(!stderr.contains("guard: invalid-free at "), "{args:?}: {stderr}");
 }
 
 /// A double free among many threads that free in turn is found: taking chunks of the ring's
@@ -297,12 +304,8 @@ fn a_double_free_by_a_thread_that_frees_seldom_is_found() {
 #[test]
 fn a_double_free_among_many_threads_freeing_in_turn_is_found() {
     let program = c_program("guard_many_freers.c");
-    for (threads, rounds) in [("200", "30"), ("1000", "40"), ("8", "5000")] {
-        let out = run(Mode::Shim("spy=guard"), Command::new(&program).args([threads, rounds]));
-        let stderr = text(&out.stderr);
-        assert_eq!((out.status.code(), text(&out.stdout).as_str()), (Some(0), "done\n"), "{stderr}");
-        assert_eq!(stderr.matches("mallocspy: guard: double-free at ").count(), 1, "{threads} {rounds}: {stderr}");
-        assert!(!stderr.contains("guard: invalid-free at "), "{threads} {rounds}: {stderr}");
+    for threads_and_rounds in [["200", "30"], ["1000", "40"], ["8", "5000"]] {
+        finds_one_double_free(&program, &threads_and_rounds);
     }
 }
 
