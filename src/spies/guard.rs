@@ -1,11 +1,11 @@
 //! `spy=guard`: the IMallocSpy showcase. A header and a trailer canary around every block,
 //! checked when the block is freed or reallocated, and at exit if it is still live. Double
 //! frees (a caller pointer freed, or given up by a `realloc` that moved its block, among about
-//! the last 100,000: see [`GuardSpy::remember_freed`]) and frees of pointers that cannot be blocks (misaligned, on the thread's
-//! stack, or unmapped) are caught before the real allocator sees them; any other pointer the
-//! guard did not lay out may be a block of the real heap allocated before it, and goes to the
-//! real allocator's own checks, unless it is where the real block under one of the guard's
-//! starts (`free(p - 16)`). A block given back by a function of another family than the one
+//! the last 100,000: see [`GuardSpy::remember_freed`]) and frees of pointers that cannot be
+//! blocks (misaligned, on the thread's stack, or unmapped) are caught before the real
+//! allocator sees them; any other pointer the guard did not lay out may be a block of the real
+//! heap allocated before it, and goes to the real allocator's own checks, unless it is where
+//! the real block under one of the guard's starts (`free(p - 16)`). A block given back by a function of another family than the one
 //! that allocated it (`free` or `realloc` of a block from C++'s `new`, `delete` of one from
 //! `new[]` or `malloc`) is a finding too, as valgrind's "Mismatched free() / delete / delete
 //! []" and AddressSanitizer's alloc-dealloc-mismatch are; it is then freed all the same. So is
@@ -659,9 +659,9 @@ impl GuardSpy {
     /// again: RECENT numbers later, less the numbers taken but never used (the rest of a
     /// chunk whose thread exited, or fell more than [`MAX_LAG`] behind and took a new one)
     /// and less the lag of the chunks in use (at most [`CHUNKED_THREADS`] of them): about
-    /// 100,000 frees at the least. A race between two frees
-    /// a lap apart can at worst drop the record of one of them, and so miss a later double
-    /// free of that block; it never makes a valid free look like a double one.
+    /// 100,000 frees at the least. A race between two frees a lap apart can at worst drop the
+    /// record of one of them, and so miss a later double free of that block; it never makes a
+    /// valid free look like a double one.
     fn remember_freed(&self, p: usize, size: usize) {
         let seq = self.next_seq();
         let place = seq % RECENT;
