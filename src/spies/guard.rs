@@ -649,7 +649,9 @@ impl GuardSpy {
         out
     }
 
-    /// Remembers a freed caller pointer, forgetting the oldest one.
+    /// Remembers a freed caller pointer, forgetting the oldest one. A `realloc` remembers its
+    /// block before the real call, which frees it (a thread given the place afterwards makes
+    /// it live again), and forgets it if the call fails.
     ///
     /// Without a lock: each free takes a sequence number (from its thread's chunk of them)
     /// and swaps itself into that place of the ring. (Under one lock, 400 threads freeing
@@ -878,6 +880,9 @@ impl MallocSpy for GuardSpy {
             CallScratch::set(S_OLD_SIZE, UNKNOWN_SIZE as u64);
             let total = self.plan(size, HEADER, false);
             CallScratch::set(S_OFFSET, 0);
+            if total != 0 {
+                self.remember_freed(p, UNKNOWN_SIZE);
+            }
             return (request, total);
         }
         let Some(header) = self.check_spied(p, place) else { return (request, 0) };
@@ -893,17 +898,20 @@ impl MallocSpy for GuardSpy {
             // a size past what a layout can hold, which fails at once).
             // SAFETY: a spied block with an intact header.
             unsafe { wipe_header(p) };
+            self.remember_freed(p, header.size);
         }
         ((p - header.offset) as *mut c_void, total)
     }
 
     fn post_realloc(&self, actual: *mut c_void, _spied: bool) -> *mut c_void {
+        let old = CallScratch::get(S_OLD) as usize;
         if actual.is_null() {
-            let old_size = CallScratch::get(S_OLD_SIZE) as usize;
-            if old_size != UNKNOWN_SIZE {
+            // Still the caller's: no double free.
+            self.recent.remove(old);
+            if CallScratch::get(S_OLD_SIZE) as usize != UNKNOWN_SIZE {
                 // SAFETY: the old block is still the caller's: its header, wiped by
                 // `pre_realloc`, is put back.
-                unsafe { restore_header(CallScratch::get(S_OLD) as usize) };
+                unsafe { restore_header(old) };
             }
             return actual;
         }
@@ -915,11 +923,8 @@ impl MallocSpy for GuardSpy {
             unsafe { core::ptr::copy((actual as *const u8).add(from), (actual as *mut u8).add(HEADER), keep) };
         }
         CallScratch::set(S_OFFSET, HEADER as u64);
-        let old = CallScratch::get(S_OLD) as usize;
-        if old != actual as usize + HEADER {
-            // The caller's old pointer is no block now: a free of it is a double free.
-            self.remember_freed(old, CallScratch::get(S_OLD_SIZE) as usize);
-        }
+        // A block that stayed where it was is live again (`finish`); one that moved was
+        // remembered as freed by `pre_realloc`.
         self.finish(actual)
     }
 
@@ -1118,6 +1123,48 @@ mod tests {
         assert_eq!(remembered(2, 2 * RECENT), RECENT, "the last lap's frees remembered");
         assert!((RECENT..2 * RECENT).all(|i| guard.recent.get(block(2, i)).is_some()));
         assert_eq!(guard.recent.len(), RECENT);
+    }
+
+    /// A `realloc` that moves its block remembers the old pointer before the real call frees
+    /// it: remembered after, it was remembered over the block another thread had meanwhile
+    /// been given at the same place (review helper 161). One that fails leaves it live.
+    #[test]
+    fn a_moved_block_is_remembered_as_freed_before_another_thread_can_be_given_its_place() {
+        let guard = GuardSpy::new(true, true).unwrap();
+        let mut memory = vec![0u64; 256];
+        let old_real = (memory.as_mut_ptr() as usize).next_multiple_of(64);
+        let new_real = old_real + 1024;
+        let allocate_at = |real: usize| {
+            assert!(guard.pre_alloc(40) <= 1024);
+            guard.post_alloc(real as *mut c_void) as usize
+        };
+        let _hook = crate::dispatch::Scope::enter().unwrap();
+        let old = allocate_at(old_real);
+        guard.before_release(Entry::Realloc, old as *mut c_void, true);
+        let (real, total) = guard.pre_realloc(old as *mut c_void, 100, true);
+        assert_eq!((real as usize, total != 0), (old_real, true));
+        // The real `realloc` moved the block, and another thread was given the old one.
+        let reused = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _hook = crate::dispatch::Scope::enter().unwrap();
+                allocate_at(old_real)
+            })
+            .join()
+            .unwrap()
+        });
+        assert_eq!(reused, old);
+        let new = guard.post_realloc(new_real as *mut c_void, true) as usize;
+        assert_eq!(new, new_real + HEADER);
+        assert!(guard.recent.get(old).is_none(), "the other thread's live block taken for a freed one");
+
+        // A failed realloc: the block stays the caller's, with its header.
+        guard.before_release(Entry::Realloc, new as *mut c_void, true);
+        guard.pre_realloc(new as *mut c_void, 200, true);
+        assert!(guard.recent.get(new).is_some(), "remembered while the real realloc runs");
+        assert!(guard.post_realloc(core::ptr::null_mut(), true).is_null());
+        assert!(guard.recent.get(new).is_none());
+        // SAFETY: `new` is a block laid out by the guard in `memory`.
+        assert_eq!(unsafe { read_header(new) }.map(|h| h.size), Some(100));
     }
 
     #[test]
