@@ -2474,14 +2474,15 @@ fn a_forked_child_that_enters_a_pid_namespace_ends_as_natively() {
     let dir = tempfile::tempdir().unwrap();
     let out = record(dir.path(), &[], &[program.to_str().unwrap()]);
     assert_eq!((out.status.code(), text(&out.stdout)), (Some(0), text(&native.stdout)), "{}", text(&out.stderr));
-    let with_samples: Vec<PathBuf> =
-        traces(dir.path()).into_iter().filter(|t| events_of(t).iter().any(|e| matches!(e, Event::Tick(_)))).collect();
-    assert_eq!(with_samples.len(), 2, "the child's trace and its namespace's init's: {:?}", traces(dir.path()));
-    for trace in with_samples {
+    // The parent's trace has a sample too in about one run in 25: its `printf`'s 4 KiB buffer.
+    let mut churned = 0;
+    for trace in traces(dir.path()).into_iter().filter(|t| events_of(t).iter().any(|e| matches!(e, Event::Tick(_)))) {
         let report = Command::new(mallocspy()).arg("report").arg(&trace).output().unwrap();
         let (said, warned) = (text(&report.stdout), text(&report.stderr));
-        assert!(said.contains("churn_in_namespace") && warned.is_empty(), "{}: {warned}{said}", trace.display());
+        assert!(warned.is_empty(), "{}: {warned}{said}", trace.display());
+        churned += usize::from(said.contains("churn_in_namespace"));
     }
+    assert_eq!(churned, 2, "the child's trace and its namespace's init's: {:?}", traces(dir.path()));
 }
 
 /// A container's init that kills every other process (`kill(-1, ...)`) at its end spares the
