@@ -307,6 +307,7 @@ pub fn profile(report: &Report<'_>) -> Profile {
         });
     }
 
+    let mut file_offsets = symbolize::FileOffsets::new(p.header.start_unix_ns);
     let mapping = p
         .modules
         .iter()
@@ -320,7 +321,7 @@ pub fn profile(report: &Report<'_>) -> Profile {
                 id: i as u64 + 1,
                 memory_start: start,
                 memory_limit: limit,
-                file_offset: symbolize::file_offset(m, start, p.header.start_unix_ns),
+                file_offset: file_offsets.of(m, start),
                 filename: strings.get(&m.path),
                 build_id: strings.get(&build_id),
                 has_functions: r[0],
