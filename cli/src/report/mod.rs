@@ -150,6 +150,10 @@ impl<'a> Report<'a> {
             Format::Text => text::write(self, &mut out),
             Format::Json => json::write(self, &mut out),
             Format::Pprof => pprof::write(self, &mut out),
+            // An empty file would go on to the flame graph tool, which says less of why.
+            Format::Folded if self.profile.allocated.bytes == 0 => {
+                return Err("the trace has no sampled allocations to fold into stacks".into());
+            }
             Format::Folded => flame::write_folded(self, &mut out),
             Format::Flamegraph if self.profile.allocated.bytes == 0 => {
                 return Err("the trace has no sampled allocations to draw a flame graph of".into());

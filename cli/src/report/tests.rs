@@ -532,6 +532,7 @@ fn formats_without_their_data_fail_with_one_line() {
     let (profile, symbols) = load(&trace_of(&[]));
     let report = Report::new(Path::new("t"), &profile, &symbols, 20);
     assert!(report.render(Format::Flamegraph).unwrap_err().contains("no sampled allocations"));
+    assert!(report.render(Format::Folded).unwrap_err().contains("no sampled allocations"));
     let text = String::from_utf8(report.render(Format::Text).unwrap()).unwrap();
     assert!(text.contains("Top allocation sites by estimated bytes allocated\n  (none)\n"), "{text}");
     assert!(text.contains("  counted      unknown: the trace has no heap statistics"), "{text}");
