@@ -938,6 +938,12 @@ impl<'a> Reader<'a> {
         let payload = start + 1 + len_field.at;
         let end = (payload as u64).checked_add(len).filter(|&e| e <= self.bytes.len() as u64);
         let Some(end) = end else {
+            if self.ends_with_an_end_record_after(start) {
+                return Some(Err(TraceError {
+                    offset: start as u64 + 1,
+                    what: format!("a record of tag {tag} claiming {len} bytes, past the trace's end record"),
+                }));
+            }
             self.truncated = Some(start as u64);
             return None;
         };
@@ -950,6 +956,21 @@ impl<'a> Reader<'a> {
 }
 
 impl Reader<'_> {
+    /// Whether the file ends with a whole End record that starts after `start`: a record at
+    /// `start` that claims to run past the file's end was then damaged, not cut (review
+    /// helper 162: a stack's length byte set to 0xff dropped half a trace with a warning of
+    /// a cut). A cut record's tail looks like one about once in 100,000 cuts.
+    fn ends_with_an_end_record_after(&self, start: usize) -> bool {
+        (1..=10).any(|len| {
+            let Some(at) = self.bytes.len().checked_sub(2 + len).filter(|&at| at > start) else { return false };
+            let (time, last) = (&self.bytes[at + 2..at + 1 + len], self.bytes[at + 1 + len]);
+            self.bytes[at] == TAG_END
+                && usize::from(self.bytes[at + 1]) == len
+                && time.iter().all(|b| b & 0x80 != 0)
+                && last & 0x80 == 0
+        })
+    }
+
     /// A tick's size and weight as sampling can make them: a damaged one summed into the
     /// estimates made exbibytes of them, and overflowed a pprof profile's totals.
     fn check(&self, tick: &Tick, start: usize) -> Result<(), TraceError> {
@@ -1389,6 +1410,20 @@ mod tests {
         let mut file = header.clone();
         file[20] = TAG_MODULE_LOAD;
         assert_eq!(error(&file), "not a readable mallocspy trace: no header record at offset 20");
+        // A length damaged to reach past the end record: damage, not a cut.
+        let mut file = header.clone();
+        let stack = file.len();
+        write_event(&mut file, &Event::Stack { id: 1, frames: vec![0x1000; 3] });
+        write_event(&mut file, &Event::End { time_ns: 1 });
+        file[stack + 1] = 0x7f;
+        assert_eq!(
+            error(&file),
+            format!(
+                "not a readable mallocspy trace: a record of tag {TAG_STACK} claiming 127 bytes, past the trace's end \
+                 record at offset {}",
+                stack + 1
+            )
+        );
         // A number of more than 64 bits.
         let mut file = header.clone();
         file.extend_from_slice(&[TAG_END, 10, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02]);
