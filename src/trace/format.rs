@@ -18,9 +18,10 @@ use std::fmt;
 /// The first bytes of every trace.
 pub const MAGIC: &[u8; 16] = b"mallocspy-trace\0";
 /// The format version written by this build. Version 2 adds the process's identity to the
-/// header ([`Header::pid_namespace`], [`Header::process_start_ticks`]); version 1's header,
-/// without them, is read too.
-pub const VERSION: u32 = 2;
+/// header ([`Header::pid_namespace`], [`Header::process_start_ticks`]); version 3 a CRC-32 of
+/// the header's fields after them (a damaged byte of a header read as another command line,
+/// pid or interval, with no word: review helper 162). Versions 1 and 2 are read too.
+pub const VERSION: u32 = 3;
 
 const TAG_HEADER: u8 = 1;
 const TAG_MODULE_LOAD: u8 = 2;
@@ -455,6 +456,7 @@ pub fn write_header(out: &mut Vec<u8>, h: &Header) {
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&VERSION.to_le_bytes());
     record(out, TAG_HEADER, |o| {
+        let fields_start = o.len();
         put(o, h.pid as u64);
         put(o, h.command.len() as u64);
         for arg in &h.command {
@@ -467,6 +469,8 @@ pub fn write_header(out: &mut Vec<u8>, h: &Header) {
         put(o, h.start_unix_ns);
         put(o, h.pid_namespace);
         put(o, h.process_start_ticks);
+        let crc = crc32fast::hash(&o[fields_start..]);
+        put(o, u64::from(crc));
     });
 }
 
@@ -669,6 +673,16 @@ fn read_header(f: &mut Fields<'_>, version: u32) -> Result<Header, TraceError> {
     }
     let (stats_interval_ms, start_unix_ns) = (f.int()?, f.int()?);
     let (pid_namespace, process_start_ticks) = if version >= 2 { (f.int()?, f.int()?) } else { (0, 0) };
+    if version >= 3 {
+        let crc = crc32fast::hash(&f.bytes[..f.at]);
+        if f.int()? != u64::from(crc) {
+            return Err(TraceError {
+                // The header record's start: the damage is anywhere in it.
+                offset: 20,
+                what: "a header whose checksum does not match its fields (damaged)".into(),
+            });
+        }
+    }
     Ok(Header {
         pid,
         command,
@@ -1205,6 +1219,31 @@ mod tests {
         assert_eq!(reader.truncated(), Some(end as u64));
     }
 
+    /// A header with any byte of its record changed is an error, not another header: its
+    /// fields' ranges alone let half such changes of a recorded trace's header pass.
+    #[test]
+    fn every_damaged_byte_of_a_header_is_an_error() {
+        let (sample, _) = sample_file();
+        let reader = Reader::new(&sample).unwrap();
+        let (header, end) = (reader.header().clone(), reader.offset() as usize);
+        for at in 20..end {
+            for value in [sample[at] ^ 1, sample[at] ^ 0x40, sample[at] ^ 0x80, 0, 0xff] {
+                let mut file = sample.clone();
+                file[at] = value;
+                match Reader::new(&file) {
+                    Ok(read) => assert!(value == sample[at] && read.header() == &header, "byte {at} set to {value:#x}"),
+                    Err(e) => assert!(e.offset <= end as u64, "{e}"),
+                }
+            }
+        }
+        let mut file = sample.clone();
+        file[end - 8] ^= 1;
+        assert_eq!(
+            Reader::new(&file).err().unwrap().to_string(),
+            "not a readable mallocspy trace: a header whose checksum does not match its fields (damaged) at offset 20"
+        );
+    }
+
     /// A trace of version 1, whose header does not say which process it is, is read (its
     /// identity unknown, 0), as are its events.
     #[test]
@@ -1233,12 +1272,12 @@ mod tests {
         assert_eq!(reader.header(), &expected);
         assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
         // And a later version is refused, in one line.
-        let mut v3 = sample.clone();
-        v3[16..20].copy_from_slice(&3u32.to_le_bytes());
-        let error = Reader::new(&v3).err().unwrap().to_string();
+        let mut v4 = sample.clone();
+        v4[16..20].copy_from_slice(&4u32.to_le_bytes());
+        let error = Reader::new(&v4).err().unwrap().to_string();
         assert_eq!(
             error,
-            "not a readable mallocspy trace: version 3, this mallocspy reads versions 1 to 2 at offset 16"
+            "not a readable mallocspy trace: version 4, this mallocspy reads versions 1 to 3 at offset 16"
         );
     }
 
