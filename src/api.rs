@@ -2,6 +2,7 @@
 //! routed to whichever interposer is the process's allocator.
 
 use core::ffi::c_void;
+use std::panic::AssertUnwindSafe;
 
 use crate::ffi;
 use crate::global::{self, GLOBAL};
@@ -36,11 +37,19 @@ fn target() -> Result<Target, SpyError> {
 /// [`SpyError::AlreadyRegistered`] while another spy is registered or a revoked one still has
 /// live blocks; [`SpyError::NotInterposed`] when mallocspy is not the process's allocator;
 /// [`SpyError::InvalidArgument`] when the interposer cannot use a spy from this module (an
-/// incompatible ABI version). A refused spy is dropped.
+/// incompatible ABI version) or the spy's [`role`](MallocSpy::role) panics. A refused spy is
+/// dropped.
 pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError> {
-    match target()? {
-        Target::Here => global::register_here(crate::pins::Pins::default(), move || Box::new(spy)),
-        Target::Remote(api) => ffi::register_remote(api, Box::new(spy)),
+    let target = target()?;
+    // Asked once, here, outside the registry's lock: a `role` that called the API waited on
+    // that lock for good (review helper 164).
+    let Ok(role) = std::panic::catch_unwind(AssertUnwindSafe(|| spy.role())) else {
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(spy)));
+        return Err(SpyError::InvalidArgument);
+    };
+    match target {
+        Target::Here => global::register_here(crate::pins::Pins::default(), role, move || Box::new(spy)),
+        Target::Remote(api) => ffi::register_remote(api, Box::new(spy), role),
     }
 }
 

@@ -618,28 +618,35 @@ impl<H: Heap> Interposer<H> {
 
     #[cfg(test)]
     pub(crate) fn register(&self, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
-        self.register_from(Pins::default(), make)
+        let spy = make();
+        self.register_from(Pins::default(), spy.role(), move || spy)
     }
 
-    /// Registers a spy whose modules `pins` keeps loaded while it is registered.
-    pub(crate) fn register_from(&self, pins: Pins, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+    /// Registers a spy of `role` (asked of it before: see [`Registry::register`]) whose
+    /// modules `pins` keeps loaded while it is registered.
+    pub(crate) fn register_from(
+        &self,
+        pins: Pins,
+        role: Role,
+        make: impl FnOnce() -> Box<dyn MallocSpy>,
+    ) -> Result<(), SpyError> {
         self.retire_orphan();
         let made = || {
-            let spy = make();
-            self.spy_interposes.store(spy.role() != Role::Observe, Ordering::Relaxed);
-            SpyRef::Owned(spy)
+            self.spy_interposes.store(role != Role::Observe, Ordering::Relaxed);
+            SpyRef::Owned(make())
         };
-        self.registry.register(made, pins)
+        self.registry.register(made, role, pins)
     }
 
     /// Registers a spy that outlives its registration (the built-in spies).
     pub(crate) fn register_static(&self, spy: &'static dyn MallocSpy) -> Result<(), SpyError> {
         self.retire_orphan();
+        let role = spy.role();
         let made = || {
-            self.spy_interposes.store(spy.role() != Role::Observe, Ordering::Relaxed);
+            self.spy_interposes.store(role != Role::Observe, Ordering::Relaxed);
             SpyRef::Static(spy)
         };
-        self.registry.register(made, Pins::default())
+        self.registry.register(made, role, Pins::default())
     }
 
     /// Retires a revoked spy left to the next call with no live block (see `revoked_in_hook`)

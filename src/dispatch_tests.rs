@@ -229,7 +229,10 @@ fn header_spy_keeps_every_entry_point_correct() {
     let ip = fresh();
     let before = ip.malloc(10); // allocated before the spy: unspied
     ip.register(|| Box::new(HeaderSpy::new(&log))).unwrap();
-    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Err(SpyError::AlreadyRegistered));
+    // A refused spy is dropped, as the API's is (built before: its role is asked first).
+    let refused = Arc::new(Log::default());
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&refused))), Err(SpyError::AlreadyRegistered));
+    assert_eq!(refused.dropped.load(Ordering::SeqCst), 1);
 
     let p = ip.malloc(40) as *mut u8;
     assert_eq!(p as usize % 16, 0);
@@ -382,7 +385,8 @@ fn revoke_is_deferred_until_the_last_spied_block_is_freed() {
     let blocks: Vec<_> = (0..3).map(|i| ip.malloc(10 + i) as usize).collect();
     assert_eq!(ip.revoke(), Err(SpyError::AccessDenied));
     assert_eq!(ip.revoke(), Err(SpyError::NotRegistered), "already pending");
-    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&log))), Err(SpyError::AlreadyRegistered));
+    let refused = Arc::new(Log::default());
+    assert_eq!(ip.register(|| Box::new(HeaderSpy::new(&refused))), Err(SpyError::AlreadyRegistered));
     // New blocks are no longer spied.
     let unspied = ip.malloc(5);
     assert_eq!(log.post_alloc.load(Ordering::SeqCst), 3);

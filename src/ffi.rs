@@ -280,6 +280,15 @@ pub(crate) unsafe fn c_spy(vtable: *const SpyVtable, ctx: *mut c_void) -> Box<dy
     Box::new(CSpy { vtable: unsafe { copy_of(vtable) }, ctx })
 }
 
+/// The role a C spy's table says (its `flags`).
+///
+/// # Safety
+/// `vtable` passed [`validate`].
+pub(crate) unsafe fn role_of(vtable: *const SpyVtable) -> Role {
+    // SAFETY: the caller's guarantee.
+    if unsafe { copy_of(vtable) }.flags & OBSERVE != 0 { Role::Observe } else { Role::Interpose }
+}
+
 /// What of a C spy must stay mapped while it is registered: its table's functions and its
 /// context (see [`crate::pins`]); 0 for each absent function.
 ///
@@ -477,9 +486,8 @@ pub(crate) fn remote_vtable(role: Role) -> &'static SpyVtable {
 }
 
 /// Registers a Rust spy with the registry behind `api` (another module's).
-pub(crate) fn register_remote(api: &'static Api, spy: Box<dyn MallocSpy>) -> Result<(), SpyError> {
-    // Asked once, as the registry asks a spy of its own.
-    let vtable = remote_vtable(spy.role());
+pub(crate) fn register_remote(api: &'static Api, spy: Box<dyn MallocSpy>, role: Role) -> Result<(), SpyError> {
+    let vtable = remote_vtable(role);
     let ctx = Box::into_raw(Box::new(Remote { spy, api })) as *mut c_void;
     // SAFETY: the table is static and the context lives until tr_release.
     let status = unsafe { (api.register_spy)(vtable, ctx) };

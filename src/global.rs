@@ -7,7 +7,7 @@ use crate::dispatch::Interposer;
 use crate::ffi::{self, Api, SpyVtable};
 use crate::heap::NextHeap;
 use crate::pins::Pins;
-use crate::spy::{MallocSpy, SpyError};
+use crate::spy::{MallocSpy, Role, SpyError};
 use crate::{os, threads, tls};
 
 /// This module's interposer. It serves the malloc family only where
@@ -107,10 +107,10 @@ pub(crate) fn ensure_fork_handlers() {
 }
 
 /// Registers a spy with [`GLOBAL`].
-pub(crate) fn register_here(pins: Pins, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
+pub(crate) fn register_here(pins: Pins, role: Role, make: impl FnOnce() -> Box<dyn MallocSpy>) -> Result<(), SpyError> {
     ensure_fork_handlers();
     GLOBAL.heap.warm_up();
-    GLOBAL.register_from(pins, make)
+    GLOBAL.register_from(pins, role, make)
 }
 
 /// Registers a spy that outlives its registration with [`GLOBAL`] (the built-in spies).
@@ -130,8 +130,10 @@ unsafe extern "C" fn api_register(vtable: *const SpyVtable, ctx: *mut c_void) ->
     let registered = unsafe { ffi::validate(vtable) }.and_then(|()| {
         // SAFETY: validated; the rest is the caller's guarantee.
         let pins = Pins::of(unsafe { ffi::addresses_of(vtable, ctx) });
+        // SAFETY: validated.
+        let role = unsafe { ffi::role_of(vtable) };
         // SAFETY: as above.
-        register_here(pins, || unsafe { ffi::c_spy(vtable, ctx) })
+        register_here(pins, role, || unsafe { ffi::c_spy(vtable, ctx) })
     });
     ffi::status(registered)
 }

@@ -208,10 +208,11 @@ impl Registry {
         unsafe { self.cell.load(Ordering::Acquire).as_ref() }
     }
 
-    /// Registers the spy `make` builds, whose modules `pins` keeps loaded; `make` runs only
-    /// once the slot is known to be free, so a refused spy is never built (a C spy's `release`
-    /// is not called for nothing).
-    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, pins: Pins) -> Result<(), SpyError> {
+    /// Registers the spy `make` builds, of `role`, whose modules `pins` keeps loaded; `make`
+    /// runs only once the slot is known to be free, so a refused spy is never built (a C spy's
+    /// `release` is not called for nothing). The role is asked by the caller, before the lock:
+    /// a spy's `role` that called the API waited on the lock for good (review helper 164).
+    pub(crate) fn register(&self, make: impl FnOnce() -> SpyRef, role: Role, pins: Pins) -> Result<(), SpyError> {
         // The blocks allocated before the first spy are no longer noted (a leak tracker
         // adopts them before it is registered: see `early.rs`).
         drop(crate::early::stop());
@@ -223,12 +224,10 @@ impl Registry {
             SpyRef::Owned(b) => (Box::into_raw(b), true),
             SpyRef::Static(s) => (s, false),
         };
-        // SAFETY: just made from a live Box or a static reference.
-        let observes = unsafe { (*spy).role() } == Role::Observe;
         let cell = Box::new(SpyCell {
             spy,
             owned,
-            observes,
+            observes: role == Role::Observe,
             _pins: pins,
             revoked: AtomicBool::new(false),
             settled: AtomicBool::new(false),

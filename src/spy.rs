@@ -416,8 +416,8 @@ pub trait MallocSpy: Send + Sync {
     /// After `malloc_trim`.
     fn post_heap_minimize(&self) {}
 
-    /// What the spy does (asked once, at registration): interpose like IMallocSpy (the
-    /// default), or only observe.
+    /// What the spy does (asked once, before registering, outside any lock: it may call the
+    /// API): interpose like IMallocSpy (the default), or only observe.
     fn role(&self) -> Role {
         Role::Interpose
     }
