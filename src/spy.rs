@@ -196,7 +196,8 @@ pub enum SpyError {
     /// right after the last one is freed.
     AccessDenied,
     /// mallocspy is not the process's allocator: preload `libmallocspy_preload.so`, or build
-    /// the program with the `interpose` feature.
+    /// the program with the `interpose` feature. Under valgrind it never is: the tool's
+    /// replacements serve the malloc family.
     NotInterposed,
 }
 

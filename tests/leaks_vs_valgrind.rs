@@ -284,6 +284,31 @@ fn under_valgrind_the_report_says_it_saw_nothing() {
     assert!(report["program"].as_str().is_some_and(|p| p.ends_with("/lose_one")), "{report}");
 }
 
+/// Under valgrind no spy can be registered, through the shim or in a program that is its own
+/// interposer: the tool's replacements serve the malloc family, and a spy registered there was
+/// never called (review helper 164).
+#[test]
+fn under_valgrind_registering_a_spy_answers_not_interposed() {
+    let through_the_shim = Command::new("valgrind")
+        .args(["-q", "--leak-check=no"])
+        .arg(c_program("register.c"))
+        .env("LD_PRELOAD", shim())
+        .env("MALLOCSPY_OPTIONS", "spy=none")
+        .output()
+        .unwrap();
+    assert_eq!(
+        (through_the_shim.status.code(), text(&through_the_shim.stdout).as_str()),
+        (Some(2), "no interposer\n"),
+        "{}",
+        text(&through_the_shim.stderr)
+    );
+    let program = rust_program("interposer", "rust-interposer");
+    let own = Command::new("valgrind").args(["-q", "--leak-check=no"]).arg(&program).arg("register").output().unwrap();
+    assert_eq!(text(&own.stdout), "Err(NotInterposed)\n", "{}", text(&own.stderr));
+    let native = Command::new(&program).arg("register").output().unwrap();
+    assert_eq!(text(&native.stdout), "Ok(())\n");
+}
+
 /// The guard's alloc-dealloc-mismatch findings are memcheck's "Mismatched free() / delete /
 /// delete []" errors, release for release.
 #[test]
