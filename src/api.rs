@@ -57,7 +57,8 @@ pub fn register_malloc_spy(spy: impl MallocSpy + 'static) -> Result<(), SpyError
 ///
 /// # Errors
 /// [`SpyError::NotRegistered`] when none is registered, a spy that panicked included (it was
-/// revoked then, and its blocks still reach it; see [`MallocSpy`]). [`SpyError::AccessDenied`] while
+/// revoked then, and its blocks still reach it; see [`MallocSpy`]), and while a revoke is
+/// pending (the spy is no longer registered). [`SpyError::AccessDenied`] while
 /// blocks allocated under the spy are live (from the spy's own allocation or `realloc` method,
 /// the block that call returns among them): the revoke is then pending, the spy keeps
 /// receiving the frees and reallocs of those blocks and is dropped right after the last one
@@ -214,7 +215,8 @@ pub fn on_allocation_tick(callback: Option<TickCallback>) -> Result<(), SpyError
 /// `stats_interval_ms` has passed since the last event, and at exit (after the `atexit`
 /// handlers registered after the spy started). Like the tick callback
 /// it runs **inside the allocator**, on the allocating thread (its own allocations go
-/// straight to the real allocator, unsampled); it must not block. `None` stops the calls.
+/// straight to the real allocator, unsampled); it must not block, nor panic (a panic aborts
+/// the process, as the tick callback's does). `None` stops the calls.
 ///
 /// # Errors
 /// As [`on_allocation_tick`].
