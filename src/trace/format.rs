@@ -1271,9 +1271,10 @@ mod tests {
     }
 
     /// A trace of version 1, whose header does not say which process it is, is read (its
-    /// identity unknown, 0), as are its events.
+    /// identity unknown, 0), as are its events; and one of version 2, whose header has no
+    /// checksum.
     #[test]
-    fn a_version_1_trace_is_read_without_the_processs_identity() {
+    fn traces_of_versions_1_and_2_are_read() {
         let (sample, events) = sample_file();
         let mut reader = Reader::new(&sample).unwrap();
         let header = reader.header().clone();
@@ -1294,8 +1295,26 @@ mod tests {
         });
         v1.extend_from_slice(body);
         let mut reader = Reader::new(&v1).unwrap();
-        let expected = Header { pid_namespace: 0, process_start_ticks: 0, ..header };
+        let expected = Header { pid_namespace: 0, process_start_ticks: 0, ..header.clone() };
         assert_eq!(reader.header(), &expected);
+        assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
+        let mut v2 = MAGIC.to_vec();
+        v2.extend(2u32.to_le_bytes());
+        record(&mut v2, TAG_HEADER, |o| {
+            put(o, header.pid as u64);
+            put(o, header.command.len() as u64);
+            header.command.iter().for_each(|arg| put_bytes(o, arg.as_bytes()));
+            put_bytes(o, header.options.as_bytes());
+            put(o, header.sampling as u64);
+            put(o, header.interval);
+            put(o, header.stats_interval_ms);
+            put(o, header.start_unix_ns);
+            put(o, header.pid_namespace);
+            put(o, header.process_start_ticks);
+        });
+        v2.extend_from_slice(body);
+        let mut reader = Reader::new(&v2).unwrap();
+        assert_eq!(reader.header(), &header);
         assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
         // And a later version is refused, in one line.
         let mut v4 = sample.clone();
