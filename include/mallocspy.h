@@ -202,7 +202,8 @@ struct mallocspy_api {
     int (*did_alloc)(void *ptr);
     /* The calling thread's 12 scratch words, private from a Pre method to its Post method. */
     uint64_t *(*call_scratch)(void);
-    /* 1 when this interposer is the process's allocator. */
+    /* 1 when this interposer is the process's allocator (never under valgrind, whose
+       replacements serve the malloc family). */
     int (*is_active)(void);
     /* The leak tracker (spy=leaks): S_OK, or E_OBJNOTREG when no tracker runs. */
     int32_t (*heap_stats)(struct mallocspy_heap_stats *out);
@@ -228,7 +229,8 @@ struct mallocspy_api {
     uint64_t (*spied_blocks)(void);
 };
 
-/* The active interposer's API, or NULL when mallocspy is not the process's allocator. */
+/* The active interposer's API, or NULL when mallocspy is not the process's allocator (as
+   under valgrind). */
 static inline const struct mallocspy_api *mallocspy_api(void)
 {
     const struct mallocspy_api *api = (const struct mallocspy_api *)dlsym(RTLD_DEFAULT, "mallocspy_api_v1");
