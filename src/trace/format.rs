@@ -994,8 +994,9 @@ impl Reader<'_> {
     /// Whether the file ends with a whole End record that starts after `start`, later than
     /// every event read: a record at `start` that claims to run past the file's end was then
     /// damaged, not cut (review helper 162: a stack's length byte set to 0xff dropped half a
-    /// trace with a warning of a cut). The bytes a cut leaves at the end looked like an End
-    /// record once in 30,000 cuts of recorded traces, each time ending at 137 ns.
+    /// trace with a warning of a cut). The bytes of a cut record could end with what reads as
+    /// an End record: none of 10.6 million cuts of four recorded traces did (review helper
+    /// 165), and one that did would also have to be later than every event before it.
     fn ends_with_an_end_record_after(&self, start: usize) -> bool {
         let Some(tail) = self.bytes.get(start + 1..) else { return false };
         (1..=10).any(|len| {
