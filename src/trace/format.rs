@@ -410,8 +410,8 @@ pub enum Event {
 }
 
 impl Event {
-    /// When it happened, for the events that say.
-    fn time_ns(&self) -> Option<u64> {
+    /// When it happened (nanoseconds since the start), for the events that say.
+    pub fn time_ns(&self) -> Option<u64> {
         match self {
             Event::ModuleLoad { time_ns, .. }
             | Event::ModuleUnload { time_ns, .. }
@@ -1282,41 +1282,34 @@ mod tests {
         assert_eq!((header.pid_namespace, header.process_start_ticks), (4_026_531_836, 123_456));
         let body = &sample[reader.offset() as usize..];
         assert!(reader.by_ref().all(|e| e.is_ok()));
-        let mut v1 = MAGIC.to_vec();
-        v1.extend(1u32.to_le_bytes());
-        record(&mut v1, TAG_HEADER, |o| {
-            put(o, header.pid as u64);
-            put(o, header.command.len() as u64);
-            header.command.iter().for_each(|arg| put_bytes(o, arg.as_bytes()));
-            put_bytes(o, header.options.as_bytes());
-            put(o, header.sampling as u64);
-            put(o, header.interval);
-            put(o, header.stats_interval_ms);
-            put(o, header.start_unix_ns);
-        });
-        v1.extend_from_slice(body);
-        let mut reader = Reader::new(&v1).unwrap();
-        let expected = Header { pid_namespace: 0, process_start_ticks: 0, ..header.clone() };
-        assert_eq!(reader.header(), &expected);
-        assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
-        let mut v2 = MAGIC.to_vec();
-        v2.extend(2u32.to_le_bytes());
-        record(&mut v2, TAG_HEADER, |o| {
-            put(o, header.pid as u64);
-            put(o, header.command.len() as u64);
-            header.command.iter().for_each(|arg| put_bytes(o, arg.as_bytes()));
-            put_bytes(o, header.options.as_bytes());
-            put(o, header.sampling as u64);
-            put(o, header.interval);
-            put(o, header.stats_interval_ms);
-            put(o, header.start_unix_ns);
-            put(o, header.pid_namespace);
-            put(o, header.process_start_ticks);
-        });
-        v2.extend_from_slice(body);
-        let mut reader = Reader::new(&v2).unwrap();
-        assert_eq!(reader.header(), &header);
-        assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
+        // The file as `version` wrote it: version 1's header ends before the identity.
+        let of_version = |version: u32| {
+            let mut file = MAGIC.to_vec();
+            file.extend(version.to_le_bytes());
+            record(&mut file, TAG_HEADER, |o| {
+                put(o, header.pid as u64);
+                put(o, header.command.len() as u64);
+                header.command.iter().for_each(|arg| put_bytes(o, arg.as_bytes()));
+                put_bytes(o, header.options.as_bytes());
+                put(o, header.sampling as u64);
+                put(o, header.interval);
+                put(o, header.stats_interval_ms);
+                put(o, header.start_unix_ns);
+                if version == 2 {
+                    put(o, header.pid_namespace);
+                    put(o, header.process_start_ticks);
+                }
+            });
+            file.extend_from_slice(body);
+            file
+        };
+        let without_identity = Header { pid_namespace: 0, process_start_ticks: 0, ..header.clone() };
+        for (version, expected) in [(1, &without_identity), (2, &header)] {
+            let file = of_version(version);
+            let mut reader = Reader::new(&file).unwrap();
+            assert_eq!(reader.header(), expected, "version {version}");
+            assert_eq!(reader.by_ref().collect::<Result<Vec<_>, _>>().unwrap(), events);
+        }
         // And a later version is refused, in one line.
         let mut v4 = sample.clone();
         v4[16..20].copy_from_slice(&4u32.to_le_bytes());

@@ -325,7 +325,7 @@ impl Aggregator {
 
     /// Takes in the next event.
     pub fn add(&mut self, event: Event) {
-        if let Some(t) = time_of(&event) {
+        if let Some(t) = event.time_ns() {
             self.profile.last_time_ns = self.profile.last_time_ns.max(t);
         }
         match event {
@@ -484,20 +484,6 @@ impl Aggregator {
             self.profile.live_at_end.add(s.live_at_end);
         }
         self.profile
-    }
-}
-
-fn time_of(event: &Event) -> Option<u64> {
-    match *event {
-        Event::ModuleLoad { time_ns, .. }
-        | Event::ModuleUnload { time_ns, .. }
-        | Event::Free { time_ns, .. }
-        | Event::ThreadStart { time_ns, .. }
-        | Event::ThreadExit { time_ns, .. }
-        | Event::Lost { time_ns, .. }
-        | Event::End { time_ns } => Some(time_ns),
-        Event::Tick(Tick { time_ns, .. }) | Event::HeapStats(HeapStats { time_ns, .. }) => Some(time_ns),
-        Event::Stack { .. } | Event::Inherited { .. } => None,
     }
 }
 
