@@ -1229,6 +1229,50 @@ fn leak_tracker_counts_exactly_when_a_freed_address_returns_before_its_record_go
     assert_eq!(ip.revoke(), Ok(()));
 }
 
+/// A storm of signal handlers, each freeing a block while the hook it interrupted holds the
+/// lock of the block's shard: every such free is queued, and the thread's next free removes the
+/// records. A thread could queue 4 once: under CPU load `handler_frees.c` had records outlive
+/// their blocks, reported lost. Past the queue's page of slots the records stay, counted for
+/// the report's note.
+#[test]
+fn frees_by_signal_handlers_inside_a_hook_holding_their_shard_lock_take_their_records() {
+    use crate::spies::handler_frees::SLOTS;
+    let _serial = serial();
+    let ip = fresh();
+    let tracker: &'static LeakTracker = Box::leak(Box::new(LeakTracker::new(8).unwrap()));
+    ip.register_static(tracker).unwrap();
+    let blocks: Vec<usize> = (0..80_000).map(|i| ip.malloc(40 + i % 8) as usize).collect();
+    let first = blocks[0];
+    let (shard, others): (Vec<usize>, Vec<usize>) = blocks.iter().partition(|&&b| tracker.live.same_shard(first, b));
+    let (queued, unfollowed) = (SLOTS, 10);
+    let (storm, rest) = shard.split_at(queued + unfollowed);
+    let before = tracker.stats();
+    tracker.live.with_shard_locked(first, || {
+        for (i, &b) in storm.iter().enumerate() {
+            assert_eq!(tracker.free_in_handler(b).is_some(), i < queued, "free {i} of the storm");
+        }
+    });
+    for &b in storm {
+        // SAFETY: a live block of the real allocator, as the handler frees it.
+        unsafe { libc::free(b as *mut c_void) };
+    }
+    // SAFETY: a live block.
+    unsafe { ip.free(others[0] as *mut c_void) };
+    let recorded = |bs: &[usize]| bs.iter().filter(|&&b| tracker.live.get(b).is_some()).count();
+    assert_eq!((recorded(&storm[..queued]), recorded(&storm[queued..])), (0, unfollowed), "applied by the free");
+    assert_eq!(tracker.unfollowed_frees(), unfollowed as u64);
+    let after = tracker.stats();
+    assert_eq!(
+        (after.live_blocks, after.total_frees),
+        (before.live_blocks - queued as u64 - 1, before.total_frees + queued as u64 + 1)
+    );
+    for &b in rest.iter().chain(&others[1..]) {
+        // SAFETY: live blocks.
+        unsafe { ip.free(b as *mut c_void) };
+    }
+    assert_eq!(ip.revoke(), Ok(()));
+}
+
 /// A block freed and allocated again at its address, by the same call with the same size on
 /// the same thread, gets a record of its own: the leak check takes a block whose record is
 /// unchanged for the one it scanned, and such a block, freed while the exit's check ran, was

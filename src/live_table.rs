@@ -393,6 +393,19 @@ impl<V: Copy> LiveTable<V> {
         }
     }
 
+    /// Runs `f` with the lock of `key`'s shard held, as a hook interrupted there holds it.
+    #[cfg(test)]
+    pub(crate) fn with_shard_locked<R>(&self, key: usize, f: impl FnOnce() -> R) -> R {
+        let _guard = self.shard(hash(key)).lock.lock();
+        f()
+    }
+
+    /// Whether `a` and `b` have the same shard.
+    #[cfg(test)]
+    pub(crate) fn same_shard(&self, a: usize, b: usize) -> bool {
+        core::ptr::eq(self.shard(hash(a)), self.shard(hash(b)))
+    }
+
     /// Child side of `fork`: no other thread survived, so no lock can be legitimately held.
     pub(crate) fn force_unlock(&self) {
         for shard in &self.shards {

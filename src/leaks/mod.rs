@@ -540,6 +540,14 @@ pub(crate) fn check(
         };
         notes.push(format!("{untracked} allocation(s) were not tracked: {why}"));
     }
+    let unfollowed = tracker.unfollowed_frees();
+    if unfollowed > 0 {
+        notes.push(format!(
+            "{unfollowed} free(s) made by signal handlers went unseen (each interrupted mallocspy while \
+             it held the lock of the block's record, and the queue for such frees was full): up to \
+             {unfollowed} of the blocks reported were freed"
+        ));
+    }
     if unspied > 0 {
         notes.push(format!(
             "{unspied} allocator call(s) went unspied: their threads got no slot (mallocspy's memory limit, \

@@ -18,6 +18,7 @@
 use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
+use crate::spies::handler_frees::HandlerFrees;
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::sync::SelfHeld;
@@ -30,10 +31,6 @@ pub(crate) use crate::stacks::{DEFAULT_DEPTH, MAX_DEPTH};
 const LIVE_FLUSH: i64 = 256 << 10;
 /// Frees a thread keeps queued before removing their records.
 const PENDING: usize = 4;
-/// Frees made by signal handlers that interrupted one of the thread's hooks while it held the
-/// lock of the block's shard, queued after the ring for the thread's next free (or a report)
-/// to apply: see [`LeakTracker::free_in_handler`].
-const HANDLER_SLOTS: usize = 4;
 
 // Scratch words (8..10; the guard spy, which runs beside the tracker under
 // `spy=guard,leaks`, uses 0..7): the record a realloc removed, kept until the call's outcome
@@ -88,9 +85,8 @@ struct PerThread {
     /// Net live bytes not yet added to `LeakTracker::live_bytes` (below `LIVE_FLUSH`).
     unflushed: AtomicI64,
     /// Addresses freed (or about to be) whose records are still in the table; 0 when empty.
-    /// Whoever swaps one to 0, under the lock of its shard, removes the record. The ring of
-    /// the thread's own frees, then the [`HANDLER_SLOTS`].
-    pending: [AtomicUsize; PENDING + HANDLER_SLOTS],
+    /// Whoever swaps one to 0, under the lock of its shard, removes the record.
+    pending: [AtomicUsize; PENDING],
     own: Owned<Own>,
 }
 
@@ -157,6 +153,12 @@ pub(crate) struct LeakTracker {
     applied_frees: AtomicU64,
     /// Allocations that could not be recorded (mallocspy's memory limit).
     untracked: AtomicU64,
+    /// Frees by signal handlers that could not remove their blocks' records at once
+    /// ([`LeakTracker::free_in_handler`]).
+    handler_frees: HandlerFrees,
+    /// Such frees that found the queue full: their records stayed, blocks the report may
+    /// call lost.
+    unfollowed_frees: AtomicU64,
     /// Allocations made before the tracker was registered, and their bytes (the live ones
     /// are adopted: [`LeakTracker::adopt`]).
     adopted_allocs: AtomicU64,
@@ -187,6 +189,8 @@ impl LeakTracker {
             peak_bytes: AtomicU64::new(0),
             applied_frees: AtomicU64::new(0),
             untracked: AtomicU64::new(0),
+            handler_frees: HandlerFrees::new()?,
+            unfollowed_frees: AtomicU64::new(0),
             adopted_allocs: AtomicU64::new(0),
             adopted_bytes: AtomicU64::new(0),
         })
@@ -245,7 +249,7 @@ impl LeakTracker {
         // It is looked for even when the address is not recorded: the block freed may have
         // been allocated before tracking began, and allocators hand a thread the block it
         // freed last.
-        let withdrawn = Self::withdraw_queued(t, ptr);
+        let withdrawn = Self::withdraw_queued(t, ptr) || self.handler_frees.withdraw(ptr);
         // The address is still recorded when its free is queued (or went unseen): that block
         // is gone. Its free may be queued by another thread.
         let mut replaced = None;
@@ -318,9 +322,8 @@ impl LeakTracker {
         }
         // Stored before the real free, so an allocation that gets `ptr` back sees it.
         t.pending[i].store(ptr, Ordering::Release);
-        for slot in &t.pending[PENDING..] {
-            let queued = slot.load(Ordering::Relaxed);
-            if let Some(r) = (queued != 0).then(|| self.apply_pending(slot, queued)).flatten() {
+        for (slot, queued) in self.handler_frees.queued() {
+            if let Some(r) = self.apply_handler_free(slot, queued) {
                 self.forget(&r, t);
             }
         }
@@ -353,12 +356,12 @@ impl LeakTracker {
     /// The free of `ptr` by a signal handler that interrupted a hook of the calling thread,
     /// applied at once as [`Self::free_now`] does: the hook may be anywhere in the tracker,
     /// and the removal touches only `ptr`'s shard, under its lock, and atomics. Unless the
-    /// hook holds that lock (waiting for it would never end): then it is queued in one of the
-    /// thread's [`HANDLER_SLOTS`] (before the real free, as [`Self::free_later`] queues), for
-    /// the thread's next free; with every slot taken the record stays. Left to the hook, every
-    /// such record made a false leak (`handler_frees.c`: about 300 of the 400 blocks a handler
-    /// freed were reported definitely lost).
-    fn free_in_handler(&'static self, ptr: usize) -> Option<Unseen> {
+    /// hook holds that lock (waiting for it would never end): then it is queued in
+    /// [`HandlerFrees`] (before the real free, as [`Self::free_later`] queues), for the next
+    /// free of any thread; with the queue full the record stays, counted for the report's note.
+    /// Left to the hook, every such record made a false leak (`handler_frees.c`: about 300 of
+    /// the 400 blocks a handler freed were reported definitely lost).
+    pub(crate) fn free_in_handler(&'static self, ptr: usize) -> Option<Unseen> {
         match self.live.try_remove_if(ptr, || self.withdraw_everywhere(ptr)) {
             Ok(r) => {
                 let r = r?;
@@ -366,10 +369,11 @@ impl LeakTracker {
                 Some(Unseen::Taken(ptr, r))
             }
             Err(SelfHeld) => {
-                let t = self.per_thread.get(threads::current_index()?)?;
-                let free =
-                    |slot: &&AtomicUsize| slot.compare_exchange(0, ptr, Ordering::AcqRel, Ordering::Relaxed).is_ok();
-                t.pending[PENDING..].iter().find(free).map(|slot| Unseen::Queued(slot, ptr))
+                let queued = self.handler_frees.push(ptr).map(|slot| Unseen::Queued(slot, ptr));
+                if queued.is_none() {
+                    self.unfollowed_frees.fetch_add(1, Ordering::Relaxed);
+                }
+                queued
             }
         }
     }
@@ -384,12 +388,13 @@ impl LeakTracker {
         self.live.remove_if(ptr, || self.withdraw_everywhere(ptr))
     }
 
-    /// Takes back every thread's queued free of `ptr`, as the claim of a removal under `ptr`'s
-    /// shard lock (always granted).
+    /// Takes back every queued free of `ptr`, as the claim of a removal under `ptr`'s shard
+    /// lock (always granted).
     fn withdraw_everywhere(&self, ptr: usize) -> bool {
         self.all_threads().for_each(|t| {
             Self::withdraw_queued(t, ptr);
         });
+        self.handler_frees.withdraw(ptr);
         true
     }
 
@@ -397,6 +402,12 @@ impl LeakTracker {
     fn apply_pending(&self, slot: &AtomicUsize, ptr: usize) -> Option<Record> {
         let claim = || slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok();
         self.live.remove_if(ptr, claim)
+    }
+
+    /// Removes the record of `ptr`, queued by a signal handler in `slot`, unless someone else
+    /// claimed it first.
+    fn apply_handler_free(&self, slot: &AtomicUsize, ptr: usize) -> Option<Record> {
+        self.live.remove_if(ptr, || self.handler_frees.claim(slot, ptr))
     }
 
     /// Takes back a free of `ptr` queued in `t`'s queue; whether there was one.
@@ -415,10 +426,12 @@ impl LeakTracker {
         })
     }
 
-    /// Takes back a free of `ptr` queued by a thread other than `mine`. Called under the lock
-    /// of `ptr`'s shard, which every claim of a queued `ptr` also holds.
+    /// Takes back a free of `ptr` queued by a thread other than `mine`, or by a signal
+    /// handler. Called under the lock of `ptr`'s shard, which every claim of a queued `ptr`
+    /// also holds.
     fn withdraw_elsewhere(&self, ptr: usize, mine: &PerThread) {
-        self.all_threads().any(|other| !core::ptr::eq(other, mine) && Self::withdraw_queued(other, ptr));
+        let _ = self.all_threads().any(|other| !core::ptr::eq(other, mine) && Self::withdraw_queued(other, ptr))
+            || self.handler_frees.withdraw(ptr);
     }
 
     /// Applies every thread's queued frees (for a report: the records of freed blocks go).
@@ -431,6 +444,12 @@ impl LeakTracker {
                     frees += 1;
                     bytes += r.size() as i64;
                 }
+            }
+        }
+        for (slot, ptr) in self.handler_frees.queued() {
+            if let Some(r) = self.apply_handler_free(slot, ptr) {
+                frees += 1;
+                bytes += r.size() as i64;
             }
         }
         // Straight into the process-wide figures: the caller may have no thread record.
@@ -464,6 +483,11 @@ impl LeakTracker {
     /// Allocations that went unrecorded because mallocspy's memory limit was reached.
     pub(crate) fn untracked(&self) -> u64 {
         self.untracked.load(Ordering::Relaxed)
+    }
+
+    /// Frees by signal handlers whose records stayed (the handlers' queue was full).
+    pub(crate) fn unfollowed_frees(&self) -> u64 {
+        self.unfollowed_frees.load(Ordering::Relaxed)
     }
 
     /// What the tracker's own memory holds.
@@ -602,7 +626,7 @@ pub(crate) fn released_unseen(ptr: usize) -> Option<Unseen> {
 pub(crate) enum Unseen {
     /// Took it out of the table.
     Taken(usize, Record),
-    /// Queued its removal in one of the thread's [`HANDLER_SLOTS`].
+    /// Queued its removal in [`HandlerFrees`].
     Queued(&'static AtomicUsize, usize),
 }
 
@@ -615,9 +639,9 @@ pub(crate) fn restore_unseen(taken: Option<Unseen>) {
             // taken, its block untracked from then on).
             crate::dispatch::following_unseen(|| t.restore_unseen(ptr, r));
         }
-        (Some(Unseen::Queued(slot, ptr)), _) => {
-            // The block lives on, and its record, unless a report applied the queue meanwhile.
-            let _ = slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed);
+        (Some(Unseen::Queued(slot, ptr)), Some(t)) => {
+            // The block lives on, and its record, unless a free applied the queue meanwhile.
+            t.handler_frees.claim(slot, ptr);
         }
         _ => {}
     }
