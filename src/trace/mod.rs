@@ -2,6 +2,7 @@
 //! `mallocspy report` reader), the queue from the hook path, its messages, and the writer
 //! process.
 
+mod file;
 mod format;
 pub(crate) mod message;
 pub(crate) mod modules;
