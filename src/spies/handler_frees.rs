@@ -27,6 +27,14 @@ pub(crate) struct HandlerFrees {
     slots: &'static [AtomicUsize; SLOTS],
 }
 
+/// What [`HandlerFrees::push`] did.
+pub(crate) enum Push {
+    Queued(&'static AtomicUsize),
+    AlreadyQueued,
+    /// Every slot is taken.
+    Full,
+}
+
 impl HandlerFrees {
     /// An empty queue; `None` if its page cannot be leased.
     pub(crate) fn new() -> Option<Self> {
@@ -44,18 +52,28 @@ impl HandlerFrees {
         self.queued.load(Ordering::Acquire) != 0
     }
 
-    /// Queues the free of `ptr`: the slot taken, or `None` when every one is.
-    pub(crate) fn push(&self, ptr: usize) -> Option<&'static AtomicUsize> {
+    /// Queues the free of `ptr`, unless it is queued already: then the address was given out
+    /// again unseen (a handler's own `malloc` inside the hook) and freed again, its record is
+    /// still the one that free removes, and a second entry would remove the record of the
+    /// block a recorded allocation gets there next (review helper 166: a handler's `malloc`
+    /// and `free` of the same three blocks every 20 us filled the queue, and main's leaks of
+    /// those addresses went unreported).
+    pub(crate) fn push(&self, ptr: usize) -> Push {
+        if self.any() && self.slots.iter().any(|slot| slot.load(Ordering::Acquire) == ptr) {
+            return Push::AlreadyQueued;
+        }
         self.queued.fetch_add(1, Ordering::AcqRel);
         let free = |slot: &&AtomicUsize| {
             slot.load(Ordering::Relaxed) == 0
                 && slot.compare_exchange(0, ptr, Ordering::AcqRel, Ordering::Relaxed).is_ok()
         };
-        let taken = self.slots.iter().find(free);
-        if taken.is_none() {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
+        match self.slots.iter().find(free) {
+            Some(slot) => Push::Queued(slot),
+            None => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                Push::Full
+            }
         }
-        taken
     }
 
     /// Empties `slot` if it still holds `ptr`: whether this call did (the caller then owns the
@@ -68,10 +86,11 @@ impl HandlerFrees {
         claimed
     }
 
-    /// Takes back a queued free of `ptr` (an allocation got the address back); whether there
-    /// was one. Plain loads find it, as in the threads' own queues.
+    /// Takes back every queued free of `ptr` (an allocation got the address back); whether
+    /// there was one. Plain loads find them, as in the threads' own queues.
     pub(crate) fn withdraw(&self, ptr: usize) -> bool {
-        self.any() && self.slots.iter().any(|slot| slot.load(Ordering::Relaxed) == ptr && self.claim(slot, ptr))
+        self.any()
+            && self.slots.iter().filter(|slot| slot.load(Ordering::Relaxed) == ptr && self.claim(slot, ptr)).count() > 0
     }
 
     /// Every queued address, with its slot (for [`Self::claim`]).
@@ -89,12 +108,17 @@ mod tests {
     fn a_full_queue_refuses_and_an_emptied_slot_is_taken_again() {
         let q = HandlerFrees::new().unwrap();
         assert!(!q.any() && q.queued().next().is_none());
-        let taken: Vec<_> = (1..=SLOTS).map(|i| q.push(i * 16).expect("a free slot")).collect();
-        assert!(q.push(0x9990).is_none());
+        let slot = |push| match push {
+            Push::Queued(slot) => slot,
+            _ => panic!("not queued"),
+        };
+        let taken: Vec<_> = (1..=SLOTS).map(|i| slot(q.push(i * 16))).collect();
+        assert!(matches!(q.push(0x9990), Push::Full));
+        assert!(matches!(q.push(5 * 16), Push::AlreadyQueued));
         assert_eq!(q.queued().count(), SLOTS);
         assert!(!q.claim(taken[3], 0x1230), "a slot holding another address is not emptied");
         assert!(q.withdraw(4 * 16) && !q.withdraw(4 * 16));
-        assert!(q.push(0x9990).is_some());
+        slot(q.push(0x9990));
         for (slot, ptr) in q.queued() {
             assert!(q.claim(slot, ptr));
         }

@@ -18,7 +18,7 @@
 use core::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use crate::live_table::LiveTable;
-use crate::spies::handler_frees::HandlerFrees;
+use crate::spies::handler_frees::{HandlerFrees, Push};
 use crate::spy::{Call, CallScratch, Entry, MallocSpy, Role};
 use crate::stacks::{Capture, Stacks};
 use crate::sync::SelfHeld;
@@ -249,7 +249,7 @@ impl LeakTracker {
         // It is looked for even when the address is not recorded: the block freed may have
         // been allocated before tracking began, and allocators hand a thread the block it
         // freed last.
-        let withdrawn = Self::withdraw_queued(t, ptr) || self.handler_frees.withdraw(ptr);
+        let withdrawn = Self::withdraw_queued(t, ptr) | self.handler_frees.withdraw(ptr);
         // The address is still recorded when its free is queued (or went unseen): that block
         // is gone. Its free may be queued by another thread.
         let mut replaced = None;
@@ -368,13 +368,16 @@ impl LeakTracker {
                 self.count_applied(&r);
                 Some(Unseen::Taken(ptr, r))
             }
-            Err(SelfHeld) => {
-                let queued = self.handler_frees.push(ptr).map(|slot| Unseen::Queued(slot, ptr));
-                if queued.is_none() {
+            Err(SelfHeld) => match self.handler_frees.push(ptr) {
+                Push::Queued(slot) => Some(Unseen::Queued(slot, ptr)),
+                // Nothing for a failed `realloc` to take back: the record the queued free
+                // removes is not the live block's.
+                Push::AlreadyQueued => None,
+                Push::Full => {
                     self.unfollowed_frees.fetch_add(1, Ordering::Relaxed);
+                    None
                 }
-                queued
-            }
+            },
         }
     }
 
@@ -410,28 +413,31 @@ impl LeakTracker {
         self.live.remove_if(ptr, || self.handler_frees.claim(slot, ptr))
     }
 
-    /// Takes back a free of `ptr` queued in `t`'s queue; whether there was one.
+    /// Takes back the frees of `ptr` queued in `t`'s queue; whether there was one.
     ///
-    /// An allocation of an address withdraws its queued free before it records the new block,
-    /// so at most one free of `ptr` is queued (unless the program freed the block twice, which
-    /// glibc aborts on). Plain loads find the entry; only the match is claimed with a
+    /// An allocation of an address withdraws its queued frees before it records the new block,
+    /// so one free of `ptr` is queued, unless the address was given out again unseen and freed
+    /// again (inside a hook, by a signal handler): all go. Plain loads find them; only a match is claimed with a
     /// read-modify-write, so the other threads' queues, which their owners write on every
     /// free, are read and not made to bounce (with one locked compare-exchange per entry of
     /// every thread, python3 running 4 threads at a time spent 70% of its time here once
     /// 16,000 threads had come and gone).
     fn withdraw_queued(t: &PerThread, ptr: usize) -> bool {
-        t.pending.iter().any(|slot| {
+        let claimed = |slot: &&AtomicUsize| {
             slot.load(Ordering::Relaxed) == ptr
                 && slot.compare_exchange(ptr, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-        })
+        };
+        t.pending.iter().filter(claimed).count() > 0
     }
 
-    /// Takes back a free of `ptr` queued by a thread other than `mine`, or by a signal
-    /// handler. Called under the lock of `ptr`'s shard, which every claim of a queued `ptr`
+    /// Takes back the frees of `ptr` queued by threads other than `mine`, and by signal
+    /// handlers. Called under the lock of `ptr`'s shard, which every claim of a queued `ptr`
     /// also holds.
     fn withdraw_elsewhere(&self, ptr: usize, mine: &PerThread) {
-        let _ = self.all_threads().any(|other| !core::ptr::eq(other, mine) && Self::withdraw_queued(other, ptr))
-            || self.handler_frees.withdraw(ptr);
+        self.all_threads().filter(|other| !core::ptr::eq(*other, mine)).for_each(|other| {
+            Self::withdraw_queued(other, ptr);
+        });
+        self.handler_frees.withdraw(ptr);
     }
 
     /// Applies every thread's queued frees (for a report: the records of freed blocks go).
