@@ -174,25 +174,35 @@ const KEYS: &str = "spy, log_path, report_format, show_reachable, show_below_mai
 impl fmt::Display for OptionsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            OptionsError::UnknownKey(k) => write!(f, "unknown key '{}' (known: {KEYS})", Shown(k)),
+            OptionsError::UnknownKey(k) => write!(f, "unknown key '{}' (known: {KEYS})", shown(k)),
             OptionsError::BadValue { key, value, expected } => {
-                write!(f, "bad value '{}' for {key} (expected {expected})", Shown(value))
+                write!(f, "bad value '{}' for {key} (expected {expected})", shown(value))
             }
-            OptionsError::Malformed(p) => write!(f, "'{}' is not key=value", Shown(p)),
+            OptionsError::Malformed(p) => write!(f, "'{}' is not key=value", shown(p)),
         }
     }
 }
 
 impl std::error::Error for OptionsError {}
 
-/// A piece of the options as an error line shows it: its first 60 characters and how many
-/// more there are (a `MALLOCSPY_OPTIONS` of a megabyte made an error line as long), [`Escaped`].
-struct Shown<'a>(&'a str);
+/// Text from the user as an error line shows it: its first `LIMIT` characters and how many
+/// more there are (a `MALLOCSPY_OPTIONS` of a megabyte made an error line as long; so did a
+/// `log_path` of 70,000 characters, and a binary file given as suppressions), [`Escaped`].
+pub(crate) struct Shown<'a, const LIMIT: usize>(&'a str);
 
-impl fmt::Display for Shown<'_> {
+/// An option's value (or a line of a file of them) as an error line shows it.
+pub(crate) fn shown(text: &str) -> Shown<'_, 60> {
+    Shown(text)
+}
+
+/// A path as an error line shows it: paths run longer than option values.
+pub(crate) fn shown_path(text: &str) -> Shown<'_, 240> {
+    Shown(text)
+}
+
+impl<const LIMIT: usize> fmt::Display for Shown<'_, LIMIT> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const SHOWN: usize = 60;
-        match self.0.char_indices().nth(SHOWN) {
+        match self.0.char_indices().nth(LIMIT) {
             Some((cut, _)) => {
                 write!(f, "{}... ({} more characters)", Escaped(&self.0[..cut]), self.0[cut..].chars().count())
             }

@@ -23,7 +23,7 @@ use core::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::ffi::CString;
 
 use crate::kept_fd::{KeptFd, move_high, move_high_or_close};
-use crate::options::{Escaped, expand_path, names_pid};
+use crate::options::{expand_path, names_pid, shown_path};
 use crate::os;
 
 /// The report descriptor.
@@ -295,7 +295,7 @@ pub(crate) fn use_path(template: &str) -> Result<(), String> {
         }
         Err(e) => {
             use_stderr();
-            Err(format!("cannot open log_path '{}': {e}", Escaped(&path)))
+            Err(format!("cannot open log_path '{}': {e}", shown_path(&path)))
         }
     }
 }

@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+use crate::options::shown;
+
 /// A set of `leak:` patterns.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Suppressions {
@@ -49,7 +51,7 @@ impl Suppressions {
                 Some((kind, _)) => {
                     return Err(SuppressionError {
                         line: i + 1,
-                        message: format!("unknown kind '{kind}' (only leak: is supported)"),
+                        message: format!("unknown kind '{}' (only leak: is supported)", shown(kind)),
                     });
                 }
                 // valgrind's blocks (`{`, a name, `Memcheck:Leak`, `fun:` lines, `}`) match
@@ -62,7 +64,10 @@ impl Suppressions {
                             .into(),
                     });
                 }
-                None => return Err(SuppressionError { line: i + 1, message: format!("'{line}' is not kind:pattern") }),
+                None => {
+                    let message = format!("'{}' is not kind:pattern", shown(line));
+                    return Err(SuppressionError { line: i + 1, message });
+                }
             }
         }
         Ok(Self { patterns })
@@ -133,6 +138,12 @@ mod tests {
             "line 2: unknown kind 'race' (only leak: is supported)"
         );
         assert_eq!(Suppressions::parse("oops\n").unwrap_err().to_string(), "line 1: 'oops' is not kind:pattern");
+        // A binary file's first line: escaped and cut, not copied to the terminal whole.
+        let binary = format!("\x1b[31m\u{1}{}\n", "z".repeat(5000));
+        assert_eq!(
+            Suppressions::parse(&binary).unwrap_err().to_string(),
+            format!("line 1: '\\u{{1b}}[31m\\u{{1}}{}... (4946 more characters)' is not kind:pattern", "z".repeat(54))
+        );
         let valgrind = "# from --gen-suppressions\n{\n   zlib\n   Memcheck:Leak\n   fun:malloc\n}\n";
         assert!(
             Suppressions::parse(valgrind)

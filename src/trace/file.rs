@@ -42,7 +42,7 @@ fn open(template: &str, descendant: bool, ours: &Header) -> Result<(i32, String)
         return replace_unless_anothers(format!("{path}.{pid}"), ours);
     }
     let fd =
-        sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
+        sink::open_path(&path, true).map_err(|e| format!("cannot open trace '{}': {e}", options::shown_path(&path)))?;
     let before_exec = earlier_image(&path);
     if locked_by_another(fd) {
         close(fd);
@@ -208,7 +208,7 @@ fn replace_unless_anothers(path: String, ours: &Header) -> Result<(i32, String),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
             // A directory we may not write in: a file already there is written over, as ever.
             Err(_) if at == path => return replace(path),
-            Err(e) => return Err(format!("cannot open trace '{}': {e}", options::Escaped(&at))),
+            Err(e) => return Err(format!("cannot open trace '{}': {e}", options::shown_path(&at))),
         }
     }
     replace(path)
@@ -360,8 +360,8 @@ fn clear(path: &str, earlier: bool) {
 /// The trace file at `path`, [`clear`]ed: made, or opened and truncated (what a failed unlink
 /// left), and locked.
 fn open_cleared(path: String) -> Result<(i32, String), String> {
-    let fd =
-        sink::open_path(&path, false).map_err(|e| format!("cannot open trace '{}': {e}", options::Escaped(&path)))?;
+    let fd = sink::open_path(&path, false)
+        .map_err(|e| format!("cannot open trace '{}': {e}", options::shown_path(&path)))?;
     // A new file: the lock is ours, for the next process to find.
     locked_by_another(fd);
     Ok((fd, path))
